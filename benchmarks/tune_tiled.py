@@ -1,0 +1,135 @@
+"""Sweep launch configs of the tiled kernel on a GPU; writes a long-format CSV.
+
+Usage (GPU machine, repository root):
+    python benchmarks/tune_tiled.py --out $OUT/tune.csv [--quick]
+
+Every config is checked against the reference (ids equal, weights close) before timing;
+inputs rotate over enough buffers to defeat the L2 cache at large sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+
+from kernel import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
+from kernel.reference import biased_scores, normalized_scores
+from kernel.routing import LaunchConfig, default_config, padded_num_experts
+from routetool.compare import RowClass, compare_step, weight_tolerance
+
+L2_BYTES = 60 * 2**20
+
+
+def rotating_inputs(T, E, dtype, seed=0):
+    bytes_one = T * E * torch.finfo(dtype).bits // 8
+    n = max(1, min(16, (4 * L2_BYTES) // max(bytes_one, 1)))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xs = [(torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype) for _ in range(n)]
+    bias = torch.randn(E, device="cuda", generator=g) * 0.05
+    return xs, bias
+
+
+def time_fn(fn, xs, bias, T, K, **kw):
+    w = torch.empty((T, K), device="cuda")
+    ids = torch.empty((T, K), dtype=torch.int32, device="cuda")
+    state = {"i": 0}
+
+    def call():
+        x = xs[state["i"] % len(xs)]
+        state["i"] += 1
+        fn(x, bias, K, 2.5, topk_weights=w, topk_ids=ids, **kw)
+
+    q = triton.testing.do_bench_cudagraph(call, rep=10, quantiles=[0.1, 0.5, 0.9])
+    return [v * 1e3 for v in q]
+
+
+def check(fn, x, bias, K, **kw):
+    """No mismatch or invalid row and weights within tolerance (tie-aware, as replay checks)."""
+    w, ids = fn(x, bias, K, 2.5, **kw)
+    rw, rids = musespark1x_routing_reference(x, bias, K, 2.5)
+    scores = normalized_scores(x)
+    cmp = compare_step(ids, w, rids, rw, scores, biased_scores(scores, bias), None, tie_ulps=16,
+                       tolerance=weight_tolerance(torch.float32, 2.5))
+    bad = (cmp.row_class == RowClass.MISMATCH) | (cmp.row_class == RowClass.INVALID) | cmp.weight_over_tol
+    return not bool(bad.any())
+
+
+def configs(E, dtype, T, quick):
+    e_pad = padded_num_experts(E)
+    vec = 16 // dtype.itemsize
+    chunks = sorted({c for c in (vec * 2, vec * 4, vec * 8, e_pad) if vec <= c <= e_pad})
+    warps = (1, 4) if quick else (1, 2, 4, 8)
+    out = []
+    for chunk, nw in itertools.product(chunks, warps):
+        lanes = max(1, chunk // vec)
+        rows_per_warp = max(1, 32 // lanes)
+        for mult in ((1, 2) if quick else (1, 2, 4)):
+            bt = rows_per_warp * nw * mult
+            if bt > 256 or (T <= 64 and bt > 64):
+                continue
+            out.append(LaunchConfig(block_t=bt, chunk=chunk, num_warps=nw))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    copy_gbps = 2 * src.numel() / copy_ms / 1e6
+    print(f"{props.name}: copy bandwidth {copy_gbps:.0f} GB/s (read+write), torch {torch.__version__}, triton {triton.__version__}")
+    rows = []
+    shapes = [(T, E, dt) for E in (256, 384) for dt in (torch.float32, torch.bfloat16) for T in (1, 64, 4096, 65536)]
+    t0 = time.time()
+    for T, E, dtype in shapes:
+        K = 8
+        xs, bias = rotating_inputs(T, E, dtype)
+        floor_us = (T * E * xs[0].element_size() + T * K * 8) / (copy_gbps * 1e3)
+        cands = [("tiled", cfg) for cfg in configs(E, dtype, T, args.quick)]
+        if dtype == torch.float32:
+            cands.append(("seed", None))
+        best = None
+        for name, cfg in cands:
+            fn = fused_musespark1x_routing_seed if name == "seed" else fused_musespark1x_routing
+            kw = {} if cfg is None else {"config": cfg}
+            ok = check(fn, xs[0][: min(T, 4096)], bias, K, **kw)
+            p10, p50, p90 = time_fn(fn, xs, bias, T, K, **kw) if ok else (float("nan"),) * 3
+            row = dict(variant=name, num_tokens=T, num_experts=E, topk=K, dtype=str(dtype).removeprefix("torch."),
+                       block_t=cfg.block_t if cfg else "", chunk=cfg.chunk if cfg else "",
+                       num_warps=cfg.num_warps if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
+                       floor_us=floor_us, is_default=cfg == default_config(T, E, dtype) if cfg else "")
+            rows.append(row)
+            if ok and name == "tiled" and (best is None or p50 < best["p50_us"]):
+                best = row
+        default = next(r for r in rows[-len(cands):] if r["is_default"] is True) if any(
+            r["is_default"] is True for r in rows[-len(cands):]) else None
+        seed = next((r for r in rows[-len(cands):] if r["variant"] == "seed"), None)
+        print(f"T={T:>6} E={E} {str(dtype)[6:]:>8}: best {best['p50_us']:.2f}us "
+              f"(bt={best['block_t']} chunk={best['chunk']} w={best['num_warps']}), "
+              f"default {default['p50_us'] if default else float('nan'):.2f}us, "
+              f"seed {seed['p50_us'] if seed else float('nan'):.2f}us, floor {floor_us:.2f}us  [{time.time() - t0:.0f}s]",
+              flush=True)
+        del xs
+    with open(args.out, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    bad = [r for r in rows if not r["correct"]]
+    if bad:
+        print(f"{len(bad)} configs gave wrong results: {bad[:3]}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

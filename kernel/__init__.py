@@ -1,0 +1,55 @@
+"""MuseSpark1x top-k routing: Triton kernels and the PyTorch reference that defines them.
+
+Depends on torch and triton only. Triton reads ``TRITON_INTERPRET`` when a kernel is
+defined, so the Triton modules (:mod:`kernel.routing`, :mod:`kernel.seed`) are imported
+lazily, on first use of their names here; :mod:`kernel.reference` needs no Triton.
+
+Variants (all with the seed's signature, returning ``(topk_weights, topk_ids)``):
+
+* ``tiled`` (:func:`fused_musespark1x_routing`, the default): several tokens per program,
+  packed selection keys, any float gating dtype.
+* ``seed`` (:func:`fused_musespark1x_routing_seed`): the seed's algorithm, one program per
+  token with repeated ``tl.argmax``; float32 gating_output only.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from kernel.reference import musespark1x_routing_reference
+
+_LAZY = {
+    "fused_musespark1x_routing": "kernel.routing",
+    "LaunchConfig": "kernel.routing",
+    "default_config": "kernel.routing",
+    "fused_musespark1x_routing_seed": "kernel.seed",
+}
+
+VARIANT_NAMES = ("tiled", "seed")
+"""Names of the project's kernel variants, default first."""
+
+
+def variant(name: str):
+    """The launcher of variant ``name`` (see :data:`VARIANT_NAMES`). Raises KeyError."""
+    if name == "tiled":
+        return importlib.import_module("kernel.routing").fused_musespark1x_routing
+    if name == "seed":
+        return importlib.import_module("kernel.seed").fused_musespark1x_routing_seed
+    raise KeyError(name)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kernel' has no attribute {name!r}")
+
+
+__all__ = [
+    "VARIANT_NAMES",
+    "LaunchConfig",
+    "default_config",
+    "fused_musespark1x_routing",
+    "fused_musespark1x_routing_seed",
+    "musespark1x_routing_reference",
+    "variant",
+]

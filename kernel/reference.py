@@ -1,0 +1,143 @@
+"""PyTorch reference of the MuseSpark1x router: the definition every kernel is checked against.
+
+Semantics (the seed kernel's, ``vllm.models.muse_spark.common.ops.fused_routing``), per token:
+
+1. ``x = gating_output * router_output_multiplier`` (multiplier optional), in float32.
+2. ``scores = sigmoid(x)`` or a numerically stable ``softmax(x)`` over the experts.
+3. Pick ``topk`` experts by ``scores + bias``, one at a time by argmax over the experts not
+   yet picked; equal values go to the lowest expert index (as ``tl.argmax`` does).
+4. ``topk_weights = picked unbiased scores * (route_scale / (sum of them + eps))``.
+5. Rows with ``is_padding`` get ``topk_ids = -1`` and ``topk_weights = 0``.
+
+Where the seed is undefined (non-finite input, a zero denominator) this package follows
+one safe rule, in the reference and in every project kernel alike, so that ids are always
+valid and distinct and weights always finite:
+
+* a NaN logit (after the multiplier) counts as ``-inf``: score 0 under sigmoid, no
+  probability mass under softmax; a NaN biased score counts as ``-inf`` for selection;
+* softmax over a row holding ``+inf`` gives the ``+inf`` experts equal shares of 1 and every
+  other expert 0; a row of nothing but ``-inf``/NaN gets scores 0;
+* when the picked scores sum to 0 (every picked sigmoid underflowed, or a row of ``-inf``),
+  the weights are 0 instead of 0/0;
+* ``-0.0`` and ``+0.0`` biased scores are equal (a tie, lowest index wins).
+
+For finite input and a non-zero denominator this is exactly the seed's arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernel._launch import check_routing_args
+
+
+def normalized_scores(
+    gating_output: torch.Tensor,
+    router_score_normalization: str = "sigmoid",
+    router_output_multiplier: float | None = None,
+) -> torch.Tensor:
+    """Router scores before the bias: sigmoid or stable softmax of the (scaled) logits.
+
+    Args:
+        gating_output: ``[num_tokens, num_experts]`` float32, bfloat16 or float16 logits.
+        router_score_normalization: ``"sigmoid"`` or ``"softmax"``.
+        router_output_multiplier: optional factor applied to the logits first.
+
+    Returns:
+        ``[num_tokens, num_experts]`` float32 scores in ``[0, 1]``, never NaN (see the
+        module docstring for the rule on non-finite logits).
+    """
+    x = gating_output.float()
+    if router_output_multiplier is not None:
+        x = x * router_output_multiplier
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    if router_score_normalization == "sigmoid":
+        return torch.sigmoid(x)
+    if router_score_normalization != "softmax":
+        raise ValueError(f"unknown router_score_normalization {router_score_normalization!r}")
+    row_max = x.amax(dim=-1, keepdim=True)
+    # exp(x - max) is NaN for a +inf max and 0 everywhere for a -inf max; both are handled
+    # by the rule above: +inf entries share the mass, an all -inf row gets 0.
+    has_inf = torch.isposinf(row_max)
+    shifted = torch.where(has_inf, 0.0, x - torch.where(torch.isfinite(row_max), row_max, 0.0))
+    exp = torch.where(has_inf, torch.isposinf(x).float(), torch.exp(shifted))
+    total = exp.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, exp / torch.where(total > 0, total, 1.0), 0.0)
+
+
+def biased_scores(scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Selection keys ``scores + bias`` in float32, with NaN replaced by ``-inf``.
+
+    Args:
+        scores: ``[num_tokens, num_experts]`` float32 from :func:`normalized_scores`.
+        bias: ``[num_experts]`` float32, bfloat16 or float16 (``e_score_correction_bias``).
+    """
+    biased = scores + bias.float()
+    return torch.where(torch.isnan(biased), float("-inf"), biased)
+
+
+def select_topk(biased: torch.Tensor, topk: int) -> torch.Tensor:
+    """Indices of the ``topk`` largest values per row; equal values go to the lowest index.
+
+    A stable descending sort keeps equal values in index order, which is exactly what a
+    repeated ``tl.argmax`` produces. ``torch.topk`` is not used: its order among equal
+    values is unspecified and differs between CPU and CUDA.
+
+    Args:
+        biased: ``[num_tokens, num_experts]`` float32 without NaN.
+        topk: number of experts per token.
+
+    Returns:
+        ``[num_tokens, topk]`` int64 expert ids, best first.
+    """
+    return torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :topk]
+
+
+def musespark1x_routing_reference(
+    gating_output: torch.Tensor,
+    bias: torch.Tensor,
+    topk: int,
+    route_scale: float,
+    router_output_multiplier: float | None = None,
+    router_score_normalization: str = "sigmoid",
+    router_score_division_eps: float | None = None,
+    *,
+    is_padding: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MuseSpark1x routing in plain PyTorch (any device), same signature as the kernels.
+
+    Args:
+        gating_output: ``[num_tokens, num_experts]`` float32, bfloat16 or float16 router
+            logits; any strides.
+        bias: ``[num_experts]`` per-expert selection bias (``e_score_correction_bias``).
+        topk: experts per token, ``1 <= topk <= num_experts``.
+        route_scale: factor on the renormalised weights (``routed_scaling_factor``), > 0.
+        router_output_multiplier: optional factor on the logits before normalization.
+        router_score_normalization: ``"sigmoid"`` or ``"softmax"``.
+        router_score_division_eps: optional non-negative term added to the denominator.
+        is_padding: optional ``[num_tokens]`` bool; padded rows get id -1 and weight 0.
+
+    Returns:
+        ``(topk_weights, topk_ids)``: ``[num_tokens, topk]`` float32 and int32, best first.
+
+    Raises:
+        ValueError: the same argument errors as the kernels' launchers.
+    """
+    launch = check_routing_args(
+        gating_output, bias, topk, route_scale, router_output_multiplier,
+        router_score_normalization, router_score_division_eps, None, None, is_padding,
+    )
+    scores = normalized_scores(gating_output, router_score_normalization, launch.router_output_multiplier)
+    ids = select_topk(biased_scores(scores, bias), topk)
+    picked = scores.gather(1, ids)
+    denom = picked.sum(dim=-1, keepdim=True)
+    if launch.router_score_division_eps is not None:
+        denom = denom + launch.router_score_division_eps
+    inv_sum_scaled = torch.where(denom > 0, launch.route_scale / torch.where(denom > 0, denom, 1.0), 0.0)
+    weights = picked * inv_sum_scaled
+    ids = ids.to(torch.int32)
+    if is_padding is not None:
+        pad = is_padding[:, None]
+        ids = torch.where(pad, -1, ids)
+        weights = torch.where(pad, 0.0, weights)
+    return weights, ids

@@ -1,0 +1,3 @@
+from routetool.cli import main
+
+main()

@@ -1,0 +1,100 @@
+"""routetool command line (click): parse options, call one function, render, choose the exit code."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from routetool import __version__
+from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, RouteToolError
+from routetool.execution import DEVICE_CHOICES
+
+
+class _Group(click.Group):
+    """Maps :class:`RouteToolError` to a one-line message and exit code 2, in one place."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except RouteToolError as exc:
+            click.echo(f"routetool: error: {exc}", err=True)
+            ctx.exit(EXIT_USAGE)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="routetool")
+def main() -> None:
+    """Profile and validate MoE top-k router kernels on captured gating traces.
+
+    Exit codes: 0 ok, 1 the check found problems, 2 bad usage or bad input.
+    """
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=not enabled,
+    )
+
+
+@main.command()
+@click.argument("trace", type=click.Path(path_type=Path, dir_okay=True))
+@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
+              help="cuda: compiled kernels and latency; cpu: the Triton interpreter (no latency); auto: cuda if present.")
+@click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
+              help="Kernel variant (tiled, seed) or module:function with the seed's signature.")
+@click.option("--layers", "layers_spec", default="all", show_default=True,
+              help="Layers to replay, e.g. 0,2,5-7.")
+@click.option("--layer", "histogram_layer", type=int, default=None,
+              help="Show the expert-load histogram of this layer (default: all replayed layers summed).")
+@click.option("--tie-ulps", type=click.FloatRange(min=0), default=16.0, show_default=True,
+              help="Near-tie tolerance in float32 ulps for the tie-equivalent class (0 = exact ties only).")
+@click.option("--latency/--no-latency", default=True, show_default=True,
+              help="Time each distinct step shape under CUDA graphs (GPU only).")
+@click.option("--json", "json_path", default=None, metavar="PATH",
+              help="Also write the results as JSON to PATH ('-' = stdout; the tables then go to stderr).")
+@click.option("--force", is_flag=True, help="Replace an existing --json file.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogram_layer: int | None,
+           tie_ulps: float, latency: bool, json_path: str | None, force: bool, progress: bool) -> None:
+    """Replay TRACE through the routing kernel and the reference, and report.
+
+    For every layer and captured step: classifies each token row (exact, reordered,
+    tie-equivalent, mismatch, invalid), checks padding and weights, builds expert-load
+    histograms, and on a GPU times each distinct step shape. Exit 1 on a real mismatch,
+    invalid output or weight outside tolerance.
+    """
+    from routetool.execution import load_kernel, select_execution
+    from routetool.report import check_output_path, render_replay, replay_json, write_json
+    from routetool.replay import parse_layers, replay_trace
+    from routetool.trace import Trace
+
+    check_output_path(json_path, force)
+    execution = select_execution(device)
+    name, fn = load_kernel(kernel_spec)
+    with Trace(trace) as t:
+        layers = parse_layers(layers_spec, t.layers, t.display_path)
+        if histogram_layer is not None and histogram_layer not in layers:
+            raise RouteToolError(f"--layer {histogram_layer} is not among the replayed layers",
+                                 fix=f"choose among {', '.join(map(str, layers))}")
+        total = sum(t.info(layer).num_tokens for layer in layers)
+        with _progress(progress) as bar:
+            task = bar.add_task(f"replay {trace.name} ({name})", total=total)
+            result = replay_trace(
+                t, name, fn, execution, layers=layers, tie_ulps=tie_ulps, measure_latency=latency,
+                progress=lambda n: bar.advance(task, n),
+            )
+    console = Console(stderr=json_path == "-")
+    render_replay(result, console, histogram_layer)
+    if json_path is not None:
+        write_json(replay_json(result), json_path, sys.stdout)
+    click.get_current_context().exit(EXIT_OK if result.ok else EXIT_FINDINGS)

@@ -1,0 +1,124 @@
+"""Where kernels run: the compiled GPU path or the Triton interpreter on the CPU.
+
+The choice is made once, at the command-line edge, before :mod:`kernel` is imported:
+Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is defined.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from routetool.errors import RouteToolError
+
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class Execution:
+    """The execution mode chosen for a run.
+
+    Attributes:
+        device: torch device the tensors live on.
+        interpreted: kernels run under the Triton interpreter (CPU).
+        device_name: GPU name, or a description of the CPU mode.
+    """
+
+    device: torch.device
+    interpreted: bool
+    device_name: str
+
+
+def _kernels_interpreted() -> bool | None:
+    """How the already imported kernels were defined (None when not imported yet)."""
+    mod = sys.modules.get("kernel.routing")
+    if mod is None:
+        return None
+    return type(mod._routing_kernel).__name__ == "InterpretedFunction"
+
+
+def select_execution(choice: str) -> Execution:
+    """Resolve ``--device`` (auto|cuda|cpu) and prepare Triton for it.
+
+    ``auto`` takes the GPU when torch sees one, else the CPU. ``cpu`` runs the kernels
+    under the Triton interpreter.
+
+    Raises:
+        RouteToolError: ``cuda`` asked for without a usable GPU, or the kernels were
+            already loaded in this process in the other mode.
+    """
+    if choice not in DEVICE_CHOICES:
+        raise RouteToolError(f"unknown device {choice!r}", fix="use auto, cuda or cpu")
+    has_cuda = torch.cuda.is_available()
+    if choice == "cuda" and not has_cuda:
+        raise RouteToolError("--device cuda: torch sees no CUDA GPU", fix="use --device cpu (Triton interpreter)")
+    use_cuda = has_cuda and choice != "cpu"
+    loaded = _kernels_interpreted()
+    if use_cuda:
+        if os.environ.get("TRITON_INTERPRET") == "1" or loaded is True:
+            raise RouteToolError(
+                "TRITON_INTERPRET=1 is set, so kernels would not be compiled for the GPU",
+                fix="unset TRITON_INTERPRET, or pass --device cpu",
+            )
+        device = torch.device("cuda", torch.cuda.current_device())
+        return Execution(device=device, interpreted=False, device_name=torch.cuda.get_device_name(device))
+    if loaded is False:
+        raise RouteToolError(
+            "kernels were already compiled for the GPU in this process; the CPU needs the interpreter",
+            fix="run --device cpu in a fresh process",
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+    return Execution(device=torch.device("cpu"), interpreted=True, device_name="CPU (Triton interpreter)")
+
+
+RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def load_kernel(spec: str) -> tuple[str, RoutingFn]:
+    """Resolve a kernel: a variant name of :data:`kernel.VARIANTS` or ``module:function``.
+
+    ``module`` may be an importable module name or a path to a ``.py`` file. The function
+    must take the seed's signature (``gating_output, bias, topk, route_scale, ...``) and
+    return ``(topk_weights, topk_ids)``. Call :func:`select_execution` first.
+
+    Returns:
+        ``(name, function)``.
+
+    Raises:
+        RouteToolError: unknown variant, unimportable module, missing function.
+    """
+    import kernel
+
+    if spec in kernel.VARIANT_NAMES:
+        return spec, kernel.variant(spec)
+    if ":" not in spec:
+        raise RouteToolError(
+            f"unknown kernel {spec!r}",
+            fix=f"use one of {', '.join(kernel.VARIANT_NAMES)} or module:function",
+        )
+    module_name, _, func_name = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            path = os.path.abspath(module_name)
+            if not os.path.isfile(path):
+                raise RouteToolError("no such file", path=module_name, fix="check the --kernel path")
+            spec_obj = importlib.util.spec_from_file_location(f"routetool_user_kernel_{abs(hash(path))}", path)
+            module = importlib.util.module_from_spec(spec_obj)
+            spec_obj.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except RouteToolError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module's
+        raise RouteToolError(f"cannot import ({type(exc).__name__}: {exc})", path=module_name,
+                             fix="check the module and its dependencies") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise RouteToolError(f"has no function {func_name!r}", path=module_name, fix="name an existing function")
+    return spec, fn

@@ -1,0 +1,340 @@
+"""Replay a trace through a routing kernel and the reference, layer by layer, step by step.
+
+Streams one step at a time from disk (see :class:`routetool.trace.Trace`); per layer it
+keeps only counters and a ``[E]`` histogram, so trace size is bounded by disk, not memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from routetool.compare import (
+    ComparisonSummary,
+    WeightTolerance,
+    boundary_margins,
+    coarser_dtype,
+    compare_step,
+    weight_tolerance,
+)
+from routetool.errors import RouteToolError
+from routetool.execution import Execution, RoutingFn
+from routetool.load import LoadStats, expert_counts, load_stats
+from routetool.timing import Latency, cuda_graph_latency, synchronize
+from routetool.trace import RouterConfig, Step, Trace
+
+DEFAULT_TIE_ULPS = 16.0
+"""Near-tie tolerance of the comparison, in float32 ulps (see :mod:`routetool.compare`)."""
+
+
+@dataclass
+class LayerReplay:
+    """Replay results of one MoE layer.
+
+    Attributes:
+        layer: layer index. num_tokens / num_steps: rows and captured steps replayed.
+        padded_rows: rows with ``is_padding``; padded_rows_ok: of those, rows the kernel
+            set to exactly -1 / 0.0.
+        nonfinite_rows: rows whose logits hold NaN or inf (of them, nonfinite_padded_rows
+            are padded).
+        min_margin / boundary_ties: smallest gap between the k-th and (k+1)-th biased
+            score over unpadded rows, and rows where that gap is exactly 0 (None / 0 when
+            topk == num_experts).
+        kernel_vs_reference: the main comparison.
+        reference_vs_recorded / kernel_vs_recorded: against the production outputs stored
+            in the trace, when it has them.
+        expert_counts: tokens per expert from the kernel's ids (padded rows excluded).
+        load: statistics of ``expert_counts``.
+    """
+
+    layer: int
+    num_tokens: int = 0
+    num_steps: int = 0
+    padded_rows: int = 0
+    padded_rows_ok: int = 0
+    nonfinite_rows: int = 0
+    nonfinite_padded_rows: int = 0
+    min_margin: float | None = None
+    boundary_ties: int = 0
+    kernel_vs_reference: ComparisonSummary = field(default_factory=ComparisonSummary)
+    reference_vs_recorded: ComparisonSummary | None = None
+    kernel_vs_recorded: ComparisonSummary | None = None
+    expert_counts: list[int] = field(default_factory=list)
+    load: LoadStats | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.comparisons().values())
+
+    def comparisons(self) -> dict[str, ComparisonSummary]:
+        out = {"kernel_vs_reference": self.kernel_vs_reference}
+        if self.reference_vs_recorded is not None:
+            out["reference_vs_recorded"] = self.reference_vs_recorded
+        if self.kernel_vs_recorded is not None:
+            out["kernel_vs_recorded"] = self.kernel_vs_recorded
+        return out
+
+
+@dataclass
+class ShapeLatency:
+    """Latency of one distinct step shape (``num_tokens`` rows), kernel and reference.
+
+    Attributes:
+        num_tokens: rows per call. steps: captured steps of this shape (all layers).
+        layer / step: the step whose tensors were timed.
+        kernel / reference: :class:`~routetool.timing.Latency` in microseconds.
+        speedup: reference p50 / kernel p50.
+    """
+
+    num_tokens: int
+    steps: int
+    layer: int
+    step: int
+    kernel: Latency
+    reference: Latency
+
+    @property
+    def speedup(self) -> float:
+        return self.reference.p50_us / self.kernel.p50_us if self.kernel.p50_us > 0 else float("nan")
+
+
+@dataclass
+class ReplayResult:
+    """Everything ``routetool replay`` found (rendered by :mod:`routetool.report`).
+
+    Attributes:
+        trace: trace path. model / provenance: from the trace metadata. router: parameters.
+        kernel: kernel name. execution: where it ran. tie_ulps: the near-tie tolerance.
+        layers: per-layer results. total_counts: ``[E]`` tokens per expert over all layers.
+        total_load: statistics of ``total_counts`` (experts summed over layers).
+        latency: per distinct step shape, or None when not measured; latency_note says why.
+    """
+
+    trace: str
+    model: str
+    provenance: str
+    router: RouterConfig
+    kernel: str
+    execution: Execution
+    tie_ulps: float
+    layers: list[LayerReplay]
+    total_counts: list[int]
+    total_load: LoadStats
+    latency: list[ShapeLatency] | None
+    latency_note: str
+
+    @property
+    def ok(self) -> bool:
+        return all(layer.ok for layer in self.layers)
+
+    def totals(self) -> dict[str, ComparisonSummary]:
+        """Comparison summaries summed over layers, by comparison name."""
+        out: dict[str, ComparisonSummary] = {}
+        for layer in self.layers:
+            for name, summary in layer.comparisons().items():
+                out.setdefault(name, ComparisonSummary()).merge(summary)
+        return out
+
+
+def parse_layers(spec: str | None, available: Sequence[int], path: object = None) -> list[int]:
+    """Parse ``--layers`` (``"all"``, ``"3"``, ``"0,2,5-7"``) against the trace's layers.
+
+    Raises:
+        RouteToolError: malformed spec or a layer the trace does not hold.
+    """
+    if spec is None or spec.strip().lower() in ("", "all"):
+        return list(available)
+    chosen: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part[1:]:
+                lo, hi = part.split("-", 1) if not part.startswith("-") else (part, "")
+                chosen.extend(range(int(lo), int(hi) + 1))
+            else:
+                chosen.append(int(part))
+        except ValueError:
+            raise RouteToolError(f"--layers {spec!r}: cannot parse {part!r}", fix="use e.g. 0,2,5-7 or all") from None
+    missing = sorted(set(chosen) - set(available))
+    if missing:
+        raise RouteToolError(
+            f"--layers: the trace has no layer {', '.join(map(str, missing))}",
+            path=path, fix=f"choose among {', '.join(map(str, available))}",
+        )
+    return sorted(set(chosen))
+
+
+def _nonfinite_rows(gating: torch.Tensor) -> torch.Tensor:
+    return (~torch.isfinite(gating)).any(dim=-1)
+
+
+def _run_kernel(fn: RoutingFn, name: str, step: Step, gating: torch.Tensor, bias: torch.Tensor,
+                pad: torch.Tensor | None, router: RouterConfig, path: object) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        return fn(gating, bias, is_padding=pad, **router.kernel_kwargs())
+    except ValueError as exc:
+        raise RouteToolError(
+            f"kernel {name!r} rejected layer {step.layer} step {step.index} ({exc})",
+            path=path, tensor=f"layers.{step.layer}.gating_output",
+            fix="choose another --kernel, or a trace the kernel supports",
+        ) from None
+
+
+def replay_trace(
+    trace: Trace,
+    kernel_name: str,
+    kernel_fn: RoutingFn,
+    execution: Execution,
+    *,
+    layers: Sequence[int] | None = None,
+    tie_ulps: float = DEFAULT_TIE_ULPS,
+    measure_latency: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """Replay ``trace`` through ``kernel_fn`` and the reference; compare, count, time.
+
+    Args:
+        trace: an open trace. kernel_name / kernel_fn: the kernel under test.
+        execution: from :func:`routetool.execution.select_execution`.
+        layers: layers to replay (default all); must have gating_output.
+        tie_ulps: near-tie tolerance of the comparison (float32 ulps).
+        measure_latency: time each distinct step shape under CUDA graphs (GPU only).
+        progress: called with the number of rows done after each step.
+
+    Returns:
+        A :class:`ReplayResult`.
+
+    Raises:
+        RouteToolError: an ids-only layer (no logits to replay), or the kernel rejecting
+            the trace's inputs.
+    """
+    from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
+
+    router = trace.meta.router
+    E, K = router.num_experts, router.topk
+    device = execution.device
+    chosen = list(trace.layers) if layers is None else list(layers)
+    for layer in chosen:
+        if not trace.info(layer).has_logits:
+            raise RouteToolError(
+                "holds no gating_output (an ids-only trace): nothing to replay",
+                path=trace.display_path, tensor=f"layers.{layer}.gating_output",
+                fix="use `routetool balance` for ids-only traces",
+            )
+    kernel_tol = weight_tolerance(torch.float32, router.route_scale)
+    shapes: dict[int, list] = {}
+    total_counts = torch.zeros(E, dtype=torch.int64, device=device)
+    results: list[LayerReplay] = []
+    for layer in chosen:
+        info = trace.info(layer)
+        res = LayerReplay(layer=layer, num_tokens=info.num_tokens, num_steps=info.num_steps)
+        if info.has_recorded_ids:
+            res.reference_vs_recorded = ComparisonSummary()
+            res.kernel_vs_recorded = ComparisonSummary()
+        counts = torch.zeros(E, dtype=torch.int64, device=device)
+        bias = trace.bias(layer).to(device)
+        margin_min = None
+        for step in trace.steps(layer):
+            n = step.num_tokens
+            entry = shapes.setdefault(n, [0, layer, step.index])
+            entry[0] += 1
+            gating = step.gating_output.to(device)
+            pad = step.is_padding.to(device) if step.is_padding is not None else None
+            w, ids = _run_kernel(kernel_fn, kernel_name, step, gating, bias, pad, router, trace.display_path)
+            ref_w, ref_ids = musespark1x_routing_reference(gating, bias, is_padding=pad, **router.kernel_kwargs())
+            scores = normalized_scores(gating, router.router_score_normalization, router.router_output_multiplier)
+            biased = biased_scores(scores, bias)
+
+            cmp = compare_step(ids, w, ref_ids, ref_w, scores, biased, pad, tie_ulps=tie_ulps, tolerance=kernel_tol)
+            res.kernel_vs_reference.add(cmp, layer=layer, step=step.index, start=step.start, test_ids=ids,
+                                        test_weights=w, expected_ids=ref_ids, expected_weights=ref_w, tolerance=kernel_tol)
+            if step.recorded_ids is not None:
+                rec_ids = step.recorded_ids.to(device)
+                rec_w = step.recorded_weights.to(device) if step.recorded_weights is not None else None
+                rec_tol: WeightTolerance | None = None
+                if rec_w is not None:
+                    rec_tol = weight_tolerance(coarser_dtype(rec_w.dtype, torch.float32), router.route_scale)
+                for summary, test_ids, test_w, exp_ids, exp_w in (
+                    (res.reference_vs_recorded, rec_ids, rec_w, ref_ids, ref_w),
+                    (res.kernel_vs_recorded, ids, w, rec_ids, rec_w),
+                ):
+                    c = compare_step(test_ids, test_w, exp_ids, exp_w, scores, biased, pad,
+                                     tie_ulps=tie_ulps, tolerance=rec_tol)
+                    summary.add(c, layer=layer, step=step.index, start=step.start, test_ids=test_ids,
+                                test_weights=test_w, expected_ids=exp_ids, expected_weights=exp_w, tolerance=rec_tol)
+
+            if pad is not None:
+                res.padded_rows += int(pad.sum())
+                res.padded_rows_ok += int((pad & (ids == -1).all(-1) & (w == 0).all(-1)).sum())
+            bad_rows = _nonfinite_rows(gating)
+            res.nonfinite_rows += int(bad_rows.sum())
+            if pad is not None:
+                res.nonfinite_padded_rows += int((bad_rows & pad).sum())
+            margins = boundary_margins(biased, K, pad)
+            if margins.numel():
+                m = float(margins.min())
+                margin_min = m if margin_min is None else min(margin_min, m)
+                res.boundary_ties += int((margins == 0).sum())
+            counts += expert_counts(ids, E) if pad is None else expert_counts(ids[~pad], E)
+            if progress is not None:
+                progress(n)
+        res.min_margin = margin_min
+        res.expert_counts = counts.tolist()
+        res.load = load_stats(counts)
+        total_counts += counts
+        results.append(res)
+    synchronize(device)
+
+    latency = None
+    if execution.interpreted:
+        note = "not measured: kernels run under the Triton interpreter on the CPU, whose timings say nothing about a GPU"
+    elif not measure_latency:
+        note = "not measured (--no-latency)"
+    else:
+        latency = _measure_latency(trace, kernel_fn, router, device, shapes)
+        note = "CUDA-graph replay of each distinct step shape, on that step's own tensors (cache-warm)"
+    return ReplayResult(
+        trace=str(trace.display_path),
+        model=trace.meta.model,
+        provenance=trace.meta.provenance,
+        router=router,
+        kernel=kernel_name,
+        execution=execution,
+        tie_ulps=tie_ulps,
+        layers=results,
+        total_counts=total_counts.tolist(),
+        total_load=load_stats(total_counts),
+        latency=latency,
+        latency_note=note,
+    )
+
+
+def _measure_latency(trace: Trace, kernel_fn: RoutingFn, router: RouterConfig, device: torch.device,
+                     shapes: dict[int, list]) -> list[ShapeLatency]:
+    from kernel.reference import musespark1x_routing_reference
+
+    out = []
+    for n in sorted(shapes):
+        count, layer, index = shapes[n]
+        offsets = trace.info(layer).step_offsets
+        step = trace.read_rows(layer, offsets[index], offsets[index + 1])
+        gating = step.gating_output.to(device)
+        bias = trace.bias(layer).to(device)
+        pad = step.is_padding.to(device) if step.is_padding is not None else None
+        w = torch.empty((n, router.topk), dtype=torch.float32, device=device)
+        ids = torch.empty((n, router.topk), dtype=torch.int32, device=device)
+        kwargs = router.kernel_kwargs()
+
+        def run_kernel():
+            kernel_fn(gating, bias, topk_weights=w, topk_ids=ids, is_padding=pad, **kwargs)
+
+        def run_reference():
+            musespark1x_routing_reference(gating, bias, is_padding=pad, **kwargs)
+
+        out.append(ShapeLatency(
+            num_tokens=n, steps=count, layer=layer, step=index,
+            kernel=cuda_graph_latency(run_kernel), reference=cuda_graph_latency(run_reference),
+        ))
+    return out

@@ -1,0 +1,365 @@
+"""Reporters: result dataclasses -> rich tables, terminal bars and JSON documents.
+
+Nothing below this module knows about rich; nothing here computes results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from routetool.compare import ComparisonSummary
+from routetool.errors import RouteToolError
+from routetool.trace import default_file_mode
+from routetool.load import LoadStats
+from routetool.replay import ReplayResult
+
+REPLAY_SCHEMA = "routetool.replay/1"
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+# ---------------------------------------------------------------------------------------
+# formatting helpers
+def fmt_float(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    if math.isinf(value) or math.isnan(value):
+        return str(value)
+    if abs(value) >= 1e4 or abs(value) < 1e-3:
+        return f"{value:.{digits - 1}e}"
+    return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{digits}f}".rstrip("0").rstrip(".")
+
+
+def _count(value: int, bad: bool = False) -> Text:
+    style = "bold red" if bad and value else ("dim" if not value else "")
+    return Text(f"{value:,}", style=style)
+
+
+# ---------------------------------------------------------------------------------------
+# load histogram as terminal bars
+def histogram_renderable(counts: list[int], title: str, width: int = 64) -> Panel:
+    """Tokens per expert as terminal bars.
+
+    Up to 64 experts: one horizontal bar per expert. More: one block character per
+    expert (``width`` experts a line), height proportional to the load.
+    """
+    total = sum(counts)
+    E = len(counts)
+    peak = max(counts) if counts else 0
+    mean = total / E if E else 0.0
+    lines: list[Text] = []
+    if E <= 64:
+        bar_width = 40
+        for e, c in enumerate(counts):
+            n = round(bar_width * c / peak) if peak else 0
+            style = "red" if peak and c == peak else ("dim" if c == 0 else "cyan")
+            line = Text(f"{e:>4} ")
+            line.append("█" * n, style=style)
+            line.append(f" {c:,}")
+            lines.append(line)
+    else:
+        for lo in range(0, E, width):
+            chunk = counts[lo:lo + width]
+            line = Text(f"{lo:>4}-{lo + len(chunk) - 1:<4} ")
+            for c in chunk:
+                level = 0 if not peak else max(1 if c else 0, round(8 * c / peak))
+                style = "red" if peak and c == peak else ("dim red" if c == 0 else "cyan")
+                line.append(_BLOCKS[level] if c else "·", style=style)
+            lines.append(line)
+        lines.append(Text("bar height = tokens / busiest expert; · = idle expert", style="dim"))
+    footer = Text(f"mean {mean:,.1f} tokens/expert, max {peak:,}, total {total:,} assignments", style="dim")
+    return Panel(Group(*lines, footer), title=title, expand=False)
+
+
+# ---------------------------------------------------------------------------------------
+# replay
+_NAMES = {
+    "kernel_vs_reference": "kernel vs ref",
+    "reference_vs_recorded": "recorded vs ref",
+    "kernel_vs_recorded": "kernel vs recorded",
+}
+
+
+def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+              collapse_padding=True)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right")
+    return t
+
+
+_SUMMARY_ROWS = ("rows", "exact", "reordered", "tie-eq (exact)", "mismatch", "invalid", "padded ok",
+                 "max |Δw|", "max rel Δw", "Δw > tol", "verdict")
+
+
+def _summary_column(s: ComparisonSummary) -> list:
+    return [
+        f"{s.rows:,}",
+        _count(s.exact),
+        _count(s.reordered),
+        Text(f"{s.tie_equivalent:,} ({s.exact_ties:,})", style="yellow" if s.tie_equivalent else "dim"),
+        _count(s.mismatch, bad=True),
+        _count(s.invalid, bad=True),
+        _count(s.padded),
+        fmt_float(s.weight_max_abs_err),
+        fmt_float(s.weight_max_rel_err),
+        _count(s.weight_rows_over_tolerance, bad=True),
+        Text("pass", style="green") if s.ok else Text("FAIL", style="bold red"),
+    ]
+
+
+def render_replay(result: ReplayResult, console: Console, histogram_layer: int | None = None) -> None:
+    """Print the replay report: header, summary, per-layer tables, latency, histogram, verdict."""
+    r = result.router
+    ex = result.execution
+    header = Table.grid(padding=(0, 2))
+    header.add_row("trace", result.trace)
+    header.add_row("model", result.model or "-")
+    header.add_row("router", f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} "
+                             f"route_scale={r.route_scale:g} multiplier={r.router_output_multiplier} "
+                             f"eps={r.router_score_division_eps}")
+    header.add_row("kernel", f"{result.kernel} on {ex.device_name}")
+    header.add_row("ties", f"tie-equivalent within {result.tie_ulps:g} float32 ulps")
+    console.print(Panel(header, title="routetool replay", expand=False))
+
+    totals = result.totals()
+    summary = _table("Summary: rows of all replayed layers", ["", *(_NAMES.get(n, n) for n in totals)], left=("",))
+    columns = [_summary_column(s) for s in totals.values()]
+    for i, label in enumerate(_SUMMARY_ROWS):
+        summary.add_row(label, *(col[i] for col in columns))
+    console.print(summary)
+
+    per_layer = _table("Per layer: kernel vs reference",
+                       ["layer", "tokens", "steps", "padded ok", "nonfinite", "exact", "reord", "tie-eq",
+                        "mism", "inval"])
+    for layer in result.layers:
+        s = layer.kernel_vs_reference
+        pad_ok = layer.padded_rows_ok == layer.padded_rows
+        per_layer.add_row(
+            str(layer.layer), f"{layer.num_tokens:,}", str(layer.num_steps),
+            Text(f"{layer.padded_rows_ok:,}/{layer.padded_rows:,}", style="" if pad_ok else "bold red"),
+            _count(layer.nonfinite_rows), _count(s.exact), _count(s.reordered), _count(s.tie_equivalent),
+            _count(s.mismatch, bad=True), _count(s.invalid, bad=True),
+        )
+    console.print(per_layer)
+
+    load_table = _table("Per layer: weights, k-th boundary, expert load (padded rows excluded)",
+                        ["layer", "max|Δw|", "min margin", "ties@k", "max/mean", "CV", "idle", "hottest e:tokens"],
+                        left=("hottest e:tokens",))
+    for layer in result.layers:
+        load = layer.load
+        hot = ", ".join(f"{e}:{c}" for e, c in load.hottest[:3]) if load else "-"
+        load_table.add_row(
+            str(layer.layer), fmt_float(layer.kernel_vs_reference.weight_max_abs_err),
+            fmt_float(layer.min_margin), _count(layer.boundary_ties),
+            fmt_float(load.imbalance) if load else "-", fmt_float(load.cv) if load else "-",
+            str(len(load.idle)) if load else "-", hot,
+        )
+    console.print(load_table)
+
+    findings = []
+    nonfinite = sum(layer.nonfinite_rows for layer in result.layers)
+    if nonfinite:
+        findings.append(f"{nonfinite:,} rows have non-finite logits (NaN/inf); the reference routes them by the "
+                        "documented safe rule (docs/semantics.md)")
+    recorded = [layer for layer in result.layers if layer.reference_vs_recorded is not None]
+    if recorded:
+        findings.append(f"{len(recorded)} layer(s) carry recorded production outputs; compared above")
+    for text in findings:
+        console.print(Text("• " + text, style="yellow"))
+
+    if result.latency:
+        lat = _table("Latency per step shape (µs, CUDA-graph replay)",
+                     ["tokens", "steps", "kernel p10", "p50", "p90", "reference p50", "speedup"])
+        for s in result.latency:
+            lat.add_row(f"{s.num_tokens:,}", str(s.steps), f"{s.kernel.p10_us:.2f}", f"{s.kernel.p50_us:.2f}",
+                        f"{s.kernel.p90_us:.2f}", f"{s.reference.p50_us:.2f}", f"{s.speedup:.1f}x")
+        console.print(lat)
+        console.print(Text(result.latency_note, style="dim"))
+    else:
+        console.print(Text(f"Latency: {result.latency_note}", style="dim"))
+
+    if histogram_layer is None:
+        console.print(histogram_renderable(result.total_counts, "Expert load, all replayed layers (kernel ids)"))
+        tl = result.total_load
+        console.print(Text(f"all layers: max/mean {fmt_float(tl.imbalance)}, CV {fmt_float(tl.cv)}, "
+                           f"idle experts {len(tl.idle)}", style="dim"))
+    else:
+        layer = next(x for x in result.layers if x.layer == histogram_layer)
+        console.print(histogram_renderable(layer.expert_counts, f"Expert load, layer {layer.layer} (kernel ids)"))
+        if layer.load:
+            idle = ", ".join(map(str, layer.load.idle[:20])) + (" ..." if len(layer.load.idle) > 20 else "")
+            console.print(Text(f"layer {layer.layer}: max/mean {fmt_float(layer.load.imbalance)}, CV "
+                               f"{fmt_float(layer.load.cv)}, idle experts: {idle or 'none'}", style="dim"))
+
+    failures = [f for s in result.totals().values() for f in s.failures]
+    if failures:
+        ft = _table("First failing rows", ["layer", "step", "row", "class", "reasons", "expected ids", "got ids"],
+                    left=("class", "reasons", "expected ids", "got ids"))
+        for f in failures[:10]:
+            ft.add_row(str(f.layer), str(f.step), str(f.row), f.row_class, ", ".join(f.reasons) or "-",
+                       str(f.expected_ids), str(f.test_ids))
+        console.print(ft)
+    if result.ok:
+        console.print(Text("PASS: no real mismatch, no invalid output, weights within tolerance", style="bold green"))
+    else:
+        console.print(Text("FAIL: the kernel (or the recorded output) disagrees with the reference; exit code 1",
+                           style="bold red"))
+
+
+def _summary_json(s: ComparisonSummary) -> dict:
+    d = asdict(s)
+    d["ok"] = s.ok
+    return d
+
+
+def _load_json(load: LoadStats | None) -> dict | None:
+    if load is None:
+        return None
+    return {
+        "num_experts": load.num_experts,
+        "assignments": load.assignments,
+        "max_load_tokens": load.max_load,
+        "mean_load_tokens": load.mean_load,
+        "imbalance_max_over_mean": load.imbalance,
+        "cv": load.cv,
+        "normalized_entropy": load.normalized_entropy,
+        "gini": load.gini,
+        "hottest": [{"expert": e, "tokens": c} for e, c in load.hottest],
+        "idle_experts": load.idle,
+    }
+
+
+def replay_json(result: ReplayResult) -> dict:
+    """The replay result as the documented JSON document (docs/json-schema.md)."""
+    import torch
+    import triton
+
+    r = result.router
+    return {
+        "schema": REPLAY_SCHEMA,
+        "trace": result.trace,
+        "model": result.model,
+        "provenance": result.provenance,
+        "router": asdict(r),
+        "kernel": result.kernel,
+        "execution": {
+            "device": str(result.execution.device),
+            "device_name": result.execution.device_name,
+            "interpreted": result.execution.interpreted,
+            "torch_version": torch.__version__,
+            "triton_version": triton.__version__,
+        },
+        "tie_tolerance_ulps": result.tie_ulps,
+        "verdict": "pass" if result.ok else "fail",
+        "totals": {name: _summary_json(s) for name, s in result.totals().items()},
+        "layers": [
+            {
+                "layer": layer.layer,
+                "num_tokens": layer.num_tokens,
+                "num_steps": layer.num_steps,
+                "padded_rows": layer.padded_rows,
+                "padded_rows_ok": layer.padded_rows_ok,
+                "nonfinite_rows": layer.nonfinite_rows,
+                "nonfinite_padded_rows": layer.nonfinite_padded_rows,
+                "min_boundary_margin": layer.min_margin,
+                "boundary_ties": layer.boundary_ties,
+                "comparisons": {name: _summary_json(s) for name, s in layer.comparisons().items()},
+                "load": _load_json(layer.load),
+                "expert_counts_tokens": layer.expert_counts,
+            }
+            for layer in result.layers
+        ],
+        "load_all_layers": {**(_load_json(result.total_load) or {}), "expert_counts_tokens": result.total_counts},
+        "latency": {
+            "measured": result.latency is not None,
+            "note": result.latency_note,
+            "shapes": [
+                {
+                    "num_tokens": s.num_tokens,
+                    "steps": s.steps,
+                    "timed_layer": s.layer,
+                    "timed_step": s.step,
+                    "kernel_latency_us": {"p10": s.kernel.p10_us, "p50": s.kernel.p50_us, "p90": s.kernel.p90_us},
+                    "reference_latency_us": {"p10": s.reference.p10_us, "p50": s.reference.p50_us,
+                                             "p90": s.reference.p90_us},
+                    "speedup_p50": s.speedup,
+                }
+                for s in (result.latency or [])
+            ],
+        },
+    }
+
+
+def check_output_path(path: str | None, force: bool) -> None:
+    """Fail early (before any work) when ``path`` cannot be written or would overwrite.
+
+    Raises:
+        RouteToolError: the file exists and ``force`` is off, it is a directory, or its
+            folder does not exist.
+    """
+    if path is None or path == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise RouteToolError("is a directory", path=p, fix="name a file")
+    if p.exists() and not force:
+        raise RouteToolError("already exists", path=p, fix="choose another path or pass --force to replace it")
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir():
+        raise RouteToolError("folder does not exist", path=folder, fix="create it first")
+    if not os.access(folder, os.W_OK):
+        raise RouteToolError("folder is not writable", path=folder, fix="choose a writable folder")
+
+
+def _json_default(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _clean(value):
+    """Replace non-finite floats by None (JSON has no NaN/inf)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(document: dict, path: str, console_out) -> None:
+    """Write ``document`` to ``path`` atomically, or to ``console_out`` when path is ``-``.
+
+    Raises:
+        RouteToolError: the folder is not writable or the disk is full.
+    """
+    text = json.dumps(_clean(document), indent=2, allow_nan=False) + "\n"
+    if path == "-":
+        console_out.write(text)
+        console_out.flush()
+        return
+    p = Path(path)
+    folder = p.parent if str(p.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.chmod(tmp, default_file_mode())
+        os.replace(tmp, p)
+    except OSError as exc:
+        raise RouteToolError(f"cannot write ({exc.strerror or exc})", path=p,
+                             fix="check free disk space and permissions") from None

@@ -1,0 +1,542 @@
+"""routetool trace format v1: one safetensors file of router inputs (and optional outputs).
+
+The schema is documented in docs/trace-format.md. This module holds the one reader and the
+one writer of it. The reader is lazy: opening a trace reads the header, checks every
+tensor's name, shape and dtype and the small per-layer tensors (bias, step_offsets), and
+reads the large ones (gating_output, is_padding, recorded outputs) one step at a time, so
+a trace larger than memory can be replayed. Every problem becomes a
+:class:`~routetool.errors.RouteToolError` naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from routetool.errors import RouteToolError
+
+FORMAT_NAME = "routetool-trace"
+FORMAT_VERSION = "1"
+NORMALIZATIONS = ("sigmoid", "softmax")
+
+_LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.([a-z_]+)$")
+_LAYER_FIELDS = ("gating_output", "bias", "is_padding", "step_offsets", "topk_ids", "topk_weights")
+_ST_DTYPES = {
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router's parameters, shared by every layer of a trace.
+
+    Attributes:
+        num_experts: routed experts per layer (E).
+        topk: experts picked per token (K), ``1 <= K <= E``.
+        route_scale: factor on the renormalised weights (``routed_scaling_factor``).
+        router_score_normalization: ``"sigmoid"`` or ``"softmax"``.
+        router_output_multiplier: optional factor on the logits before normalization.
+        router_score_division_eps: optional term added to the weights' denominator.
+    """
+
+    num_experts: int
+    topk: int
+    route_scale: float = 1.0
+    router_score_normalization: str = "sigmoid"
+    router_output_multiplier: float | None = None
+    router_score_division_eps: float | None = None
+
+    def kernel_kwargs(self) -> dict:
+        """Keyword arguments for a routing function with the seed's signature."""
+        return {
+            "topk": self.topk,
+            "route_scale": self.route_scale,
+            "router_output_multiplier": self.router_output_multiplier,
+            "router_score_normalization": self.router_score_normalization,
+            "router_score_division_eps": self.router_score_division_eps,
+        }
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    """Trace-level metadata (the safetensors ``__metadata__``).
+
+    Attributes:
+        model: the model the trace was captured from (free text, e.g. a HF model id).
+        router: the router parameters.
+        provenance: how and from what the trace was made (free text, one line or more).
+        extra: any further string metadata, kept as is (e.g. ``weights_semantics``).
+    """
+
+    model: str
+    router: RouterConfig
+    provenance: str
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What a trace holds for one MoE layer (from the header; no tensor data read).
+
+    Attributes:
+        layer: the layer index ``L`` in the tensor names.
+        num_tokens: rows (T) of the layer.
+        step_offsets: token offsets of the captured forward steps, ``[0, ..., T]``.
+        gating_dtype: dtype of ``gating_output``, or None for an ids-only layer.
+        has_bias, has_padding, has_recorded_ids, has_recorded_weights: which optional
+            tensors are present.
+    """
+
+    layer: int
+    num_tokens: int
+    step_offsets: tuple[int, ...]
+    gating_dtype: torch.dtype | None
+    has_bias: bool
+    has_padding: bool
+    has_recorded_ids: bool
+    has_recorded_weights: bool
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_offsets) - 1
+
+    @property
+    def has_logits(self) -> bool:
+        return self.gating_dtype is not None
+
+
+@dataclass
+class Step:
+    """The inputs (and recorded outputs) of one captured forward step of one layer.
+
+    Attributes:
+        layer: layer index. index: step number within the layer. start: first token row.
+        gating_output: ``[n, E]`` logits as stored (float32/bfloat16/float16), or None for
+            an ids-only trace.
+        bias: ``[E]`` float32.
+        is_padding: ``[n]`` bool, or None when the trace has no padding mask.
+        recorded_ids: ``[n, K]`` int production ``topk_ids``, or None.
+        recorded_weights: ``[n, K]`` production ``topk_weights``, or None.
+    """
+
+    layer: int
+    index: int
+    start: int
+    gating_output: torch.Tensor | None
+    bias: torch.Tensor
+    is_padding: torch.Tensor | None
+    recorded_ids: torch.Tensor | None
+    recorded_weights: torch.Tensor | None
+
+    @property
+    def num_tokens(self) -> int:
+        for t in (self.gating_output, self.recorded_ids):
+            if t is not None:
+                return int(t.shape[0])
+        return 0
+
+
+@dataclass
+class LayerArrays:
+    """Tensors of one layer, as handed to :func:`write_trace` (shapes as in the schema)."""
+
+    gating_output: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    is_padding: torch.Tensor | None = None
+    step_offsets: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+
+
+def _parse_float(path: Path, key: str, raw: str | None, *, optional: bool) -> float | None:
+    if raw is None or raw == "":
+        if optional:
+            return None
+        raise RouteToolError(f"missing metadata key {key!r}", path=path, tensor="__metadata__",
+                             fix="write traces with routetool's writer")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RouteToolError(f"metadata {key}={raw!r} is not a number", path=path, tensor="__metadata__",
+                             fix="fix the metadata value") from None
+    if not math.isfinite(value):
+        raise RouteToolError(f"metadata {key}={raw!r} is not finite", path=path, tensor="__metadata__",
+                             fix="fix the metadata value")
+    return value
+
+
+def _parse_int(path: Path, key: str, raw: str | None) -> int:
+    if raw is None:
+        raise RouteToolError(f"missing metadata key {key!r}", path=path, tensor="__metadata__",
+                             fix="write traces with routetool's writer")
+    try:
+        return int(raw)
+    except ValueError:
+        raise RouteToolError(f"metadata {key}={raw!r} is not an integer", path=path, tensor="__metadata__",
+                             fix="fix the metadata value") from None
+
+
+def router_config_errors(router: RouterConfig) -> list[str]:
+    """Why a router configuration is impossible (empty list when it is fine)."""
+    problems = []
+    if router.num_experts < 1:
+        problems.append(f"num_experts={router.num_experts} must be >= 1")
+    if not 1 <= router.topk <= max(router.num_experts, 1):
+        problems.append(f"topk={router.topk} must be in [1, num_experts={router.num_experts}]")
+    if not (math.isfinite(router.route_scale) and router.route_scale > 0):
+        problems.append(f"route_scale={router.route_scale} must be finite and > 0")
+    if router.router_score_normalization not in NORMALIZATIONS:
+        problems.append(f"router_score_normalization={router.router_score_normalization!r} must be sigmoid or softmax")
+    if router.router_output_multiplier is not None and not math.isfinite(router.router_output_multiplier):
+        problems.append("router_output_multiplier must be finite")
+    eps = router.router_score_division_eps
+    if eps is not None and not (math.isfinite(eps) and eps >= 0):
+        problems.append(f"router_score_division_eps={eps} must be finite and >= 0")
+    return problems
+
+
+def parse_metadata(path: Path, raw: Mapping[str, str] | None) -> TraceMeta:
+    """Parse and check a trace's ``__metadata__``.
+
+    Raises:
+        RouteToolError: missing or malformed keys, another format or version, or an
+            impossible router configuration (topk > num_experts, route_scale <= 0 ...).
+    """
+    raw = dict(raw or {})
+    if raw.get("format") != FORMAT_NAME:
+        found = raw.get("format")
+        raise RouteToolError(
+            f"not a routetool trace (metadata format={found!r}, expected {FORMAT_NAME!r})",
+            path=path, tensor="__metadata__",
+            fix="make traces with `routetool synth`, the capture API or `routetool import`",
+        )
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise RouteToolError(
+            f"trace format version {raw.get('format_version')!r} is not supported (this routetool reads {FORMAT_VERSION!r})",
+            path=path, tensor="__metadata__", fix="upgrade routetool or re-export the trace",
+        )
+    router = RouterConfig(
+        num_experts=_parse_int(path, "num_experts", raw.get("num_experts")),
+        topk=_parse_int(path, "topk", raw.get("topk")),
+        route_scale=_parse_float(path, "route_scale", raw.get("route_scale"), optional=False),
+        router_score_normalization=raw.get("router_score_normalization", "sigmoid"),
+        router_output_multiplier=_parse_float(path, "router_output_multiplier", raw.get("router_output_multiplier"), optional=True),
+        router_score_division_eps=_parse_float(path, "router_score_division_eps", raw.get("router_score_division_eps"), optional=True),
+    )
+    problems = router_config_errors(router)
+    if problems:
+        raise RouteToolError("; ".join(problems), path=path, tensor="__metadata__", fix="fix the router parameters in the metadata")
+    known = {"format", "format_version", "model", "num_layers", "num_experts", "topk", "route_scale",
+             "router_score_normalization", "router_output_multiplier", "router_score_division_eps", "provenance"}
+    return TraceMeta(
+        model=raw.get("model", ""),
+        router=router,
+        provenance=raw.get("provenance", ""),
+        extra={k: v for k, v in raw.items() if k not in known},
+    )
+
+
+def metadata_dict(meta: TraceMeta, num_layers: int) -> dict[str, str]:
+    """The ``__metadata__`` strings for ``meta`` (inverse of :func:`parse_metadata`)."""
+    r = meta.router
+    out = dict(meta.extra)
+    out.update({
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "model": meta.model,
+        "num_layers": str(num_layers),
+        "num_experts": str(r.num_experts),
+        "topk": str(r.topk),
+        "route_scale": repr(float(r.route_scale)),
+        "router_score_normalization": r.router_score_normalization,
+        "provenance": meta.provenance,
+    })
+    if r.router_output_multiplier is not None:
+        out["router_output_multiplier"] = repr(float(r.router_output_multiplier))
+    if r.router_score_division_eps is not None:
+        out["router_score_division_eps"] = repr(float(r.router_score_division_eps))
+    return out
+
+
+class Trace:
+    """A lazily read, validated routetool trace file.
+
+    Use as a context manager (``with Trace(path) as trace:``) or call :meth:`close`.
+
+    Attributes:
+        path: the file. meta: parsed metadata. layers: layer indices, ascending.
+
+    Raises:
+        RouteToolError: on open, for a missing or unreadable file, a file that is not
+            safetensors or is truncated, wrong metadata, unknown/missing tensors, wrong
+            shapes or dtypes, inconsistent sizes, a non-finite bias or bad step_offsets.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, display_path: str | os.PathLike | None = None):
+        self.path = Path(path)
+        self.display_path = Path(display_path) if display_path is not None else self.path
+        if not self.path.exists():
+            raise RouteToolError("no such file", path=self.display_path, fix="check the path")
+        if self.path.is_dir():
+            raise RouteToolError("is a directory, not a trace file", path=self.display_path, fix="name a .safetensors trace")
+        try:
+            self._file = safe_open(str(self.path), framework="pt", device="cpu")
+        except SafetensorError as exc:
+            raise RouteToolError(
+                f"not a readable safetensors file ({exc})", path=self.display_path,
+                fix="the file is corrupt or truncated; capture or copy it again",
+            ) from None
+        except OSError as exc:
+            raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=self.display_path, fix="check permissions") from None
+        self.meta = parse_metadata(self.display_path, self._file.metadata())
+        self._headers = self._read_headers()
+        self._bias: dict[int, torch.Tensor] = {}
+        self._infos: dict[int, LayerInfo] = {}
+        for layer in sorted(self._headers):
+            self._infos[layer] = self._check_layer(layer)
+        self.layers = tuple(sorted(self._infos))
+        declared = self._file.metadata().get("num_layers")
+        if declared is not None and declared != str(len(self.layers)):
+            raise RouteToolError(
+                f"metadata num_layers={declared} but the file holds {len(self.layers)} layers",
+                path=self.display_path, tensor="__metadata__", fix="re-export the trace",
+            )
+
+    # -- context manager -------------------------------------------------------------------
+    def __enter__(self) -> Trace:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file = None
+
+    # -- header checks ----------------------------------------------------------------------
+    def _read_headers(self) -> dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        layers: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+        for name in self._file.keys():
+            m = _LAYER_TENSOR.match(name)
+            if not m or m.group(2) not in _LAYER_FIELDS:
+                raise RouteToolError(
+                    "unknown tensor name", path=self.display_path, tensor=name,
+                    fix=f"trace v1 holds only layers.<L>.{{{','.join(_LAYER_FIELDS)}}}",
+                )
+            sl = self._file.get_slice(name)
+            st_dtype = sl.get_dtype()
+            if st_dtype not in _ST_DTYPES:
+                raise RouteToolError(f"unsupported dtype {st_dtype}", path=self.display_path, tensor=name,
+                                     fix="store it as one of the dtypes in docs/trace-format.md")
+            layers.setdefault(int(m.group(1)), {})[m.group(2)] = (tuple(sl.get_shape()), _ST_DTYPES[st_dtype])
+        if not layers:
+            raise RouteToolError("the trace holds no layers", path=self.display_path, fix="capture at least one MoE layer")
+        return layers
+
+    def _fail(self, tensor: str, message: str, fix: str = "re-capture or re-export the trace") -> RouteToolError:
+        return RouteToolError(message, path=self.display_path, tensor=tensor, fix=fix)
+
+    def _check_layer(self, layer: int) -> LayerInfo:
+        h = self._headers[layer]
+        p = f"layers.{layer}."
+        r = self.meta.router
+        E, K = r.num_experts, r.topk
+        T = None
+        gating_dtype = None
+        if "gating_output" in h:
+            shape, dtype = h["gating_output"]
+            if len(shape) != 2:
+                raise self._fail(p + "gating_output", f"has shape {list(shape)}; expected [num_tokens, num_experts={E}]")
+            if dtype not in _FLOAT_DTYPES:
+                raise self._fail(p + "gating_output", f"has dtype {_dtype_name(dtype)}; expected float32, bfloat16 or float16")
+            if shape[1] != E:
+                raise self._fail(p + "gating_output", f"has {shape[1]} experts but metadata num_experts={E}",
+                                 fix="every layer must have num_experts columns; fix the metadata or the tensor")
+            T = shape[0]
+            gating_dtype = dtype
+        elif "topk_ids" not in h:
+            raise self._fail(p + "gating_output", "missing (the layer has neither gating_output nor topk_ids)")
+        for name in ("topk_ids", "topk_weights"):
+            if name not in h:
+                continue
+            shape, dtype = h[name]
+            ok_dtypes = _ID_DTYPES if name == "topk_ids" else _FLOAT_DTYPES
+            if dtype not in ok_dtypes:
+                expect = "int32 or int64" if name == "topk_ids" else "float32, bfloat16 or float16"
+                raise self._fail(p + name, f"has dtype {_dtype_name(dtype)}; expected {expect}")
+            if len(shape) != 2 or shape[1] != K or (T is not None and shape[0] != T):
+                raise self._fail(p + name, f"has shape {list(shape)}; expected [num_tokens={T if T is not None else 'T'}, topk={K}]")
+            T = shape[0] if T is None else T
+        if "topk_weights" in h and "topk_ids" not in h:
+            raise self._fail(p + "topk_ids", "missing while topk_weights is present")
+        if "is_padding" in h:
+            shape, dtype = h["is_padding"]
+            if dtype != torch.bool or shape != (T,):
+                raise self._fail(p + "is_padding", f"is {_dtype_name(dtype)} {list(shape)}; expected bool [{T}]")
+        if "bias" in h:
+            shape, dtype = h["bias"]
+            if dtype not in _FLOAT_DTYPES or shape != (E,):
+                raise self._fail(p + "bias", f"is {_dtype_name(dtype)} {list(shape)}; expected float32/bfloat16/float16 [{E}]")
+            bias = self._file.get_tensor(p + "bias").float()
+            if not torch.isfinite(bias).all():
+                bad = int((~torch.isfinite(bias)).sum())
+                raise self._fail(p + "bias", f"has {bad} non-finite values", fix="the bias must be finite; fix the capture")
+        else:
+            bias = torch.zeros(E)
+        self._bias[layer] = bias
+        offsets: tuple[int, ...] = (0, T)
+        if "step_offsets" in h:
+            shape, dtype = h["step_offsets"]
+            if dtype not in _ID_DTYPES or len(shape) != 1 or shape[0] < 2:
+                raise self._fail(p + "step_offsets", f"is {_dtype_name(dtype)} {list(shape)}; expected int64 [num_steps + 1]")
+            offsets = tuple(int(v) for v in self._file.get_tensor(p + "step_offsets").tolist())
+            if offsets[0] != 0 or offsets[-1] != T:
+                raise self._fail(p + "step_offsets", f"runs from {offsets[0]} to {offsets[-1]}; expected 0 to num_tokens={T}")
+            if any(b <= a for a, b in zip(offsets, offsets[1:])):
+                raise self._fail(p + "step_offsets", "is not strictly increasing (empty or negative step)")
+        elif T == 0:
+            offsets = (0,)
+        return LayerInfo(
+            layer=layer, num_tokens=T, step_offsets=offsets, gating_dtype=gating_dtype,
+            has_bias="bias" in h, has_padding="is_padding" in h,
+            has_recorded_ids="topk_ids" in h, has_recorded_weights="topk_weights" in h,
+        )
+
+    # -- data access ---------------------------------------------------------------------------
+    def info(self, layer: int) -> LayerInfo:
+        """Header facts of ``layer``. Raises KeyError for a layer the trace lacks."""
+        return self._infos[layer]
+
+    def bias(self, layer: int) -> torch.Tensor:
+        """``[E]`` float32 bias of ``layer`` (zeros when the trace stores none)."""
+        return self._bias[layer]
+
+    def _read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if self._file is None:
+            raise RouteToolError("trace is closed", path=self.display_path)
+        try:
+            return self._file.get_slice(name)[start:stop]
+        except (SafetensorError, OSError) as exc:
+            raise self._fail(name, f"cannot read rows {start}:{stop} ({exc})", fix="the file is damaged; copy it again") from None
+
+    def read_rows(self, layer: int, start: int, stop: int) -> Step:
+        """Rows ``[start, stop)`` of ``layer`` as a :class:`Step` (index -1)."""
+        info = self._infos[layer]
+        p = f"layers.{layer}."
+        return Step(
+            layer=layer,
+            index=-1,
+            start=start,
+            gating_output=self._read(p + "gating_output", start, stop) if info.has_logits else None,
+            bias=self._bias[layer],
+            is_padding=self._read(p + "is_padding", start, stop) if info.has_padding else None,
+            recorded_ids=self._read(p + "topk_ids", start, stop) if info.has_recorded_ids else None,
+            recorded_weights=self._read(p + "topk_weights", start, stop) if info.has_recorded_weights else None,
+        )
+
+    def steps(self, layer: int) -> Iterator[Step]:
+        """Yield the captured forward steps of ``layer`` in order, reading one at a time."""
+        offsets = self._infos[layer].step_offsets
+        for index, (start, stop) in enumerate(zip(offsets, offsets[1:])):
+            step = self.read_rows(layer, start, stop)
+            step.index = index
+            yield step
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(i.num_tokens for i in self._infos.values())
+
+
+def default_file_mode() -> int:
+    """``0o666`` less the process umask: the mode a plain ``open(path, "w")`` would give."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _standalone(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor that owns its storage (safetensors refuses shared storage)."""
+    t = t.detach().to("cpu")
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.contiguous().clone()
+    return t
+
+
+def write_trace(
+    path: str | os.PathLike,
+    meta: TraceMeta,
+    layers: Mapping[int, LayerArrays],
+    *,
+    force: bool = False,
+) -> Path:
+    """Write a trace v1 file atomically (temporary file in the same folder, then rename).
+
+    Args:
+        path: destination ``.safetensors`` file.
+        meta: trace metadata.
+        layers: layer index -> tensors; ``gating_output`` ``[T, E]`` or ``topk_ids``
+            ``[T, K]`` is required per layer, everything else optional.
+        force: replace an existing file; without it an existing file is an error.
+
+    Returns:
+        The path written.
+
+    Raises:
+        RouteToolError: the file exists (and not ``force``), the folder is missing or not
+            writable, the disk is full, or the data does not satisfy the schema (checked by
+            reading the written file back before it replaces anything).
+    """
+    path = Path(path)
+    if path.exists() and not force:
+        raise RouteToolError("already exists", path=path, fix="choose another path or pass --force to replace it")
+    if path.is_dir():
+        raise RouteToolError("is a directory", path=path, fix="name a file")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise RouteToolError("folder does not exist", path=folder, fix="create it first")
+    problems = router_config_errors(meta.router)
+    if problems:
+        raise RouteToolError("; ".join(problems), path=path, tensor="__metadata__", fix="fix the router parameters")
+    tensors: dict[str, torch.Tensor] = {}
+    for layer, arrays in sorted(layers.items()):
+        for name in _LAYER_FIELDS:
+            value = getattr(arrays, name)
+            if value is not None:
+                tensors[f"layers.{int(layer)}.{name}"] = _standalone(value)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+    except OSError as exc:
+        raise RouteToolError(f"cannot write in this folder ({exc.strerror or exc})", path=folder,
+                             fix="choose a writable folder") from None
+    try:
+        try:
+            save_file(tensors, tmp, metadata=metadata_dict(meta, len(layers)))
+        except (OSError, SafetensorError) as exc:
+            raise RouteToolError(f"cannot write ({exc})", path=path, fix="check free disk space and permissions") from None
+        Trace(tmp, display_path=path).close()  # validate what was written before it replaces anything
+        os.chmod(tmp, default_file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path

@@ -1,0 +1,34 @@
+"""Shared test helpers: invariant checks and small trace builders (no second reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
+
+
+def assert_routing_invariants(weights, ids, num_experts, topk, route_scale, is_padding=None, eps=None):
+    """ids in range and distinct on unpadded rows, -1/0 on padded rows, weights finite, >= 0,
+    and (without eps) summing to route_scale unless every picked score was 0."""
+    assert ids.shape == weights.shape == (ids.shape[0], topk)
+    assert weights.dtype == torch.float32
+    pad = is_padding if is_padding is not None else torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    ids = ids.long()
+    assert torch.isfinite(weights).all()
+    assert (weights >= 0).all()
+    real = ~pad
+    assert ((ids[real] >= 0) & (ids[real] < num_experts)).all()
+    s = ids[real].sort(-1).values
+    assert (s[:, 1:] != s[:, :-1]).all(), "duplicate expert id in a row"
+    assert (ids[pad] == -1).all() and (weights[pad] == 0).all()
+    if eps is None and real.any():
+        sums = weights[real].sum(-1)
+        ok = torch.isclose(sums, torch.full_like(sums, route_scale), rtol=1e-5, atol=1e-6) | (sums == 0)
+        assert ok.all(), f"weight sums {sums[~ok][:5].tolist()} != route_scale {route_scale}"
+
+
+def make_trace(path, layers: dict[int, LayerArrays], router: RouterConfig | None = None, **meta_kw):
+    router = router or RouterConfig(num_experts=8, topk=2, route_scale=1.0)
+    meta = TraceMeta(model=meta_kw.pop("model", "test"), router=router,
+                     provenance=meta_kw.pop("provenance", "made by a test"), extra=meta_kw)
+    return write_trace(path, meta, layers, force=True)

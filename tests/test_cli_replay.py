@@ -1,0 +1,193 @@
+"""`routetool replay` through click's CliRunner, on the bundled traces and on broken input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import HAS_CUDA
+from helpers import make_trace
+from routetool.cli import main
+from routetool.trace import LayerArrays, RouterConfig, TraceMeta, metadata_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLED = sorted((ROOT / "traces").glob("*.safetensors"))
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [*map(str, args)], catch_exceptions=False)
+
+
+def _unpadded_rows(path, layer):
+    with safe_open(str(path), "pt") as f:
+        g = f.get_tensor(f"layers.{layer}.gating_output")
+        pad = f.get_tensor(f"layers.{layer}.is_padding") if f"layers.{layer}.is_padding" in f.keys() else None
+    return g.shape[0] - (int(pad.sum()) if pad is not None else 0), (int(pad.sum()) if pad is not None else 0)
+
+
+def test_two_bundled_traces_exist():
+    names = {p.name for p in BUNDLED}
+    assert {"musespark1x-synth-bf16.safetensors", "deepseek-v3-hf-tiny.safetensors"} <= names
+
+
+@pytest.mark.parametrize("trace", BUNDLED, ids=lambda p: p.name)
+def test_replay_bundled_trace(trace, tmp_path):
+    out = tmp_path / "r.json"
+    res = _run("replay", trace, "--device", DEVICE, "--json", out, "--no-progress", "--no-latency")
+    assert res.exit_code == 0, res.output
+    assert "PASS" in res.output
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "routetool.replay/1" and doc["verdict"] == "pass"
+    topk = doc["router"]["topk"]
+    total = 0
+    for layer in doc["layers"]:
+        unpadded, padded = _unpadded_rows(trace, layer["layer"])
+        # histogram totals == unpadded tokens x topk; padding proven -1 / 0 on every padded row
+        assert sum(layer["expert_counts_tokens"]) == unpadded * topk
+        assert layer["padded_rows"] == layer["padded_rows_ok"] == padded
+        k = layer["comparisons"]["kernel_vs_reference"]
+        assert k["rows"] == unpadded + padded and k["padded"] == padded
+        assert k["exact"] + k["reordered"] + k["tie_equivalent"] == unpadded
+        assert k["mismatch"] == k["invalid"] == 0
+        assert k["weight_max_abs_err"] < 1e-5
+        total += unpadded * topk
+    assert sum(doc["load_all_layers"]["expert_counts_tokens"]) == total
+    assert doc["latency"]["measured"] is False
+
+
+def test_hf_trace_recorded_outputs_are_compared():
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    res = _run("replay", trace, "--device", DEVICE, "--json", "-", "--no-progress", "--no-latency")
+    assert res.exit_code == 0
+    doc = json.loads(res.stdout)
+    rec = doc["totals"]["reference_vs_recorded"]
+    # HF uses torch.topk(sorted=False): same experts, another order; weights within fp32 tolerance
+    assert rec["rows"] == 1296 and rec["mismatch"] == 0 and rec["invalid"] == 0
+    assert rec["exact"] + rec["reordered"] + rec["tie_equivalent"] == 1296
+    assert rec["weight_max_rel_err"] < 1e-5
+
+
+def test_layer_selection_and_histogram_layer():
+    trace = ROOT / "traces" / "musespark1x-synth-bf16.safetensors"
+    res = _run("replay", trace, "--device", DEVICE, "--layers", "1,3", "--layer", "3", "--no-progress", "--json", "-")
+    assert res.exit_code == 0
+    doc = json.loads(res.stdout)
+    assert [layer["layer"] for layer in doc["layers"]] == [1, 3]
+    assert "Expert load, layer 3" in res.stderr
+    res = _run("replay", trace, "--device", DEVICE, "--layers", "7", "--no-progress")
+    assert res.exit_code == 2 and "has no layer 7" in res.output
+
+
+def _bad_kernel_file(tmp_path):
+    src = tmp_path / "bad_kernel.py"
+    src.write_text(
+        "from kernel.reference import musespark1x_routing_reference\n"
+        "def route_biased_weights(gating_output, bias, topk, route_scale, router_output_multiplier=None,\n"
+        "                         router_score_normalization='sigmoid', router_score_division_eps=None,\n"
+        "                         topk_weights=None, topk_ids=None, *, is_padding=None):\n"
+        "    w, ids = musespark1x_routing_reference(gating_output, bias, topk, route_scale, router_output_multiplier,\n"
+        "                                           router_score_normalization, router_score_division_eps,\n"
+        "                                           is_padding=is_padding)\n"
+        "    ids = ids.clone(); ids[::7, -1] = (ids[::7, -1] + 1) % gating_output.shape[1]\n"
+        "    return w, ids\n"
+    )
+    return src
+
+
+def test_wrong_kernel_exits_1_and_names_rows(tmp_path):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    kernel = f"{_bad_kernel_file(tmp_path)}:route_biased_weights"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--no-progress", "--json", tmp_path / "r.json")
+    assert res.exit_code == 1, res.output
+    assert "FAIL" in res.output and "First failing rows" in res.output
+    doc = json.loads((tmp_path / "r.json").read_text())
+    k = doc["totals"]["kernel_vs_reference"]
+    assert k["mismatch"] + k["invalid"] > 0 and doc["verdict"] == "fail"
+
+
+def test_nonfinite_rows_are_a_finding(tmp_path):
+    g = torch.randn(10, 8)
+    g[2, 3] = float("nan")
+    g[5] = float("-inf")
+    path = make_trace(tmp_path / "nan.safetensors", {0: LayerArrays(gating_output=g)})
+    res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
+    assert res.exit_code == 0
+    doc = json.loads(res.stdout)
+    assert doc["layers"][0]["nonfinite_rows"] == 2
+    assert "non-finite logits" in res.stderr
+
+
+def test_seed_variant_rejects_bf16_trace_with_exit_2():
+    trace = ROOT / "traces" / "musespark1x-synth-bf16.safetensors"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", "seed", "--no-progress")
+    assert res.exit_code == 2
+    assert "kernel 'seed' rejected layer 0" in res.output and "Traceback" not in res.output
+
+
+def test_seed_variant_replays_fp32_trace():
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", "seed", "--layers", "1", "--no-progress",
+               "--no-latency")
+    assert res.exit_code == 0, res.output
+
+
+def _raw_trace(path, tensors):
+    meta = metadata_dict(TraceMeta(model="m", router=RouterConfig(num_experts=8, topk=2), provenance=""), 1)
+    save_file(tensors, str(path), metadata=meta)
+
+
+BAD_INPUT = [
+    # (how to make the input, expected fragment of the one-line error)
+    (lambda p: p.write_bytes(b"not a safetensors file"), "not a readable safetensors file"),
+    (lambda p: p.write_bytes((ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors").read_bytes()[:5000]),
+     "not a readable safetensors file"),
+    (lambda p: _raw_trace(p, {"layers.0.gating_output": torch.zeros(4, 9)}), "layers.0.gating_output: has 9"),
+    (lambda p: _raw_trace(p, {"layers.0.gating_output": torch.zeros(4, 8), "layers.0.bias": torch.full((8,), float("nan"))}),
+     "layers.0.bias: has 8 non-finite values"),
+    (lambda p: make_trace(p, {0: LayerArrays(topk_ids=torch.zeros(4, 2, dtype=torch.int32))}),
+     "holds no gating_output"),
+]
+
+
+@pytest.mark.parametrize("make,message", BAD_INPUT)
+def test_bad_input_is_one_line_exit_2(tmp_path, make, message):
+    path = tmp_path / "bad.safetensors"
+    make(path)
+    res = _run("replay", path, "--device", DEVICE, "--no-progress")
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("routetool: error: ") and str(path) in lines[0]
+    assert message in lines[0]
+
+
+def test_usage_errors_exit_2(tmp_path):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    assert _run("replay", tmp_path / "missing.safetensors").exit_code == 2
+    assert _run("replay", trace, "--kernel", "nope").exit_code == 2
+    assert _run("replay", trace, "--device", "tpu").exit_code == 2
+    assert _run("replay", trace, "--kernel", "nomodule_xyz:fn").exit_code == 2
+
+
+def test_json_output_is_never_overwritten_without_force(tmp_path):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    out = tmp_path / "keep.json"
+    out.write_text("user data")
+    res = _run("replay", trace, "--device", DEVICE, "--json", out, "--no-progress")
+    assert res.exit_code == 2 and "already exists" in res.output
+    assert out.read_text() == "user data"
+    res = _run("replay", trace, "--device", DEVICE, "--json", out, "--force", "--no-progress", "--layers", "1")
+    assert res.exit_code == 0 and json.loads(out.read_text())["schema"] == "routetool.replay/1"
+    res = _run("replay", trace, "--device", DEVICE, "--json", tmp_path / "no" / "dir.json", "--no-progress")
+    assert res.exit_code == 2 and "folder does not exist" in res.output
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU message only appears without a GPU")
+def test_cpu_says_latency_is_not_measured():
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    res = _run("replay", trace, "--layers", "1", "--no-progress")
+    assert "Triton interpreter" in res.output and "not measured" in res.output

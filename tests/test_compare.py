@@ -1,0 +1,76 @@
+"""Row classes on hand-made rows: exact, reordered, tie-equivalent, mismatch, invalid, padded."""
+
+import torch
+
+from routetool.compare import INVALID_REASONS, ComparisonSummary, RowClass, compare_step, weight_tolerance
+
+E, K = 6, 2
+# scores per row (unbiased; bias 0 so biased == scores)
+SCORES = torch.tensor([
+    [0.9, 0.8, 0.1, 0.2, 0.3, 0.4],   # 0 exact
+    [0.9, 0.8, 0.1, 0.2, 0.3, 0.4],   # 1 reordered
+    [0.9, 0.5, 0.5, 0.2, 0.3, 0.4],   # 2 exact tie at the boundary, other expert picked
+    [0.9, 0.8, 0.1, 0.2, 0.3, 0.4],   # 3 real mismatch: picked 0.4 instead of 0.8
+    [0.9, 0.8, 0.1, 0.2, 0.3, 0.4],   # 4 invalid: duplicate id
+    [0.9, 0.8, 0.1, 0.2, 0.3, 0.4],   # 5 invalid: id out of range
+    [0.9, 0.8, 0.1, 0.2, 0.3, 0.4],   # 6 padded, correct
+    [0.9, 0.8, 0.1, 0.2, 0.3, 0.4],   # 7 padded, but the kernel wrote ids
+    [0.9, 0.8, 0.1, 0.2, 0.3, 0.4],   # 8 -1 on an unpadded row
+    [0.9, 0.5, 0.5 - 2e-7, 0.2, 0.3, 0.4],  # 9 near tie within a few ulps
+])
+EXPECTED = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 1], [0, 1], [-1, -1], [-1, -1], [0, 1], [0, 1]])
+TEST = torch.tensor([[0, 1], [1, 0], [0, 2], [0, 5], [0, 0], [0, 6], [-1, -1], [0, 1], [0, -1], [0, 2]])
+PAD = torch.tensor([False] * 6 + [True, True] + [False, False])
+
+
+def _weights(ids):
+    w = torch.where(ids >= 0, torch.full(ids.shape, 0.5), 0.0)
+    return w
+
+
+def test_row_classes():
+    cmp = compare_step(TEST, _weights(TEST), EXPECTED, _weights(EXPECTED), SCORES, SCORES, PAD,
+                       tie_ulps=16, tolerance=weight_tolerance(torch.float32, 1.0))
+    classes = [RowClass(int(c)) for c in cmp.row_class]
+    assert classes == [
+        RowClass.EXACT, RowClass.REORDERED, RowClass.TIE_EQUIVALENT, RowClass.MISMATCH, RowClass.INVALID,
+        RowClass.INVALID, RowClass.PADDED, RowClass.INVALID, RowClass.INVALID, RowClass.TIE_EQUIVALENT,
+    ]
+    reasons = {i: [n for n, on in zip(INVALID_REASONS, cmp.invalid_mask[i].tolist()) if on] for i in (4, 5, 7, 8)}
+    assert reasons == {4: ["duplicate_id"], 5: ["id_out_of_range"], 7: ["bad_padding"],
+                       8: ["minus_one_on_unpadded_row"]}
+    assert cmp.exact_tie.tolist() == [False, False, True] + [False] * 7
+
+
+def test_exact_ties_only_with_zero_tolerance():
+    cmp = compare_step(TEST[9:], None, EXPECTED[9:], None, SCORES[9:], SCORES[9:], None, tie_ulps=0, tolerance=None)
+    assert RowClass(int(cmp.row_class[0])) == RowClass.MISMATCH
+
+
+def test_weight_errors_matched_by_expert_id():
+    scores = torch.tensor([[0.9, 0.8, 0.1, 0.2]])
+    exp_ids, exp_w = torch.tensor([[0, 1]]), torch.tensor([[0.6, 0.4]])
+    # same experts in another order, weights swapped with them: no error
+    cmp = compare_step(torch.tensor([[1, 0]]), torch.tensor([[0.4, 0.6]]), exp_ids, exp_w, scores, scores, None,
+                       tie_ulps=0, tolerance=weight_tolerance(torch.float32, 1.0))
+    assert float(cmp.weight_abs_err[0]) == 0 and not cmp.weight_over_tol[0]
+    # a weight off by 1e-3 is over the float32 tolerance but within bf16's
+    bad_w = torch.tensor([[0.601, 0.4]])
+    for dtype, over in ((torch.float32, True), (torch.bfloat16, False)):
+        cmp = compare_step(exp_ids, bad_w, exp_ids, exp_w, scores, scores, None, tie_ulps=0,
+                           tolerance=weight_tolerance(dtype, 1.0))
+        assert abs(float(cmp.weight_abs_err[0]) - 1e-3) < 1e-6
+        assert bool(cmp.weight_over_tol[0]) is over
+
+
+def test_summary_counts_and_failures():
+    tol = weight_tolerance(torch.float32, 1.0)
+    cmp = compare_step(TEST, _weights(TEST), EXPECTED, _weights(EXPECTED), SCORES, SCORES, PAD, tie_ulps=16,
+                       tolerance=tol)
+    s = ComparisonSummary()
+    s.add(cmp, layer=3, step=1, start=100, test_ids=TEST, test_weights=_weights(TEST), expected_ids=EXPECTED,
+          expected_weights=_weights(EXPECTED), tolerance=tol)
+    assert (s.rows, s.exact, s.reordered, s.tie_equivalent, s.mismatch, s.invalid, s.padded) == (10, 1, 1, 2, 1, 4, 1)
+    assert not s.ok
+    assert [f.row for f in s.failures] == [103, 104, 105, 107, 108]
+    assert s.failures[0].row_class == "mismatch" and s.failures[0].test_ids == [0, 5]

@@ -1,0 +1,131 @@
+"""GPU-only checks: compiled kernels at production sizes, CUDA graphs, PDL, the seed's bf16 defect.
+
+Marked ``gpu``: skipped on machines without CUDA. Run on a GPU with ``pytest -m gpu``.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from helpers import assert_routing_invariants
+from routetool.compare import RowClass, compare_step, weight_tolerance
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _classes(w, ids, logits, bias, topk, route_scale, pad=None, **kw):
+    from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
+
+    ref_w, ref_ids = musespark1x_routing_reference(logits, bias, topk, route_scale, is_padding=pad, **kw)
+    scores = normalized_scores(logits, kw.get("router_score_normalization", "sigmoid"), kw.get("router_output_multiplier"))
+    cmp = compare_step(ids, w, ref_ids, ref_w, scores, biased_scores(scores, bias), pad, tie_ulps=16,
+                       tolerance=weight_tolerance(torch.float32, route_scale))
+    return torch.bincount(cmp.row_class.long(), minlength=len(RowClass)).tolist(), cmp
+
+
+LARGE = [
+    # (num_tokens, num_experts, topk, dtype): production-sized shapes the interpreter cannot afford
+    (1, 256, 8, torch.float32),
+    (63, 256, 8, torch.bfloat16),
+    (4097, 256, 8, torch.bfloat16),
+    (65536, 256, 8, torch.float32),
+    (3000, 384, 8, torch.bfloat16),
+    (1000, 512, 22, torch.float16),
+    (777, 60, 4, torch.float32),
+    (512, 128, 1, torch.bfloat16),
+    (300, 160, 160, torch.float32),
+]
+
+
+@pytest.mark.parametrize("T,E,K,dtype", LARGE)
+def test_compiled_kernel_matches_reference(T, E, K, dtype):
+    from kernel import fused_musespark1x_routing
+
+    g = torch.Generator(device="cuda").manual_seed(T + E + K)
+    logits = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.05
+    pad = torch.rand(T, device="cuda", generator=g) < 0.1
+    w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad)
+    assert_routing_invariants(w, ids, E, K, 2.5, is_padding=pad)
+    classes, cmp = _classes(w, ids, logits, bias, K, 2.5, pad)
+    assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, classes
+    assert not cmp.weight_over_tol.any()
+
+
+@pytest.mark.parametrize("variant", ["tiled", "seed"])
+def test_cuda_graph_sees_new_padding_and_bias(variant):
+    import kernel
+    from kernel.reference import musespark1x_routing_reference
+
+    fn = kernel.variant(variant)
+    T, E, K = 48, 256, 8
+    logits = torch.randn((T, E), device="cuda")
+    bias = torch.zeros(E, device="cuda")
+    pad = torch.zeros(T, dtype=torch.bool, device="cuda")
+    w = torch.empty((T, K), device="cuda")
+    ids = torch.empty((T, K), dtype=torch.int32, device="cuda")
+    fn(logits, bias, K, 2.5, topk_weights=w, topk_ids=ids, is_padding=pad)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(logits, bias, K, 2.5, topk_weights=w, topk_ids=ids, is_padding=pad)
+    graph.replay()
+    torch.cuda.synchronize()
+    before = ids.clone()
+    pad[::3] = True
+    bias[before[1, -1]] = 10.0  # force expert into every row
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_w, ref_ids = musespark1x_routing_reference(logits, bias, K, 2.5, is_padding=pad)
+    assert not torch.equal(before, ids)
+    assert torch.equal(ids, ref_ids)
+    assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["tiled", "seed"])
+def test_pdl_on_and_off_agree(variant):
+    import kernel
+
+    fn = kernel.variant(variant)
+    logits = torch.randn((1000, 256), device="cuda")
+    bias = torch.randn(256, device="cuda") * 0.1
+    a = fn(logits, bias, 8, 2.5, use_pdl=True)
+    b = fn(logits, bias, 8, 2.5, use_pdl=False)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+def test_seed_kernel_fails_to_compile_for_bf16():
+    """The documented seed defect: tl.sigmoid on bf16 does not compile (why the launcher rejects it)."""
+    import triton
+
+    from kernel.seed import _seed_routing_kernel
+
+    T, E, K = 4, 256, 8
+    logits = torch.randn((T, E), device="cuda", dtype=torch.bfloat16)
+    bias = torch.zeros(E, device="cuda")
+    w = torch.empty((T, K), device="cuda")
+    ids = torch.empty((T, K), dtype=torch.int32, device="cuda")
+    with pytest.raises((triton.CompilationError, RuntimeError, ValueError, TypeError)):
+        _seed_routing_kernel[(T,)](
+            logits, bias, w, ids, None, 0, T, E, logits.stride(0), logits.stride(1), w.stride(0), w.stride(1),
+            ids.stride(0), ids.stride(1), 1.0, 2.5, 0.0, TOPK=K, TOPK_PADDED=8, NUM_EXPERTS_PADDED=256,
+            NORMALIZATION_MODE=0, HAS_MULTIPLIER=False, HAS_EPS=False, USE_PDL=False, num_warps=1,
+        )
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("trace", sorted((ROOT / "traces").glob("*.safetensors")), ids=lambda p: p.name)
+def test_replay_with_latency(trace, tmp_path):
+    from routetool.cli import main
+
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(main, ["replay", str(trace), "--device", "cuda", "--json", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["latency"]["measured"] is True
+    for shape in doc["latency"]["shapes"]:
+        assert 0 < shape["kernel_latency_us"]["p10"] <= shape["kernel_latency_us"]["p50"] <= shape["kernel_latency_us"]["p90"]
+        assert shape["reference_latency_us"]["p50"] > 0

@@ -1,0 +1,59 @@
+"""The reference against values computed by hand."""
+
+import math
+
+import torch
+
+from kernel.reference import musespark1x_routing_reference, normalized_scores, select_topk
+
+
+def _sig(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_sigmoid_bias_selects_but_unbiased_scores_weigh():
+    # Bias moves expert 3 above expert 0 for selection; weights use the unbiased scores.
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.9])
+    w, ids = musespark1x_routing_reference(logits, bias, 2, 2.5)
+    # biased: 0.881, 0.731, 0.269, 1.4 -> picks 3 then 0
+    assert ids.tolist() == [[3, 0]]
+    s3, s0 = _sig(0.0), _sig(2.0)
+    assert torch.allclose(w, torch.tensor([[s3 * 2.5 / (s3 + s0), s0 * 2.5 / (s3 + s0)]]))
+
+
+def test_multiplier_eps_and_softmax():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    bias = torch.zeros(3)
+    w, ids = musespark1x_routing_reference(logits, bias, 2, 1.0, router_output_multiplier=0.5,
+                                           router_score_normalization="softmax", router_score_division_eps=0.1)
+    e = [math.exp(0.5 * v) for v in (1.0, 2.0, 3.0)]
+    p = [v / sum(e) for v in e]
+    assert ids.tolist() == [[2, 1]]
+    assert torch.allclose(w, torch.tensor([[p[2] / (p[2] + p[1] + 0.1), p[1] / (p[2] + p[1] + 0.1)]]))
+
+
+def test_padding_rows():
+    logits = torch.randn(3, 5)
+    pad = torch.tensor([False, True, False])
+    w, ids = musespark1x_routing_reference(logits, torch.zeros(5), 3, 1.0, is_padding=pad)
+    assert ids[1].tolist() == [-1, -1, -1] and w[1].tolist() == [0.0, 0.0, 0.0]
+    assert (ids[[0, 2]] >= 0).all()
+
+
+def test_select_topk_breaks_ties_to_lowest_index_on_large_rows():
+    # 384 experts, 40 of them tied at the top: the 8 picks must be the 8 lowest tied indices.
+    biased = torch.zeros(2, 384)
+    tied = torch.randperm(384, generator=torch.Generator().manual_seed(0))[:40]
+    biased[:, tied] = 1.0
+    ids = select_topk(biased, 8)
+    expected = sorted(tied.tolist())[:8]
+    assert ids[0].tolist() == expected and ids[1].tolist() == expected
+
+
+def test_softmax_rules_for_nonfinite_rows():
+    x = torch.tensor([[float("inf"), 0.0, float("inf")], [float("-inf")] * 3, [float("nan"), 0.0, 0.0]])
+    s = normalized_scores(x, "softmax")
+    assert s[0].tolist() == [0.5, 0.0, 0.5]
+    assert s[1].tolist() == [0.0, 0.0, 0.0]
+    assert s[2].tolist() == [0.0, 0.5, 0.5]

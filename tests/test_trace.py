@@ -1,0 +1,136 @@
+"""Trace v1 reader and writer: round trip, lazy steps, and every kind of broken file."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from helpers import make_trace
+from routetool.errors import RouteToolError
+from routetool.trace import FORMAT_NAME, LayerArrays, RouterConfig, Trace, TraceMeta, metadata_dict, write_trace
+
+E, K = 8, 2
+
+
+def _layer(T=6, dtype=torch.float32, **kw):
+    g = torch.Generator().manual_seed(T)
+    arrays = dict(
+        gating_output=torch.randn((T, E), generator=g).to(dtype),
+        bias=torch.randn(E, generator=g) * 0.1,
+        is_padding=torch.tensor([False] * (T - 1) + [True]),
+        step_offsets=torch.tensor([0, T // 2, T]),
+    )
+    arrays.update(kw)
+    return LayerArrays(**{k: v for k, v in arrays.items() if v is not None})
+
+
+def test_round_trip_and_steps(tmp_path):
+    path = make_trace(tmp_path / "t.safetensors", {0: _layer(), 3: _layer(T=4, dtype=torch.bfloat16)})
+    with Trace(path) as t:
+        assert t.layers == (0, 3)
+        assert t.meta.router == RouterConfig(num_experts=E, topk=K, route_scale=1.0)
+        assert t.info(3).gating_dtype == torch.bfloat16 and t.info(3).num_steps == 2
+        steps = list(t.steps(0))
+        assert [s.start for s in steps] == [0, 3] and [s.num_tokens for s in steps] == [3, 3]
+        assert steps[1].is_padding.tolist() == [False, False, True]
+        assert torch.equal(torch.cat([s.gating_output for s in steps]), _layer().gating_output)
+        assert t.total_tokens == 10
+    assert oct(os.stat(path).st_mode & 0o777) != "0o600"
+
+
+def test_optional_tensors_and_defaults(tmp_path):
+    path = make_trace(tmp_path / "t.safetensors", {0: _layer(bias=None, is_padding=None, step_offsets=None)})
+    with Trace(path) as t:
+        assert t.bias(0).tolist() == [0.0] * E
+        assert t.info(0).step_offsets == (0, 6) and not t.info(0).has_padding
+
+
+def test_writer_refuses_to_overwrite(tmp_path):
+    path = make_trace(tmp_path / "t.safetensors", {0: _layer()})
+    before = path.read_bytes()
+    meta = TraceMeta(model="x", router=RouterConfig(num_experts=E, topk=K), provenance="")
+    with pytest.raises(RouteToolError, match="already exists.*--force"):
+        write_trace(path, meta, {0: _layer(T=9)})
+    assert path.read_bytes() == before
+    with pytest.raises(RouteToolError, match="folder does not exist"):
+        write_trace(tmp_path / "nope" / "t.safetensors", meta, {0: _layer()})
+
+
+def test_writer_validates_before_replacing(tmp_path):
+    path = make_trace(tmp_path / "t.safetensors", {0: _layer()})
+    before = path.read_bytes()
+    with pytest.raises(RouteToolError, match="layers.0.gating_output: has 5 experts"):
+        make_trace(path, {0: _layer(gating_output=torch.zeros((6, 5)))})
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"], "temporary file left behind"
+
+
+def _raw(tmp_path, tensors, **meta_overrides):
+    meta = metadata_dict(TraceMeta(model="m", router=RouterConfig(num_experts=E, topk=K), provenance="p"), 1)
+    meta.update(meta_overrides)
+    meta = {k: v for k, v in meta.items() if v is not None}
+    path = tmp_path / "bad.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+GOOD = {"layers.0.gating_output": torch.zeros((4, E)), "layers.0.bias": torch.zeros(E)}
+
+BROKEN = [
+    # (tensors, metadata overrides, expected message fragment)
+    ({**GOOD, "layers.0.gating_output": torch.zeros((4, 7))}, {}, "layers.0.gating_output: has 7 experts"),
+    ({**GOOD, "layers.0.gating_output": torch.zeros((4, E), dtype=torch.int32)}, {}, "has dtype int32"),
+    ({**GOOD, "layers.0.gating_output": torch.zeros(4 * E)}, {}, "layers.0.gating_output: has shape [32]"),
+    ({"layers.0.bias": torch.zeros(E)}, {}, "layers.0.gating_output: missing"),
+    ({**GOOD, "layers.0.bias": torch.zeros(E + 1)}, {}, "layers.0.bias: is float32 [9]"),
+    ({**GOOD, "layers.0.bias": torch.full((E,), float("nan"))}, {}, "layers.0.bias: has 8 non-finite"),
+    ({**GOOD, "layers.0.is_padding": torch.zeros(4)}, {}, "layers.0.is_padding: is float32"),
+    ({**GOOD, "layers.0.step_offsets": torch.tensor([0, 3])}, {}, "layers.0.step_offsets: runs from 0 to 3"),
+    ({**GOOD, "layers.0.step_offsets": torch.tensor([0, 3, 3, 4])}, {}, "not strictly increasing"),
+    ({**GOOD, "layers.0.topk_ids": torch.zeros((4, 3), dtype=torch.int32)}, {}, "layers.0.topk_ids: has shape [4, 3]"),
+    ({**GOOD, "layers.0.topk_weights": torch.zeros((4, K))}, {}, "layers.0.topk_ids: missing"),
+    ({**GOOD, "layers.0.extra": torch.zeros(1)}, {}, "layers.0.extra: unknown tensor name"),
+    ({**GOOD, "layers.1.gating_output": torch.zeros((2, E + 1))}, {"num_layers": "2"}, "layers.1.gating_output: has 9"),
+    (GOOD, {"topk": "9"}, "topk=9 must be in [1, num_experts=8]"),
+    (GOOD, {"route_scale": "nan"}, "route_scale='nan' is not finite"),
+    (GOOD, {"route_scale": None}, "missing metadata key 'route_scale'"),
+    (GOOD, {"router_score_normalization": "tanh"}, "must be sigmoid or softmax"),
+    (GOOD, {"format": "other"}, "not a routetool trace"),
+    (GOOD, {"format_version": "9"}, "format version '9' is not supported"),
+    (GOOD, {"num_layers": "3"}, "num_layers=3 but the file holds 1"),
+    (GOOD, {"num_experts": "eight"}, "num_experts='eight' is not an integer"),
+]
+
+
+@pytest.mark.parametrize("tensors,meta,message", BROKEN)
+def test_broken_traces(tmp_path, tensors, meta, message):
+    path = _raw(tmp_path, tensors, **meta)
+    with pytest.raises(RouteToolError) as info:
+        Trace(path)
+    text = str(info.value)
+    assert str(path) in text and message in text, text
+    assert "\n" not in text
+
+
+def test_not_safetensors_truncated_missing(tmp_path):
+    good = _raw(tmp_path, GOOD)
+    data = good.read_bytes()
+    cases = {
+        "junk.safetensors": b"this is not a trace at all",
+        "empty.safetensors": b"",
+        "trunc.safetensors": data[:-40],
+    }
+    for name, content in cases.items():
+        p = tmp_path / name
+        p.write_bytes(content)
+        with pytest.raises(RouteToolError, match="not a readable safetensors file"):
+            Trace(p)
+    with pytest.raises(RouteToolError, match="no such file"):
+        Trace(tmp_path / "missing.safetensors")
+    with pytest.raises(RouteToolError, match="is a directory"):
+        Trace(tmp_path)
+
+
+def test_format_name_is_stable():
+    assert FORMAT_NAME == "routetool-trace"
