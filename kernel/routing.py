@@ -2,11 +2,12 @@
 
 Algorithm, per program (``BLOCK_T`` tokens):
 
-1. Load a ``[NUM_CHUNKS, BLOCK_T, CHUNK]`` tile of logits: token rows in the middle axis,
-   each row cut into ``NUM_CHUNKS`` runs of ``CHUNK`` contiguous experts (experts padded to
-   a power of two). The innermost axis is the contiguous one, so loads are coalesced, and
-   only ``CHUNK / vector width`` threads share a row: most of each row's reduction happens
-   in registers instead of warp shuffles. Logits of any float dtype are upcast to float32.
+1. Load a ``[BLOCK_T, NUM_CHUNKS, CHUNK]`` tile of logits: each token row cut into
+   ``NUM_CHUNKS`` runs of ``CHUNK`` contiguous experts (experts padded to a power of two).
+   The innermost axis is the contiguous one, so loads are coalesced; the compiler lays
+   threads out along it first and then along the rows, so only ``CHUNK / vector width``
+   threads share a row and most of each row's reduction happens in registers instead of
+   warp shuffles. Logits of any float dtype are upcast to float32.
 2. Scores: sigmoid or stable softmax of ``logits * multiplier`` (NaN logits count as -inf).
 3. One int64 key per expert: the order-preserving integer image of the float32 biased score
    (``score + bias``, NaN -> -inf, -0.0 -> +0.0) in the high word, ``E_PAD - 1 - expert``
@@ -39,7 +40,7 @@ import triton.language as tl
 
 from kernel._launch import check_routing_args, pdl_supported
 
-_EMPTY_KEY: tl.constexpr = -(2**63)  # below every real key: the key of -inf is > -2**63
+_EMPTY_KEY = tl.constexpr(-(2**63))  # below every real key: the key of -inf is > -2**63
 
 
 @triton.jit
@@ -76,9 +77,9 @@ def _routing_kernel(
     E_PAD: tl.constexpr = NUM_CHUNKS * CHUNK
     pid = tl.program_id(0)
 
-    # 3-D tile [NUM_CHUNKS, BLOCK_T, CHUNK]; expert = chunk * CHUNK + lane.
-    expert = tl.arange(0, NUM_CHUNKS)[:, None, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
-    row = pid * BLOCK_T + tl.arange(0, BLOCK_T)[None, :, None]
+    # 3-D tile [BLOCK_T, NUM_CHUNKS, CHUNK]; expert = chunk * CHUNK + lane.
+    expert = tl.arange(0, NUM_CHUNKS)[None, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
+    row = pid * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
     expert_ok = expert < num_experts
     row_ok = row < num_tokens
     row_off = row.to(tl.int64) * stride_gm
@@ -90,7 +91,9 @@ def _routing_kernel(
         mask=expert_ok & row_ok,
         other=-float("inf"),
     ).to(tl.float32)
-    bias = tl.load(bias_ptr + expert * stride_bias, mask=expert_ok, other=0.0).to(tl.float32)
+    # The bias is loaded through a pointer tile of the logits' shape so it gets their layout.
+    bias_ptrs = tl.broadcast_to(bias_ptr + expert * stride_bias, [BLOCK_T, NUM_CHUNKS, CHUNK])
+    bias = tl.load(bias_ptrs, mask=expert_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -100,11 +103,11 @@ def _routing_kernel(
     if NORMALIZATION_MODE == 0:
         scores = tl.sigmoid(logits)
     else:
-        row_max = tl.max(tl.max(logits, axis=0), axis=1)[None, :, None]  # (1, BLOCK_T, 1)
+        row_max = tl.max(tl.max(logits, axis=2), axis=1)[:, None, None]  # (BLOCK_T, 1, 1)
         has_inf = row_max == float("inf")
         finite_max = tl.where((row_max > -float("inf")) & ~has_inf, row_max, 0.0)
         exp = tl.where(has_inf, (logits == float("inf")).to(tl.float32), tl.exp(logits - finite_max))
-        total = tl.sum(tl.sum(exp, axis=0), axis=1)[None, :, None]
+        total = tl.sum(tl.sum(exp, axis=2), axis=1)[:, None, None]
         scores = tl.where(total > 0, exp / tl.where(total > 0, total, 1.0), 0.0)
 
     biased = scores + bias
@@ -115,46 +118,39 @@ def _routing_kernel(
     key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - expert).to(tl.int64)
     key = tl.where(expert_ok, key, _EMPTY_KEY)
 
-    slot = tl.arange(0, TOPK_PADDED)[None, :]  # (1, TOPK_PADDED)
-    ids = tl.zeros([BLOCK_T, TOPK_PADDED], dtype=tl.int32)
+    # Outputs live in (BLOCK_T, 1, TOPK_PADDED) tensors: derived from the tile's layout, so
+    # the selection loop needs no layout conversion (no shared-memory round trip per round).
+    slot = tl.arange(0, TOPK_PADDED)[None, None, :]
+    ids = tl.zeros([BLOCK_T, 1, TOPK_PADDED], dtype=tl.int32)
     for k in tl.static_range(TOPK):
-        best = tl.max(tl.max(key, axis=0), axis=1)  # (BLOCK_T,)
-        key = tl.where(key == best[None, :, None], _EMPTY_KEY, key)
-        best_expert = (E_PAD - 1) - best.to(tl.int32)  # low word holds E_PAD - 1 - expert
-        ids = tl.where(slot == k, best_expert[:, None], ids)
+        best = tl.max(tl.max(key, axis=2), axis=1)[:, None, None]  # (BLOCK_T, 1, 1)
+        key = tl.where(key == best, _EMPTY_KEY, key)
+        ids = tl.where(slot == k, (E_PAD - 1) - best.to(tl.int32), ids)  # low word: E_PAD - 1 - expert
 
     # Weights from the picked experts only: re-read their logits, recompute their scores.
-    row2 = pid * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (BLOCK_T, 1)
-    out_ok = (row2 < num_tokens) & (slot < TOPK)
-    picked = tl.load(
-        gating_output_ptr + row2.to(tl.int64) * stride_gm + ids * stride_gn,
-        mask=out_ok,
-        other=-float("inf"),
-    ).to(tl.float32)
+    out_ok = row_ok & (slot < TOPK)
+    picked = tl.load(gating_output_ptr + row_off + ids * stride_gn, mask=out_ok, other=-float("inf")).to(tl.float32)
     if HAS_MULTIPLIER:
         picked = picked * router_output_multiplier
     picked = tl.where(picked != picked, -float("inf"), picked)
     if NORMALIZATION_MODE == 0:
         picked_scores = tl.sigmoid(picked)
     else:
-        m = tl.reshape(finite_max, [BLOCK_T, 1])
-        inf_row = tl.reshape(has_inf, [BLOCK_T, 1])
-        t = tl.reshape(total, [BLOCK_T, 1])
-        e = tl.where(inf_row, (picked == float("inf")).to(tl.float32), tl.exp(picked - m))
-        picked_scores = tl.where(t > 0, e / tl.where(t > 0, t, 1.0), 0.0)
+        e = tl.where(has_inf, (picked == float("inf")).to(tl.float32), tl.exp(picked - finite_max))
+        picked_scores = tl.where(total > 0, e / tl.where(total > 0, total, 1.0), 0.0)
     picked_scores = tl.where(out_ok, picked_scores, 0.0)
-    denom = tl.sum(picked_scores, axis=1)
+    denom = tl.sum(picked_scores, axis=2)[:, :, None]
     if HAS_EPS:
         denom = denom + division_eps
     inv_sum_scaled = tl.where(denom > 0, route_scale / tl.where(denom > 0, denom, 1.0), 0.0)
-    weights = picked_scores * inv_sum_scaled[:, None]
+    weights = picked_scores * inv_sum_scaled
 
     if is_padding_ptr is not None:
-        padded = tl.load(is_padding_ptr + row2 * stride_pad, mask=row2 < num_tokens, other=0) != 0
+        padded = tl.load(is_padding_ptr + row * stride_pad, mask=row_ok, other=0) != 0  # (BLOCK_T, 1, 1)
         ids = tl.where(padded, -1, ids)
         weights = tl.where(padded, 0.0, weights)
-    tl.store(topk_ids_ptr + row2 * stride_im + slot * stride_ik, ids, mask=out_ok)
-    tl.store(topk_weights_ptr + row2 * stride_wm + slot * stride_wk, weights, mask=out_ok)
+    tl.store(topk_ids_ptr + row * stride_im + slot * stride_ik, ids, mask=out_ok)
+    tl.store(topk_weights_ptr + row * stride_wm + slot * stride_wk, weights, mask=out_ok)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""Compile the tiled kernel for sm_90 without a GPU and print its layouts and register use.
+
+Usage: python benchmarks/inspect_kernel.py --experts 256 --dtype bf16 --block-t 16 --chunk 64 --warps 4
+Uses Triton's own compiler and its bundled ptxas; no device needed.
+"""
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from kernel.routing import _routing_kernel, padded_num_experts
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--experts", type=int, default=256)
+ap.add_argument("--topk", type=int, default=8)
+ap.add_argument("--dtype", default="bf16")
+ap.add_argument("--block-t", type=int, default=16)
+ap.add_argument("--chunk", type=int, default=64)
+ap.add_argument("--warps", type=int, default=4)
+ap.add_argument("--softmax", action="store_true")
+ap.add_argument("--dump", help="write ttgir/ptx/sass-relevant files to this folder")
+a = ap.parse_args()
+
+names = list(_routing_kernel.arg_names)
+sig = {n: "i32" for n in names}
+sig.update(gating_output_ptr=f"*{a.dtype}", bias_ptr="*fp32", topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
+           is_padding_ptr="*i1", router_output_multiplier="fp32", route_scale="fp32", division_eps="fp32")
+consts = dict(stride_gn=1, stride_bias=1, stride_wk=1, stride_ik=1, stride_pad=1, TOPK=a.topk,
+              TOPK_PADDED=triton.next_power_of_2(a.topk), NUM_CHUNKS=padded_num_experts(a.experts) // a.chunk,
+              CHUNK=a.chunk, BLOCK_T=a.block_t, NORMALIZATION_MODE=int(a.softmax), HAS_MULTIPLIER=False,
+              HAS_EPS=False, USE_PDL=True)
+for n in consts:
+    sig[n] = "constexpr"
+div16 = [["tt.divisibility", 16]]
+attrs = {(names.index(n),): div16 for n in ("gating_output_ptr", "bias_ptr", "topk_weights_ptr", "topk_ids_ptr",
+                                             "is_padding_ptr", "num_experts", "stride_gm", "stride_wm", "stride_im")}
+src = triton.compiler.ASTSource(fn=_routing_kernel, signature=sig, constexprs=consts, attrs=attrs)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps))
+for line in k.asm["ttgir"].splitlines():
+    if line.startswith("#blocked") or line.startswith("#linear"):
+        print(line)
+print("shared memory bytes:", k.metadata.shared)
+ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas"))[0]
+with tempfile.TemporaryDirectory() as d:
+    p = os.path.join(d, "k.ptx")
+    open(p, "w").write(k.asm["ptx"])
+    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", p, "-o", os.path.join(d, "k.o")],
+                         capture_output=True, text=True)
+    print(" ".join(re.findall(r"Used \d+ registers.*|\d+ bytes spill.*", out.stderr)))
+ptx = k.asm["ptx"]
+print("ptx: shfl", ptx.count("shfl.sync"), "ld.global", ptx.count("ld.global"), "st.shared", ptx.count("st.shared"),
+      "ld.shared", ptx.count("ld.shared"), "bar.sync", ptx.count("bar.sync"))
+if a.dump:
+    os.makedirs(a.dump, exist_ok=True)
+    for key in ("ttgir", "ptx"):
+        open(os.path.join(a.dump, f"routing.{key}"), "w").write(k.asm[key])
