@@ -24,6 +24,8 @@ ap.add_argument("--block-t", type=int, default=16)
 ap.add_argument("--chunk", type=int, default=64)
 ap.add_argument("--warps", type=int, default=4)
 ap.add_argument("--softmax", action="store_true")
+ap.add_argument("--select", type=int, default=0)
+ap.add_argument("--in-loop", action="store_true")
 ap.add_argument("--dump", help="write ttgir/ptx/sass-relevant files to this folder")
 a = ap.parse_args()
 
@@ -34,7 +36,8 @@ sig.update(gating_output_ptr=f"*{a.dtype}", bias_ptr="*fp32", topk_weights_ptr="
 consts = dict(stride_gn=1, stride_bias=1, stride_wk=1, stride_ik=1, stride_pad=1, TOPK=a.topk,
               TOPK_PADDED=triton.next_power_of_2(a.topk), NUM_CHUNKS=padded_num_experts(a.experts) // a.chunk,
               CHUNK=a.chunk, BLOCK_T=a.block_t, NORMALIZATION_MODE=int(a.softmax), HAS_MULTIPLIER=False,
-              HAS_EPS=False, USE_PDL=True)
+              HAS_EPS=False, USE_PDL=True, SELECT_MODE=a.select,
+              SCORES_IN_LOOP=a.in_loop)
 for n in consts:
     sig[n] = "constexpr"
 div16 = [["tt.divisibility", 16]]
@@ -53,6 +56,14 @@ with tempfile.TemporaryDirectory() as d:
     out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", p, "-o", os.path.join(d, "k.o")],
                          capture_output=True, text=True)
     print(" ".join(re.findall(r"Used \d+ registers.*|\d+ bytes spill.*", out.stderr)))
+    cubin = os.path.join(d, "k.cubin")
+    open(cubin, "wb").write(k.asm["cubin"])
+    cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+    sass = subprocess.run([cuobjdump, "--dump-sass", cubin], capture_output=True, text=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)
+    from collections import Counter
+    c = Counter(o.split(".")[0] for o in ops)
+    print("sass instructions:", len(ops), "top:", ", ".join(f"{n}:{v}" for n, v in c.most_common(10)))
 ptx = k.asm["ptx"]
 print("ptx: shfl", ptx.count("shfl.sync"), "ld.global", ptx.count("ld.global"), "st.shared", ptx.count("st.shared"),
       "ld.shared", ptx.count("ld.shared"), "bar.sync", ptx.count("bar.sync"))

@@ -62,26 +62,35 @@ def check(fn, x, bias, K, **kw):
 
 
 def configs(E, dtype, T, quick):
+    """Candidate launch configs: latency-oriented for small batches, throughput-oriented for large."""
     e_pad = padded_num_experts(E)
     vec = 16 // dtype.itemsize
-    chunks = sorted({c for c in (vec * 2, vec * 4, vec * 8, e_pad) if vec <= c <= e_pad})
-    warps = (1, 4) if quick else (1, 2, 4, 8)
     out = []
-    for chunk, nw in itertools.product(chunks, warps):
-        lanes = max(1, chunk // vec)
-        rows_per_warp = max(1, 32 // lanes)
-        for mult in ((1, 2) if quick else (1, 2, 4)):
-            bt = rows_per_warp * nw * mult
-            if bt > 256 or (T <= 64 and bt > 64):
-                continue
-            out.append(LaunchConfig(block_t=bt, chunk=chunk, num_warps=nw))
-    return out
+    if T <= 64:
+        # 32 lanes per row (few elements per thread, short dependency chains)
+        chunk = min(e_pad, 32 * vec)
+        for bt, nw in ((1, 1), (2, 2), (4, 4), (4, 1)):
+            for sel in (0, 1):
+                for in_loop in (False, True):
+                    out.append(LaunchConfig(block_t=bt, chunk=chunk, num_warps=nw, select_mode=sel,
+                                            scores_in_loop=in_loop))
+    else:
+        for lanes in (4, 8, 16):
+            chunk = min(e_pad, lanes * vec)
+            lanes = chunk // vec
+            for nw in (4, 8):
+                for mult in (1, 2):
+                    bt = (32 // lanes) * nw * mult
+                    for sel in (0, 1):
+                        out.append(LaunchConfig(block_t=bt, chunk=chunk, num_warps=nw, select_mode=sel))
+    return list(dict.fromkeys(out))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=240, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -90,9 +99,13 @@ def main():
     copy_gbps = 2 * src.numel() / copy_ms / 1e6
     print(f"{props.name}: copy bandwidth {copy_gbps:.0f} GB/s (read+write), torch {torch.__version__}, triton {triton.__version__}")
     rows = []
-    shapes = [(T, E, dt) for E in (256, 384) for dt in (torch.float32, torch.bfloat16) for T in (1, 64, 4096, 65536)]
+    shapes = [(T, E, dt) for E, dt in ((256, torch.float32), (256, torch.bfloat16), (384, torch.float32))
+              for T in (64, 65536)]
     t0 = time.time()
     for T, E, dtype in shapes:
+        if time.time() - t0 > args.budget_s:
+            print("time budget spent; stopping the sweep", flush=True)
+            break
         K = 8
         xs, bias = rotating_inputs(T, E, dtype)
         floor_us = (T * E * xs[0].element_size() + T * K * 8) / (copy_gbps * 1e3)
@@ -107,7 +120,8 @@ def main():
             p10, p50, p90 = time_fn(fn, xs, bias, T, K, **kw) if ok else (float("nan"),) * 3
             row = dict(variant=name, num_tokens=T, num_experts=E, topk=K, dtype=str(dtype).removeprefix("torch."),
                        block_t=cfg.block_t if cfg else "", chunk=cfg.chunk if cfg else "",
-                       num_warps=cfg.num_warps if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
+                       num_warps=cfg.num_warps if cfg else "", select_mode=cfg.select_mode if cfg else "",
+                       scores_in_loop=cfg.scores_in_loop if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
                        floor_us=floor_us, is_default=cfg == default_config(T, E, dtype) if cfg else "")
             rows.append(row)
             if ok and name == "tiled" and (best is None or p50 < best["p50_us"]):
@@ -116,11 +130,16 @@ def main():
             r["is_default"] is True for r in rows[-len(cands):]) else None
         seed = next((r for r in rows[-len(cands):] if r["variant"] == "seed"), None)
         print(f"T={T:>6} E={E} {str(dtype)[6:]:>8}: best {best['p50_us']:.2f}us "
-              f"(bt={best['block_t']} chunk={best['chunk']} w={best['num_warps']}), "
+              f"(bt={best['block_t']} chunk={best['chunk']} w={best['num_warps']} sel={best['select_mode']} "
+              f"loop={best['scores_in_loop']}), "
               f"default {default['p50_us'] if default else float('nan'):.2f}us, "
               f"seed {seed['p50_us'] if seed else float('nan'):.2f}us, floor {floor_us:.2f}us  [{time.time() - t0:.0f}s]",
               flush=True)
         del xs
+        with open(args.out, "w", newline="") as fh:  # rewritten after every shape: survives a timeout
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
     with open(args.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()

@@ -72,6 +72,8 @@ def _routing_kernel(
     HAS_MULTIPLIER: tl.constexpr,
     HAS_EPS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SELECT_MODE: tl.constexpr,  # 0: packed int64 keys; 1: int32 keys + lowest-index pass
+    SCORES_IN_LOOP: tl.constexpr,  # picked scores by a reduction per round, or re-read after
 ):
     """Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``."""
     E_PAD: tl.constexpr = NUM_CHUNKS * CHUNK
@@ -115,29 +117,46 @@ def _routing_kernel(
     biased = tl.where(biased == 0.0, 0.0, biased)  # -0.0 and +0.0 must tie
     bits = biased.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - expert).to(tl.int64)
-    key = tl.where(expert_ok, key, _EMPTY_KEY)
 
     # Outputs live in (BLOCK_T, 1, TOPK_PADDED) tensors: derived from the tile's layout, so
     # the selection loop needs no layout conversion (no shared-memory round trip per round).
     slot = tl.arange(0, TOPK_PADDED)[None, None, :]
     ids = tl.zeros([BLOCK_T, 1, TOPK_PADDED], dtype=tl.int32)
+    picked_scores = tl.zeros([BLOCK_T, 1, TOPK_PADDED], dtype=tl.float32)
+    if SELECT_MODE == 0:
+        key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - expert).to(tl.int64)
+        key = tl.where(expert_ok, key, _EMPTY_KEY)
+    else:
+        key = tl.where(expert_ok, ordered, -2147483648)  # below the image of -inf
     for k in tl.static_range(TOPK):
         best = tl.max(tl.max(key, axis=2), axis=1)[:, None, None]  # (BLOCK_T, 1, 1)
-        key = tl.where(key == best, _EMPTY_KEY, key)
-        ids = tl.where(slot == k, (E_PAD - 1) - best.to(tl.int32), ids)  # low word: E_PAD - 1 - expert
+        if SELECT_MODE == 0:
+            hit = key == best  # keys are distinct: exactly one hit
+            first = (E_PAD - 1) - best.to(tl.int32)  # the low word holds E_PAD - 1 - expert
+            key = tl.where(hit, _EMPTY_KEY, key)
+        else:
+            first = tl.min(tl.min(tl.where(key == best, expert, E_PAD), axis=2), axis=1)[:, None, None]
+            hit = expert == first
+            key = tl.where(hit, -2147483648, key)
+        ids = tl.where(slot == k, first, ids)
+        if SCORES_IN_LOOP:
+            picked_scores = tl.where(
+                slot == k, tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)[:, None, None], picked_scores
+            )
 
-    # Weights from the picked experts only: re-read their logits, recompute their scores.
     out_ok = row_ok & (slot < TOPK)
-    picked = tl.load(gating_output_ptr + row_off + ids * stride_gn, mask=out_ok, other=-float("inf")).to(tl.float32)
-    if HAS_MULTIPLIER:
-        picked = picked * router_output_multiplier
-    picked = tl.where(picked != picked, -float("inf"), picked)
-    if NORMALIZATION_MODE == 0:
-        picked_scores = tl.sigmoid(picked)
-    else:
-        e = tl.where(has_inf, (picked == float("inf")).to(tl.float32), tl.exp(picked - finite_max))
-        picked_scores = tl.where(total > 0, e / tl.where(total > 0, total, 1.0), 0.0)
+    if not SCORES_IN_LOOP:
+        # Re-read the picked experts' logits (in cache) and recompute only their scores.
+        picked = tl.load(gating_output_ptr + row_off + ids * stride_gn, mask=out_ok, other=-float("inf"))
+        picked = picked.to(tl.float32)
+        if HAS_MULTIPLIER:
+            picked = picked * router_output_multiplier
+        picked = tl.where(picked != picked, -float("inf"), picked)
+        if NORMALIZATION_MODE == 0:
+            picked_scores = tl.sigmoid(picked)
+        else:
+            e = tl.where(has_inf, (picked == float("inf")).to(tl.float32), tl.exp(picked - finite_max))
+            picked_scores = tl.where(total > 0, e / tl.where(total > 0, total, 1.0), 0.0)
     picked_scores = tl.where(out_ok, picked_scores, 0.0)
     denom = tl.sum(picked_scores, axis=2)[:, :, None]
     if HAS_EPS:
@@ -166,6 +185,8 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
+    select_mode: int = 0
+    scores_in_loop: bool = False
 
 
 def padded_num_experts(num_experts: int) -> int:
@@ -279,6 +300,8 @@ def fused_musespark1x_routing(
         HAS_MULTIPLIER=launch.router_output_multiplier is not None,
         HAS_EPS=launch.router_score_division_eps is not None,
         USE_PDL=enable_pdl,
+        SELECT_MODE=config.select_mode,
+        SCORES_IN_LOOP=config.scores_in_loop,
         num_warps=config.num_warps,
         **({"launch_pdl": True} if enable_pdl else {}),
     )
