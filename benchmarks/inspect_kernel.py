@@ -24,8 +24,7 @@ ap.add_argument("--block-t", type=int, default=16)
 ap.add_argument("--chunk", type=int, default=64)
 ap.add_argument("--warps", type=int, default=4)
 ap.add_argument("--softmax", action="store_true")
-ap.add_argument("--select", type=int, default=0)
-ap.add_argument("--in-loop", action="store_true")
+
 ap.add_argument("--dump", help="write ttgir/ptx/sass-relevant files to this folder")
 a = ap.parse_args()
 
@@ -36,8 +35,7 @@ sig.update(gating_output_ptr=f"*{a.dtype}", bias_ptr="*fp32", topk_weights_ptr="
 consts = dict(stride_gn=1, stride_bias=1, stride_wk=1, stride_ik=1, stride_pad=1, TOPK=a.topk,
               TOPK_PADDED=triton.next_power_of_2(a.topk), NUM_CHUNKS=padded_num_experts(a.experts) // a.chunk,
               CHUNK=a.chunk, BLOCK_T=a.block_t, NORMALIZATION_MODE=int(a.softmax), HAS_MULTIPLIER=False,
-              HAS_EPS=False, USE_PDL=True, SELECT_MODE=a.select,
-              SCORES_IN_LOOP=a.in_loop)
+              HAS_EPS=False, USE_PDL=True)
 for n in consts:
     sig[n] = "constexpr"
 div16 = [["tt.divisibility", 16]]

@@ -70,10 +70,7 @@ def configs(E, dtype, T, quick):
         # 32 lanes per row (few elements per thread, short dependency chains)
         chunk = min(e_pad, 32 * vec)
         for bt, nw in ((1, 1), (2, 2), (4, 4), (4, 1)):
-            for sel in (0, 1):
-                for in_loop in (False, True):
-                    out.append(LaunchConfig(block_t=bt, chunk=chunk, num_warps=nw, select_mode=sel,
-                                            scores_in_loop=in_loop))
+            out.append(LaunchConfig(block_t=bt, chunk=chunk, num_warps=nw))
     else:
         for lanes in (4, 8, 16):
             chunk = min(e_pad, lanes * vec)
@@ -81,8 +78,7 @@ def configs(E, dtype, T, quick):
             for nw in (4, 8):
                 for mult in (1, 2):
                     bt = (32 // lanes) * nw * mult
-                    for sel in (0, 1):
-                        out.append(LaunchConfig(block_t=bt, chunk=chunk, num_warps=nw, select_mode=sel))
+                    out.append(LaunchConfig(block_t=bt, chunk=chunk, num_warps=nw))
     return list(dict.fromkeys(out))
 
 
@@ -120,8 +116,7 @@ def main():
             p10, p50, p90 = time_fn(fn, xs, bias, T, K, **kw) if ok else (float("nan"),) * 3
             row = dict(variant=name, num_tokens=T, num_experts=E, topk=K, dtype=str(dtype).removeprefix("torch."),
                        block_t=cfg.block_t if cfg else "", chunk=cfg.chunk if cfg else "",
-                       num_warps=cfg.num_warps if cfg else "", select_mode=cfg.select_mode if cfg else "",
-                       scores_in_loop=cfg.scores_in_loop if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
+                       num_warps=cfg.num_warps if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
                        floor_us=floor_us, is_default=cfg == default_config(T, E, dtype) if cfg else "")
             rows.append(row)
             if ok and name == "tiled" and (best is None or p50 < best["p50_us"]):
@@ -130,8 +125,7 @@ def main():
             r["is_default"] is True for r in rows[-len(cands):]) else None
         seed = next((r for r in rows[-len(cands):] if r["variant"] == "seed"), None)
         print(f"T={T:>6} E={E} {str(dtype)[6:]:>8}: best {best['p50_us']:.2f}us "
-              f"(bt={best['block_t']} chunk={best['chunk']} w={best['num_warps']} sel={best['select_mode']} "
-              f"loop={best['scores_in_loop']}), "
+              f"(bt={best['block_t']} chunk={best['chunk']} w={best['num_warps']}), "
               f"default {default['p50_us'] if default else float('nan'):.2f}us, "
               f"seed {seed['p50_us'] if seed else float('nan'):.2f}us, floor {floor_us:.2f}us  [{time.time() - t0:.0f}s]",
               flush=True)

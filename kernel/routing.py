@@ -9,14 +9,17 @@ Algorithm, per program (``BLOCK_T`` tokens):
    threads share a row and most of each row's reduction happens in registers instead of
    warp shuffles. Logits of any float dtype are upcast to float32.
 2. Scores: sigmoid or stable softmax of ``logits * multiplier`` (NaN logits count as -inf).
-3. One int64 key per expert: the order-preserving integer image of the float32 biased score
-   (``score + bias``, NaN -> -inf, -0.0 -> +0.0) in the high word, ``E_PAD - 1 - expert``
-   in the low word. Keys are distinct, and the largest key is the highest biased score,
-   ties going to the lowest expert index, exactly as ``tl.argmax`` breaks them. Each of the
-   ``TOPK`` selection rounds is then a single max reduction plus a mask-out.
+3. One int32 key per expert: the order-preserving integer image of the float32 biased score
+   (``score + bias``, NaN -> -inf, -0.0 -> +0.0). Each of the ``TOPK`` rounds takes the
+   largest key, then the lowest expert index holding it (so ties go to the lowest index,
+   exactly as ``tl.argmax`` breaks them), and masks that expert out. Two 32-bit reductions
+   per round measured faster on an H200 than one reduction over packed int64
+   (score, index) keys, which Hopper compares in several instructions
+   (benchmarks/NOTES.md).
 4. Weights: the picked experts' logits are re-read (already in cache) and only those
-   ``TOPK`` scores are recomputed, renormalised by ``route_scale / (sum + eps)``; a zero
-   denominator gives weights 0. Padded rows get id -1 and weight 0.
+   ``TOPK`` scores are recomputed (cheaper than a score reduction per round, measured),
+   renormalised by ``route_scale / (sum + eps)``; a zero denominator gives weights 0.
+   Padded rows get id -1 and weight 0.
 
 Semantics are the seed's (see :mod:`kernel.reference`, which defines them, including the
 rule for non-finite input). Differences from the seed kernel, and why:
@@ -40,7 +43,7 @@ import triton.language as tl
 
 from kernel._launch import check_routing_args, pdl_supported
 
-_EMPTY_KEY = tl.constexpr(-(2**63))  # below every real key: the key of -inf is > -2**63
+_EMPTY_KEY = tl.constexpr(-(2**31))  # below every real key: the image of -inf is -2**31 + 0x7F800000
 
 
 @triton.jit
@@ -72,8 +75,6 @@ def _routing_kernel(
     HAS_MULTIPLIER: tl.constexpr,
     HAS_EPS: tl.constexpr,
     USE_PDL: tl.constexpr,
-    SELECT_MODE: tl.constexpr,  # 0: packed int64 keys; 1: int32 keys + lowest-index pass
-    SCORES_IN_LOOP: tl.constexpr,  # picked scores by a reduction per round, or re-read after
 ):
     """Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``."""
     E_PAD: tl.constexpr = NUM_CHUNKS * CHUNK
@@ -118,45 +119,30 @@ def _routing_kernel(
     bits = biased.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
-    # Outputs live in (BLOCK_T, 1, TOPK_PADDED) tensors: derived from the tile's layout, so
-    # the selection loop needs no layout conversion (no shared-memory round trip per round).
+    # Selection: TOPK rounds of (max of the keys, lowest expert holding it, mask it out).
+    # Outputs live in (BLOCK_T, 1, TOPK_PADDED) tensors derived from the tile's layout, so
+    # the rounds need no layout conversion (no shared-memory round trip per round).
     slot = tl.arange(0, TOPK_PADDED)[None, None, :]
     ids = tl.zeros([BLOCK_T, 1, TOPK_PADDED], dtype=tl.int32)
-    picked_scores = tl.zeros([BLOCK_T, 1, TOPK_PADDED], dtype=tl.float32)
-    if SELECT_MODE == 0:
-        key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - expert).to(tl.int64)
-        key = tl.where(expert_ok, key, _EMPTY_KEY)
-    else:
-        key = tl.where(expert_ok, ordered, -2147483648)  # below the image of -inf
+    key = tl.where(expert_ok, ordered, _EMPTY_KEY)
     for k in tl.static_range(TOPK):
         best = tl.max(tl.max(key, axis=2), axis=1)[:, None, None]  # (BLOCK_T, 1, 1)
-        if SELECT_MODE == 0:
-            hit = key == best  # keys are distinct: exactly one hit
-            first = (E_PAD - 1) - best.to(tl.int32)  # the low word holds E_PAD - 1 - expert
-            key = tl.where(hit, _EMPTY_KEY, key)
-        else:
-            first = tl.min(tl.min(tl.where(key == best, expert, E_PAD), axis=2), axis=1)[:, None, None]
-            hit = expert == first
-            key = tl.where(hit, -2147483648, key)
+        first = tl.min(tl.min(tl.where(key == best, expert, E_PAD), axis=2), axis=1)[:, None, None]
+        key = tl.where(expert == first, _EMPTY_KEY, key)
         ids = tl.where(slot == k, first, ids)
-        if SCORES_IN_LOOP:
-            picked_scores = tl.where(
-                slot == k, tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)[:, None, None], picked_scores
-            )
 
+    # Weights from the picked experts only: re-read their logits (in cache), recompute their scores.
     out_ok = row_ok & (slot < TOPK)
-    if not SCORES_IN_LOOP:
-        # Re-read the picked experts' logits (in cache) and recompute only their scores.
-        picked = tl.load(gating_output_ptr + row_off + ids * stride_gn, mask=out_ok, other=-float("inf"))
-        picked = picked.to(tl.float32)
-        if HAS_MULTIPLIER:
-            picked = picked * router_output_multiplier
-        picked = tl.where(picked != picked, -float("inf"), picked)
-        if NORMALIZATION_MODE == 0:
-            picked_scores = tl.sigmoid(picked)
-        else:
-            e = tl.where(has_inf, (picked == float("inf")).to(tl.float32), tl.exp(picked - finite_max))
-            picked_scores = tl.where(total > 0, e / tl.where(total > 0, total, 1.0), 0.0)
+    picked = tl.load(gating_output_ptr + row_off + ids * stride_gn, mask=out_ok, other=-float("inf"))
+    picked = picked.to(tl.float32)
+    if HAS_MULTIPLIER:
+        picked = picked * router_output_multiplier
+    picked = tl.where(picked != picked, -float("inf"), picked)
+    if NORMALIZATION_MODE == 0:
+        picked_scores = tl.sigmoid(picked)
+    else:
+        e = tl.where(has_inf, (picked == float("inf")).to(tl.float32), tl.exp(picked - finite_max))
+        picked_scores = tl.where(total > 0, e / tl.where(total > 0, total, 1.0), 0.0)
     picked_scores = tl.where(out_ok, picked_scores, 0.0)
     denom = tl.sum(picked_scores, axis=2)[:, :, None]
     if HAS_EPS:
@@ -185,8 +171,6 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
-    select_mode: int = 0
-    scores_in_loop: bool = False
 
 
 def padded_num_experts(num_experts: int) -> int:
@@ -194,23 +178,32 @@ def padded_num_experts(num_experts: int) -> int:
     return 1 << max(3, (num_experts - 1).bit_length())
 
 
-def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype, device_type: str = "cuda") -> LaunchConfig:
-    """Launch settings chosen by shape.
+SMALL_BATCH = 1024
+"""Up to this many tokens the launch favours latency (one token per program, 32 lanes a row)."""
 
-    On a GPU, ``chunk`` is set so that each thread holds about 32 experts of a row (vector
-    width 16 bytes), which keeps most of each selection round in registers, and
-    ``block_t`` gives every warp whole rows. Under the Triton interpreter (CPU tensors)
-    each program costs Python overhead, so programs take up to 128 rows instead.
+
+def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype, device_type: str = "cuda") -> LaunchConfig:
+    """Launch settings chosen by shape, from the sweep in benchmarks/NOTES.md (H200).
+
+    * small batches (<= :data:`SMALL_BATCH` tokens, decode): one token per program and
+      one warp, 32 lanes per row, so each round's dependency chain is short;
+    * large batches (prefill): ``chunk`` = 64 experts, i.e. 64 / vector-width lanes per row
+      (16 for float32, 8 for bf16/fp16), 4 warps (8 beyond 256 padded experts), and as
+      many rows per program as the warps cover;
+    * under the Triton interpreter (CPU tensors) each program costs Python overhead, so
+      programs take up to 128 rows.
     """
     e_pad = padded_num_experts(num_experts)
     vec = 16 // gating_dtype.itemsize
-    lanes_per_row = min(32, max(1, e_pad // 32))
-    chunk = min(e_pad, lanes_per_row * vec)
     if device_type != "cuda":
+        chunk = min(e_pad, 64)
         return LaunchConfig(block_t=min(128, triton.next_power_of_2(max(1, num_tokens))), chunk=chunk, num_warps=4)
-    rows_per_warp = 32 // max(1, chunk // vec)
-    num_warps = 1 if num_tokens <= 64 else 4
-    return LaunchConfig(block_t=rows_per_warp * num_warps, chunk=chunk, num_warps=num_warps)
+    if num_tokens <= SMALL_BATCH:
+        return LaunchConfig(block_t=1, chunk=min(e_pad, 32 * vec), num_warps=1)
+    chunk = min(e_pad, 64)
+    lanes = max(1, chunk // vec)
+    num_warps = 4 if e_pad <= 256 else 8
+    return LaunchConfig(block_t=max(1, 32 // lanes) * num_warps, chunk=chunk, num_warps=num_warps)
 
 
 def fused_musespark1x_routing(
@@ -300,8 +293,6 @@ def fused_musespark1x_routing(
         HAS_MULTIPLIER=launch.router_output_multiplier is not None,
         HAS_EPS=launch.router_score_division_eps is not None,
         USE_PDL=enable_pdl,
-        SELECT_MODE=config.select_mode,
-        SCORES_IN_LOOP=config.scores_in_loop,
         num_warps=config.num_warps,
         **({"launch_pdl": True} if enable_pdl else {}),
     )
