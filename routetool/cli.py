@@ -98,3 +98,60 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     if json_path is not None:
         write_json(replay_json(result), json_path, sys.stdout)
     click.get_current_context().exit(EXIT_OK if result.ok else EXIT_FINDINGS)
+
+
+@main.command()
+@click.argument("traces", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
+              help="Kernel under test: a variant (tiled, seed) or module:function with the seed's signature.")
+@click.option("--suite", type=click.Choice(["quick", "full", "none"]), default="quick", show_default=True,
+              help="Built-in edge-case suite: quick (CPU-sized), full (all shapes; large ones need a GPU), none.")
+@click.option("--family", "families", multiple=True,
+              help="Only these suite families (repeatable): ties, nonfinite, bias, shapes, layouts, dtypes, padding, parameters.")
+@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
+              help="cuda: compiled kernels, CUDA-graph cases; cpu: the Triton interpreter; auto: cuda if present.")
+@click.option("--tie-ulps", type=click.FloatRange(min=0), default=16.0, show_default=True,
+              help="Near-tie tolerance in float32 ulps for tie-equivalent rows (0 = exact ties only).")
+@click.option("--json", "json_path", default=None, metavar="PATH", help="Write verdicts as JSON ('-' = stdout).")
+@click.option("--junit", "junit_path", default=None, metavar="PATH", help="Write verdicts as JUnit XML ('-' = stdout).")
+@click.option("--force", is_flag=True, help="Replace existing --json/--junit files.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: tuple[str, ...], device: str,
+             tie_ulps: float, json_path: str | None, junit_path: str | None, force: bool, progress: bool) -> None:
+    """Validate a routing kernel before deployment, on the edge-case suite and on TRACES.
+
+    Every case ends in pass, pass with tie-equivalent rows, a documented rejection, or
+    fail (with the failure class, the first offending rows, their inputs and both outputs).
+    Exit 0 when nothing failed, 1 otherwise.
+    """
+    from routetool.execution import load_kernel, select_execution
+    from routetool.report import check_output_path, render_validate, validate_json, validate_junit, write_json, write_text
+    from routetool.suite import build_suite
+    from routetool.trace import Trace
+    from routetool.validate import validate as run_validate
+
+    if json_path == "-" and junit_path == "-":
+        raise RouteToolError("--json - and --junit - both want stdout", fix="write one of them to a file")
+    check_output_path(json_path, force)
+    check_output_path(junit_path, force)
+    if suite == "none" and not traces:
+        raise RouteToolError("nothing to validate: --suite none and no trace given", fix="give a trace or a suite")
+    try:
+        cases = [] if suite == "none" else build_suite(suite, list(families) or None)
+    except ValueError as exc:
+        raise RouteToolError(str(exc), fix="see `routetool validate --help`") from None
+    for t in traces:  # bad traces fail before any work
+        Trace(t).close()
+    execution = select_execution(device)
+    name, fn = load_kernel(kernel_spec)
+    with _progress(progress) as bar:
+        task = bar.add_task(f"validate {name}", total=len(cases) + len(traces))
+        result = run_validate(fn, name, execution, cases=cases, traces=traces, suite=None if suite == "none" else suite,
+                              tie_ulps=tie_ulps, progress=lambda _: bar.advance(task))
+    console = Console(stderr="-" in (json_path, junit_path))
+    render_validate(result, console)
+    if json_path is not None:
+        write_json(validate_json(result), json_path, sys.stdout)
+    if junit_path is not None:
+        write_text(validate_junit(result), junit_path, sys.stdout)
+    click.get_current_context().exit(EXIT_OK if result.ok else EXIT_FINDINGS)

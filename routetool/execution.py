@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,6 +75,8 @@ def select_execution(choice: str) -> Execution:
             fix="run --device cpu in a fresh process",
         )
     os.environ["TRITON_INTERPRET"] = "1"
+    # numpy's overflow warnings from the interpreter's emulation of exp are noise here
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     return Execution(device=torch.device("cpu"), interpreted=True, device_name="CPU (Triton interpreter)")
 
 

@@ -324,12 +324,6 @@ def check_output_path(path: str | None, force: bool) -> None:
         raise RouteToolError("folder is not writable", path=folder, fix="choose a writable folder")
 
 
-def _json_default(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
 def _clean(value):
     """Replace non-finite floats by None (JSON has no NaN/inf)."""
     if isinstance(value, float):
@@ -342,12 +336,113 @@ def _clean(value):
 
 
 def write_json(document: dict, path: str, console_out) -> None:
-    """Write ``document`` to ``path`` atomically, or to ``console_out`` when path is ``-``.
+    """Write ``document`` as JSON to ``path`` atomically, or to ``console_out`` when path is ``-``.
 
     Raises:
         RouteToolError: the folder is not writable or the disk is full.
     """
-    text = json.dumps(_clean(document), indent=2, allow_nan=False) + "\n"
+    write_text(json.dumps(_clean(document), indent=2, allow_nan=False) + "\n", path, console_out)
+
+
+# ---------------------------------------------------------------------------------------
+# validate
+VALIDATE_SCHEMA = "routetool.validate/1"
+
+
+def render_validate(result, console: Console, show_failures: int = 15) -> None:
+    """Print validate's verdicts grouped by family, then the failing cases."""
+    ex = result.execution
+    console.print(Panel(f"kernel {result.kernel} on {ex.device_name}; suite {result.suite or '-'}; "
+                        f"ties within {result.tie_ulps:g} float32 ulps", title="routetool validate", expand=False))
+    table = _table("Verdicts by family", ["family", "cases", "pass", "pass (ties)", "tie rows", "rejected",
+                                          "skipped", "fail", "failure classes"], left=("family", "failure classes"))
+    for family, counts in result.families().items():
+        classes = sorted({c for case in result.cases if case.family == family for c in case.failure_classes})
+        total = sum(counts[v] for v in ("pass", "pass_tie", "rejected", "fail", "skipped"))
+        table.add_row(family, str(total), _count(counts["pass"]), _count(counts["pass_tie"]),
+                      _count(counts["tie_rows"]), _count(counts["rejected"]), _count(counts["skipped"]),
+                      _count(counts["fail"], bad=True), Text(", ".join(classes), style="red" if classes else ""))
+    console.print(table)
+    rejected = [c for c in result.cases if c.verdict == "rejected"]
+    if rejected:
+        console.print(Text(f"{len(rejected)} documented rejection(s), e.g. {rejected[0].name}: {rejected[0].message}",
+                           style="dim"))
+    failed = [c for c in result.cases if c.verdict == "fail"]
+    if failed:
+        ft = _table(f"Failing cases ({len(failed)}; first {min(len(failed), show_failures)})",
+                    ["case", "classes", "first offending row: expected ids -> got ids"], left=("case", "classes",
+                    "first offending row: expected ids -> got ids"))
+        for c in failed[:show_failures]:
+            row = c.rows[0] if c.rows else None
+            detail = (f"row {row.row}: {row.expected_ids} -> {row.got_ids}" if row else c.message)
+            ft.add_row(c.name, ", ".join(c.failure_classes), detail)
+        console.print(ft)
+    n = len(result.cases)
+    if result.ok:
+        console.print(Text(f"PASS: {n} cases, nothing failed", style="bold green"))
+    else:
+        console.print(Text(f"FAIL: {len(failed)} of {n} cases failed; exit code 1", style="bold red"))
+
+
+def validate_json(result) -> dict:
+    """The validate result as a JSON document (docs/validate.md)."""
+    import torch
+    import triton
+
+    return {
+        "schema": VALIDATE_SCHEMA,
+        "kernel": result.kernel,
+        "suite": result.suite,
+        "execution": {"device": str(result.execution.device), "device_name": result.execution.device_name,
+                      "interpreted": result.execution.interpreted, "torch_version": torch.__version__,
+                      "triton_version": triton.__version__},
+        "tie_tolerance_ulps": result.tie_ulps,
+        "verdict": "pass" if result.ok else "fail",
+        "families": result.families(),
+        "cases": [
+            {
+                "family": c.family, "name": c.name, "description": c.description, "verdict": c.verdict,
+                "tie_rows": c.tie_rows, "failure_classes": c.failure_classes, "message": c.message,
+                "duration_s": c.duration_s, "rows": [asdict(r) for r in c.rows],
+            }
+            for c in result.cases
+        ],
+    }
+
+
+def validate_junit(result) -> str:
+    """The validate result as JUnit XML (one testsuite per family, one testcase per case)."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.Element("testsuites", name=f"routetool validate {result.kernel}")
+    by_family: dict[str, list] = {}
+    for c in result.cases:
+        by_family.setdefault(c.family, []).append(c)
+    for family, cases in by_family.items():
+        suite = ET.SubElement(root, "testsuite", name=family, tests=str(len(cases)),
+                              failures=str(sum(c.verdict == "fail" for c in cases)),
+                              skipped=str(sum(c.verdict == "skipped" for c in cases)),
+                              time=f"{sum(c.duration_s for c in cases):.3f}")
+        for c in cases:
+            tc = ET.SubElement(suite, "testcase", classname=family, name=c.name, time=f"{c.duration_s:.3f}")
+            if c.verdict == "fail":
+                failure = ET.SubElement(tc, "failure", message=c.message[:500], type=",".join(c.failure_classes))
+                failure.text = "\n".join(f"row {r.row} [{r.failure_class}]: expected {r.expected_ids} got {r.got_ids}"
+                                         for r in c.rows) or c.message
+            elif c.verdict == "skipped":
+                ET.SubElement(tc, "skipped", message=c.message)
+            elif c.message:
+                ET.SubElement(tc, "system-out").text = c.message
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def write_text(text: str, path: str, console_out) -> None:
+    """Write ``text`` to ``path`` atomically, or to ``console_out`` when path is ``-``.
+
+    Raises:
+        RouteToolError: the folder is not writable or the disk is full.
+    """
     if path == "-":
         console_out.write(text)
         console_out.flush()

@@ -1,0 +1,369 @@
+"""``routetool validate``: run a routing kernel on the edge-case suite and on traces, judge each case.
+
+Each case ends in one verdict:
+
+* ``pass``; ``pass_tie``: passed, with rows that differ from the reference only inside a tie
+  (their count is reported);
+* ``fail``: with the failure classes, the first offending rows, their inputs and both outputs;
+* ``rejected``: the kernel raised ValueError/TypeError/NotImplementedError. It counts as a
+  pass only when the kernel documents the restriction: its docstring names the case's
+  unusual feature (e.g. ``bfloat16``, ``int64``, ``non-contiguous``); any other exception,
+  or a rejection of an input the kernel does not document as unsupported, is a failure;
+* ``skipped``: the case needs a GPU (large sizes, CUDA graphs).
+
+Checks on every output (failure class in brackets): shapes and dtypes [wrong_shape];
+results in the caller's buffers [output_not_in_buffers] and nothing written outside the
+``[num_tokens, topk]`` view [wrote_outside_view]; the tie-aware comparison with the reference
+[mismatch, invalid:<reason>, weight_error]; weights equal to the unbiased scores of the chosen
+experts, renormalised [weights_not_renormalized_unbiased]; without eps, each row's weights sum
+to route_scale [weight_sum]. Extra checks of some cases: outputs independent of the order of
+unrelated rows [row_order_dependence]; a changed padding mask and bias change the output, in
+eager calls and through a captured CUDA graph [stale_output].
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from routetool.compare import INVALID_REASONS, RowClass, compare_step, weight_tolerance
+from routetool.errors import RouteToolError
+from routetool.execution import Execution, RoutingFn
+from routetool.suite import Case, CaseInput
+
+REJECTION_TYPES = (ValueError, TypeError, NotImplementedError)
+VERDICTS = ("pass", "pass_tie", "rejected", "fail", "skipped")
+
+
+@dataclass
+class RowReport:
+    """One offending row: where, why, the inputs that matter, and both outputs."""
+
+    row: int
+    failure_class: str
+    is_padding: bool
+    top_inputs: list[dict]
+    expected_ids: list[int]
+    got_ids: list[int]
+    expected_weights: list[float]
+    got_weights: list[float]
+
+
+@dataclass
+class CaseResult:
+    """Verdict of one case (see the module docstring)."""
+
+    family: str
+    name: str
+    description: str
+    verdict: str
+    tie_rows: int = 0
+    failure_classes: list[str] = field(default_factory=list)
+    message: str = ""
+    rows: list[RowReport] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict in ("pass", "pass_tie", "rejected", "skipped")
+
+
+@dataclass
+class ValidateResult:
+    """All verdicts of one ``routetool validate`` run."""
+
+    kernel: str
+    execution: Execution
+    suite: str | None
+    tie_ulps: float
+    cases: list[CaseResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.cases)
+
+    def families(self) -> dict[str, dict[str, int]]:
+        """Family -> verdict counts (plus ``tie_rows``), in first-seen order."""
+        out: dict[str, dict[str, int]] = {}
+        for c in self.cases:
+            counts = out.setdefault(c.family, {v: 0 for v in VERDICTS} | {"tie_rows": 0})
+            counts[c.verdict] += 1
+            counts["tie_rows"] += c.tie_rows
+        return out
+
+
+def rejection_documented(fn: RoutingFn, feature: str | None) -> bool:
+    """Whether ``fn``'s docstring names ``feature`` (case-insensitive), i.e. documents it."""
+    doc = (getattr(fn, "__doc__", None) or "").lower()
+    return bool(feature) and feature.lower() in doc
+
+
+def _call(fn: RoutingFn, inp: CaseInput):
+    return fn(inp.gating_output, inp.bias, topk_weights=inp.topk_weights, topk_ids=inp.topk_ids, **inp.kwargs())
+
+
+def _top_inputs(inp: CaseInput, scores: torch.Tensor, biased: torch.Tensor, row: int) -> list[dict]:
+    k = min(inp.topk + 2, biased.shape[1])
+    order = torch.sort(biased[row], descending=True, stable=True).indices[:k].tolist()
+    g = inp.gating_output[row].float()
+    return [{"expert": e, "logit": float(g[e]), "score": float(scores[row, e]), "biased_score": float(biased[row, e])}
+            for e in order]
+
+
+def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ulps: float,
+             max_rows: int = 3) -> tuple[list[str], int, list[RowReport]]:
+    """Judge one output against the reference and the invariants.
+
+    Returns:
+        ``(failure_classes, tie_equivalent_rows, offending_rows)``.
+    """
+    from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
+
+    T, K = inp.gating_output.shape[0], inp.topk
+    if tuple(weights.shape) != (T, K) or tuple(ids.shape) != (T, K):
+        return ["wrong_shape"], 0, []
+    if weights.dtype != torch.float32 or ids.dtype not in (torch.int32, torch.int64):
+        return ["wrong_dtype"], 0, []
+    device = inp.gating_output.device
+    weights, ids = weights.to(device), ids.to(device)
+    ref_w, ref_ids = musespark1x_routing_reference(inp.gating_output, inp.bias, **inp.kwargs())
+    scores = normalized_scores(inp.gating_output, inp.router_score_normalization, inp.router_output_multiplier)
+    biased = biased_scores(scores, inp.bias)
+    tol = weight_tolerance(torch.float32, inp.route_scale)
+    cmp = compare_step(ids, weights, ref_ids, ref_w, scores, biased, inp.is_padding, tie_ulps=tie_ulps, tolerance=tol)
+
+    classes: list[str] = []
+    bad_rows: dict[int, str] = {}
+
+    def flag(name: str, rows: torch.Tensor) -> None:
+        idx = torch.nonzero(rows).flatten().tolist()
+        if idx:
+            classes.append(name)
+            for r in idx[:max_rows]:
+                bad_rows.setdefault(r, name)
+
+    flag("mismatch", cmp.row_class == RowClass.MISMATCH)
+    for i, reason in enumerate(INVALID_REASONS):
+        flag(f"invalid:{reason}", cmp.invalid_mask[:, i])
+    flag("weight_error", cmp.weight_over_tol & (cmp.row_class != RowClass.INVALID))
+
+    # Invariants on the kernel's own picks (valid, unpadded rows).
+    pad = inp.is_padding if inp.is_padding is not None else torch.zeros(T, dtype=torch.bool, device=device)
+    valid = ~pad & (cmp.row_class != RowClass.INVALID)
+    safe = ids.long().clamp(0, max(0, scores.shape[1] - 1))
+    picked = scores.gather(1, safe)
+    denom = picked.sum(-1, keepdim=True)
+    if inp.router_score_division_eps is not None:
+        denom = denom + inp.router_score_division_eps
+    expected = torch.where(denom > 0, picked * (inp.route_scale / torch.where(denom > 0, denom, 1.0)), 0.0)
+    w = weights.float()
+    off = (w - expected).abs() > tol.atol + tol.rtol * expected.abs()
+    flag("weights_not_renormalized_unbiased", valid & off.any(-1))
+    if inp.router_score_division_eps is None:
+        sums = w.sum(-1)
+        nonzero = picked.sum(-1) > 0
+        flag("weight_sum", valid & nonzero & ((sums - inp.route_scale).abs() > 1e-5 * inp.route_scale * max(1, K / 8)))
+
+    reports = []
+    for r, name in sorted(bad_rows.items())[:max_rows]:
+        reports.append(RowReport(
+            row=r, failure_class=name, is_padding=bool(pad[r]), top_inputs=_top_inputs(inp, scores, biased, r),
+            expected_ids=ref_ids[r].tolist(), got_ids=ids[r].tolist(),
+            expected_weights=[float(x) for x in ref_w[r]], got_weights=[float(x) for x in w[r]],
+        ))
+    tie_rows = int((cmp.row_class == RowClass.TIE_EQUIVALENT).sum())
+    return list(dict.fromkeys(classes)), tie_rows, reports
+
+
+def _poison(inp: CaseInput) -> None:
+    if inp.topk_weights is not None:
+        inp.topk_weights.fill_(-12345.0)
+    if inp.topk_ids is not None:
+        inp.topk_ids.fill_(-12345)
+
+
+def _buffer_checks(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor) -> list[str]:
+    classes = []
+    T, K = inp.gating_output.shape[0], inp.topk
+    for buf, out, sentinel in ((inp.topk_weights, weights, -12345.0), (inp.topk_ids, ids, -12345)):
+        if buf is None:
+            continue
+        view = buf[:T, :K]
+        if tuple(out.shape) != (T, K) or not torch.equal(view, out.to(view.dtype)):
+            classes.append("output_not_in_buffers")
+        outside = torch.ones_like(buf, dtype=torch.bool)
+        outside[:T, :K] = False
+        if (buf[outside] != sentinel).any():
+            classes.append("wrote_outside_view")
+    return list(dict.fromkeys(classes))
+
+
+def _change_inputs(inp: CaseInput) -> None:
+    """Pad every third row and push one expert to the top of every row, in place."""
+    inp.is_padding[::3] = True
+    inp.bias[inp.bias.shape[0] // 2] += 10.0
+
+
+def _run_checks(case: Case, fn: RoutingFn, inp: CaseInput, weights, ids, tie_ulps: float) -> tuple[list[str], int, list]:
+    classes, ties, rows = evaluate(inp, weights, ids, tie_ulps=tie_ulps)
+    classes += _buffer_checks(inp, weights, ids)
+    if "row_order" in case.checks:
+        n = inp.gating_output.shape[0]
+        perm = (torch.arange(n, device=inp.gating_output.device) + 1) % n  # every row moves by one
+        flipped = CaseInput(**{**inp.__dict__, "gating_output": inp.gating_output[perm].contiguous(),
+                               "is_padding": None if inp.is_padding is None else inp.is_padding[perm].contiguous(),
+                               "topk_weights": None, "topk_ids": None})
+        w2, ids2 = _call(fn, flipped)
+        inverse = torch.argsort(perm)
+        if not torch.equal(ids2[inverse].long().cpu(), ids.long().cpu()) or not torch.allclose(
+                w2[inverse].float().cpu(), weights.float().cpu(), rtol=1e-6, atol=1e-7):
+            classes.append("row_order_dependence")
+    if "mask_change" in case.checks:
+        before = ids.clone()
+        _change_inputs(inp)
+        w3, ids3 = _call(fn, inp)
+        c3, t3, r3 = evaluate(inp, w3, ids3, tie_ulps=tie_ulps)
+        if c3 or torch.equal(before.cpu(), ids3.cpu()):
+            classes.append("stale_output")
+            rows += r3
+        ties += t3
+    return list(dict.fromkeys(classes)), ties, rows
+
+
+def _run_graph_case(case: Case, fn: RoutingFn, inp: CaseInput, tie_ulps: float) -> tuple[list[str], int, list]:
+    _call(fn, inp)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = _call(fn, inp)
+    graph.replay()
+    torch.cuda.synchronize()
+    classes, ties, rows = evaluate(inp, weights, ids, tie_ulps=tie_ulps)
+    before = ids.clone()
+    _change_inputs(inp)
+    graph.replay()
+    torch.cuda.synchronize()
+    c2, t2, r2 = evaluate(inp, weights, ids, tie_ulps=tie_ulps)
+    if c2 or torch.equal(before, ids):
+        classes.append("stale_output")
+        rows += r2
+    return list(dict.fromkeys(classes)), ties + t2, rows
+
+
+def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float) -> CaseResult:
+    """Run one suite case on ``fn`` and judge it."""
+    start = time.perf_counter()
+    res = CaseResult(family=case.family, name=case.name, description=case.description, verdict="pass")
+    if case.cuda_only and execution.device.type != "cuda":
+        res.verdict, res.message = "skipped", "needs a CUDA GPU"
+        return res
+    inp = case.build(execution.device)
+    _poison(inp)
+    try:
+        if "cuda_graph" in case.checks:
+            classes, ties, rows = _run_graph_case(case, fn, inp, tie_ulps)
+        else:
+            weights, ids = _call(fn, inp)
+            classes, ties, rows = _run_checks(case, fn, inp, weights, ids, tie_ulps)
+    except REJECTION_TYPES as exc:
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if rejection_documented(fn, case.feature):
+            res.verdict, res.message = "rejected", f"documented rejection of {case.feature}: {message}"
+        else:
+            res.verdict, res.failure_classes = "fail", ["rejected_undocumented"]
+            res.message = message
+        res.duration_s = time.perf_counter() - start
+        return res
+    except Exception as exc:  # noqa: BLE001 - a crash of the kernel under test is a finding
+        res.verdict, res.failure_classes = "fail", ["crash"]
+        res.message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        res.duration_s = time.perf_counter() - start
+        return res
+    res.failure_classes, res.tie_rows, res.rows = classes, ties, rows
+    if classes:
+        res.verdict = "fail"
+        res.message = ", ".join(classes)
+    elif ties:
+        res.verdict = "pass_tie"
+        res.message = f"{ties} tie-equivalent rows"
+    res.duration_s = time.perf_counter() - start
+    return res
+
+
+def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, *,
+                   tie_ulps: float) -> list[CaseResult]:
+    """One case per layer of a trace, judged by a replay (no latency).
+
+    Raises:
+        RouteToolError: the trace cannot be read (bad input, not a verdict).
+    """
+    from routetool.replay import replay_trace
+    from routetool.trace import Trace
+
+    with Trace(path) as trace:
+        family = f"trace:{trace.display_path.name}"
+        start = time.perf_counter()
+        try:
+            result = replay_trace(trace, kernel_name, fn, execution, tie_ulps=tie_ulps, measure_latency=False)
+        except RouteToolError as exc:
+            if "rejected" not in str(exc):
+                raise
+            dtypes = {str(trace.info(layer).gating_dtype).removeprefix("torch.") for layer in trace.layers}
+            documented = any(rejection_documented(fn, d) for d in dtypes)
+            return [CaseResult(family=family, name=f"{family}/all-layers", description="replay of every layer",
+                               verdict="rejected" if documented else "fail",
+                               failure_classes=[] if documented else ["rejected_undocumented"],
+                               message=str(exc), duration_s=time.perf_counter() - start)]
+        out = []
+        for layer in result.layers:
+            s = layer.kernel_vs_reference
+            classes = (["mismatch"] if s.mismatch else []) + [f"invalid:{r}" for r, n in s.invalid_reasons.items() if n]
+            if s.weight_rows_over_tolerance:
+                classes.append("weight_error")
+            if layer.padded_rows_ok != layer.padded_rows:
+                classes.append("invalid:bad_padding")
+            classes = list(dict.fromkeys(classes))
+            verdict = "fail" if classes else ("pass_tie" if s.tie_equivalent else "pass")
+            rows = [RowReport(row=f.row, failure_class=f.row_class, is_padding=False, top_inputs=[],
+                              expected_ids=f.expected_ids, got_ids=f.test_ids,
+                              expected_weights=f.expected_weights or [], got_weights=f.test_weights or [])
+                    for f in s.failures[:3]]
+            out.append(CaseResult(
+                family=family, name=f"{family}/layer{layer.layer}",
+                description=f"layer {layer.layer}: {layer.num_tokens} tokens in {layer.num_steps} steps",
+                verdict=verdict, tie_rows=s.tie_equivalent, failure_classes=classes,
+                message=", ".join(classes) or (f"{s.tie_equivalent} tie-equivalent rows" if s.tie_equivalent else ""),
+                rows=rows, duration_s=(time.perf_counter() - start) / max(1, len(result.layers)),
+            ))
+        return out
+
+
+def validate(
+    fn: RoutingFn,
+    kernel_name: str,
+    execution: Execution,
+    *,
+    cases: Sequence[Case],
+    traces: Sequence = (),
+    suite: str | None = None,
+    tie_ulps: float = 16.0,
+    progress: Callable[[str], None] | None = None,
+) -> ValidateResult:
+    """Run ``fn`` on ``cases`` and on every trace; return every verdict.
+
+    Raises:
+        RouteToolError: a trace cannot be read.
+    """
+    results = []
+    for case in cases:
+        results.append(run_case(case, fn, execution, tie_ulps=tie_ulps))
+        if progress is not None:
+            progress(case.name)
+    for path in traces:
+        results.extend(validate_trace(path, fn, kernel_name, execution, tie_ulps=tie_ulps))
+        if progress is not None:
+            progress(str(path))
+    return ValidateResult(kernel=kernel_name, execution=execution, suite=suite, tie_ulps=tie_ulps, cases=results)

@@ -1,0 +1,149 @@
+"""`routetool validate`: the suite, the verdicts, mutation tests, JSON/JUnit, CLI."""
+
+import json
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import mutants
+from conftest import DEVICE, HAS_CUDA
+from routetool.cli import main
+from routetool.execution import select_execution
+from routetool.suite import FAMILIES, build_suite
+from routetool.validate import rejection_documented, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = build_suite("quick")
+
+
+@pytest.fixture(scope="module")
+def execution():
+    return select_execution("cuda" if HAS_CUDA else "cpu")
+
+
+def _classes(result):
+    return {c for case in result.cases for c in case.failure_classes}
+
+
+def test_suite_covers_every_family_with_fixed_seeds():
+    assert {c.family for c in QUICK} == set(FAMILIES)
+    full = build_suite("full")
+    shapes = {c.name for c in full if c.family == "shapes"}
+    for E in (1, 2, 3, 8, 24, 60, 64, 72, 128, 160, 256, 384, 512):
+        assert f"shapes/T33-E{E}-k{min(E, 8)}" in shapes or f"shapes/T33-E{E}-k{E}" in shapes
+    # same inputs on every build
+    a = QUICK[0].build(DEVICE).gating_output
+    b = build_suite("quick")[0].build(DEVICE).gating_output
+    assert a.equal(b)
+
+
+def test_reference_passes_everything(execution):
+    result = validate(mutants.correct, "reference", execution, cases=QUICK)
+    assert result.ok, [(c.name, c.failure_classes, c.message) for c in result.cases if not c.ok]
+    assert all(c.verdict in ("pass", "pass_tie", "skipped") for c in result.cases)
+
+
+def test_other_tie_break_is_tie_equivalent_not_failed(execution):
+    result = validate(mutants.highest_index_ties, "highest-index-ties", execution, cases=QUICK)
+    assert result.ok, _classes(result)
+    tie_cases = [c for c in result.cases if c.verdict == "pass_tie"]
+    assert tie_cases and all(c.family in ("ties", "nonfinite", "bias") for c in tie_cases)
+    assert sum(c.tie_rows for c in tie_cases) > 20
+
+
+@pytest.mark.parametrize("name", sorted(mutants.MUTANTS))
+def test_each_mutant_fails_with_its_class(name, execution):
+    fn, expected = mutants.MUTANTS[name]
+    result = validate(fn, name, execution, cases=QUICK)
+    assert not result.ok
+    assert expected in _classes(result), (expected, _classes(result))
+    failed = [c for c in result.cases if c.verdict == "fail" and expected in c.failure_classes]
+    case = failed[0]
+    if expected.startswith(("invalid", "mismatch", "weight")):
+        row = case.rows[0]
+        assert row.expected_ids != row.got_ids or row.expected_weights != row.got_weights
+        assert row.top_inputs, "the offending row's inputs are reported"
+
+
+def test_project_kernel_passes_quick_suite_in_time(execution):
+    import kernel
+
+    start = time.perf_counter()
+    result = validate(kernel.variant("tiled"), "tiled", execution, cases=QUICK)
+    assert result.ok, [(c.name, c.failure_classes, c.message) for c in result.cases if not c.ok]
+    assert time.perf_counter() - start < 120
+
+
+def test_seed_variant_passes_on_fp32_and_fails_nonfinite(execution):
+    import kernel
+
+    seed = kernel.variant("seed")
+    finite = [c for c in QUICK if c.family != "nonfinite"]
+    result = validate(seed, "seed", execution, cases=finite)
+    assert result.ok, [(c.name, c.failure_classes) for c in result.cases if not c.ok]
+    rejected = [c for c in result.cases if c.verdict == "rejected"]
+    assert rejected and all(("bfloat16" in c.message or "float16" in c.message) for c in rejected)
+    nonfinite = validate(seed, "seed", execution, cases=[c for c in QUICK if c.family == "nonfinite"])
+    assert "invalid:nonfinite_weight" in _classes(nonfinite)
+
+
+def test_rejection_is_documented_only_when_the_docstring_says_so():
+    import kernel
+
+    assert rejection_documented(kernel.variant("seed"), "bfloat16")
+    assert not rejection_documented(mutants.rejects_bf16, "bfloat16")
+    assert not rejection_documented(kernel.variant("seed"), None)
+
+
+def test_traces_are_validated_layer_by_layer(execution):
+    import kernel
+
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    result = validate(kernel.variant("tiled"), "tiled", execution, cases=[], traces=[trace])
+    assert [c.name.rsplit("/", 1)[1] for c in result.cases] == ["layer1", "layer2", "layer3"]
+    assert result.ok
+    bad = validate(mutants.biased_weights, "biased", execution, cases=[], traces=[trace])
+    assert not bad.ok and "weight_error" in _classes(bad)
+    bf16 = ROOT / "traces" / "musespark1x-synth-bf16.safetensors"
+    rej = validate(kernel.variant("seed"), "seed", execution, cases=[], traces=[bf16])
+    assert [c.verdict for c in rej.cases] == ["rejected"]
+
+
+def _mutant_path():
+    return f"{ROOT / 'tests' / 'mutants.py'}:biased_weights"
+
+
+def test_cli_json_and_junit(tmp_path):
+    js, xml = tmp_path / "v.json", tmp_path / "v.xml"
+    res = CliRunner().invoke(main, ["validate", "--kernel", _mutant_path(), "--family", "bias", "--family", "padding",
+                                    "--device", DEVICE.type, "--json", str(js), "--junit", str(xml), "--no-progress"])
+    assert res.exit_code == 1, res.output
+    doc = json.loads(js.read_text())
+    assert doc["schema"] == "routetool.validate/1" and doc["verdict"] == "fail"
+    assert set(doc["families"]) == {"bias", "padding"}
+    failed = [c for c in doc["cases"] if c["verdict"] == "fail"]
+    assert failed and "weights_not_renormalized_unbiased" in failed[0]["failure_classes"]
+    assert failed[0]["rows"][0]["top_inputs"][0]["expert"] == failed[0]["rows"][0]["expected_ids"][0]
+    root = ET.parse(xml).getroot()
+    suites = {s.get("name"): s for s in root.findall("testsuite")}
+    assert set(suites) == {"bias", "padding"}
+    assert int(suites["bias"].get("failures")) == len([c for c in failed if c["family"] == "bias"])
+    assert root.find(".//testcase/failure") is not None
+
+
+def test_cli_passes_project_kernel_and_exit_codes(tmp_path):
+    res = CliRunner().invoke(main, ["validate", "--family", "layouts", "--device", DEVICE.type, "--no-progress"])
+    assert res.exit_code == 0 and "PASS" in res.output
+    assert CliRunner().invoke(main, ["validate", "--suite", "none"]).exit_code == 2
+    assert CliRunner().invoke(main, ["validate", "--family", "nope"]).exit_code == 2
+    out = tmp_path / "keep.json"
+    out.write_text("mine")
+    res = CliRunner().invoke(main, ["validate", "--family", "layouts", "--json", str(out), "--no-progress"])
+    assert res.exit_code == 2 and out.read_text() == "mine"
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"junk")
+    res = CliRunner().invoke(main, ["validate", str(bad), "--suite", "none", "--no-progress"])
+    assert res.exit_code == 2 and "not a readable safetensors file" in res.output
