@@ -155,3 +155,85 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     if junit_path is not None:
         write_text(validate_junit(result), junit_path, sys.stdout)
     click.get_current_context().exit(EXIT_OK if result.ok else EXIT_FINDINGS)
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise RouteToolError(f"{name} {text!r} is not a comma-separated list of integers", fix="e.g. 1,64,4096") from None
+    if not values or any(v < 1 for v in values):
+        raise RouteToolError(f"{name} {text!r} needs positive integers", fix="e.g. 1,64,4096")
+    return values
+
+
+@main.command()
+@click.option("--tokens", default="1,8,64,256,1024,4096,16384,65536", show_default=True,
+              help="Comma-separated num_tokens to sweep.")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path), default=None,
+              help="Also sweep the step shapes of this trace (and use its num_experts/topk unless given).")
+@click.option("--experts", default=None, help="Comma-separated num_experts [default: 128,256,384,512].")
+@click.option("--topk", "topks", default=None, help="Comma-separated topk [default: 8].")
+@click.option("--dtype", "dtypes", default="fp32,bf16", show_default=True, help="Gating dtypes: fp32, bf16, fp16.")
+@click.option("--kernel", "kernels", multiple=True,
+              help="Kernels (repeatable): tiled, seed, torch, torch-compile, module:function [default: tiled, seed, torch].")
+@click.option("--baseline", default="seed", show_default=True, help="Kernel the speedup is relative to.")
+@click.option("--pdl", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
+              help="Programmatic dependent launch for the project's variants.")
+@click.option("--graph/--no-graph", default=True, show_default=True, help="Time under CUDA-graph replay.")
+@click.option("--rep-ms", type=click.FloatRange(min=1), default=20.0, show_default=True, help="Timing budget per point.")
+@click.option("--csv", "csv_path", default=None, metavar="PATH", help="Write the long-format CSV ('-' = stdout).")
+@click.option("--json", "json_path", default=None, metavar="PATH", help="Write the results as JSON ('-' = stdout).")
+@click.option("--force", is_flag=True, help="Replace existing output files.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str | None, dtypes: str,
+          kernels: tuple[str, ...], baseline: str, pdl: str, graph: bool, rep_ms: float, csv_path: str | None,
+          json_path: str | None, force: bool, progress: bool) -> None:
+    """Time routing kernels over a sweep of shapes on a CUDA GPU.
+
+    Correctness is checked on the benchmark inputs before timing; a kernel that fails is
+    reported, not timed (exit 1); a documented rejection (the seed and bf16) is reported. Reports p10/p50/p90 latency (µs), achieved bandwidth and its
+    fraction of the measured copy bandwidth, and the speedup over --baseline.
+    """
+    import torch
+
+    from routetool.bench import DTYPES, resolve_kernels, run_bench, trace_step_shapes
+    from routetool.execution import select_execution
+    from routetool.report import bench_csv, bench_json, check_output_path, render_bench, write_json, write_text
+
+    if csv_path == "-" and json_path == "-":
+        raise RouteToolError("--csv - and --json - both want stdout", fix="write one of them to a file")
+    check_output_path(csv_path, force)
+    check_output_path(json_path, force)
+    token_list = _int_list(tokens, "--tokens")
+    expert_list = _int_list(experts, "--experts") if experts else None
+    topk_list = _int_list(topks, "--topk") if topks else None
+    if trace_path is not None:
+        shapes, router = trace_step_shapes(trace_path)
+        token_list = sorted(set(token_list) | set(shapes))
+        expert_list = expert_list or [router.num_experts]
+        topk_list = topk_list or [router.topk]
+    expert_list = expert_list or [128, 256, 384, 512]
+    topk_list = topk_list or [8]
+    dtype_list = [d.strip() for d in dtypes.split(",") if d.strip()]
+    unknown = [d for d in dtype_list if d not in DTYPES]
+    if unknown or not dtype_list:
+        raise RouteToolError(f"--dtype {dtypes!r}", fix=f"use a comma-separated subset of {', '.join(DTYPES)}")
+    if not torch.cuda.is_available():
+        raise RouteToolError("bench needs a CUDA GPU; this machine has none",
+                             fix="run it on a GPU machine (replay and validate work on the CPU)")
+    select_execution("cuda")
+    bench_kernels = resolve_kernels(list(kernels) or ["tiled", "seed", "torch"], pdl)
+    total = len(bench_kernels) * len(token_list) * len(dtype_list) * sum(
+        1 for e in expert_list for k in topk_list if k <= e)
+    with _progress(progress) as bar:
+        task = bar.add_task("bench", total=total)
+        result = run_bench(bench_kernels, token_list, expert_list, topk_list, dtype_list, baseline=baseline,
+                           use_graph=graph, rep_ms=rep_ms, progress=lambda _: bar.advance(task))
+    render_bench(result, Console(stderr="-" in (csv_path, json_path)))
+    if csv_path is not None:
+        write_text(bench_csv(result), csv_path, sys.stdout)
+    if json_path is not None:
+        write_json(bench_json(result), json_path, sys.stdout)
+    broken = [r for r in result.rows if r.status.startswith(("failed", "error"))]
+    click.get_current_context().exit(EXIT_FINDINGS if broken else EXIT_OK)

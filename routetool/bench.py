@@ -1,0 +1,249 @@
+"""``routetool bench``: latency and bandwidth of routing kernels over a sweep of shapes (GPU only).
+
+For every point (num_tokens, num_experts, topk, gating dtype) and kernel: inputs are built
+outside the timed region (rotating over enough input sets to exceed the L2 cache when one
+set fits in it), the output is checked with validate's invariants and the tie-aware
+comparison first (a kernel that fails is reported, not timed), then the call is timed under
+CUDA-graph replay (``triton.testing.do_bench_cudagraph``), or with plain launches
+(``triton.testing.do_bench``) when graphs are off. Bandwidth counts the bytes a routing call
+must move: logits read once, bias read once, ids and weights written once.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from routetool.errors import RouteToolError
+from routetool.execution import RoutingFn
+from routetool.suite import CaseInput
+from routetool.timing import Latency, cuda_graph_latency
+
+TORCH_KERNELS = ("torch", "torch-compile")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BenchKernel:
+    """A kernel to time: ``pdl`` is None when the kernel has no PDL switch."""
+
+    name: str
+    fn: RoutingFn
+    pdl: bool | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name if self.pdl is None else f"{self.name} (pdl {'on' if self.pdl else 'off'})"
+
+
+@dataclass
+class BenchRow:
+    """One (point, kernel) measurement, in long format."""
+
+    kernel: str
+    pdl: bool | None
+    num_tokens: int
+    num_experts: int
+    topk: int
+    dtype: str
+    cuda_graph: bool
+    status: str  # "ok", "failed: <classes>", "rejected: <message>", "error: <message>"
+    latency: Latency | None = None
+    bytes_moved: int = 0
+    bandwidth_gbps: float | None = None
+    bandwidth_fraction: float | None = None
+    speedup: float | None = None
+
+
+@dataclass
+class BenchResult:
+    """A whole sweep plus the machine it ran on."""
+
+    gpu_name: str
+    driver_version: str
+    torch_version: str
+    triton_version: str
+    copy_bandwidth_gbps: float
+    baseline: str | None
+    rows: list[BenchRow] = field(default_factory=list)
+
+
+def driver_version() -> str:
+    """The NVIDIA driver version from nvidia-smi, or ``"unknown"``."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return "unknown"
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def copy_bandwidth_gbps(num_bytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    import triton.testing
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    del src, dst
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def resolve_kernels(specs: Sequence[str], pdl: str) -> list[BenchKernel]:
+    """Kernels by name: variants (``tiled``, ``seed``), ``torch`` (the reference, eager),
+    ``torch-compile`` (the reference under ``torch.compile``), or ``module:function``.
+    Project variants are timed with PDL on and/or off as ``pdl`` (on|off|both) says.
+
+    Raises:
+        RouteToolError: an unknown kernel or an impossible ``--pdl``.
+    """
+    import kernel
+    from kernel.reference import musespark1x_routing_reference
+    from routetool.execution import load_kernel
+
+    if pdl not in ("on", "off", "both"):
+        raise RouteToolError(f"--pdl {pdl!r}", fix="use on, off or both")
+    out = []
+    for spec in specs:
+        if spec == "torch":
+            out.append(BenchKernel("torch", musespark1x_routing_reference))
+        elif spec == "torch-compile":
+            out.append(BenchKernel("torch-compile", torch.compile(musespark1x_routing_reference, dynamic=False)))
+        elif spec in kernel.VARIANT_NAMES:
+            fn = kernel.variant(spec)
+            for flag in ((True, False) if pdl == "both" else (pdl == "on",)):
+                out.append(BenchKernel(spec, fn, flag))
+        else:
+            name, fn = load_kernel(spec)
+            out.append(BenchKernel(name, fn))
+    return out
+
+
+def _input_sets(T: int, E: int, K: int, dtype: torch.dtype, l2_bytes: int, seed: int) -> list[CaseInput]:
+    one = T * E * dtype.itemsize
+    n = max(1, min(16, -(-2 * l2_bytes // max(one, 1)))) if one < 2 * l2_bytes else 1
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.05
+    sets = []
+    for _ in range(n):
+        logits = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
+        sets.append(CaseInput(gating_output=logits, bias=bias, topk=K, route_scale=2.5,
+                              topk_weights=torch.empty((T, K), device="cuda"),
+                              topk_ids=torch.empty((T, K), dtype=torch.int32, device="cuda")))
+    return sets
+
+
+def _time(bk: BenchKernel, sets: list[CaseInput], use_graph: bool, rep_ms: float) -> Latency:
+    import triton.testing
+
+    state = {"i": 0}
+    extra = {} if bk.pdl is None else {"use_pdl": bk.pdl}
+    is_torch = bk.name in TORCH_KERNELS
+
+    def call():
+        inp = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        if is_torch:
+            bk.fn(inp.gating_output, inp.bias, inp.topk, inp.route_scale)
+        else:
+            bk.fn(inp.gating_output, inp.bias, inp.topk, inp.route_scale, topk_weights=inp.topk_weights,
+                  topk_ids=inp.topk_ids, **extra)
+
+    if use_graph:
+        return cuda_graph_latency(call, rep_ms=rep_ms)
+    q = triton.testing.do_bench(call, rep=rep_ms, quantiles=[0.1, 0.5, 0.9])
+    return Latency(p10_us=q[0] * 1e3, p50_us=q[1] * 1e3, p90_us=q[2] * 1e3)
+
+
+def run_bench(
+    kernels: Sequence[BenchKernel],
+    tokens: Sequence[int],
+    experts: Sequence[int],
+    topks: Sequence[int],
+    dtypes: Sequence[str],
+    *,
+    baseline: str | None = None,
+    use_graph: bool = True,
+    rep_ms: float = 20.0,
+    tie_ulps: float = 16.0,
+    progress: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Time every kernel at every point (see the module docstring).
+
+    Raises:
+        RouteToolError: no CUDA GPU.
+    """
+    import triton
+
+    from routetool.validate import REJECTION_TYPES, evaluate
+
+    if not torch.cuda.is_available():
+        raise RouteToolError("bench needs a CUDA GPU; this machine has none",
+                             fix="run it on a GPU machine (replay and validate work on the CPU)")
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+    result = BenchResult(gpu_name=props.name, driver_version=driver_version(), torch_version=torch.__version__,
+                         triton_version=triton.__version__, copy_bandwidth_gbps=copy_bandwidth_gbps(), baseline=baseline)
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        for E in experts:
+            for K in topks:
+                if K > E:
+                    continue
+                for T in tokens:
+                    sets = _input_sets(T, E, K, dtype, l2, seed=T * 7919 + E * 31 + K)
+                    bytes_moved = T * E * dtype.itemsize + E * 4 + T * K * (4 + 4)
+                    point_rows = []
+                    for bk in kernels:
+                        row = BenchRow(kernel=bk.name, pdl=bk.pdl, num_tokens=T, num_experts=E, topk=K, dtype=dname,
+                                       cuda_graph=use_graph, status="ok", bytes_moved=bytes_moved)
+                        inp = sets[0]
+                        extra = {} if bk.pdl is None else {"use_pdl": bk.pdl}
+                        try:
+                            if bk.name in TORCH_KERNELS:
+                                w, ids = bk.fn(inp.gating_output, inp.bias, K, inp.route_scale)
+                            else:
+                                w, ids = bk.fn(inp.gating_output, inp.bias, K, inp.route_scale,
+                                               topk_weights=inp.topk_weights, topk_ids=inp.topk_ids, **extra)
+                            classes, _, _ = evaluate(inp, w, ids, tie_ulps=tie_ulps)
+                            if classes:
+                                row.status = "failed: " + ", ".join(classes)
+                            else:
+                                row.latency = _time(bk, sets, use_graph, rep_ms)
+                                row.bandwidth_gbps = bytes_moved / (row.latency.p50_us * 1e-6) / 1e9
+                                row.bandwidth_fraction = row.bandwidth_gbps / result.copy_bandwidth_gbps
+                        except REJECTION_TYPES as exc:  # documented input restriction, e.g. the seed and bf16
+                            row.status = f"rejected: {exc}".splitlines()[0][:200]
+                        except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is reported
+                            row.status = f"error: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+                        point_rows.append(row)
+                        if progress is not None:
+                            progress(f"{bk.label} T={T} E={E} k={K} {dname}")
+                    base = next((r for r in point_rows if r.kernel == baseline and r.latency is not None
+                                 and r.pdl in (None, True)), None)
+                    for r in point_rows:
+                        if base is not None and r.latency is not None:
+                            r.speedup = base.latency.p50_us / r.latency.p50_us
+                    result.rows.extend(point_rows)
+                    del sets
+    return result
+
+
+def trace_step_shapes(path):
+    """Distinct step sizes (tokens per forward step) of a trace, ascending, and its router config.
+
+    Raises:
+        RouteToolError: the trace cannot be read.
+    """
+    from routetool.trace import Trace
+
+    with Trace(path) as t:
+        sizes = {b - a for layer in t.layers for a, b in zip(t.info(layer).step_offsets, t.info(layer).step_offsets[1:])}
+        return sorted(sizes), t.meta.router
