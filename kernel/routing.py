@@ -46,6 +46,19 @@ from kernel._launch import check_routing_args, pdl_supported
 _EMPTY_KEY = tl.constexpr(-(2**31))  # below every real key: the image of -inf is -2**31 + 0x7F800000
 
 
+_UNROLL_MAX_TOPK = tl.constexpr(32)
+
+
+@triton.jit
+def _select_round(key, ids, expert, slot, k, E_PAD: tl.constexpr):
+    """One selection round: the largest key, the lowest expert holding it; mask it, record it."""
+    best = tl.max(tl.max(key, axis=2), axis=1)[:, None, None]  # (BLOCK_T, 1, 1)
+    first = tl.min(tl.min(tl.where(key == best, expert, E_PAD), axis=2), axis=1)[:, None, None]
+    key = tl.where(expert == first, _EMPTY_KEY, key)
+    ids = tl.where(slot == k, first, ids)
+    return key, ids
+
+
 @triton.jit
 def _routing_kernel(
     gating_output_ptr,  # (T, E) fp32|bf16|fp16, any strides
@@ -125,11 +138,12 @@ def _routing_kernel(
     slot = tl.arange(0, TOPK_PADDED)[None, None, :]
     ids = tl.zeros([BLOCK_T, 1, TOPK_PADDED], dtype=tl.int32)
     key = tl.where(expert_ok, ordered, _EMPTY_KEY)
-    for k in tl.static_range(TOPK):
-        best = tl.max(tl.max(key, axis=2), axis=1)[:, None, None]  # (BLOCK_T, 1, 1)
-        first = tl.min(tl.min(tl.where(key == best, expert, E_PAD), axis=2), axis=1)[:, None, None]
-        key = tl.where(expert == first, _EMPTY_KEY, key)
-        ids = tl.where(slot == k, first, ids)
+    if TOPK <= _UNROLL_MAX_TOPK:
+        for k in tl.static_range(TOPK):
+            key, ids = _select_round(key, ids, expert, slot, k, E_PAD)
+    else:  # a loop, not unrolled: unrolling hundreds of rounds takes minutes to compile
+        for k in range(TOPK):
+            key, ids = _select_round(key, ids, expert, slot, k, E_PAD)
 
     # Weights from the picked experts only: re-read their logits (in cache), recompute their scores.
     out_ok = row_ok & (slot < TOPK)

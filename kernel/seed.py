@@ -8,7 +8,8 @@ are the picked scores times ``route_scale / (sum + eps)``; padded rows get -1 / 
 
 This variant keeps the seed's arithmetic on every input, including its undefined cases
 (NaN logits, a zero denominator), so that ``routetool validate`` can report how the seed
-behaves there. It differs from the seed only in its launcher, which raises ``ValueError``
+behaves there. For ``topk > 32`` its rounds run as a loop instead of being unrolled (the
+same arithmetic; unrolling 384 or 512 rounds takes minutes to compile). It differs from the seed only in its launcher, which raises ``ValueError``
 instead of asserting, and in rejecting float16/bfloat16 gating_output up front: the seed
 hands them to ``tl.sigmoid`` / ``tl.exp``, which accept only fp32/fp64, so the seed fails
 to compile for them on a GPU. Use :func:`kernel.routing.fused_musespark1x_routing` for
@@ -22,6 +23,18 @@ import triton
 import triton.language as tl
 
 from kernel._launch import check_routing_args, pdl_supported
+
+
+@triton.jit
+def _seed_select_one(keys, scores, picked, in_range, experts, slots, k, ids, weights, total):
+    """One round: argmax over the experts not picked yet; record it and its *unbiased* score."""
+    candidates = tl.where(picked | ~in_range, -float("inf"), keys)
+    best = tl.argmax(candidates, axis=0)
+    hit = experts == best
+    best_score = tl.sum(tl.where(hit, scores, 0.0), axis=0)
+    ids = tl.where(slots == k, best.to(tl.int32), ids)
+    weights = tl.where(slots == k, best_score, weights)
+    return picked | hit, ids, weights, total + best_score
 
 
 @triton.jit
@@ -80,15 +93,14 @@ def _seed_routing_kernel(
     ids = tl.zeros([TOPK_PADDED], dtype=tl.int32)
     weights = tl.zeros([TOPK_PADDED], dtype=tl.float32)
     total = 0.0
-    for k in tl.static_range(TOPK):
-        candidates = tl.where(picked | ~in_range, -float("inf"), keys)
-        best = tl.argmax(candidates, axis=0)
-        hit = experts == best
-        best_score = tl.sum(tl.where(hit, scores, 0.0), axis=0)
-        picked = picked | hit
-        ids = tl.where(slots == k, best.to(tl.int32), ids)
-        weights = tl.where(slots == k, best_score, weights)
-        total = total + best_score
+    if TOPK <= 32:
+        for k in tl.static_range(TOPK):
+            picked, ids, weights, total = _seed_select_one(keys, scores, picked, in_range, experts, slots, k, ids,
+                                                           weights, total)
+    else:  # same rounds in a loop: unrolling hundreds of them takes minutes to compile
+        for k in range(TOPK):
+            picked, ids, weights, total = _seed_select_one(keys, scores, picked, in_range, experts, slots, k, ids,
+                                                           weights, total)
 
     if HAS_EPS:
         total = total + division_eps

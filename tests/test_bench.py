@@ -32,7 +32,7 @@ def test_bench_small_sweep(tmp_path):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 1, res.output  # the biased-weights mutant fails its correctness check
     rows = list(csv.DictReader(io.StringIO(out.read_text())))
-    by = {(r["kernel"], r["pdl"], r["num_tokens"], r["dtype"]): r for r in rows}
+    by = {(r["kernel"].rsplit(":", 1)[-1], r["pdl"], r["num_tokens"], r["dtype"]): r for r in rows}
     ok = by[("tiled", "True", "4096", "bf16")]
     assert ok["status"] == "ok" and float(ok["latency_us_p50"]) > 0 and float(ok["bandwidth_gbps"]) > 0
     assert by[("seed", "True", "4096", "bf16")]["status"].startswith("rejected")
