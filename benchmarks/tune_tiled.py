@@ -72,7 +72,7 @@ def configs(E, dtype, T, quick):
         for bt, nw in ((1, 1), (2, 2), (4, 4), (4, 1)):
             out.append(LaunchConfig(block_t=bt, chunk=chunk, num_warps=nw))
     else:
-        for lanes in (4, 8, 16):
+        for lanes in (8, 16, 32):
             chunk = min(e_pad, lanes * vec)
             lanes = chunk // vec
             for nw in (4, 8):
@@ -87,6 +87,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget-s", type=float, default=240, help="stop sweeping after this many seconds")
+    ap.add_argument("--large-only", action="store_true", help="only num_tokens=65536")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -96,7 +97,7 @@ def main():
     print(f"{props.name}: copy bandwidth {copy_gbps:.0f} GB/s (read+write), torch {torch.__version__}, triton {triton.__version__}")
     rows = []
     shapes = [(T, E, dt) for E, dt in ((256, torch.float32), (256, torch.bfloat16), (384, torch.float32))
-              for T in (64, 65536)]
+              for T in ((65536,) if args.large_only else (64, 65536))]
     t0 = time.time()
     for T, E, dtype in shapes:
         if time.time() - t0 > args.budget_s:

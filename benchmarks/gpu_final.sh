@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One GPU session for the closing measurements: correctness runs in parallel first (they are
+# compile-bound), then the timing runs one after another. Everything is packed into
+# $OUT/results.tgz plus $OUT/summary.txt (the device tool returns at most 8 files).
+set -u
+OUT=${OUT:-out}
+R="$OUT/r"
+mkdir -p "$R"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+S="$OUT/summary.txt"
+DEADLINE=$((SECONDS + ${BUDGET_S:-540}))
+run() {  # run NAME SECONDS CMD...: log to $R/NAME.txt, record the exit code; never past DEADLINE
+  local name=$1 secs=$2; shift 2
+  local left=$((DEADLINE - SECONDS - 10))
+  if [ "$left" -lt 15 ]; then echo "$name: not run (time budget spent)" >> "$S"; return; fi
+  [ "$secs" -gt "$left" ] && secs=$left
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$R/$name.txt" 2>&1
+  echo "$name: exit $? ($((SECONDS - t0)) s)" >> "$S"
+}
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >> "$S"
+# Phase A: compile-bound correctness, in parallel
+run validate-full-tiled 250 python3 -m routetool validate --suite full --kernel tiled --device cuda \
+  --json "$R/validate-full-tiled.json" --junit "$R/validate-full-tiled.xml" --no-progress &
+run validate-full-seed 250 python3 -m routetool validate --suite full --kernel seed --device cuda \
+  --json "$R/validate-full-seed.json" --no-progress &
+run pytest-all 250 python3 -m pytest tests -q -p no:cacheprovider -m "not gpu" &
+wait
+# Phase B: GPU tests and timing, one at a time
+run pytest-gpu 120 python3 -m pytest tests -q -p no:cacheprovider -m gpu
+for t in traces/*.safetensors; do
+  n=$(basename "$t" .safetensors)
+  COLUMNS=110 run "replay-$n" 60 python3 -m routetool replay "$t" --device cuda --no-progress \
+    --json "$R/replay-$n.json"
+done
+COLUMNS=130 run bench 180 python3 -m routetool bench --tokens 1,64,4096,65536 --experts 128,256,384,512 \
+  --dtype fp32,bf16 --kernel tiled --kernel seed --kernel torch --pdl both --rep-ms 8 --csv "$R/bench.csv" \
+  --json "$R/bench.json" --no-progress
+COLUMNS=130 run bench-compile 60 python3 -m routetool bench --tokens 64,65536 --experts 256 --dtype fp32,bf16 \
+  --kernel torch-compile --kernel torch --kernel tiled --baseline torch --rep-ms 8 --csv "$R/bench-compile.csv" \
+  --no-progress
+run tune-large 60 python3 benchmarks/tune_tiled.py --out "$R/tune-large.csv" --large-only --budget-s 50
+if [ -f benchmarks/bench_balance.py ]; then
+  run bench-balance 45 python3 benchmarks/bench_balance.py --device cuda
+fi
+tar czf "$OUT/results.tgz" -C "$R" .
+cat "$S"
