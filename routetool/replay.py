@@ -110,6 +110,9 @@ class ReplayResult:
         layers: per-layer results. total_counts: ``[E]`` tokens per expert over all layers.
         total_load: statistics of ``total_counts`` (experts summed over layers).
         latency: per distinct step shape, or None when not measured; latency_note says why.
+        weights_semantics: of the recorded weights: ``renormalized`` (as the kernel) or
+            ``unnormalized`` (raw top-k scores x route_scale; then kernel vs recorded compares
+            ids only, and recorded vs reference compares against the raw scores).
     """
 
     trace: str
@@ -124,6 +127,7 @@ class ReplayResult:
     total_load: LoadStats
     latency: list[ShapeLatency] | None
     latency_note: str
+    weights_semantics: str = "renormalized"
 
     @property
     def ok(self) -> bool:
@@ -224,6 +228,8 @@ def replay_trace(
                 fix="use `routetool balance` for ids-only traces",
             )
     kernel_tol = weight_tolerance(torch.float32, router.route_scale)
+    semantics = trace.meta.extra.get("weights_semantics", "renormalized")
+    unnormalized = semantics == "unnormalized"
     shapes: dict[int, list] = {}
     total_counts = torch.zeros(E, dtype=torch.int64, device=device)
     results: list[LayerReplay] = []
@@ -256,10 +262,17 @@ def replay_trace(
                 rec_tol: WeightTolerance | None = None
                 if rec_w is not None:
                     rec_tol = weight_tolerance(coarser_dtype(rec_w.dtype, torch.float32), router.route_scale)
-                for summary, test_ids, test_w, exp_ids, exp_w in (
-                    (res.reference_vs_recorded, rec_ids, rec_w, ref_ids, ref_w),
-                    (res.kernel_vs_recorded, ids, w, rec_ids, rec_w),
-                ):
+                pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, ref_w),
+                         (res.kernel_vs_recorded, ids, w, rec_ids, rec_w)]
+                if unnormalized:
+                    # Production kept the raw top-k scores (times route_scale): compare like with
+                    # like. The kernel always renormalises, so against it only ids are compared.
+                    raw = scores.gather(1, ref_ids.clamp_min(0).long()) * router.route_scale
+                    if pad is not None:
+                        raw = torch.where(pad[:, None], 0.0, raw)
+                    pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, raw),
+                             (res.kernel_vs_recorded, ids, None, rec_ids, None)]
+                for summary, test_ids, test_w, exp_ids, exp_w in pairs:
                     c = compare_step(test_ids, test_w, exp_ids, exp_w, scores, biased, pad,
                                      tie_ulps=tie_ulps, tolerance=rec_tol)
                     summary.add(c, layer=layer, step=step.index, start=step.start, test_ids=test_ids,
@@ -308,6 +321,7 @@ def replay_trace(
         total_load=load_stats(total_counts),
         latency=latency,
         latency_note=note,
+        weights_semantics=semantics,
     )
 
 

@@ -177,6 +177,9 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     recorded = [layer for layer in result.layers if layer.reference_vs_recorded is not None]
     if recorded:
         findings.append(f"{len(recorded)} layer(s) carry recorded production outputs; compared above")
+        if result.weights_semantics == "unnormalized":
+            findings.append("recorded weights are unnormalized top-k scores: compared with the reference's raw "
+                            "scores; kernel vs recorded compares ids only")
     for text in findings:
         console.print(Text("• " + text, style="yellow"))
 
@@ -263,6 +266,7 @@ def replay_json(result: ReplayResult) -> dict:
             "triton_version": triton.__version__,
         },
         "tie_tolerance_ulps": result.tie_ulps,
+        "weights_semantics": result.weights_semantics,
         "verdict": "pass" if result.ok else "fail",
         "totals": {name: _summary_json(s) for name, s in result.totals().items()},
         "layers": [
