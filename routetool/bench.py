@@ -242,8 +242,8 @@ def trace_step_shapes(path):
     Raises:
         RouteToolError: the trace cannot be read.
     """
-    from routetool.trace import Trace
+    from routetool.trace import open_trace
 
-    with Trace(path) as t:
+    with open_trace(path) as t:
         sizes = {b - a for layer in t.layers for a, b in zip(t.info(layer).step_offsets, t.info(layer).step_offsets[1:])}
         return sorted(sizes), t.meta.router

@@ -76,12 +76,12 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     from routetool.execution import load_kernel, select_execution
     from routetool.report import check_output_path, render_replay, replay_json, write_json
     from routetool.replay import parse_layers, replay_trace
-    from routetool.trace import Trace
+    from routetool.trace import open_trace
 
     check_output_path(json_path, force)
     execution = select_execution(device)
     name, fn = load_kernel(kernel_spec)
-    with Trace(trace) as t:
+    with open_trace(trace) as t:
         layers = parse_layers(layers_spec, t.layers, t.display_path)
         if histogram_layer is not None and histogram_layer not in layers:
             raise RouteToolError(f"--layer {histogram_layer} is not among the replayed layers",
@@ -127,7 +127,7 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     from routetool.execution import load_kernel, select_execution
     from routetool.report import check_output_path, render_validate, validate_json, validate_junit, write_json, write_text
     from routetool.suite import build_suite
-    from routetool.trace import Trace
+    from routetool.trace import open_trace
     from routetool.validate import validate as run_validate
 
     if json_path == "-" and junit_path == "-":
@@ -141,7 +141,7 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     except ValueError as exc:
         raise RouteToolError(str(exc), fix="see `routetool validate --help`") from None
     for t in traces:  # bad traces fail before any work
-        Trace(t).close()
+        open_trace(t).close()
     execution = select_execution(device)
     name, fn = load_kernel(kernel_spec)
     with _progress(progress) as bar:
@@ -237,3 +237,13 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
         write_json(bench_json(result), json_path, sys.stdout)
     broken = [r for r in result.rows if r.status.startswith(("failed", "error"))]
     click.get_current_context().exit(EXIT_FINDINGS if broken else EXIT_OK)
+
+
+def _register() -> None:
+    from routetool.cli_capture import capture, info, synth
+
+    for command in (synth, info, capture):
+        main.add_command(command)
+
+
+_register()

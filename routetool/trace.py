@@ -540,3 +540,24 @@ def write_trace(
             pass
         raise
     return path
+
+
+def open_trace(path: str | os.PathLike, *, display_path: str | os.PathLike | None = None):
+    """Open any routetool trace: one ``.safetensors`` file, or a sharded trace's index.
+
+    The one entry point every command uses to read a trace. A path ending in ``.json``, or a
+    file whose content is JSON text, is read as a sharded-trace index
+    (:class:`routetool.sharded.ShardedTrace`, see that module for the index format);
+    anything else as a single trace v1 file (:class:`Trace`). Both have the same public
+    interface: ``path``, ``display_path``, ``meta``, ``layers``, ``info(L)``, ``bias(L)``,
+    ``steps(L)``, ``read_rows(L, start, stop)``, ``total_tokens``, ``close()``, context manager.
+
+    Raises:
+        RouteToolError: as :class:`Trace` or :class:`~routetool.sharded.ShardedTrace` do.
+    """
+    from routetool.sharded import ShardedTrace, looks_like_index
+
+    p = Path(path)
+    if p.is_file() and looks_like_index(p) or (not p.exists() and p.suffix.lower() == ".json"):
+        return ShardedTrace(p, display_path=display_path)
+    return Trace(p, display_path=display_path)

@@ -301,9 +301,9 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
         RouteToolError: the trace cannot be read (bad input, not a verdict).
     """
     from routetool.replay import replay_trace
-    from routetool.trace import Trace
+    from routetool.trace import open_trace
 
-    with Trace(path) as trace:
+    with open_trace(path) as trace:
         family = f"trace:{trace.display_path.name}"
         start = time.perf_counter()
         try:

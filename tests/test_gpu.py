@@ -129,3 +129,41 @@ def test_replay_with_latency(trace, tmp_path):
     for shape in doc["latency"]["shapes"]:
         assert 0 < shape["kernel_latency_us"]["p10"] <= shape["kernel_latency_us"]["p50"] <= shape["kernel_latency_us"]["p90"]
         assert shape["reference_latency_us"]["p50"] > 0
+
+
+def test_recorder_records_cuda_steps_and_refuses_graph_capture(tmp_path, monkeypatch):
+    """The recorder's CUDA path (pinned buffers, non-blocking copies, events) and real capture detection."""
+    import sys
+    import types
+
+    import kernel
+    from routetool.capture.recorder import RoutingRecorder
+    from routetool.errors import RouteToolError
+    from routetool.trace import open_trace
+
+    mod = types.ModuleType("routetool_gpu_standin")
+    mod.fused_musespark1x_routing = kernel.variant("tiled")
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    target = f"{mod.__name__}:fused_musespark1x_routing"
+    bias = torch.randn(256, device="cuda") * 0.05
+    inputs = [torch.randn((n, 256), device="cuda", dtype=torch.bfloat16) for n in (300, 8, 8)]
+    out = tmp_path / "run.json"
+    with RoutingRecorder(out, target=target, num_layers=2, shard_mb=0.5):
+        for x in inputs:
+            for _ in range(2):
+                mod.fused_musespark1x_routing(x, bias, 8, 2.5)
+    with open_trace(out) as t:
+        assert t.layers == (0, 1) and t.info(0).step_offsets == (0, 300, 308, 316)
+        steps = list(t.steps(1))
+        assert torch.equal(steps[0].gating_output, inputs[0].cpu())
+        w, ids = mod.fused_musespark1x_routing(inputs[2], bias, 8, 2.5)
+        assert torch.equal(steps[2].recorded_ids.to(ids.dtype), ids.cpu())
+    graph_out = tmp_path / "graph.json"
+    w = torch.empty((8, 8), device="cuda")
+    ids = torch.empty((8, 8), dtype=torch.int32, device="cuda")
+    mod.fused_musespark1x_routing(inputs[1], bias, 8, 2.5, w, ids)  # compile outside the capture
+    with pytest.raises(RouteToolError, match="capture"):
+        with RoutingRecorder(graph_out, target=target, num_layers=2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                mod.fused_musespark1x_routing(inputs[1], bias, 8, 2.5, w, ids)

@@ -12,12 +12,28 @@ Supported router families (transformers >= 5, where every router module returns
   always renormalises, Qwen3-MoE when ``norm_topk_prob`` is set. When it is not, the
   recorded weights are the raw top-k probabilities: the trace says so in its
   ``weights_semantics`` metadata (``unnormalized``), and replay compares like with like.
+
+Besides the recorder (:class:`HFRouterRecorder`) this module builds the models and inputs of
+``routetool capture hf`` (:func:`small_config`, :func:`load_config`, :func:`build_model`,
+:func:`load_checkpoint`, :func:`encode_text`, :func:`prompt_batch`) and runs a capture
+(:func:`capture_hf`). transformers is imported only inside the functions that need it
+(``pip install routetool[capture]``).
+
+Weight semantics, written to the trace's ``weights_semantics`` metadata:
+
+* ``renormalized``: ``topk_weights = route_scale * s_i / (sum of the picked s + eps)``, the
+  MuseSpark1x router's definition (s = unbiased sigmoid/softmax scores);
+* ``unnormalized``: ``topk_weights = route_scale * s_i`` (no division by the picks' sum), as
+  Qwen3-MoE with ``norm_topk_prob=False`` (and DeepSeek-V3 with ``norm_topk_prob=False``)
+  compute them. The ids follow the same selection rule either way.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -132,7 +148,11 @@ class HFRouterRecorder:
         def hook(module, inputs, output):
             logits, weights, ids = output
             self._logits[layer].append(logits.detach().reshape(-1, logits.shape[-1]).to("cpu", copy=True))
-            self._weights[layer].append(weights.detach().reshape(-1, weights.shape[-1]).float().to("cpu", copy=True))
+            w = weights.detach().reshape(-1, weights.shape[-1])
+            if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                w = w.float()
+            # kept in the model's dtype, so that replay's tolerance matches its rounding
+            self._weights[layer].append(w.to("cpu", copy=True))
             self._ids[layer].append(ids.detach().reshape(-1, ids.shape[-1]).to("cpu", torch.int32, copy=True))
         return hook
 
@@ -175,6 +195,263 @@ class HFRouterRecorder:
             model=model_name,
             router=self.router,
             provenance=provenance,
-            extra={"weights_semantics": self.weights_semantics, "capture": f"routetool.capture.hf ({self.family.name})"},
+            extra={"weights_semantics": self.weights_semantics,
+                   "capture": f"routetool.capture.hf ({self.family.name})"},
         )
         return meta, layers
+
+
+# ---------------------------------------------------------------------------------------
+# models and inputs for `routetool capture hf`
+ARCHS = ("deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe", "mixtral")
+"""Architectures ``routetool capture hf --arch`` builds from a small config."""
+
+_SMALL = {
+    # shared: tiny attention, a byte-sized vocabulary; only the router shape is realistic
+    "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=32, num_experts_per_tok=4, n_group=1,
+                        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                        n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4),
+    # Kimi-K2 is a DeepSeek-V3 architecture: 384 routed experts, top-8, scaling 2.827, no groups
+    "kimi_k2": dict(model_type="deepseek_v3", n_routed_experts=384, num_experts_per_tok=8, n_group=1,
+                    topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, first_k_dense_replace=1,
+                    n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                    qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4),
+    "glm4_moe": dict(model_type="glm4_moe", n_routed_experts=32, num_experts_per_tok=4, n_group=1, topk_group=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, n_shared_experts=1,
+                     head_dim=16),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=32, num_experts_per_tok=4, norm_topk_prob=True,
+                      head_dim=16),
+    "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, head_dim=16),
+}
+_SMALL_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def require_transformers():
+    """Import transformers, or say how to install it.
+
+    Raises:
+        RouteToolError: transformers is not installed.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise RouteToolError("transformers is not installed",
+                             fix="pip install 'routetool[capture]' (or pip install 'transformers>=5')") from None
+    return transformers
+
+
+def small_config(arch: str, **overrides):
+    """A small transformers config of ``arch`` (one of :data:`ARCHS`): a realistic router
+    (expert count, top-k, scaling, bias) on a tiny model (hidden 64, 3 layers, 256-token
+    vocabulary). ``overrides`` replace any config field (e.g. ``norm_topk_prob=False``).
+
+    Raises:
+        RouteToolError: unknown arch, transformers missing, or a field the config rejects.
+    """
+    if arch not in _SMALL:
+        raise RouteToolError(f"unknown --arch {arch!r}", fix=f"choose among {', '.join(ARCHS)}")
+    transformers = require_transformers()
+    fields = {**_SMALL_COMMON, **_SMALL[arch], **overrides}
+    model_type = fields.pop("model_type")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError) as exc:
+        raise RouteToolError(f"cannot build a {arch} config ({exc})", fix="check the --set values") from None
+
+
+def load_config(path: str | Path, **overrides):
+    """A transformers config from a ``config.json`` file (or a folder holding one).
+
+    Raises:
+        RouteToolError: missing/unreadable file, not JSON, no ``model_type``, or a model
+            type transformers does not know.
+    """
+    transformers = require_transformers()
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        raise RouteToolError("no such config file", path=file, fix="name a config.json or a folder holding one")
+    try:
+        fields = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RouteToolError(f"not a readable JSON config ({exc})", path=file,
+                             fix="name a transformers config.json") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise RouteToolError("has no model_type", path=file, fix="name a transformers config.json")
+    fields.update(overrides)
+    model_type = fields.pop("model_type")
+    for key in ("architectures", "transformers_version", "auto_map"):
+        fields.pop(key, None)
+    try:
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise RouteToolError(f"transformers cannot build model_type {model_type!r} ({exc})", path=file,
+                             fix="use a config of a supported MoE model") from None
+
+
+def build_model(config, *, seed: int = 0, router_std: float = 0.25, bias_std: float = 0.02,
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A causal-LM of ``config`` with seeded random weights (no network).
+
+    HF initialises routers at std 0.02 and the correction bias at 0, which gives nearly
+    uniform scores; trained routers have a spread. So the router weights are redrawn from
+    N(0, router_std^2) and, for families with a bias, the bias from N(0, bias_std^2), from a
+    generator seeded with ``seed`` (0 keeps HF's initialisation).
+
+    Raises:
+        RouteToolError: an unsupported router family or group-limited routing (checked first).
+    """
+    transformers = require_transformers()
+    router_config_for(config)  # refuse unsupported models before building anything
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in router_modules(model).values():
+            if router_std > 0:
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * router_std)
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias_std > 0 and bias is not None:
+                bias.copy_(torch.randn(bias.shape, generator=gen) * bias_std)
+    return model
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model",
+                    "vocab.txt")
+
+
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", tokenizer: str = "auto"):
+    """``(model, tokenizer or None)`` from a local checkpoint folder (no network).
+
+    Args:
+        path: a folder saved with ``save_pretrained`` (config.json + weights).
+        dtype: model dtype (``"auto"``: the checkpoint's).
+        tokenizer: ``auto`` (the checkpoint's tokenizer when the folder has tokenizer files,
+            else None), ``checkpoint`` (must load), or ``bytes`` (None: the byte fallback
+            of :func:`encode_text`).
+
+    Raises:
+        RouteToolError: not a folder with a config.json, an unsupported model, weights that
+            do not load, or a tokenizer that cannot be loaded when one is expected.
+    """
+    transformers = require_transformers()
+    p = Path(path)
+    if not (p.is_dir() and (p / "config.json").is_file()):
+        raise RouteToolError("is not a checkpoint folder (no config.json)", path=p,
+                             fix="name a local folder saved with save_pretrained (or use --config/--arch)")
+    if tokenizer not in ("auto", "checkpoint", "bytes"):
+        raise RouteToolError(f"tokenizer {tokenizer!r} must be auto, checkpoint or bytes", fix="e.g. --tokenizer auto")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise RouteToolError(f"cannot read the config ({exc})", path=p / "config.json",
+                             fix="check the checkpoint") from None
+    router_config_for(config)
+    has_files = any((p / name).is_file() for name in _TOKENIZER_FILES)
+    tok = None
+    if tokenizer == "checkpoint" or (tokenizer == "auto" and has_files):
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        except Exception as exc:  # transformers raises many types for broken tokenizer files
+            raise RouteToolError(f"cannot load the checkpoint's tokenizer ({type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''})", path=p,
+                                 fix="fix the tokenizer files, or pass --tokenizer bytes") from None
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise RouteToolError(f"cannot load the weights ({str(exc).splitlines()[0] if str(exc) else exc})", path=p,
+                             fix="check that the checkpoint is complete") from None
+    return model.eval(), tok
+
+
+def encode_text(text: str, tokenizer, vocab_size: int) -> list[int]:
+    """Token ids of ``text``: the tokenizer's, or UTF-8 bytes (each ``b % vocab_size``) without one.
+
+    Raises:
+        RouteToolError: the tokenizer gives ids outside the model's vocabulary.
+    """
+    if tokenizer is None:
+        return [b % vocab_size for b in text.encode("utf-8")]
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if ids and max(ids) >= vocab_size:
+        raise RouteToolError(f"the tokenizer gives id {max(ids)} but the model has vocab_size={vocab_size}",
+                             fix="use the checkpoint's own tokenizer, or --tokenizer bytes")
+    return ids
+
+
+def prompt_batch(ids: list[int], batch: int, prompt_tokens: int, source: object = None) -> torch.Tensor:
+    """``[batch, prompt_tokens]`` int64 prompts: consecutive slices of the token stream.
+
+    Raises:
+        RouteToolError: fewer than ``batch * prompt_tokens`` tokens, or sizes < 1.
+    """
+    if batch < 1 or prompt_tokens < 1:
+        raise RouteToolError("--batch and --prompt-tokens must be >= 1", fix="e.g. --batch 4 --prompt-tokens 64")
+    need = batch * prompt_tokens
+    if len(ids) < need:
+        raise RouteToolError(f"the text has {len(ids)} tokens; {batch} prompts of {prompt_tokens} need {need}",
+                             path=source, fix="give more text, or lower --batch / --prompt-tokens")
+    return torch.tensor(ids[:need], dtype=torch.long).view(batch, prompt_tokens)
+
+
+def run_model(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    """One prefill step, then ``max_new_tokens - 1`` greedy decode steps (``max_new_tokens``
+    forward passes; one forward pass without generation when 0)."""
+    mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        if max_new_tokens == 0:
+            model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+            return
+        gen_cfg = getattr(model, "generation_config", None)
+        pad = getattr(gen_cfg, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(model.config, "pad_token_id", None)
+        if pad is None:
+            eos = getattr(gen_cfg, "eos_token_id", None)
+            pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                       min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+
+
+@dataclass
+class HFCapture:
+    """What :func:`capture_hf` recorded (rendered by ``routetool capture hf``).
+
+    Attributes:
+        out: trace path (empty until written). model_name: the trace's ``model``.
+        family: router family. layers: MoE layer indices. router: parameters.
+        weights_semantics: ``renormalized`` or ``unnormalized``. batch / prompt_tokens /
+        max_new_tokens: the input. tokenizer: ``checkpoint`` or ``bytes``. num_steps: steps
+        per layer. tokens_per_layer: rows per layer.
+    """
+
+    out: str
+    model_name: str
+    family: str
+    layers: list[int]
+    router: RouterConfig
+    weights_semantics: str
+    batch: int
+    prompt_tokens: int
+    max_new_tokens: int
+    tokenizer: str
+    num_steps: int
+    tokens_per_layer: int
+
+
+def capture_hf(model: torch.nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, model_name: str,
+               provenance: str) -> tuple[TraceMeta, dict[int, LayerArrays]]:
+    """Run ``model`` on ``input_ids`` (:func:`run_model`) under :class:`HFRouterRecorder`.
+
+    Returns:
+        ``(meta, layers)`` for :func:`routetool.trace.write_trace`.
+
+    Raises:
+        RouteToolError: an unsupported model, or no router call seen.
+    """
+    with HFRouterRecorder(model) as rec:
+        run_model(model, input_ids, max_new_tokens)
+    return rec.trace(model_name=model_name, provenance=provenance)

@@ -1,0 +1,261 @@
+"""Command-line front of the capture side: ``routetool synth``, ``routetool info`` and
+``routetool capture hf``.
+
+Each command parses its options, calls one function, renders, and exits; a bad input is a
+:class:`~routetool.errors.RouteToolError`, which the main group turns into one line and exit
+code 2. The commands are registered on the main group by :mod:`routetool.cli`
+(``main.add_command(synth)``, ``main.add_command(info)``, ``main.add_command(capture)``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from routetool.errors import RouteToolError
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
+           "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, _DTYPES[name])
+
+
+def _parse_chunks(text: str) -> tuple[int, ...]:
+    if text.strip().lower() in ("", "none", "0"):
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RouteToolError(f"--prefill {text!r}: expected token counts like 384,128 (or none)",
+                             fix="e.g. --prefill 512,512,97") from None
+
+
+def _parse_overrides(items: tuple[str, ...]) -> dict:
+    """``--set KEY=VALUE`` (VALUE as JSON, else a string) -> dict."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise RouteToolError(f"--set {item!r} is not KEY=VALUE", fix="e.g. --set norm_topk_prob=false")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeRemainingColumn(), console=Console(stderr=True), transient=True, disable=not enabled)
+
+
+# ---------------------------------------------------------------------------------------
+# routetool synth
+@click.command()
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Trace file to write (.safetensors).")
+@click.option("--layers", "num_layers", type=click.IntRange(min=1), default=4, show_default=True, help="MoE layers.")
+@click.option("--experts", "num_experts", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Routed experts per layer (E).")
+@click.option("--topk", type=click.IntRange(min=1), default=8, show_default=True, help="Experts per token (K).")
+@click.option("--route-scale", type=float, default=2.5, show_default=True, help="routed_scaling_factor.")
+@click.option("--normalization", type=click.Choice(["sigmoid", "softmax"]), default="sigmoid", show_default=True)
+@click.option("--multiplier", type=float, default=None, help="router_output_multiplier (default: none).")
+@click.option("--eps", type=float, default=None, help="router_score_division_eps (default: none).")
+@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bfloat16", show_default=True,
+              help="dtype of the stored logits.")
+@click.option("--prefill", default="384,128", show_default=True, help="Prefill chunk sizes in tokens (or none).")
+@click.option("--decode-steps", type=click.IntRange(min=0), default=16, show_default=True)
+@click.option("--max-decode-batch", type=click.IntRange(min=1), default=48, show_default=True,
+              help="Decode batches are drawn uniformly from 1..this.")
+@click.option("--padding", default="graph", show_default=True,
+              help="graph (pad decode batches to CUDA-graph sizes), none, or fraction:F (F of all rows padded).")
+@click.option("--order", type=click.Choice(["prefill-first", "interleaved"]), default="prefill-first",
+              show_default=True, help="Step order of prefill chunks and decode batches.")
+@click.option("--skew", default="imbalance:3", show_default=True,
+              help="Load skew: uniform, zipf:A, hot:N:F or imbalance:X[:S] (target max/mean per layer).")
+@click.option("--bias", type=click.Choice(["zero", "fitted"]), default="zero", show_default=True,
+              help="zero, or fitted by DeepSeek-V3's auxiliary-loss-free update rule.")
+@click.option("--bias-rate", type=float, default=1e-3, show_default=True, help="Update rate u of the bias fit.")
+@click.option("--fit-steps", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Bias updates (batches of 1024 tokens).")
+@click.option("--ties", type=click.IntRange(min=0), default=4, show_default=True,
+              help="Rows per layer given an exact tie at the k-th boundary.")
+@click.option("--nonfinite", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Rows per layer given a NaN and a +inf logit.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--model", "model_name", default="synthetic", show_default=True, help="Model name in the metadata.")
+@click.option("--force", is_flag=True, help="Replace an existing output file.")
+def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: float, normalization: str,
+          multiplier: float | None, eps: float | None, dtype: str, prefill: str, decode_steps: int,
+          max_decode_batch: int, padding: str, order: str, skew: str, bias: str, bias_rate: float, fit_steps: int,
+          ties: int, nonfinite: int, seed: int, model_name: str, force: bool) -> None:
+    """Write a synthetic trace with controlled shape, skew, padding, ties and bias.
+
+    Deterministic for a given seed. Prints the realised statistics per layer (tokens,
+    padded and non-finite rows, exact ties at the k-th boundary, max/mean load without and
+    with the bias). The model of the logits is described in docs/capture.md.
+    """
+    from routetool.report import check_output_path
+    from routetool.report_capture import render_synth
+    from routetool.synth import SynthSpec, synth_stats, synthesize
+    from routetool.trace import RouterConfig, write_trace
+
+    check_output_path(str(out), force)
+    spec = SynthSpec(
+        num_layers=num_layers,
+        router=RouterConfig(num_experts=num_experts, topk=topk, route_scale=route_scale,
+                            router_score_normalization=normalization, router_output_multiplier=multiplier,
+                            router_score_division_eps=eps),
+        dtype=_torch_dtype(dtype), prefill_chunks=_parse_chunks(prefill), decode_steps=decode_steps,
+        max_decode_batch=max_decode_batch, padding=padding, order=order, skew=skew, bias=bias,
+        bias_update_rate=bias_rate, fit_steps=fit_steps, ties=ties, nonfinite=nonfinite, seed=seed, model=model_name,
+    )
+    meta, layers = synthesize(spec)
+    write_trace(out, meta, layers, force=force)
+    render_synth(str(out), synth_stats(meta, layers), Console())
+    click.echo(f"wrote {out}", err=True)
+
+
+# ---------------------------------------------------------------------------------------
+# routetool info
+@click.command()
+@click.argument("trace", type=click.Path(path_type=Path, dir_okay=True))
+@click.option("--scan", is_flag=True,
+              help="Also read the data (one step at a time) to count padded rows and rows with non-finite logits.")
+@click.option("--json", "json_path", default=None, metavar="PATH",
+              help="Also write the facts as JSON to PATH ('-' = stdout; the tables then go to stderr).")
+@click.option("--force", is_flag=True, help="Replace an existing --json file.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr (--scan).")
+def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: bool) -> None:
+    """Show what TRACE holds: metadata, provenance, layers, steps, shapes, dtypes, sizes.
+
+    TRACE is a .safetensors trace or a sharded trace's index (.json). Reads headers only
+    (fast on any size) unless --scan is given.
+    """
+    from routetool.info import trace_info
+    from routetool.report import check_output_path, write_json
+    from routetool.report_capture import info_json, render_info
+    from routetool.trace import open_trace
+
+    check_output_path(json_path, force)
+    with open_trace(trace) as t:
+        with _progress(progress and scan) as bar:
+            task = bar.add_task(f"scan {trace.name}", total=t.total_tokens)
+            result = trace_info(t, scan=scan, progress=lambda n: bar.advance(task, n))
+    render_info(result, Console(stderr=json_path == "-"))
+    if json_path is not None:
+        write_json(info_json(result), json_path, sys.stdout)
+
+
+# ---------------------------------------------------------------------------------------
+# routetool capture hf
+@click.group()
+def capture() -> None:
+    """Record traces from real model runs (HF transformers; the vLLM recorder is a Python API)."""
+
+
+@capture.command("hf")
+@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+              help="Local checkpoint folder (from_pretrained, local files only).")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="A config.json (or a folder with one): seeded random weights.")
+@click.option("--arch", type=click.Choice(["deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe", "mixtral"]),
+              default=None, help="A small built-in config of this architecture: seeded random weights.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config field (--config/--arch), VALUE as JSON; repeatable.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--router-std", type=click.FloatRange(min=0), default=None,
+              help="Redraw router weights from N(0, std^2) (random-weight models; default 0.25, 0 = HF init).")
+@click.option("--bias-std", type=click.FloatRange(min=0), default=None,
+              help="Draw e_score_correction_bias from N(0, std^2) (random-weight models; default 0.02).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="Model dtype (auto: the checkpoint's; float32 for random-weight models).")
+@click.option("--text", "text_file", type=click.File("r", encoding="utf-8"), required=True,
+              help="Input text file, or - for stdin.")
+@click.option("--tokenizer", "tokenizer_mode", type=click.Choice(["auto", "checkpoint", "bytes"]), default="auto",
+              show_default=True,
+              help="auto: the checkpoint's tokenizer when it has one, else UTF-8 bytes; checkpoint: must load; bytes.")
+@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="Prompts per batch.")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens per prompt (consecutive slices of the text).")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Greedy tokens to generate: 1 prefill step + (N - 1) decode steps (0: one forward pass).")
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Trace file to write.")
+@click.option("--model-name", default=None, help="Model name in the trace metadata.")
+@click.option("--force", is_flag=True, help="Replace an existing output file.")
+def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: str | None, overrides: tuple[str, ...],
+                       seed: int, router_std: float | None, bias_std: float | None, dtype: str, text_file,
+                       tokenizer_mode: str, batch: int, prompt_tokens: int, max_new_tokens: int, out: Path,
+                       model_name: str | None, force: bool) -> None:
+    """Run a transformers MoE model on text and record every MoE layer's router.
+
+    Records router logits, the bias (e_score_correction_bias, where the architecture has
+    one) and the model's own top-k ids and weights, one step per forward pass. Supported:
+    DeepSeek-V3 / Kimi-K2 / GLM-4.5 (sigmoid + bias), Qwen3-MoE / Mixtral (softmax).
+    """
+    from routetool.capture import hf
+    from routetool.report import check_output_path
+    from routetool.report_capture import render_hf_capture
+    from routetool.trace import write_trace
+
+    sources = [name for name, v in (("--model", model_path), ("--config", config_path), ("--arch", arch)) if v]
+    if len(sources) != 1:
+        raise RouteToolError(f"give exactly one of --model, --config, --arch (got {', '.join(sources) or 'none'})",
+                             fix="e.g. --arch deepseek_v3, or --model ./my-checkpoint")
+    if model_path is not None and (overrides or router_std is not None or bias_std is not None):
+        raise RouteToolError("--set, --router-std and --bias-std apply to random-weight models (--config/--arch)",
+                             fix="drop them, or edit the checkpoint's config")
+    if model_path is None and tokenizer_mode == "checkpoint":
+        raise RouteToolError("--tokenizer checkpoint needs --model", fix="random-weight models use UTF-8 bytes")
+    check_output_path(str(out), force)
+    text = text_file.read()
+    source_name = getattr(text_file, "name", "<stdin>")
+    torch_dtype = None if dtype == "auto" else _torch_dtype(dtype)
+    if model_path is not None:
+        model, tokenizer = hf.load_checkpoint(model_path, dtype=torch_dtype or "auto", tokenizer=tokenizer_mode)
+        origin = f"checkpoint {model_path}"
+    else:
+        fields = _parse_overrides(overrides)
+        config = hf.load_config(config_path, **fields) if config_path is not None else hf.small_config(arch, **fields)
+        rs = 0.25 if router_std is None else router_std
+        bs = 0.02 if bias_std is None else bias_std
+        model = hf.build_model(config, seed=seed, router_std=rs, bias_std=bs,
+                               dtype=torch_dtype or _torch_dtype("float32"))
+        tokenizer = None
+        has_bias = hf.router_config_for(config)[0].has_bias
+        origin = (f"{'config ' + str(config_path) if config_path else 'built-in small ' + arch + ' config'}"
+                  f"{' with ' + ', '.join(overrides) if overrides else ''}, random weights seeded {seed}, router "
+                  f"weights std {rs:g}" + (f", bias std {bs:g}" if has_bias else ""))
+    ids = hf.encode_text(text, tokenizer, int(model.config.vocab_size))
+    input_ids = hf.prompt_batch(ids, batch, prompt_tokens, source=source_name)
+    tok = "checkpoint tokenizer" if tokenizer is not None else "UTF-8 bytes"
+    name = model_name or (str(model_path) if model_path else f"transformers {type(model).__name__}, {origin}")
+    model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    provenance = (f"routetool capture hf: transformers {type(model).__name__} ({origin}, {model_dtype}); input {batch} "
+                  f"prompts x {prompt_tokens} tokens ({tok}) of {source_name}; 1 prefill step + "
+                  f"{max(max_new_tokens - 1, 0)} greedy decode steps; router logits, bias and the model's own "
+                  "top-k ids/weights recorded by forward hooks")
+    meta, layers = hf.capture_hf(model, input_ids, max_new_tokens=max_new_tokens, model_name=name,
+                                 provenance=provenance)
+    write_trace(out, meta, layers, force=force)
+    first = next(iter(layers.values()))
+    summary = hf.HFCapture(
+        out=str(out), model_name=name, family=hf.router_config_for(model.config)[0].name, layers=sorted(layers),
+        router=meta.router, weights_semantics=meta.extra.get("weights_semantics", "renormalized"), batch=batch,
+        prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+        tokenizer="checkpoint tokenizer" if tokenizer is not None else "UTF-8 byte fallback",
+        num_steps=int(first.step_offsets.numel() - 1), tokens_per_layer=int(first.gating_output.shape[0]),
+    )
+    render_hf_capture(summary, Console())
+    click.echo(f"wrote {out}; replay it with: routetool replay {out}", err=True)

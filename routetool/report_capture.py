@@ -1,0 +1,211 @@
+"""Reporters of the capture commands: ``routetool info``, ``synth`` and ``capture hf``.
+
+Result dataclasses in, rich tables and JSON documents out; nothing here computes results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rich import box
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from routetool.info import TraceInfo, step_token_quantiles
+from routetool.report import fmt_float
+
+INFO_SCHEMA = "routetool.info/1"
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes in binary units (``1.4 MiB``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+              collapse_padding=True)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right")
+    return t
+
+
+def _router_line(r) -> str:
+    return (f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} route_scale={r.route_scale:g} "
+            f"multiplier={r.router_output_multiplier} eps={r.router_score_division_eps}")
+
+
+def _layer_list(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts, start, prev = [], None, None
+    for x in layers + [None]:
+        if start is not None and (x is None or x != prev + 1):
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if x is not None and start is None:
+            start = x
+        prev = x
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------
+# routetool info
+def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None:
+    """Print ``routetool info``: header, per-layer table, tensors, step shapes, notes."""
+    header = Table.grid(padding=(0, 2))
+    header.add_row("trace", info.trace)
+    if info.sharded:
+        idx = info.index or {}
+        state = "complete" if idx.get("complete") else "INCOMPLETE"
+        header.add_row("layout", f"sharded: {idx.get('num_shards')} shards + index, {state} "
+                                 f"(stopped by: {idx.get('stopped_by') or 'unknown: still recording or killed'})")
+    else:
+        header.add_row("layout", "one file")
+    header.add_row("size", f"{fmt_bytes(info.size_bytes)} ({info.size_bytes:,} bytes)")
+    header.add_row("format", f"routetool-trace v{info.format_version}")
+    header.add_row("model", info.model or "-")
+    header.add_row("router", _router_line(info.router))
+    for key in sorted(info.metadata):
+        header.add_row(key, info.metadata[key])
+    header.add_row("provenance", Text(info.provenance or "-"))
+    header.add_row("layers", f"{len(info.layers)}: {', '.join(str(x.layer) for x in info.layers)}")
+    header.add_row("tokens", f"{info.total_tokens:,} rows in {info.total_steps:,} layer-steps")
+    header.add_row("recorded outputs", {"all": "topk_ids/topk_weights in every layer", "some": "in some layers",
+                                        "none": "none (inputs only)"}[info.recorded_outputs])
+    if info.scanned:
+        header.add_row("padded rows", f"{info.padded_rows:,} ({fmt_float(100 * info.padded_fraction)} %)")
+        header.add_row("non-finite rows", f"{info.nonfinite_rows:,}")
+    console.print(Panel(header, title="routetool info", expand=False))
+
+    columns = ["layer", "tokens", "steps", "rows/step min", "p50", "max", "max|bias|", "recorded"]
+    if info.scanned:
+        columns += ["padded", "nonfinite"]
+    table = _table("Per layer", columns, left=("recorded",))
+    for layer in info.layers:
+        q = step_token_quantiles(layer.step_tokens)
+        recorded = "ids+weights" if layer.has_recorded_weights else ("ids" if layer.has_recorded_ids else "-")
+        row = [
+            str(layer.layer), f"{layer.num_tokens:,}", f"{layer.num_steps:,}",
+            *((f"{q[0]:,}", fmt_float(q[1]), f"{q[2]:,}") if q else ("-", "-", "-")),
+            fmt_float(layer.bias_abs_max) if layer.has_bias else "zeros", recorded,
+        ]
+        if info.scanned:
+            frac = layer.padded_fraction or 0.0
+            row += [f"{layer.padded_rows:,} ({fmt_float(100 * frac)}%)",
+                    Text(f"{layer.nonfinite_rows:,}", style="yellow" if layer.nonfinite_rows else "dim")]
+        table.add_row(*row)
+    console.print(table)
+
+    # tensors: one block per group of layers with the same tensors (usually all layers)
+    groups: dict[tuple, list[int]] = {}
+    for layer in info.layers:
+        sig = tuple((name, t.dtype, t.shape) for name, t in layer.tensors.items())
+        groups.setdefault(sig, []).append(layer.layer)
+    tt = _table("Tensors per layer", ["layers", "tensor", "dtype", "shape"], left=("layers", "tensor", "dtype"))
+    for sig, members in groups.items():
+        label = "all" if len(groups) == 1 else _layer_list(members)
+        for i, (name, dtype, shape) in enumerate(sig):
+            tt.add_row(label if i == 0 else "", name, dtype, f"[{', '.join(f'{d:,}' for d in shape)}]")
+    console.print(tt)
+
+    shapes = info.step_shapes
+    if shapes:
+        unit = "steps" if info.steps_same_in_all_layers else "layer-steps"
+        same = ", same in every layer" if info.steps_same_in_all_layers else ""
+        title = f"Step shapes ({len(shapes)} distinct{same})"
+        st = _table(title, ["rows/step", unit])
+        common = sorted(shapes.items(), key=lambda kv: (-kv[1], kv[0]))[:max_shapes]
+        for rows, count in sorted(common):
+            st.add_row(f"{rows:,}", f"{count:,}")
+        if len(shapes) > max_shapes:
+            st.caption = f"{max_shapes} most frequent of {len(shapes)}; --json lists all"
+        console.print(st)
+    for f in info.files if info.sharded else []:
+        console.print(Text(f"  {f.role:5} {f.path}  {fmt_bytes(f.size_bytes)}", style="dim"))
+    if not info.scanned:
+        console.print(Text("Header only: padded and non-finite rows are not counted (add --scan to read the data).",
+                           style="dim"))
+
+
+def info_json(info: TraceInfo) -> dict:
+    """The ``routetool info --json`` document (schema ``routetool.info/1``, docs/capture.md)."""
+    return {
+        "schema": INFO_SCHEMA,
+        "trace": info.trace,
+        "sharded": info.sharded,
+        "index": info.index,
+        "files": [{"path": f.path, "role": f.role, "size_bytes": f.size_bytes} for f in info.files],
+        "size_bytes": info.size_bytes,
+        "format_version": info.format_version,
+        "model": info.model,
+        "provenance": info.provenance,
+        "router": asdict(info.router),
+        "metadata": dict(info.metadata),
+        "scanned": info.scanned,
+        "num_layers": len(info.layers),
+        "total_tokens": info.total_tokens,
+        "recorded_outputs": info.recorded_outputs,
+        "padded_rows": info.padded_rows,
+        "padded_fraction": info.padded_fraction,
+        "nonfinite_rows": info.nonfinite_rows,
+        "step_shapes": [{"num_tokens": rows, "steps": count} for rows, count in info.step_shapes.items()],
+        "step_shapes_counted_per_layer": info.steps_same_in_all_layers,
+        "layers": [
+            {
+                "layer": layer.layer,
+                "num_tokens": layer.num_tokens,
+                "num_steps": layer.num_steps,
+                "step_tokens": layer.step_tokens,
+                "tensors": {name: {"shape": list(t.shape), "dtype": t.dtype} for name, t in layer.tensors.items()},
+                "has_bias": layer.has_bias,
+                "bias_abs_max": layer.bias_abs_max,
+                "has_padding": layer.has_padding,
+                "has_recorded_ids": layer.has_recorded_ids,
+                "has_recorded_weights": layer.has_recorded_weights,
+                "padded_rows": layer.padded_rows,
+                "padded_fraction": layer.padded_fraction,
+                "nonfinite_rows": layer.nonfinite_rows,
+                "nonfinite_padded_rows": layer.nonfinite_padded_rows,
+            }
+            for layer in info.layers
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# routetool synth
+def render_synth(path: str, stats: list, console: Console) -> None:
+    """Print the realised statistics of a synthetic trace (:class:`routetool.synth.SynthLayerStats`)."""
+    table = _table(f"{path}: realised statistics per layer", ["layer", "tokens", "steps", "padded", "nonfin",
+                                                               "ties@k", "imb0", "imb", "CV", "idle", "max|b|"])
+    for st in stats:
+        table.add_row(str(st.layer), f"{st.num_tokens:,}", str(st.num_steps), f"{st.padded_rows:,}",
+                      f"{st.nonfinite_rows:,}", f"{st.boundary_ties:,}", fmt_float(st.imbalance_zero_bias),
+                      fmt_float(st.imbalance), fmt_float(st.cv), str(st.idle_experts), fmt_float(st.bias_abs_max))
+    table.caption = ("padded rows excluded from the load; ties@k: exact ties at the k-th boundary; imb0 / imb: "
+                     "max/mean tokens per expert without / with the bias; CV: std/mean with the bias")
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------------------
+# routetool capture hf
+def render_hf_capture(summary, console: Console) -> None:
+    """Print what ``routetool capture hf`` recorded (:class:`routetool.capture.hf.HFCapture`)."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_row("trace", summary.out)
+    grid.add_row("model", summary.model_name)
+    grid.add_row("family", f"{summary.family} (router modules in layers {', '.join(map(str, summary.layers))})")
+    grid.add_row("router", _router_line(summary.router))
+    grid.add_row("weights", f"{summary.weights_semantics} (recorded topk_weights)")
+    grid.add_row("input", f"{summary.batch} x {summary.prompt_tokens} tokens ({summary.tokenizer}), "
+                          f"{summary.max_new_tokens} new tokens")
+    grid.add_row("steps", f"{summary.num_steps} per layer (1 prefill + {max(summary.num_steps - 1, 0)} decode), "
+                          f"{summary.tokens_per_layer:,} rows per layer")
+    console.print(Panel(grid, title="routetool capture hf", expand=False))

@@ -1,0 +1,348 @@
+"""Sharded traces: several trace v1 files plus a JSON index, read as one trace.
+
+Long recordings (:class:`routetool.capture.recorder.RoutingRecorder`) are written as a
+sequence of ordinary trace files (*shards*), each a complete, valid trace v1 file, plus an
+index file that lists them in order::
+
+    {
+      "format": "routetool-trace-index",
+      "version": "1",
+      "complete": true,                  # false: the recording stopped on an error or is still running
+      "stopped_by": "exit",              # exit | max_tokens | error: ... | recorder error: ... | null
+      "created_by": "routetool.capture.recorder",
+      "shards": [
+        {"path": "run-00000.safetensors", "size_bytes": 1048576,
+         "num_steps": 12, "first_step": 0, "last_step": 11},
+        ...
+      ]
+    }
+
+Only ``format``, ``version`` and ``shards[].path`` are required; ``path`` is relative to the
+index's folder (or absolute). ``size_bytes``, when present, is checked against the file, so
+a replaced or truncated shard is caught before it is read. Every other key is
+informational and kept as is.
+
+Reading rules (:class:`ShardedTrace`): a layer's steps are the concatenation of its steps in
+every shard that holds the layer, in shard order; all shards must agree on the router
+metadata (``num_experts``, ``topk``, ``route_scale``, normalization, multiplier, eps) and on
+``weights_semantics``, and, per layer, on the bias, the logits dtype and which recorded
+outputs are present. A shard without ``is_padding`` for a layer that other shards pad counts
+as unpadded. Any disagreement is a one-line :class:`~routetool.errors.RouteToolError` naming
+the shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from routetool.errors import RouteToolError
+from routetool.trace import LayerInfo, Step, Trace, TraceMeta, default_file_mode
+
+INDEX_FORMAT = "routetool-trace-index"
+INDEX_VERSION = "1"
+_PER_SHARD_META = ("shard", "first_step", "last_step")
+
+
+def shard_path(index_path: str | os.PathLike, number: int) -> Path:
+    """Path of shard ``number`` of the index ``index_path``: ``<stem>-00000.safetensors``
+    next to the index (``run.json`` -> ``run-00000.safetensors``)."""
+    p = Path(index_path)
+    return p.with_name(f"{p.stem}-{number:05d}.safetensors")
+
+
+def looks_like_index(path: str | os.PathLike) -> bool:
+    """True when ``path`` names a sharded-trace index rather than a safetensors file.
+
+    By suffix (``.json``) or by content: an index is JSON text, while a safetensors file
+    starts with an 8-byte little-endian header length whose high bytes are zero.
+    """
+    p = Path(path)
+    if p.suffix.lower() == ".json":
+        return True
+    try:
+        with open(p, "rb") as fh:
+            head = fh.read(64)
+    except OSError:
+        return False
+    return head.lstrip().startswith(b"{") and b"\x00" not in head
+
+
+def write_index(
+    path: str | os.PathLike,
+    shards: list[Mapping[str, object]],
+    *,
+    complete: bool,
+    stopped_by: str | None,
+    extra: Mapping[str, object] | None = None,
+) -> Path:
+    """Write (or replace) an index atomically: temporary file in the same folder, then rename.
+
+    Args:
+        path: the index file. shards: entries with at least ``path`` (relative to the
+            index's folder). complete / stopped_by: how the recording ended (see the module
+            docstring). extra: further informational keys.
+
+    Raises:
+        RouteToolError: the folder is not writable or the disk is full.
+    """
+    path = Path(path)
+    doc: dict[str, object] = {"format": INDEX_FORMAT, "version": INDEX_VERSION}
+    doc.update(extra or {})
+    doc.update({"complete": bool(complete), "stopped_by": stopped_by, "shards": [dict(s) for s in shards]})
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise RouteToolError(f"cannot write the index ({exc.strerror or exc})", path=path,
+                             fix="choose a writable folder") from None
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh, indent=2)
+            fh.write("\n")
+        os.chmod(tmp, default_file_mode())
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise RouteToolError(f"cannot write the index ({exc.strerror or exc})", path=path,
+                             fix="check free disk space and permissions") from None
+    return path
+
+
+def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
+    """Read and check an index file; returns the parsed document.
+
+    Raises:
+        RouteToolError: missing or unreadable file, not JSON, another format or version,
+            no shards, a shard entry without a path.
+    """
+    path = Path(path)
+    shown = display_path if display_path is not None else path
+    if not path.exists():
+        raise RouteToolError("no such file", path=shown, fix="check the path")
+    if path.is_dir():
+        raise RouteToolError("is a directory, not a trace file", path=shown,
+                             fix="name a .safetensors trace or a sharded trace's index .json")
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=shown, fix="check permissions") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RouteToolError(f"not a JSON trace index ({exc})", path=shown,
+                             fix="name a .safetensors trace or a sharded trace's index .json") from None
+    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else None
+        raise RouteToolError(f"not a routetool trace index (format={found!r}, expected {INDEX_FORMAT!r})",
+                             path=shown, tensor="index",
+                             fix="name a .safetensors trace or an index written by routetool's recorder")
+    if doc.get("version") != INDEX_VERSION:
+        raise RouteToolError(f"trace index version {doc.get('version')!r} is not supported (this routetool reads "
+                             f"{INDEX_VERSION!r})", path=shown, tensor="index", fix="upgrade routetool")
+    shards = doc.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise RouteToolError("the index lists no shards", path=shown, tensor="index.shards",
+                             fix="the recording wrote nothing; record again")
+    for i, entry in enumerate(shards):
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
+            raise RouteToolError(f"shard entry {i} has no path", path=shown, tensor=f"index.shards[{i}]",
+                                 fix="each shard entry needs a \"path\" string")
+    return doc
+
+
+@dataclass
+class _Part:
+    """Where one shard's rows of one layer sit in the concatenated layer."""
+
+    shard: int
+    row_offset: int
+    step_offset: int
+    num_tokens: int
+
+
+class ShardedTrace:
+    """A sharded trace (index + shard files) with the public interface of
+    :class:`routetool.trace.Trace`: ``path``, ``display_path``, ``meta``, ``layers``,
+    ``info(L)``, ``bias(L)``, ``steps(L)``, ``read_rows(L, start, stop)``,
+    ``total_tokens``, ``close()`` and the context manager.
+
+    Also: ``index`` (the parsed index document), ``shards`` (the open shard
+    :class:`Trace` objects) and ``shard_paths``.
+
+    Opening reads the index and every shard's header (plus its small per-layer tensors);
+    the large tensors are read one step at a time, as with a single file.
+
+    Raises:
+        RouteToolError: a bad index, a missing/replaced shard, a bad shard (as
+            :class:`Trace` reports it), or shards that disagree (see the module docstring).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, display_path: str | os.PathLike | None = None):
+        self.path = Path(path)
+        self.display_path = Path(display_path) if display_path is not None else self.path
+        self.index = read_index(self.path, self.display_path)
+        folder = self.path.parent
+        self.shard_paths: list[Path] = []
+        self.shards: list[Trace] = []
+        try:
+            for i, entry in enumerate(self.index["shards"]):
+                p = Path(entry["path"])
+                full = p if p.is_absolute() else folder / p
+                shown = full if display_path is None else Path(self.display_path).parent / p
+                if not full.exists():
+                    raise RouteToolError(f"shard {i} listed in the index does not exist", path=shown,
+                                         fix=f"keep every shard file next to the index {self.display_path.name}")
+                size = entry.get("size_bytes")
+                if isinstance(size, int) and full.stat().st_size != size:
+                    raise RouteToolError(
+                        f"shard {i} has {full.stat().st_size} bytes but the index says {size}",
+                        path=shown, fix="the shard was replaced or truncated; copy the recording again",
+                    )
+                self.shard_paths.append(full)
+                self.shards.append(Trace(full, display_path=shown))
+            self._merge()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- merging -------------------------------------------------------------------------
+    def _merge(self) -> None:
+        first = self.shards[0]
+        semantics = first.meta.extra.get("weights_semantics")
+        self._bias: dict[int, torch.Tensor] = {}
+        self._parts: dict[int, list[_Part]] = {}
+        ref_info: dict[int, tuple[int, LayerInfo]] = {}
+        offsets: dict[int, list[int]] = {}
+        has_padding: dict[int, bool] = {}
+        has_bias: dict[int, bool] = {}
+        for s, shard in enumerate(self.shards):
+            if shard.meta.router != first.meta.router:
+                raise RouteToolError(
+                    f"shard {s} has router parameters {shard.meta.router} but shard 0 has {first.meta.router}",
+                    path=shard.display_path, tensor="__metadata__",
+                    fix="a sharded trace needs one router configuration; replay the shards separately",
+                )
+            if shard.meta.extra.get("weights_semantics") != semantics:
+                raise RouteToolError(
+                    f"shard {s} has weights_semantics={shard.meta.extra.get('weights_semantics')!r} but shard 0 "
+                    f"has {semantics!r}", path=shard.display_path, tensor="__metadata__",
+                    fix="replay the shards separately",
+                )
+            for layer in shard.layers:
+                info = shard.info(layer)
+                if layer in ref_info:
+                    s0, i0 = ref_info[layer]
+                    for attr, what in (("gating_dtype", "gating_output dtype"),
+                                       ("has_recorded_ids", "recorded topk_ids"),
+                                       ("has_recorded_weights", "recorded topk_weights")):
+                        if getattr(info, attr) != getattr(i0, attr):
+                            raise RouteToolError(
+                                f"shard {s} disagrees with shard {s0} on {what} "
+                                f"({getattr(info, attr)} vs {getattr(i0, attr)})",
+                                path=shard.display_path, tensor=f"layers.{layer}",
+                                fix="every shard must be recorded the same way; replay the shards separately",
+                            )
+                    if not torch.equal(shard.bias(layer), self._bias[layer]):
+                        diff = float((shard.bias(layer) - self._bias[layer]).abs().max())
+                        raise RouteToolError(
+                            f"shard {s} has another bias than shard {s0} (max |difference| {diff:.3g})",
+                            path=shard.display_path, tensor=f"layers.{layer}.bias",
+                            fix="the bias changed during the recording; replay the shards separately",
+                        )
+                else:
+                    ref_info[layer] = (s, info)
+                    self._bias[layer] = shard.bias(layer)
+                    offsets[layer] = [0]
+                    self._parts[layer] = []
+                has_padding[layer] = has_padding.get(layer, False) or info.has_padding
+                has_bias[layer] = has_bias.get(layer, False) or info.has_bias
+                base = offsets[layer][-1]
+                self._parts[layer].append(_Part(shard=s, row_offset=base, step_offset=len(offsets[layer]) - 1,
+                                                num_tokens=info.num_tokens))
+                offsets[layer].extend(base + o for o in info.step_offsets[1:])
+        self._infos: dict[int, LayerInfo] = {}
+        for layer, (_, info) in ref_info.items():
+            offs = tuple(offsets[layer])
+            self._infos[layer] = replace(info, num_tokens=offs[-1], step_offsets=offs if len(offs) > 1 else (0,),
+                                         has_padding=has_padding[layer], has_bias=has_bias[layer])
+        self.layers = tuple(sorted(self._infos))
+        extra = {k: v for k, v in first.meta.extra.items() if k not in _PER_SHARD_META}
+        extra["shards"] = str(len(self.shards))
+        self.meta = TraceMeta(model=first.meta.model, router=first.meta.router,
+                              provenance=first.meta.provenance, extra=extra)
+
+    # -- context manager -------------------------------------------------------------------
+    def __enter__(self) -> ShardedTrace:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for shard in self.shards:
+            shard.close()
+
+    # -- data access (the Trace interface) ---------------------------------------------------
+    def info(self, layer: int) -> LayerInfo:
+        """Header facts of ``layer`` over all shards. Raises KeyError for a missing layer."""
+        return self._infos[layer]
+
+    def bias(self, layer: int) -> torch.Tensor:
+        """``[E]`` float32 bias of ``layer`` (equal in every shard)."""
+        return self._bias[layer]
+
+    def _fill_padding(self, step: Step, layer: int) -> Step:
+        if self._infos[layer].has_padding and step.is_padding is None:
+            step.is_padding = torch.zeros(step.num_tokens, dtype=torch.bool)
+        return step
+
+    def read_rows(self, layer: int, start: int, stop: int) -> Step:
+        """Rows ``[start, stop)`` of ``layer`` (global row numbers) as a :class:`Step`
+        (index -1), read from the shards that hold them."""
+        info = self._infos[layer]
+        start, stop = max(0, start), min(stop, info.num_tokens)
+        pieces: list[Step] = []
+        for part in self._parts[layer]:
+            lo, hi = max(start, part.row_offset), min(stop, part.row_offset + part.num_tokens)
+            if lo >= hi:
+                continue
+            piece = self.shards[part.shard].read_rows(layer, lo - part.row_offset, hi - part.row_offset)
+            pieces.append(self._fill_padding(piece, layer))
+        if not pieces:  # an empty range: empty tensors of the right shapes and dtypes
+            first = self._parts[layer][0]
+            pieces.append(self._fill_padding(self.shards[first.shard].read_rows(layer, 0, 0), layer))
+        if len(pieces) == 1:
+            out = pieces[0]
+            out.start = start
+            return out
+
+        def cat(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in pieces]
+            if not values or values[0] is None:
+                return None
+            return torch.cat(values)
+
+        return Step(layer=layer, index=-1, start=start, gating_output=cat("gating_output"), bias=self._bias[layer],
+                    is_padding=cat("is_padding"), recorded_ids=cat("recorded_ids"),
+                    recorded_weights=cat("recorded_weights"))
+
+    def steps(self, layer: int) -> Iterator[Step]:
+        """Yield the steps of ``layer``, shard after shard, one at a time; ``index`` and
+        ``start`` are numbered over the whole sharded trace."""
+        for part in self._parts[layer]:
+            for step in self.shards[part.shard].steps(layer):
+                step.index += part.step_offset
+                step.start += part.row_offset
+                yield self._fill_padding(step, layer)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(i.num_tokens for i in self._infos.values())

@@ -1,0 +1,320 @@
+"""`routetool synth`, `routetool info` and `routetool capture hf` through click's CliRunner.
+
+The commands are added to a test-local group of the main group's class, which maps
+RouteToolError to one line and exit code 2 (as routetool.cli.main does).
+"""
+
+import errno
+import json
+from pathlib import Path
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+from routetool.cli import _Group
+from routetool.cli_capture import capture, info, synth
+from routetool.trace import open_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT / "traces" / "text" / "public-domain-openings.txt"
+
+
+@click.group(cls=_Group)
+def cli() -> None:
+    """Test-local routetool group."""
+
+
+cli.add_command(synth)
+cli.add_command(info)
+cli.add_command(capture)
+
+
+def _run(*args, input=None):
+    return CliRunner().invoke(cli, [str(a) for a in args], input=input, catch_exceptions=False)
+
+
+def _one_line_error(res, *fragments):
+    assert res.exit_code == 2, res.output
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("routetool: error: "), res.output
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    assert "Traceback" not in res.output
+
+
+SMALL = ["--layers", "2", "--experts", "48", "--topk", "6", "--prefill", "64,20", "--decode-steps", "5",
+         "--max-decode-batch", "12", "--ties", "2", "--seed", "3", "--skew", "zipf:1"]
+
+
+# ---------------------------------------------------------------------------------------
+# synth
+def test_synth_writes_a_trace_and_reports_its_statistics(tmp_path):
+    out = tmp_path / "s.safetensors"
+    res = _run("synth", "-o", out, *SMALL, "--nonfinite", "1", "--bias", "fitted", "--fit-steps", "5",
+               "--dtype", "float32", "--padding", "fraction:0.25", "--normalization", "softmax", "--route-scale", "1")
+    assert res.exit_code == 0, res.output
+    assert "realised statistics" in res.output and f"wrote {out}" in res.output
+    with open_trace(out) as t:
+        assert t.layers == (0, 1)
+        r = t.meta.router
+        assert (r.num_experts, r.topk, r.router_score_normalization, r.route_scale) == (48, 6, "softmax", 1.0)
+        info0 = t.info(0)
+        assert info0.num_steps == 7 and info0.gating_dtype == torch.float32
+        steps = list(t.steps(0))
+        padded = sum(int(s.is_padding.sum()) for s in steps)
+        assert abs(padded - 0.25 * info0.num_tokens) <= 1
+        assert sum(int((~torch.isfinite(s.gating_output)).any(-1).sum()) for s in steps) == 1
+        assert t.bias(0).abs().max() > 0
+    # the same seed gives the same tensors
+    again = tmp_path / "again.safetensors"
+    assert _run("synth", "-o", again, *SMALL, "--nonfinite", "1", "--bias", "fitted", "--fit-steps", "5",
+                "--dtype", "float32", "--padding", "fraction:0.25", "--normalization", "softmax",
+                "--route-scale", "1").exit_code == 0
+    with open_trace(out) as a, open_trace(again) as b:
+        for layer in a.layers:
+            ra, rb = a.read_rows(layer, 0, a.info(layer).num_tokens), b.read_rows(layer, 0, b.info(layer).num_tokens)
+            assert torch.equal(ra.gating_output.nan_to_num(), rb.gating_output.nan_to_num())
+
+
+def test_synth_never_overwrites_without_force(tmp_path):
+    out = tmp_path / "s.safetensors"
+    out.write_bytes(b"user data")
+    _one_line_error(_run("synth", "-o", out, *SMALL), str(out), "already exists", "--force")
+    assert out.read_bytes() == b"user data"
+    assert _run("synth", "-o", out, *SMALL, "--force").exit_code == 0
+    with open_trace(out) as t:
+        assert t.meta.router.num_experts == 48
+
+
+def test_disk_full_leaves_the_existing_file_intact(tmp_path, monkeypatch):
+    import routetool.trace as trace_mod
+
+    out = tmp_path / "s.safetensors"
+    assert _run("synth", "-o", out, *SMALL).exit_code == 0
+    before = out.read_bytes()
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trace_mod, "save_file", full)
+    _one_line_error(_run("synth", "-o", out, *SMALL, "--seed", "9", "--force"), str(out), "No space left on device",
+                    "free disk space")
+    assert out.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--skew", "zipf"], ["--skew 'zipf' is not understood", "zipf:A"]),
+    (["--padding", "fraction:2"], ["--padding 'fraction:2'", "[0, 1)"]),
+    (["--topk", "60"], ["topk=60 must be in [1, num_experts=48]"]),
+    (["--prefill", "64,x"], ["--prefill '64,x'"]),
+    (["--route-scale", "0"], ["route_scale=0.0 must be finite and > 0"]),
+])
+def test_synth_bad_options_exit_2(tmp_path, args, fragments):
+    out = tmp_path / "s.safetensors"
+    _one_line_error(_run("synth", "-o", out, *SMALL, *args), *fragments)
+    assert not out.exists()
+
+
+def test_synth_output_folder_problems(tmp_path):
+    _one_line_error(_run("synth", "-o", tmp_path / "missing" / "s.safetensors", *SMALL), "folder does not exist")
+    _one_line_error(_run("synth", "-o", tmp_path, *SMALL), "is a directory")
+
+
+# ---------------------------------------------------------------------------------------
+# info
+def test_info_table_and_json(tmp_path):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    res = _run("info", trace)
+    assert res.exit_code == 0, res.output
+    for text in ("routetool info", "weights_semantics", "renormalized", "Per layer", "Tensors per layer",
+                 "gating_output", "topk_weights", "Step shapes", "--scan"):
+        assert text in res.output, text
+    res = _run("info", trace, "--json", "-", "--scan", "--no-progress")
+    assert res.exit_code == 0
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == "routetool.info/1" and doc["total_tokens"] == 3 * (384 + 12 * 4)
+    assert doc["padded_rows"] == 0 and doc["nonfinite_rows"] == 0 and doc["recorded_outputs"] == "all"
+    assert [layer["layer"] for layer in doc["layers"]] == [1, 2, 3]
+    assert doc["size_bytes"] == trace.stat().st_size
+
+
+def test_info_json_file_is_never_overwritten_without_force(tmp_path):
+    trace = ROOT / "traces" / "musespark1x-synth-bf16.safetensors"
+    out = tmp_path / "info.json"
+    out.write_text("keep")
+    _one_line_error(_run("info", trace, "--json", out), "already exists")
+    assert out.read_text() == "keep"
+    assert _run("info", trace, "--json", out, "--force", "--scan", "--no-progress").exit_code == 0
+    doc = json.loads(out.read_text())
+    assert doc["padded_rows"] == 520 and doc["padded_fraction"] == pytest.approx(520 / 4580)
+
+
+def test_info_on_a_sharded_recording(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from kernel.reference import musespark1x_routing_reference
+    from routetool.capture.recorder import RoutingRecorder
+
+    mod = types.ModuleType("routetool_test_cli_routing")
+
+    def routing(gating_output, bias, topk, route_scale, router_output_multiplier=None,
+                router_score_normalization="sigmoid", router_score_division_eps=None, topk_weights=None,
+                topk_ids=None, *, is_padding=None):
+        w, ids = musespark1x_routing_reference(gating_output, bias, topk, route_scale, is_padding=is_padding)
+        return w, ids.int()
+
+    mod.fused_musespark1x_routing = routing
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    index = tmp_path / "rec.json"
+    with RoutingRecorder(index, target=f"{mod.__name__}:fused_musespark1x_routing", num_layers=2, shard_mb=0.002):
+        for n in (30, 4, 4, 8, 2):
+            for _ in range(2):
+                mod.fused_musespark1x_routing(torch.randn(n, 16), torch.zeros(16), 2, 1.0)
+    res = _run("info", index, "--json", "-")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["sharded"] and doc["index"]["complete"] and doc["index"]["num_shards"] >= 2
+    assert doc["layers"][0]["step_tokens"] == [30, 4, 4, 8, 2]
+    assert doc["size_bytes"] == sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert "sharded" in _run("info", index).output
+
+
+@pytest.mark.parametrize("make, fragments", [
+    (lambda p: p / "nope.safetensors", ["nope.safetensors: no such file"]),
+    (lambda p: (p / "x.safetensors").write_bytes(b"\x10" * 40) and p / "x.safetensors", ["not a readable safetensors"]),
+    (lambda p: (p / "r.json").write_text('{"schema": "routetool.replay/1"}') and p / "r.json",
+     ["not a routetool trace index"]),
+])
+def test_info_bad_input_exit_2(tmp_path, make, fragments):
+    _one_line_error(_run("info", make(tmp_path)), *fragments)
+
+
+# ---------------------------------------------------------------------------------------
+# capture hf
+HF_SMALL = ["--batch", "2", "--prompt-tokens", "10", "--max-new-tokens", "3", "--set", "hidden_size=32",
+            "--set", "intermediate_size=64", "--set", "moe_intermediate_size=16"]
+
+
+def test_capture_hf_arch_and_replayable_trace(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "glm.safetensors"
+    res = _run("capture", "hf", "--arch", "glm4_moe", "--text", TEXT, "-o", out, *HF_SMALL)
+    assert res.exit_code == 0, res.output
+    assert "routetool capture hf" in res.output and "renormalized" in res.output
+    with open_trace(out) as t:
+        assert t.layers == (1, 2)  # layer 0 is dense (first_k_dense_replace=1)
+        assert t.info(1).step_offsets == (0, 20, 22, 24)
+        assert t.meta.router.router_score_normalization == "sigmoid" and t.meta.router.route_scale == 2.5
+        assert t.info(1).has_bias and t.info(1).has_recorded_weights
+        assert "glm4_moe" in t.meta.extra["capture"] and "UTF-8 bytes" in t.meta.provenance
+
+
+def test_capture_hf_reads_stdin_and_a_config_file(tmp_path):
+    pytest.importorskip("transformers")
+    from routetool.capture.hf import small_config
+
+    config = tmp_path / "config.json"
+    small_config("mixtral", hidden_size=32, intermediate_size=64).to_json_file(config)
+    out = tmp_path / "m.safetensors"
+    res = _run("capture", "hf", "--config", config, "--text", "-", "-o", out, "--batch", "1", "--prompt-tokens",
+               "8", "--max-new-tokens", "0", input="Call me Ishmael. Some years ago")
+    assert res.exit_code == 0, res.output
+    with open_trace(out) as t:
+        assert t.meta.router.num_experts == 8 and t.info(0).step_offsets == (0, 8)
+        assert "<stdin>" in t.meta.provenance
+
+
+def _tiny_checkpoint(path, seed=4):
+    from routetool.capture.hf import build_model, small_config
+
+    model = build_model(small_config("qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16),
+                        seed=seed)
+    model.save_pretrained(path)
+    return model
+
+
+def test_capture_hf_from_a_local_checkpoint(tmp_path):
+    pytest.importorskip("transformers")
+    from routetool.capture.hf import capture_hf, encode_text, prompt_batch
+
+    ckpt = tmp_path / "ckpt"
+    model = _tiny_checkpoint(ckpt)
+    out = tmp_path / "q.safetensors"
+    res = _run("capture", "hf", "--model", ckpt, "--text", TEXT, "-o", out, "--batch", "2", "--prompt-tokens", "6",
+               "--max-new-tokens", "2")
+    assert res.exit_code == 0, res.output
+    # the checkpoint's weights were loaded: the in-memory model on the same input records the same trace
+    ids = prompt_batch(encode_text(TEXT.read_text(), None, 256), 2, 6)
+    _, expected = capture_hf(model, ids, max_new_tokens=2, model_name="m", provenance="p")
+    with open_trace(out) as t:
+        assert t.meta.model == str(ckpt) and t.meta.router.router_score_normalization == "softmax"
+        assert "UTF-8 bytes" in t.meta.provenance  # no tokenizer files in the folder: byte fallback
+        assert t.layers == tuple(sorted(expected))
+        for layer in t.layers:
+            rows = t.read_rows(layer, 0, t.info(layer).num_tokens)
+            assert t.info(layer).step_offsets == (0, 12, 14)
+            torch.testing.assert_close(rows.gating_output, expected[layer].gating_output, rtol=1e-6, atol=1e-6)
+            assert torch.equal(rows.recorded_ids, expected[layer].topk_ids)
+
+
+def test_capture_hf_uses_the_checkpoint_tokenizer(tmp_path):
+    pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    ckpt = tmp_path / "ckpt"
+    _tiny_checkpoint(ckpt)
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=256,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["it was the best of times"], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(ckpt)
+    out = tmp_path / "q.safetensors"
+    args = ["capture", "hf", "--model", ckpt, "--text", TEXT, "-o", out, "--batch", "1", "--prompt-tokens", "5",
+            "--max-new-tokens", "1"]
+    res = _run(*args)
+    assert res.exit_code == 0, res.output
+    with open_trace(out) as t:
+        assert "checkpoint tokenizer" in t.meta.provenance
+    # broken tokenizer files are an error with the way out, not a silent fallback
+    (ckpt / "tokenizer.json").write_text("{broken")
+    _one_line_error(_run(*args, "--force"), "cannot load the checkpoint's tokenizer", "--tokenizer bytes")
+    assert _run(*args, "--force", "--tokenizer", "bytes").exit_code == 0
+
+
+@pytest.mark.parametrize("args, fragments", [
+    ([], ["give exactly one of --model, --config, --arch (got none)"]),
+    (["--arch", "mixtral", "--config", "c.json"], ["got --config, --arch"]),
+    (["--arch", "deepseek_v3", "--set", "n_group=4", "--set", "topk_group=2"],
+     ["group-limited routing (n_group=4, topk_group=2)", "n_group=1"]),
+    (["--arch", "mixtral", "--prompt-tokens", "100000"], ["the text has", "need 400000"]),
+    (["--arch", "mixtral", "--set", "oops"], ["--set 'oops' is not KEY=VALUE"]),
+    (["--model", "no/such/dir"], ["is not a checkpoint folder"]),
+    (["--config", "missing.json"], ["no such config file"]),
+    (["--model", ".", "--router-std", "1"], ["apply to random-weight models"]),
+])
+def test_capture_hf_bad_input_exit_2(tmp_path, args, fragments):
+    pytest.importorskip("transformers")
+    out = tmp_path / "o.safetensors"
+    _one_line_error(_run("capture", "hf", "--text", TEXT, "-o", out, *args), *fragments)
+    assert not out.exists()
+
+
+def test_capture_hf_unsupported_config(tmp_path):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1}))
+    _one_line_error(_run("capture", "hf", "--config", config, "--text", TEXT, "-o", tmp_path / "o.safetensors"),
+                    "model_type 'llama' is not supported", "deepseek_v3")
+
+
+def test_capture_hf_refuses_existing_output_before_loading(tmp_path):
+    out = tmp_path / "o.safetensors"
+    out.write_bytes(b"precious")
+    _one_line_error(_run("capture", "hf", "--arch", "mixtral", "--text", TEXT, "-o", out), "already exists")
+    assert out.read_bytes() == b"precious"

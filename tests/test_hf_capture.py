@@ -1,0 +1,174 @@
+"""HF transformers hooks (routetool.capture.hf) on tiny seeded models of every supported family.
+
+Each test runs the model's own router code, records it, and replays the trace: the
+reference must reproduce the model's routing (ids up to ties, weights within tolerance).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from routetool.capture.hf import (  # noqa: E402
+    HFRouterRecorder,
+    build_model,
+    capture_hf,
+    encode_text,
+    prompt_batch,
+    router_config_for,
+    small_config,
+)
+from routetool.errors import RouteToolError  # noqa: E402
+from routetool.trace import open_trace, write_trace  # noqa: E402
+
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 2
+BATCH, PROMPT, NEW = 2, 12, 4  # 1 prefill step of 24 rows + 3 decode steps of 2 rows
+TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16)
+
+
+def _capture(tmp_path, arch, dtype=torch.float32, seed=0, **overrides):
+    model = build_model(small_config(arch, **TINY, **overrides), seed=seed, dtype=dtype)
+    ids = prompt_batch(encode_text(TEXT, None, model.config.vocab_size), BATCH, PROMPT)
+    meta, layers = capture_hf(model, ids, max_new_tokens=NEW, model_name=f"tiny {arch}", provenance="test")
+    path = write_trace(tmp_path / f"{arch}.safetensors", meta, layers)
+    return model, path
+
+
+def _replay(path):
+    from routetool.execution import load_kernel, select_execution
+    from routetool.replay import replay_trace
+
+    execution = select_execution("cpu")
+    name, fn = load_kernel("tiled")
+    with open_trace(path) as t:
+        return replay_trace(t, name, fn, execution, measure_latency=False)
+
+
+def _assert_replay_matches_model(result, rows_per_layer):
+    for layer in result.layers:
+        rec = layer.reference_vs_recorded
+        assert rec is not None and rec.rows == rows_per_layer
+        # the model's own routing = the reference's, up to tie-equivalent rows
+        assert rec.mismatch == 0 and rec.invalid == 0, rec.failures
+        assert rec.exact + rec.reordered + rec.tie_equivalent == rows_per_layer
+        assert rec.weight_rows_over_tolerance == 0, rec.failures
+        assert layer.kernel_vs_reference.ok
+
+
+@pytest.mark.parametrize("arch, normalization, has_bias, num_experts, route_scale", [
+    ("deepseek_v3", "sigmoid", True, 32, 2.5),   # sigmoid + e_score_correction_bias, renormalised, x2.5
+    ("glm4_moe", "sigmoid", True, 32, 2.5),      # GLM-4.5: the same router in another model class
+    ("kimi_k2", "sigmoid", True, 384, 2.827),    # Kimi-K2 shape through a DeepSeek-V3 config: E=384, top-8
+    ("qwen3_moe", "softmax", False, 32, 1.0),    # softmax, norm_topk_prob=True (real Qwen3-MoE checkpoints)
+    ("mixtral", "softmax", False, 8, 1.0),       # softmax, always renormalised, K=2 of 8
+])
+def test_capture_and_replay_matches_the_model(tmp_path, arch, normalization, has_bias, num_experts, route_scale):
+    model, path = _capture(tmp_path, arch)
+    with open_trace(path) as t:
+        r = t.meta.router
+        assert (r.num_experts, r.router_score_normalization, r.route_scale) == (num_experts, normalization,
+                                                                               pytest.approx(route_scale))
+        assert t.meta.extra["weights_semantics"] == "renormalized"
+        assert len(t.layers) >= 2
+        for layer in t.layers:
+            info = t.info(layer)
+            assert info.step_offsets == (0, BATCH * PROMPT, *(BATCH * PROMPT + BATCH * i for i in range(1, NEW)))
+            assert info.has_recorded_ids and info.has_recorded_weights and info.gating_dtype == torch.float32
+            assert info.has_bias == has_bias
+            if has_bias:  # the model's own e_score_correction_bias, not zeros
+                module = dict(model.named_modules())[f"model.layers.{layer}.mlp.gate"]
+                assert torch.equal(t.bias(layer), module.e_score_correction_bias.float())
+                assert t.bias(layer).abs().max() > 0
+    _assert_replay_matches_model(_replay(path), BATCH * PROMPT + BATCH * (NEW - 1))
+
+
+def test_bf16_model_records_bf16_logits_and_weights(tmp_path):
+    # Qwen3-MoE computes logits and casts the weights in the model dtype: both are recorded as
+    # they were, so that replay's tolerance matches their rounding (and bf16 ties show up as ties)
+    _, path = _capture(tmp_path, "qwen3_moe", dtype=torch.bfloat16)
+    with open_trace(path) as t:
+        step = next(t.steps(t.layers[0]))
+        assert step.gating_output.dtype == torch.bfloat16 and step.recorded_weights.dtype == torch.bfloat16
+    _assert_replay_matches_model(_replay(path), BATCH * PROMPT + BATCH * (NEW - 1))
+
+
+def test_unnormalized_softmax_weights_are_labelled_and_ids_match(tmp_path):
+    _, path = _capture(tmp_path, "qwen3_moe", norm_topk_prob=False)
+    with open_trace(path) as t:
+        assert t.meta.extra["weights_semantics"] == "unnormalized"
+        assert t.meta.router.route_scale == 1.0 and t.meta.router.router_score_division_eps is None
+        step = next(t.steps(t.layers[0]))
+        # raw top-k probabilities: rows sum to less than 1
+        assert (step.recorded_weights.sum(-1) < 0.999).all()
+    result = _replay(path)
+    for layer in result.layers:
+        rec = layer.reference_vs_recorded
+        assert rec.mismatch == 0 and rec.invalid == 0  # the picks agree whatever the weights mean
+
+
+def test_unnormalized_softmax_weights_replay_like_with_like(tmp_path):
+    # replay compares the recorded raw top-k probabilities with the reference's unbiased
+    # scores of its picks (x route_scale), not with its renormalised weights
+    _, path = _capture(tmp_path, "qwen3_moe", norm_topk_prob=False)
+    result = _replay(path)
+    assert result.weights_semantics == "unnormalized"
+    _assert_replay_matches_model(result, BATCH * PROMPT + BATCH * (NEW - 1))
+    for layer in result.layers:
+        rec = layer.reference_vs_recorded
+        assert rec.weight_rtol is not None and rec.weight_max_rel_err < 1e-5  # weights were compared
+    assert result.ok
+
+
+def test_recorder_steps_follow_forward_passes():
+    model = build_model(small_config("mixtral", **TINY), seed=1)
+    ids = prompt_batch(encode_text(TEXT, None, 256), 3, 5)
+    with HFRouterRecorder(model) as rec, torch.no_grad():
+        model(input_ids=ids)
+        model(input_ids=ids[:, :2])
+    meta, layers = rec.trace(model_name="m", provenance="p")
+    assert rec.num_steps == 2
+    for arrays in layers.values():
+        assert arrays.step_offsets.tolist() == [0, 15, 21]
+        assert arrays.topk_ids.dtype == torch.int32
+    # hooks are removed on exit
+    model(input_ids=ids)
+    assert rec.num_steps == 2
+
+
+def test_group_limited_routing_is_refused():
+    config = small_config("deepseek_v3", **TINY, n_group=4, topk_group=2)
+    with pytest.raises(RouteToolError, match=r"group-limited routing \(n_group=4, topk_group=2\).*n_group=1"):
+        router_config_for(config)
+    with pytest.raises(RouteToolError, match="group-limited"):
+        build_model(config)
+
+
+def test_unsupported_model_is_refused():
+    from transformers import AutoConfig
+
+    with pytest.raises(RouteToolError, match="model_type 'llama' is not supported"):
+        router_config_for(AutoConfig.for_model("llama"))
+    with pytest.raises(RouteToolError, match="unknown --arch"):
+        small_config("gpt2")
+
+
+def test_byte_fallback_tokenizer_and_prompt_batch():
+    assert encode_text("Aé", None, 256) == [65, 0xC3, 0xA9]
+    assert encode_text("Aé", None, 100) == [65, 0xC3 % 100, 0xA9 % 100]
+    batch = prompt_batch(list(range(10)), 2, 4)
+    assert batch.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(RouteToolError, match="the text has 10 tokens; 3 prompts of 4 need 12"):
+        prompt_batch(list(range(10)), 3, 4)
+
+
+def test_seeded_models_are_deterministic(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, a = _capture(tmp_path / "a", "glm4_moe", seed=5)
+    _, b = _capture(tmp_path / "b", "glm4_moe", seed=5)
+    with open_trace(a) as ta, open_trace(b) as tb:
+        for layer in ta.layers:
+            n = ta.info(layer).num_tokens
+            sa, sb = ta.read_rows(layer, 0, n), tb.read_rows(layer, 0, n)
+            assert torch.equal(sa.gating_output, sb.gating_output) and torch.equal(sa.recorded_ids, sb.recorded_ids)

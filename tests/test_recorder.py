@@ -1,0 +1,416 @@
+"""The call-site recorder (routetool.capture.recorder) on a CPU stand-in of vLLM's routing module.
+
+The stand-in module has the seed's signature and computes with the one reference; a fake
+"engine" calls it through the module attribute at call time, as vLLM does.
+"""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from kernel.reference import musespark1x_routing_reference
+from routetool.capture import recorder as recorder_mod
+from routetool.capture.recorder import RoutingRecorder
+from routetool.errors import RouteToolError
+from routetool.sharded import ShardedTrace
+from routetool.trace import Trace, open_trace
+
+MODULE = "routetool_test_fake_vllm_routing"
+TARGET = f"{MODULE}:fused_musespark1x_routing"
+E, K = 24, 4  # non-power-of-2 experts, as real MoE configs (e.g. 384) often are
+
+
+def fused_musespark1x_routing(gating_output, bias, topk, route_scale, router_output_multiplier=None,
+                              router_score_normalization="sigmoid", router_score_division_eps=None,
+                              topk_weights=None, topk_ids=None, *, is_padding=None):
+    """Stand-in with the seed's signature: the reference, written into caller buffers if given."""
+    w, ids = musespark1x_routing_reference(gating_output, bias, topk, route_scale, router_output_multiplier,
+                                           router_score_normalization, router_score_division_eps,
+                                           is_padding=is_padding)
+    n = gating_output.shape[0]
+    if topk_weights is None:
+        topk_weights = torch.empty((n, topk), dtype=torch.float32)
+    if topk_ids is None:
+        topk_ids = torch.empty((n, topk), dtype=torch.int32)
+    topk_weights[:n, :topk] = w
+    topk_ids[:n, :topk] = ids.to(torch.int32)
+    return topk_weights[:n, :topk], topk_ids[:n, :topk]
+
+
+@pytest.fixture
+def fake_module(monkeypatch):
+    mod = types.ModuleType(MODULE)
+    mod.fused_musespark1x_routing = fused_musespark1x_routing
+    monkeypatch.setitem(sys.modules, MODULE, mod)
+    return mod
+
+
+class FakeEngine:
+    """num_layers MoE layers; every forward step calls the routing function once per layer,
+    looked up through the module attribute at call time (as vLLM's MoE layer does)."""
+
+    def __init__(self, module, num_layers=3, seed=0, dtype=torch.bfloat16, route_scale=2.5):
+        self.module = module
+        self.num_layers = num_layers
+        self.gen = torch.Generator().manual_seed(seed)
+        self.bias = [torch.randn(E, generator=self.gen) * 0.05 for _ in range(num_layers)]
+        self.dtype = dtype
+        self.route_scale = route_scale
+        self.calls = []  # (step, layer position, gating, padding, weights, ids)
+
+    def forward(self, step, num_tokens, padded=0, layer_hook=None):
+        pad = torch.zeros(num_tokens, dtype=torch.bool)
+        if padded:
+            pad[-padded:] = True
+        for pos in range(self.num_layers):
+            x = torch.randn((num_tokens, E), generator=self.gen).to(self.dtype)
+            if layer_hook is not None:
+                layer_hook(pos)
+            w, ids = self.module.fused_musespark1x_routing(
+                x, self.bias[pos], K, self.route_scale, None, "sigmoid", 1e-20,
+                torch.empty((num_tokens, K)), torch.empty((num_tokens, K), dtype=torch.int32), is_padding=pad)
+            self.calls.append((step, pos, x, pad, w.clone(), ids.clone()))
+
+
+STEP_SIZES = [(37, 0), (5, 3), (8, 1), (1, 0), (16, 7)]  # (rows, padded rows): a prefill, then padded decodes
+
+
+def _run(engine, sizes=STEP_SIZES):
+    for step, (n, padded) in enumerate(sizes):
+        engine.forward(step, n, padded)
+
+
+def _expected(engine, pos, steps):
+    calls = [c for c in engine.calls if c[1] == pos and c[0] in steps]
+    return calls
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["writer-thread", "inline"])
+def test_multi_layer_multi_step_round_trip(fake_module, tmp_path, background):
+    out = tmp_path / "run.json"
+    engine = FakeEngine(fake_module)
+    layer_ids = [3, 4, 7]  # e.g. a model whose first 3 layers are dense, and a gap
+    with RoutingRecorder(out, target=TARGET, num_layers=3, layer_ids=layer_ids, background=background) as rec:
+        assert fake_module.fused_musespark1x_routing is not fused_musespark1x_routing
+        _run(engine)
+    assert fake_module.fused_musespark1x_routing is fused_musespark1x_routing  # original restored
+    assert rec.stats.calls_seen == rec.stats.calls_recorded == 15
+    assert rec.stats.steps_recorded == 5 and rec.stats.tokens_recorded == sum(n for n, _ in STEP_SIZES)
+    index = json.loads(out.read_text())
+    assert index["format"] == "routetool-trace-index" and index["complete"] is True
+    assert index["stopped_by"] == "exit" and len(index["shards"]) == 1
+    with open_trace(out) as t:
+        assert isinstance(t, ShardedTrace)
+        assert t.layers == tuple(layer_ids)
+        r = t.meta.router
+        assert (r.num_experts, r.topk, r.route_scale, r.router_score_normalization) == (E, K, 2.5, "sigmoid")
+        assert r.router_output_multiplier is None and r.router_score_division_eps == 1e-20
+        assert t.meta.extra["weights_semantics"] == "renormalized"
+        for pos, layer in enumerate(layer_ids):
+            info = t.info(layer)
+            sizes = [n for n, _ in STEP_SIZES]
+            assert info.step_offsets == tuple(torch.tensor([0] + sizes).cumsum(0).tolist())
+            assert info.gating_dtype == torch.bfloat16 and info.has_padding and info.has_recorded_weights
+            assert torch.equal(t.bias(layer), engine.bias[pos])
+            for step, call in zip(t.steps(layer), _expected(engine, pos, range(5))):
+                assert torch.equal(step.gating_output, call[2])  # bit-exact, dtype kept
+                assert torch.equal(step.is_padding, call[3])
+                assert torch.equal(step.recorded_weights, call[4])
+                assert torch.equal(step.recorded_ids, call[5])
+
+
+def test_replay_of_recorded_trace_matches(fake_module, tmp_path):
+    from routetool.execution import load_kernel, select_execution
+    from routetool.replay import replay_trace
+
+    out = tmp_path / "run.json"
+    engine = FakeEngine(fake_module, dtype=torch.float32)
+    with RoutingRecorder(out, target=TARGET, num_layers=3, shard_mb=0.004):
+        _run(engine)
+    execution = select_execution("cpu")
+    name, fn = load_kernel("tiled")
+    with open_trace(out) as t:
+        assert len(t.shards) > 1
+        result = replay_trace(t, name, fn, execution, measure_latency=False)
+    assert result.ok
+    for layer in result.layers:
+        rec = layer.reference_vs_recorded
+        assert rec.rows == sum(n for n, _ in STEP_SIZES)
+        assert rec.mismatch == rec.invalid == rec.weight_rows_over_tolerance == 0
+        assert layer.padded_rows == layer.padded_rows_ok == sum(p for _, p in STEP_SIZES)
+
+
+def test_explicit_layer_index_and_repeat_ends_the_step(fake_module, tmp_path):
+    out = tmp_path / "run.json"
+    engine = FakeEngine(fake_module, num_layers=2)
+    current = {}
+    with RoutingRecorder(out, target=TARGET, layer_fn=lambda: current.get("layer")) as rec:
+        for step, (n, padded) in enumerate(STEP_SIZES[:3]):
+            engine.forward(step, n, padded, layer_hook=lambda pos: current.update(layer=[10, 20][pos]))
+    with open_trace(out) as t:
+        assert t.layers == (10, 20)
+        assert t.info(10).num_steps == 3 == t.info(20).num_steps
+    # `with recorder.layer(L)` wins over layer_fn and call order
+    out2 = tmp_path / "run2.json"
+    with RoutingRecorder(out2, target=TARGET, num_layers=2) as rec:
+        for step in range(2):
+            for layer in (5, 9):
+                with rec.layer(layer):
+                    fake_module.fused_musespark1x_routing(torch.randn(4, E), torch.zeros(E), K, 1.0)
+    with open_trace(out2) as t:
+        assert t.layers == (5, 9) and t.info(5).step_offsets == (0, 4, 8)
+
+
+def test_explicit_step_boundaries(fake_module, tmp_path):
+    out = tmp_path / "run.json"
+    with RoutingRecorder(out, target=TARGET, layer_fn=lambda: 0) as rec:
+        for n in (3, 6, 2):
+            fake_module.fused_musespark1x_routing(torch.randn(n, E), torch.zeros(E), K, 1.0)
+            rec.step()
+    with open_trace(out) as t:
+        assert t.info(0).step_offsets == (0, 3, 9, 11)
+
+
+def test_sharding_reads_as_one_trace(fake_module, tmp_path):
+    sizes = STEP_SIZES * 3
+    one, many = tmp_path / "one.json", tmp_path / "many.json"
+    for out, shard_mb in ((one, 64), (many, 0.003)):
+        with RoutingRecorder(out, target=TARGET, num_layers=3, shard_mb=shard_mb):
+            _run(FakeEngine(fake_module, seed=7), sizes)
+    index = json.loads(many.read_text())
+    assert len(index["shards"]) >= 3
+    # shards hold whole steps, in order, and each is a complete trace file by itself
+    firsts = [s["first_step"] for s in index["shards"]]
+    assert firsts == sorted(firsts) and firsts[0] == 0 and index["shards"][-1]["last_step"] == len(sizes) - 1
+    for s in index["shards"]:
+        with Trace(tmp_path / s["path"]) as shard:
+            assert shard.meta.extra["shard"] == str(index["shards"].index(s))
+            assert shard.info(0).num_steps == s["num_steps"]
+    with open_trace(one) as a, open_trace(many) as b:
+        assert a.layers == b.layers and a.total_tokens == b.total_tokens
+        for layer in a.layers:
+            assert a.info(layer).step_offsets == b.info(layer).step_offsets
+            for sa, sb in zip(a.steps(layer), b.steps(layer)):
+                assert (sa.index, sa.start) == (sb.index, sb.start)
+                assert torch.equal(sa.gating_output, sb.gating_output)
+                assert torch.equal(sa.recorded_ids, sb.recorded_ids)
+            # a row range across shard boundaries reads as one
+            T = a.info(layer).num_tokens
+            ra, rb = a.read_rows(layer, 3, T - 2), b.read_rows(layer, 3, T - 2)
+            assert torch.equal(ra.gating_output, rb.gating_output) and torch.equal(ra.is_padding, rb.is_padding)
+
+
+def test_sampling_every_nth_step_skip_and_token_budget(fake_module, tmp_path):
+    sizes = [(n, 0) for n in (4, 5, 6, 7, 8, 9, 10, 11, 12, 13)]
+    out = tmp_path / "every3.json"
+    engine = FakeEngine(fake_module, seed=3)
+    with RoutingRecorder(out, target=TARGET, num_layers=3, every_n_steps=3, skip_steps=1) as rec:
+        _run(engine, sizes)
+    recorded_steps = [1, 4, 7]  # skip step 0, then every third: 1, 4, 7 (10 is beyond the run)
+    assert rec.stats.steps_seen == 10 and rec.stats.steps_recorded == 3
+    with open_trace(out) as t:
+        for pos in range(3):
+            expected = _expected(engine, pos, recorded_steps)
+            steps = list(t.steps(pos))
+            assert [s.num_tokens for s in steps] == [sizes[i][0] for i in recorded_steps]
+            for s, call in zip(steps, expected):
+                assert torch.equal(s.gating_output, call[2])
+
+    out = tmp_path / "budget.json"
+    with RoutingRecorder(out, target=TARGET, num_layers=3, max_tokens=20) as rec:
+        _run(FakeEngine(fake_module), sizes)
+    assert rec.stats.tokens_recorded == 4 + 5 + 6  # the step of 7 would exceed 20; steps are never cut
+    index = json.loads(out.read_text())
+    assert index["complete"] is True and index["stopped_by"] == "max_tokens"
+    with open_trace(out) as t:
+        assert t.info(0).step_offsets == (0, 4, 9, 15)
+
+
+def test_exception_mid_run_keeps_everything_recorded(fake_module, tmp_path):
+    out = tmp_path / "run.json"
+    engine = FakeEngine(fake_module)
+
+    def failing_layer(pos):
+        if len(engine.calls) == 3 * 4 + 2:  # step 4, after its first two layers
+            raise RuntimeError("CUDA error: out of memory (simulated)")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        with RoutingRecorder(out, target=TARGET, num_layers=3, shard_mb=0.004):
+            for step, (n, padded) in enumerate(STEP_SIZES):
+                engine.forward(step, n, padded, layer_hook=failing_layer)
+    assert fake_module.fused_musespark1x_routing is fused_musespark1x_routing
+    index = json.loads(out.read_text())
+    assert index["complete"] is False and index["stopped_by"].startswith("error: RuntimeError")
+    with open_trace(out) as t:  # everything recorded, including the partial step, is readable
+        assert t.info(0).num_steps == 5 and t.info(1).num_steps == 5 and t.info(2).num_steps == 4
+        last = list(t.steps(1))[-1]
+        assert torch.equal(last.gating_output, engine.calls[-1][2])
+
+
+def test_cuda_graph_capture_fails_loudly(fake_module, tmp_path, monkeypatch):
+    out = tmp_path / "run.json"
+    engine = FakeEngine(fake_module)
+    with pytest.raises(RouteToolError, match="stream capture.*enforce_eager"):
+        with RoutingRecorder(out, target=TARGET, num_layers=3):
+            engine.forward(0, 8)  # recorded eagerly
+            monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+            engine.forward(1, 8)  # "captured": must not silently record nothing
+    index = json.loads(out.read_text())
+    assert index["complete"] is False
+    with open_trace(out) as t:
+        assert t.info(0).num_steps == 1
+
+
+def test_recording_nothing_is_an_error(fake_module, tmp_path):
+    with pytest.raises(RouteToolError, match="saw no call.*targets="):
+        with RoutingRecorder(tmp_path / "run.json", target=TARGET, num_layers=3):
+            pass
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_callers_that_imported_the_function_need_targets(fake_module, tmp_path, monkeypatch):
+    caller = types.ModuleType("routetool_test_fake_caller")
+    caller.fused_musespark1x_routing = fake_module.fused_musespark1x_routing  # `from m import f`
+    monkeypatch.setitem(sys.modules, caller.__name__, caller)
+
+    def step():
+        caller.fused_musespark1x_routing(torch.randn(3, E), torch.zeros(E), K, 1.0)
+
+    with pytest.raises(RouteToolError, match="saw no call"):
+        with RoutingRecorder(tmp_path / "a.json", target=TARGET, num_layers=1):
+            step()
+    with RoutingRecorder(tmp_path / "b.json", target=TARGET, targets=[f"{caller.__name__}:fused_musespark1x_routing"],
+                         num_layers=1) as rec:
+        step()
+        step()
+    assert rec.stats.calls_recorded == 2
+    assert caller.fused_musespark1x_routing is fused_musespark1x_routing
+
+
+def test_disk_full_stops_recording_without_disturbing_the_run(fake_module, tmp_path, monkeypatch):
+    out = tmp_path / "run.json"
+    real_write = recorder_mod.write_trace
+    written = []
+
+    def write_then_fill_disk(path, *a, **kw):
+        if written:
+            raise RouteToolError("cannot write ([Errno 28] No space left on device)", path=path,
+                                 fix="check free disk space and permissions")
+        written.append(path)
+        return real_write(path, *a, **kw)
+
+    monkeypatch.setattr(recorder_mod, "write_trace", write_then_fill_disk)
+    engine = FakeEngine(fake_module)
+    with pytest.raises(RouteToolError, match="No space left on device"):
+        with RoutingRecorder(out, target=TARGET, num_layers=3, shard_mb=0.004, background=True):
+            _run(engine, STEP_SIZES * 2)
+    # the run itself completed, every call with correct outputs
+    assert len(engine.calls) == 30
+    for _, pos, x, pad, w, ids in engine.calls:
+        ref_w, ref_ids = musespark1x_routing_reference(x, engine.bias[pos], K, 2.5, None, "sigmoid", 1e-20,
+                                                       is_padding=pad)
+        assert torch.equal(ids, ref_ids.to(torch.int32)) and torch.equal(w, ref_w)
+    index = json.loads(out.read_text())
+    assert index["complete"] is False and "No space left" in index["stopped_by"]
+    assert len(index["shards"]) == 1
+    with open_trace(out) as t:
+        assert t.info(0).num_steps >= 1
+
+
+def test_router_parameter_change_stops_recording_but_not_the_run(fake_module, tmp_path):
+    out = tmp_path / "run.json"
+    with pytest.raises(RouteToolError, match="router parameters changed"):
+        with RoutingRecorder(out, target=TARGET, num_layers=1):
+            fake_module.fused_musespark1x_routing(torch.randn(3, E), torch.zeros(E), K, 1.0)
+            w, ids = fake_module.fused_musespark1x_routing(torch.randn(3, E), torch.zeros(E), K, 2.0)
+            assert w.sum(-1).allclose(torch.full((3,), 2.0))  # the call itself still works
+    with open_trace(out) as t:
+        assert t.info(0).num_steps == 1 and t.meta.router.route_scale == 1.0
+
+
+def test_record_outputs_off(fake_module, tmp_path):
+    out = tmp_path / "run.json"
+    with RoutingRecorder(out, target=TARGET, num_layers=3, record_outputs=False):
+        _run(FakeEngine(fake_module))
+    with open_trace(out) as t:
+        assert not t.info(0).has_recorded_ids and "weights_semantics" not in t.meta.extra
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(target="no_such_module_xyz:f"), "cannot import module"),
+    (dict(target=f"{MODULE}"), "is not module:function"),
+    (dict(target=f"{MODULE}:missing"), "has no attribute"),
+    (dict(target="math:sqrt"), "signature"),
+])
+def test_bad_targets(fake_module, tmp_path, kwargs, message):
+    with pytest.raises(RouteToolError, match=message):
+        RoutingRecorder(tmp_path / "run.json", num_layers=1, **kwargs).start()
+
+
+def test_default_target_is_the_seed_module(tmp_path):
+    # vLLM is not installed here: the default target names the seed's module and fails clearly
+    rec = RoutingRecorder(tmp_path / "run.json", num_layers=1)
+    assert rec.target == "vllm.models.muse_spark.common.ops.fused_routing:fused_musespark1x_routing"
+    with pytest.raises(RouteToolError, match="cannot import module 'vllm.models.muse_spark"):
+        rec.start()
+
+
+def test_outputs_are_never_overwritten_without_force(fake_module, tmp_path):
+    out = tmp_path / "run.json"
+    with RoutingRecorder(out, target=TARGET, num_layers=3):
+        _run(FakeEngine(fake_module))
+    before = out.read_bytes()
+    with pytest.raises(RouteToolError, match="already exists.*force=True"):
+        RoutingRecorder(out, target=TARGET, num_layers=3)
+    # a leftover shard of the same name is protected too
+    (tmp_path / "run.json").rename(tmp_path / "moved.json")
+    with pytest.raises(RouteToolError, match="run-00000.safetensors: already exists"):
+        RoutingRecorder(out, target=TARGET, num_layers=3)
+    (tmp_path / "moved.json").rename(out)
+    assert out.read_bytes() == before
+    with RoutingRecorder(out, target=TARGET, num_layers=3, force=True):
+        _run(FakeEngine(fake_module, seed=5), STEP_SIZES[:2])
+    with open_trace(out) as t:
+        assert t.info(0).num_steps == 2
+
+
+@pytest.mark.parametrize("make, kwargs, message", [
+    (lambda p: p / "run.safetensors", {}, "name its index file"),
+    (lambda p: p / "missing" / "run.json", {}, "folder does not exist"),
+    (lambda p: p / "run.json", dict(num_layers=None), "give num_layers"),
+    (lambda p: p / "run.json", dict(num_layers=3, layer_ids=[0, 1]), "layer_ids has 2"),
+    (lambda p: p / "run.json", dict(every_n_steps=0), "every_n_steps"),
+    (lambda p: p / "run.json", dict(shard_mb=0), "shard_mb"),
+])
+def test_bad_parameters(tmp_path, make, kwargs, message):
+    kw = dict(num_layers=3, target=TARGET)
+    kw.update(kwargs)
+    with pytest.raises(RouteToolError, match=message):
+        RoutingRecorder(make(tmp_path), **kw)
+
+
+def test_start_close_api_and_atexit(fake_module, tmp_path):
+    import atexit
+
+    registered = []
+    real_register = atexit.register
+    rec = RoutingRecorder(tmp_path / "a.json", target=TARGET, num_layers=3)
+    try:
+        atexit.register = lambda fn: registered.append(fn) or real_register(fn)
+        rec.start()
+    finally:
+        atexit.register = real_register
+    assert registered == [rec._atexit]  # a started recorder is closed at interpreter exit
+    _run(FakeEngine(fake_module), STEP_SIZES[:2])
+    rec._atexit()  # what interpreter exit does: close, writing everything
+    assert fake_module.fused_musespark1x_routing is fused_musespark1x_routing
+    with open_trace(tmp_path / "a.json") as t:
+        assert t.info(0).num_steps == 2
+    rec.close()  # idempotent
+    # at exit, a recorder problem is a warning, not a traceback
+    empty = RoutingRecorder(tmp_path / "b.json", target=TARGET, num_layers=3).start()
+    with pytest.warns(UserWarning, match="saw no call"):
+        empty._atexit()

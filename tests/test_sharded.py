@@ -1,0 +1,176 @@
+"""Sharded traces (routetool.sharded) and the open_trace entry point."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import make_trace
+from routetool.errors import RouteToolError
+from routetool.sharded import ShardedTrace, looks_like_index, read_index, shard_path, write_index
+from routetool.trace import LayerArrays, RouterConfig, Trace, open_trace
+
+E, K = 12, 3
+ROUTER = RouterConfig(num_experts=E, topk=K, route_scale=2.0)
+
+
+def _layer(gen, sizes, *, padding=True, outputs=False, bias=None, dtype=torch.float32):
+    T = sum(sizes)
+    pad = torch.zeros(T, dtype=torch.bool)
+    if padding:
+        pad[sizes[0] - 1] = True
+    return LayerArrays(
+        gating_output=torch.randn((T, E), generator=gen).to(dtype),
+        bias=bias if bias is not None else torch.linspace(-0.1, 0.1, E),
+        is_padding=pad if padding else None,
+        step_offsets=torch.tensor([0, *sizes]).cumsum(0),
+        topk_ids=torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32) if outputs else None,
+        topk_weights=torch.rand((T, K), generator=gen) if outputs else None,
+    )
+
+
+def _sharded(tmp_path, shards, router=ROUTER, extra=None, name="run.json"):
+    """Write shard files (dicts layer -> LayerArrays) and an index over them."""
+    entries = []
+    index = tmp_path / name
+    for i, layers in enumerate(shards):
+        meta_extra = dict(extra[i]) if extra else {}
+        p = make_trace(shard_path(index, i), layers, router=router, **meta_extra)
+        entries.append({"path": p.name, "size_bytes": p.stat().st_size})
+    write_index(index, entries, complete=True, stopped_by="exit")
+    return index
+
+
+def test_steps_concatenate_in_shard_order(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    a = {0: _layer(gen, [5, 2]), 1: _layer(gen, [5, 2], padding=False)}
+    b = {0: _layer(gen, [3]), 1: _layer(gen, [3], padding=True)}  # layer 1 padded only in shard 1
+    c = {0: _layer(gen, [4, 1, 6])}  # layer 1 absent from the last shard
+    index = _sharded(tmp_path, [a, b, c])
+    with open_trace(index) as t:
+        assert isinstance(t, ShardedTrace) and t.display_path == index
+        assert t.layers == (0, 1)
+        assert t.info(0).step_offsets == (0, 5, 7, 10, 14, 15, 21)
+        assert t.info(1).step_offsets == (0, 5, 7, 10)
+        assert t.info(1).has_padding  # padding of any shard makes the layer padded
+        assert t.total_tokens == 21 + 10
+        steps = list(t.steps(0))
+        assert [s.index for s in steps] == list(range(6))
+        assert [s.start for s in steps] == [0, 5, 7, 10, 14, 15]
+        full = torch.cat([a[0].gating_output, b[0].gating_output, c[0].gating_output])
+        assert torch.equal(torch.cat([s.gating_output for s in steps]), full)
+        # rows across two shard boundaries read as one
+        rows = t.read_rows(0, 6, 16)
+        assert rows.start == 6 and torch.equal(rows.gating_output, full[6:16])
+        assert torch.equal(rows.is_padding, torch.cat([a[0].is_padding, b[0].is_padding, c[0].is_padding])[6:16])
+        empty = t.read_rows(0, 7, 7)
+        assert empty.gating_output.shape == (0, E) and empty.is_padding.shape == (0,)
+        # a shard without is_padding reads as unpadded where other shards pad the layer
+        pads = [s.is_padding for s in t.steps(1)]
+        assert all(p is not None for p in pads) and not pads[0].any() and pads[2].sum() == 1
+        assert torch.equal(t.bias(0), a[0].bias)
+        assert t.meta.extra["shards"] == "3"
+
+
+def test_open_trace_picks_the_reader(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    single = make_trace(tmp_path / "one.safetensors", {0: _layer(gen, [4])}, router=ROUTER)
+    with open_trace(single) as t:
+        assert isinstance(t, Trace) and t.total_tokens == 4
+    index = _sharded(tmp_path, [{0: _layer(gen, [4])}])
+    renamed = tmp_path / "index-without-suffix"
+    renamed.write_text(index.read_text())
+    assert looks_like_index(renamed) and not looks_like_index(single)
+    with open_trace(renamed) as t:
+        assert isinstance(t, ShardedTrace) and t.total_tokens == 4
+
+
+def test_replay_reads_a_sharded_trace_like_one_file(tmp_path):
+    from routetool.execution import load_kernel, select_execution
+    from routetool.replay import replay_trace
+
+    gen = torch.Generator().manual_seed(2)
+    parts = [{3: _layer(gen, [6, 2])}, {3: _layer(gen, [5])}]
+    index = _sharded(tmp_path, parts)
+    whole = LayerArrays(
+        gating_output=torch.cat([p[3].gating_output for p in parts]), bias=parts[0][3].bias,
+        is_padding=torch.cat([p[3].is_padding for p in parts]), step_offsets=torch.tensor([0, 6, 8, 13]),
+    )
+    single = make_trace(tmp_path / "whole.safetensors", {3: whole}, router=ROUTER)
+    execution = select_execution("cpu")
+    name, fn = load_kernel("tiled")
+    with open_trace(index) as a, open_trace(single) as b:
+        ra = replay_trace(a, name, fn, execution, measure_latency=False)
+        rb = replay_trace(b, name, fn, execution, measure_latency=False)
+    assert ra.ok and rb.ok
+    assert ra.layers[0].expert_counts == rb.layers[0].expert_counts
+    assert ra.layers[0].num_steps == 3 and ra.layers[0].padded_rows == rb.layers[0].padded_rows == 2
+
+
+@pytest.mark.parametrize("break_it, message", [
+    # each: how the shards disagree -> the one-line error names the shard and what differs
+    (lambda gen: ([{0: _layer(gen, [3])}, {0: _layer(gen, [3])}],
+                  [RouterConfig(num_experts=E, topk=K, route_scale=2.0),
+                   RouterConfig(num_experts=E, topk=K, route_scale=2.5)]),
+     "run-00001.safetensors: __metadata__: shard 1 has router"),
+    (lambda gen: ([{0: _layer(gen, [3])}, {0: _layer(gen, [3], bias=torch.zeros(E))}], None),
+     "run-00001.safetensors: layers.0.bias: shard 1 has another bias"),
+    (lambda gen: ([{0: _layer(gen, [3])}, {0: _layer(gen, [3], dtype=torch.bfloat16)}], None),
+     "run-00001.safetensors: layers.0: shard 1 disagrees with shard 0 on gating_output dtype"),
+    (lambda gen: ([{0: _layer(gen, [3], outputs=True)}, {0: _layer(gen, [3])}], None),
+     "shard 1 disagrees with shard 0 on recorded topk_ids"),
+])
+def test_shards_must_agree(tmp_path, break_it, message):
+    shards, routers = break_it(torch.Generator().manual_seed(3))
+    index = tmp_path / "run.json"
+    entries = []
+    for i, layers in enumerate(shards):
+        p = make_trace(shard_path(index, i), layers, router=routers[i] if routers else ROUTER)
+        entries.append({"path": p.name})
+    write_index(index, entries, complete=True, stopped_by="exit")
+    with pytest.raises(RouteToolError, match=message.replace("(", r"\(")):
+        open_trace(index)
+
+
+def test_weights_semantics_must_agree(tmp_path):
+    gen = torch.Generator().manual_seed(4)
+    index = _sharded(tmp_path, [{0: _layer(gen, [2], outputs=True)}, {0: _layer(gen, [2], outputs=True)}],
+                     extra=[{"weights_semantics": "renormalized"}, {"weights_semantics": "unnormalized"}])
+    with pytest.raises(RouteToolError, match="weights_semantics"):
+        open_trace(index)
+
+
+@pytest.mark.parametrize("doc, message", [
+    ("not json", "not a JSON trace index"),
+    ('{"format": "something-else", "version": "1", "shards": []}', "not a routetool trace index"),
+    ('{"format": "routetool-trace-index", "version": "9", "shards": []}', "version '9' is not supported"),
+    ('{"format": "routetool-trace-index", "version": "1", "shards": []}', "lists no shards"),
+    ('{"format": "routetool-trace-index", "version": "1", "shards": [{"size_bytes": 3}]}', "shard entry 0 has no path"),
+    ('{"format": "routetool-trace-index", "version": "1", "shards": [{"path": "gone.safetensors"}]}',
+     "gone.safetensors: shard 0 listed in the index does not exist"),
+])
+def test_bad_index(tmp_path, doc, message):
+    index = tmp_path / "run.json"
+    index.write_text(doc)
+    with pytest.raises(RouteToolError, match=message):
+        open_trace(index)
+
+
+def test_replaced_or_truncated_shard_is_caught(tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    index = _sharded(tmp_path, [{0: _layer(gen, [4])}, {0: _layer(gen, [4])}])
+    shard = shard_path(index, 1)
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(RouteToolError, match="shard 1 has .* bytes but the index says"):
+        open_trace(index)
+    doc = read_index(index)
+    doc["shards"][1].pop("size_bytes")  # without the size, the reader's own checks catch it
+    index.write_text(json.dumps(doc))
+    with pytest.raises(RouteToolError, match="run-00001.safetensors: not a readable safetensors file"):
+        open_trace(index)
+
+
+def test_missing_index_and_shard_path_naming(tmp_path):
+    with pytest.raises(RouteToolError, match="nope.json: no such file"):
+        open_trace(tmp_path / "nope.json")
+    assert shard_path(tmp_path / "a.b.json", 12).name == "a.b-00012.safetensors"
