@@ -42,7 +42,8 @@ COLUMNS=130 run bench-compile 60 python3 -m routetool bench --tokens 64,65536 --
   --no-progress
 run tune-large 60 python3 benchmarks/tune_tiled.py --out "$R/tune-large.csv" --large-only --budget-s 50
 if [ -f benchmarks/bench_balance.py ]; then
-  run bench-balance 45 python3 benchmarks/bench_balance.py --device cuda
+  run bench-balance 60 python3 benchmarks/bench_balance.py --device cuda --layers 8 --tokens 1000000 --repeats 2 \
+    --out "$R/bench-balance-cuda.json"
 fi
 tar czf "$OUT/results.tgz" -C "$R" .
 cat "$S"

@@ -240,9 +240,10 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
 
 
 def _register() -> None:
+    from routetool.cli_balance import balance, import_
     from routetool.cli_capture import capture, info, synth
 
-    for command in (synth, info, capture):
+    for command in (synth, info, capture, balance, import_):
         main.add_command(command)
 
 

@@ -1,0 +1,1015 @@
+"""Load-balance analysis: experts, expert-parallel ranks, EPLB what-if, bias, capacity.
+
+Streams a routing source layer by layer and step by step (a trace through
+:class:`routetool.trace.Trace`, or an imported dump), keeps per layer only ``[E]``-sized
+accumulators plus one scalar per step and EP configuration, and runs the statistics with
+torch on the chosen device (``cuda`` when there is one): the expert histogram of a step is
+one ``bincount``/``index_add_``, EP rank loads one ``[E] @ [E, N]`` product. Nothing here
+prints; results are dataclasses rendered by :mod:`routetool.report_balance`.
+
+Definitions (docs/balance.md):
+
+* *assignments*: (token, expert) pairs; a token routed to K experts makes K.
+* *imbalance*: max / mean assignments per expert; *CV*: std / mean; *normalized entropy*:
+  entropy / log E; *Gini* of the per-expert loads (see :func:`routetool.load.load_stats`).
+* *balancedness*: mean / max assignments per EP rank (vLLM, SGLang). Per layer it is given
+  for the layer's whole traffic (``balancedness``) and per step (forward pass), summarised
+  over the steps as min / p10 / p50 / p90 / mean (SGLang logs the per-pass value).
+* *tokens received*: distinct tokens an EP rank receives (a token sent to two experts on
+  one rank is sent once), when no expert is replicated.
+* *capacity*: with capacity factor f, an expert takes at most
+  ``ceil(f * assignments_in_step / E)`` assignments per step (GShard/Switch ``capacity =
+  f * tokens * K / E``, rounded up as DeepSpeed and Tutel do); the rest overflow (dropped).
+* *TV distance*: total-variation distance ``0.5 * sum |p - q|`` between two load
+  distributions (0 = same shares, 1 = disjoint experts).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from routetool.eplb import (
+    Placement,
+    balancedness,
+    check_eplb_config,
+    contiguous_placement,
+    finite_or_none,
+    rebalance_experts,
+)
+from routetool.errors import RouteToolError
+from routetool.imports import ImportedCounts, ImportedRouting
+from routetool.load import LoadStats, load_stats
+from routetool.trace import Trace
+
+PHASES = ("prefill", "decode")
+DEFAULT_CAPACITY_FACTORS = (1.0, 1.25, 2.0)
+DEFAULT_DECODE_MAX_TOKENS = 256
+
+RouteFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""``(gating_output [n, E], bias [E], is_padding [n] | None) -> topk_ids [n, K]``."""
+
+
+# ---------------------------------------------------------------------------------------
+# primitives
+def _histogram(idx: torch.Tensor, bins: int) -> torch.Tensor:
+    """``[bins]`` int64 counts of ``idx`` (values in ``[0, bins)``), without a host sync on GPU."""
+    if idx.device.type == "cpu":
+        return torch.bincount(idx, minlength=bins)
+    out = torch.zeros(bins, dtype=torch.int64, device=idx.device)  # bincount would read the max back
+    return out.index_add_(0, idx, torch.ones_like(idx))
+
+
+def count_experts(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assignments per expert of ``ids`` without a host synchronisation.
+
+    Args:
+        ids: ``[n, K]`` int expert ids; entries outside ``[0, E)`` (-1 on padded rows) are
+            not counted.
+        num_experts: E.
+
+    Returns:
+        ``(counts [E] int64, uncounted)`` on ``ids``' device; ``uncounted`` is a 0-d int64
+        tensor with the number of entries outside ``[0, E)``.
+    """
+    flat = ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    full = _histogram(torch.where(valid, flat, num_experts), num_experts + 1)
+    return full[:num_experts], full[num_experts]
+
+
+def tokens_per_rank(ids: torch.Tensor, rank_of_expert: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Distinct tokens each EP rank receives: a row counts once per rank it has experts on.
+
+    Up to 64 ranks, an ``[n, N]`` hit mask (fastest on the CPU); beyond, the K ranks of each
+    row are sorted and only the first of equal neighbours counted (``n x K`` memory).
+
+    Args:
+        ids: ``[n, K]`` expert ids (entries outside ``[0, E)`` ignored).
+        rank_of_expert: ``[E]`` int64 rank of each expert (same device).
+        num_ranks: N.
+
+    Returns:
+        ``[N]`` int64.
+    """
+    E = rank_of_expert.numel()
+    ids = ids.long()
+    valid = (ids >= 0) & (ids < E)
+    ranks = torch.where(valid, rank_of_expert[ids.clamp(0, E - 1)], num_ranks)
+    if num_ranks <= 64:
+        hit = torch.zeros(ids.shape[0], num_ranks + 1, dtype=torch.bool, device=ids.device)
+        hit.scatter_(1, ranks, True)
+        return hit[:, :num_ranks].sum(0)
+    ranks = ranks.sort(dim=1).values
+    first = torch.ones_like(ranks, dtype=torch.bool)
+    first[:, 1:] = ranks[:, 1:] != ranks[:, :-1]
+    return _histogram(torch.where(first, ranks, num_ranks).reshape(-1), num_ranks + 1)[:num_ranks]
+
+
+def tv_distance(p: torch.Tensor, q: torch.Tensor) -> float | None:
+    """Total-variation distance between two ``[E]`` load histograms (None if one is empty)."""
+    p, q = p.double(), q.double()
+    sp, sq = float(p.sum()), float(q.sum())
+    if sp <= 0 or sq <= 0:
+        return None
+    return 0.5 * float((p / sp - q / sq).abs().sum())
+
+
+@dataclass
+class Quantiles:
+    """A distribution summary (of per-step balancedness, or of per-layer values)."""
+
+    count: int
+    min: float | None
+    p10: float | None
+    p50: float | None
+    p90: float | None
+    mean: float | None
+
+    @classmethod
+    def of(cls, values: torch.Tensor) -> Quantiles:
+        v = values.double().flatten()
+        v = v[~torch.isnan(v)]
+        if v.numel() == 0:
+            return cls(0, None, None, None, None, None)
+        q = torch.quantile(v, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64, device=v.device)).tolist()
+        return cls(int(v.numel()), float(v.min()), q[0], q[1], q[2], float(v.mean()))
+
+
+# ---------------------------------------------------------------------------------------
+# sources
+@dataclass
+class StepLoad:
+    """The routing of one step of one layer, as the analysis consumes it.
+
+    Attributes:
+        counts: ``[E]`` int64 assignments per expert (on the analysis device).
+        num_tokens: unpadded tokens of the step, or None when unknown (counts-only input).
+        ids: ``[n, K]`` expert ids of the unpadded rows (padded rows may be -1), or None.
+        phase: ``prefill`` / ``decode``, or None when it cannot be told.
+        bias_counts_with / bias_ids_with: for the bias effect, the routing with the trace's
+            bias by the bias-effect routing function (the same as ``counts``/``ids`` unless
+            the analysed routing is another one, e.g. the recorded ids), or None.
+        counts_nobias / ids_nobias: that function's routing with the bias zeroed, or None.
+        uncounted: 0-d tensor, ids outside ``[0, E)`` on unpadded rows.
+    """
+
+    counts: torch.Tensor
+    num_tokens: int | None
+    ids: torch.Tensor | None = None
+    phase: str | None = None
+    bias_counts_with: torch.Tensor | None = None
+    bias_ids_with: torch.Tensor | None = None
+    counts_nobias: torch.Tensor | None = None
+    ids_nobias: torch.Tensor | None = None
+    uncounted: torch.Tensor | None = None
+
+
+class Source:
+    """What :func:`analyze_balance` reads: per layer, a stream of :class:`StepLoad`.
+
+    Attributes:
+        path: the input. kind: ``trace``, ``ids`` (imported dump) or ``counts``.
+        model: model name. routing: where the ids come from, in words.
+        num_experts: E. topk: K (None when unknown). layers: analysed layer ids.
+        bias_effect: whether steps carry ``counts_nobias``; bias_note: why not, if not.
+        notes: facts about the input worth reporting.
+    """
+
+    path: str
+    kind: str
+    model: str
+    routing: str
+    num_experts: int
+    topk: int | None
+    layers: list[int]
+    bias_effect: bool = False
+    bias_note: str = ""
+    notes: list[str]
+
+    def step_sizes(self, layer: int) -> list[int]:
+        """Rows (or assignments for counts) per step, known before reading (for windows)."""
+        raise NotImplementedError
+
+    def step_labels(self, layer: int) -> list[str] | None:
+        return None
+
+    def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
+        raise NotImplementedError
+
+
+def _phase(num_tokens: int, padded: int, decode_max_tokens: int) -> str:
+    return "decode" if padded > 0 or num_tokens <= decode_max_tokens else "prefill"
+
+
+def _mask(ids: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+    return ids if padding is None else ids.masked_fill(padding[:, None], -1)
+
+
+def _count_step(ids: torch.Tensor, num_experts: int, padding: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if padding is not None:
+        ids = ids.masked_fill(padding[:, None], -1)
+    counts, uncounted = count_experts(ids, num_experts)
+    if padding is not None:
+        uncounted = uncounted - padding.sum() * ids.shape[1]
+    return counts, uncounted
+
+
+class TraceSource(Source):
+    """A routetool trace, routed by a function of the logits or by its recorded ids.
+
+    Args:
+        trace: an open :class:`~routetool.trace.Trace`.
+        layers: layers to analyse.
+        routing: ``auto`` (``route_fn`` on layers with logits, recorded ids on ids-only
+            layers), ``kernel`` / ``reference`` (``route_fn``; every layer needs logits) or
+            ``recorded`` (the trace's ``topk_ids``).
+        route_fn: routing of logits (the kernel or the reference), see :data:`RouteFn`.
+        route_name: its name for reports.
+        nobias_fn: routing used for the bias effect (with the trace's bias and with zeros);
+            needed when ``bias_effect`` is on and some layer has logits.
+        nobias_name: its name for reports.
+        bias_effect: compute the bias effect (on the layers that have logits).
+        decode_max_tokens: steps with padding or at most this many tokens are decode steps.
+
+    Raises:
+        RouteToolError: a layer lacks what the routing needs.
+    """
+
+    kind = "trace"
+
+    def __init__(self, trace: Trace, layers: Sequence[int], routing: str = "auto", route_fn: RouteFn | None = None,
+                 route_name: str = "kernel", nobias_fn: RouteFn | None = None, nobias_name: str = "",
+                 bias_effect: bool = True, decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS):
+        self.trace = trace
+        self.path = str(trace.display_path)
+        self.model = trace.meta.model
+        self.num_experts = trace.meta.router.num_experts
+        self.topk = trace.meta.router.topk
+        self.layers = list(layers)
+        self.decode_max_tokens = decode_max_tokens
+        self.route_fn = route_fn
+        self.notes = []
+        self._mode: dict[int, str] = {}
+        for layer in self.layers:
+            info = trace.info(layer)
+            if routing == "recorded" or (routing == "auto" and not info.has_logits):
+                if not info.has_recorded_ids:
+                    raise RouteToolError("holds no recorded topk_ids", path=self.path, tensor=f"layers.{layer}.topk_ids",
+                                         fix="route it from the logits (drop --recorded)")
+                self._mode[layer] = "recorded"
+            else:
+                if not info.has_logits:
+                    raise RouteToolError(f"holds no gating_output (an ids-only trace): cannot route with the {routing}",
+                                         path=self.path, tensor=f"layers.{layer}.gating_output",
+                                         fix="drop --reference/--kernel to use the recorded ids")
+                if route_fn is None:
+                    raise ValueError("route_fn is needed to route logits")
+                self._mode[layer] = "route"
+        modes = set(self._mode.values())
+        parts = []
+        if "route" in modes:
+            parts.append(route_name)
+        if "recorded" in modes:
+            parts.append("recorded topk_ids" + (" (ids-only layers)" if "route" in modes else ""))
+        self.routing = " + ".join(parts)
+        logits_layers = [x for x in self.layers if trace.info(x).has_logits]
+        self.nobias_fn = nobias_fn
+        if not bias_effect:
+            self.bias_effect, self.bias_note = False, "not computed (--no-bias-effect)"
+        elif not logits_layers:
+            self.bias_effect = False
+            self.bias_note = ("not available: the trace has no logits (ids-only), so it cannot be routed again "
+                              "with the bias zeroed")
+        else:
+            if nobias_fn is None:
+                raise ValueError("nobias_fn is needed for the bias effect of layers with logits")
+            self.bias_effect = True
+            self.bias_note = f"routed with {nobias_name or route_name}: trace bias vs bias zeroed"
+            if len(logits_layers) < len(self.layers):
+                self.bias_note += "; ids-only layers left out"
+            if all(not trace.info(x).has_bias for x in logits_layers):
+                self.bias_note += "; the trace stores no bias (zeros), so both routings agree"
+        if not logits_layers and routing in ("auto", "recorded"):
+            self.notes.append("ids-only trace: loads from the recorded topk_ids; what needs logits (bias effect) "
+                              "is skipped")
+
+    def step_sizes(self, layer: int) -> list[int]:
+        o = self.trace.info(layer).step_offsets
+        return [b - a for a, b in zip(o, o[1:])]
+
+    def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
+        E = self.num_experts
+        mode = self._mode[layer]
+        info = self.trace.info(layer)
+        bias = self.trace.bias(layer).to(device)
+        zeros = torch.zeros_like(bias)
+        for step in self.trace.steps(layer):
+            n = step.num_tokens
+            pad_cpu = step.is_padding
+            padded = int(pad_cpu.sum()) if pad_cpu is not None else 0
+            pad = pad_cpu.to(device) if pad_cpu is not None else None
+            gating = step.gating_output.to(device) if step.gating_output is not None else None
+            if mode == "recorded":
+                ids = step.recorded_ids.to(device)
+            else:
+                ids = self.route_fn(gating, bias, pad)
+            counts, uncounted = _count_step(ids, E, pad)
+            load = StepLoad(counts=counts, num_tokens=n - padded, ids=_mask(ids, pad),
+                            phase=_phase(n - padded, padded, self.decode_max_tokens), uncounted=uncounted)
+            if self.bias_effect and info.has_logits:
+                if mode == "route" and self.nobias_fn is self.route_fn:
+                    with_bias = ids
+                else:
+                    with_bias = self.nobias_fn(gating, bias, pad)
+                without = self.nobias_fn(gating, zeros, pad)
+                load.bias_ids_with, load.ids_nobias = _mask(with_bias, pad), _mask(without, pad)
+                load.bias_counts_with = counts if with_bias is ids else _count_step(with_bias, E, pad)[0]
+                load.counts_nobias = _count_step(without, E, pad)[0]
+            yield load
+
+
+class ImportedSource(Source):
+    """Per-token ids read from a dump (:class:`~routetool.imports.ImportedRouting`)."""
+
+    kind = "ids"
+
+    def __init__(self, imported: ImportedRouting, layers: Sequence[int] | None = None,
+                 decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS):
+        self.imported = imported
+        self.path = imported.source
+        self.model = imported.model
+        self.routing = f"imported ids ({imported.format})"
+        self.num_experts = imported.num_experts
+        self.topk = imported.topk
+        self.layers = list(layers) if layers is not None else sorted(imported.layers)
+        self.decode_max_tokens = decode_max_tokens
+        self.bias_effect = False
+        self.bias_note = "not available: an imported dump holds expert ids, not logits"
+        self.notes = list(imported.notes)
+
+    def step_sizes(self, layer: int) -> list[int]:
+        o = self.imported.layers[layer].step_offsets
+        return [b - a for a, b in zip(o, o[1:])]
+
+    def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
+        x = self.imported.layers[layer]
+        ids_all = x.topk_ids.to(device)
+        for a, b in zip(x.step_offsets, x.step_offsets[1:]):
+            ids = ids_all[a:b]
+            counts, uncounted = count_experts(ids, self.num_experts)
+            yield StepLoad(counts=counts, num_tokens=b - a, ids=ids,
+                           phase=_phase(b - a, 0, self.decode_max_tokens), uncounted=uncounted)
+
+
+class CountsSource(Source):
+    """Per-step expert counts read from a dump (:class:`~routetool.imports.ImportedCounts`)."""
+
+    kind = "counts"
+
+    def __init__(self, imported: ImportedCounts, layers: Sequence[int] | None = None):
+        self.imported = imported
+        self.path = imported.source
+        self.model = imported.model
+        self.routing = f"expert counts ({imported.format})"
+        self.num_experts = imported.num_experts
+        self.topk = imported.topk
+        self.layers = list(layers) if layers is not None else sorted(imported.layers)
+        self.bias_effect = False
+        self.bias_note = "not available: the input holds expert counts, not logits"
+        self.notes = list(imported.notes)
+
+    def step_sizes(self, layer: int) -> list[int]:
+        return [int(v) for v in self.imported.layers[layer].sum(1).tolist()]
+
+    def step_labels(self, layer: int) -> list[str] | None:
+        return self.imported.step_labels
+
+    def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
+        m = self.imported.layers[layer].to(device)
+        K = self.topk
+        for i in range(m.shape[0]):
+            c = m[i]
+            n = int(self.imported.layers[layer][i].sum()) // K if K else None
+            yield StepLoad(counts=c, num_tokens=n)
+
+
+# ---------------------------------------------------------------------------------------
+# options and results
+@dataclass
+class EplbOptions:
+    """EPLB what-if configuration (see :func:`routetool.eplb.rebalance_experts`).
+
+    Attributes:
+        num_redundant: R redundant experts (None = one per GPU).
+        num_gpus: G (None = the first EP size). num_nodes / num_groups: as in EPLB.
+        policy: ``auto`` | ``hierarchical`` | ``global``.
+    """
+
+    num_redundant: int | None = None
+    num_gpus: int | None = None
+    num_nodes: int = 1
+    num_groups: int = 1
+    policy: str = "auto"
+
+
+@dataclass
+class BalanceOptions:
+    """What :func:`analyze_balance` computes.
+
+    Attributes:
+        ep_sizes: EP sizes to simulate with contiguous placement (each must divide E).
+        placement: an extra placement to simulate (from a placement file), or None.
+        windows: number of windows (consecutive steps of about equal size) for drift.
+        capacity_factors: capacity factors to evaluate.
+        top_n: hottest experts to list.
+        eplb: EPLB what-if, or None to skip it.
+    """
+
+    ep_sizes: list[int] = field(default_factory=lambda: [8])
+    placement: Placement | None = None
+    windows: int = 8
+    capacity_factors: list[float] = field(default_factory=lambda: list(DEFAULT_CAPACITY_FACTORS))
+    top_n: int = 5
+    eplb: EplbOptions | None = field(default_factory=EplbOptions)
+
+
+@dataclass
+class RankLoad:
+    """One layer under one EP placement.
+
+    Attributes:
+        placement: the placement's name. num_ranks: N.
+        assignments: ``[N]`` assignments per rank (fractional with replicas: a replicated
+            expert's tokens are split evenly).
+        tokens_received: ``[N]`` distinct tokens per rank, or None (replicas or no ids).
+        balancedness: mean / max of ``assignments`` (whole layer), None if empty.
+        step_balancedness: per-step balancedness summarised over steps.
+        hottest_rank: rank with the most assignments; hottest_share: its fraction of all.
+    """
+
+    placement: str
+    num_ranks: int
+    assignments: list[float]
+    tokens_received: list[int] | None
+    balancedness: float | None
+    step_balancedness: Quantiles
+    hottest_rank: int
+    hottest_share: float | None
+
+
+@dataclass
+class WindowLoad:
+    """Load of a window of consecutive steps of one layer.
+
+    Attributes:
+        index, first_step, last_step, label: where it is. tokens / assignments: totals.
+        imbalance, cv: of the window's expert histogram. balancedness: at the first EP
+        placement. tv_distance: from the layer's whole-traffic distribution.
+        top_expert: the busiest expert of the window.
+    """
+
+    index: int
+    first_step: int
+    last_step: int
+    label: str
+    tokens: int | None
+    assignments: int
+    imbalance: float
+    cv: float
+    balancedness: float | None
+    tv_distance: float | None
+    top_expert: int | None
+
+
+@dataclass
+class PhaseLoad:
+    """Load of the prefill or decode steps of one layer (same fields as a window)."""
+
+    phase: str
+    steps: int
+    tokens: int
+    assignments: int
+    imbalance: float
+    cv: float
+    balancedness: float | None
+    step_balancedness_mean: float | None
+    top_expert: int | None
+
+
+@dataclass
+class CapacityLoad:
+    """Overflow of one layer at one capacity factor.
+
+    Attributes:
+        factor: capacity factor. overflow: ``[E]`` assignments over capacity per expert,
+        summed over steps. dropped: their total; dropped_fraction: of all assignments.
+        experts_overflowing: experts that overflowed in at least one step.
+        steps_overflowing: steps where some expert overflowed.
+    """
+
+    factor: float
+    overflow: list[int]
+    dropped: int
+    dropped_fraction: float | None
+    experts_overflowing: int
+    steps_overflowing: int
+
+
+@dataclass
+class BiasEffect:
+    """Load of one layer routed with the trace's bias and with the bias zeroed.
+
+    Attributes:
+        counts_with / counts_without: ``[E]`` assignments. load_with / load_without: their
+        statistics. balancedness_with / _without: whole-layer, first EP placement.
+        step_balancedness_with / _without: mean per-step balancedness, first placement.
+        changed_fraction: fraction of (token, expert) picks that differ.
+    """
+
+    counts_with: list[int]
+    counts_without: list[int]
+    load_with: LoadStats
+    load_without: LoadStats
+    balancedness_with: float | None
+    balancedness_without: float | None
+    step_balancedness_with: float | None
+    step_balancedness_without: float | None
+    changed_fraction: float | None
+
+
+@dataclass
+class EplbLayer:
+    """EPLB what-if of one layer.
+
+    Attributes:
+        balancedness_before / _after: whole-layer, contiguous placement vs EPLB placement
+        (fitted on this same traffic: in-sample). max_rank_load_before / _after: tokens.
+        window_balancedness_before / _after: mean over windows (placement fitted on all).
+        holdout_before / _after: placement fitted on the first half of the windows,
+        evaluated on the second half (out-of-sample), None with fewer than 2 windows.
+        replicated: ``(logical expert, replicas)`` of the replicated experts.
+        rank_load_before / _after: ``[G]`` assignments per GPU, whole layer.
+    """
+
+    layer: int
+    balancedness_before: float | None
+    balancedness_after: float | None
+    max_rank_load_before: float
+    max_rank_load_after: float
+    window_balancedness_before: float | None
+    window_balancedness_after: float | None
+    holdout_before: float | None
+    holdout_after: float | None
+    replicated: list[tuple[int, int]]
+    rank_load_before: list[float] = field(default_factory=list)
+    rank_load_after: list[float] = field(default_factory=list)
+
+
+@dataclass
+class EplbResult:
+    """EPLB what-if over all layers: configuration, per-layer results, the placement."""
+
+    num_redundant: int
+    num_gpus: int
+    num_nodes: int
+    num_groups: int
+    policy: str
+    layers: list[EplbLayer]
+    placement: Placement
+    summary_before: Quantiles
+    summary_after: Quantiles
+
+
+@dataclass
+class LayerBalance:
+    """Everything about one layer.
+
+    Attributes:
+        layer, num_steps, tokens (unpadded; None if unknown), assignments.
+        uncounted: ids outside ``[0, E)`` on unpadded rows (0 for sane input).
+        counts: ``[E]`` assignments per expert. load: their statistics.
+        ranks: one :class:`RankLoad` per EP placement (contiguous sizes, then the file).
+        windows / phases: drift. phase_tv_distance: prefill vs decode distribution.
+        capacity: one :class:`CapacityLoad` per factor. bias: or None.
+    """
+
+    layer: int
+    num_steps: int
+    tokens: int | None
+    assignments: int
+    uncounted: int
+    counts: list[int]
+    load: LoadStats
+    ranks: list[RankLoad]
+    windows: list[WindowLoad]
+    phases: list[PhaseLoad]
+    phase_tv_distance: float | None
+    capacity: list[CapacityLoad]
+    bias: BiasEffect | None
+
+
+@dataclass
+class EpSummary:
+    """One EP placement over all layers.
+
+    Attributes:
+        placement, num_ranks. balancedness: per-layer whole-layer balancedness summarised
+        over layers. step_balancedness_mean: mean over layers of the mean per-step
+        balancedness (SGLang's "average balancedness"). worst_layer: lowest balancedness.
+    """
+
+    placement: str
+    num_ranks: int
+    balancedness: Quantiles
+    step_balancedness_mean: float | None
+    worst_layer: int | None
+
+
+@dataclass
+class BalanceResult:
+    """What ``routetool balance`` found (rendered by :mod:`routetool.report_balance`)."""
+
+    source: str
+    kind: str
+    model: str
+    routing: str
+    num_experts: int
+    topk: int | None
+    device: str
+    layers: list[LayerBalance]
+    total_counts: list[int]
+    total_load: LoadStats
+    ep: list[EpSummary]
+    eplb: EplbResult | None
+    eplb_note: str
+    bias_note: str
+    capacity_factors: list[float]
+    notes: list[str]
+    elapsed_s: float
+    rows: int
+
+    @property
+    def token_layers_per_s(self) -> float | None:
+        return self.rows / self.elapsed_s if self.elapsed_s > 0 else None
+
+
+# ---------------------------------------------------------------------------------------
+# the analysis
+def window_of_steps(sizes: Sequence[int], windows: int) -> tuple[list[int], int]:
+    """Split steps into at most ``windows`` runs of consecutive steps of about equal size.
+
+    Step ``s`` goes to window ``floor(W * mid_s / total)``, with ``mid_s`` the row at the
+    middle of the step; empty windows are dropped and the rest renumbered.
+
+    Returns:
+        ``(window index of every step, number of windows)``.
+    """
+    total = sum(sizes)
+    W = max(1, min(windows, len(sizes)))
+    raw, start = [], 0
+    for s in sizes:
+        raw.append(min(W - 1, (W * (2 * start + s)) // (2 * total)) if total else 0)
+        start += s
+    renum = {w: i for i, w in enumerate(sorted(set(raw)))}
+    return [renum[w] for w in raw], len(renum)
+
+
+class _LayerAccumulator:
+    """Device-side accumulators of one layer (no host sync per step)."""
+
+    def __init__(self, E: int, placements: list[Placement], layer: int, num_steps: int, window_of: list[int],
+                 num_windows: int, factors: list[float], device: torch.device, bias: bool):
+        self.E = E
+        self.device = device
+        z = dict(dtype=torch.int64, device=device)
+        self.total = torch.zeros(E, **z)
+        self.windows = torch.zeros(num_windows, E, **z)
+        self.phases = torch.zeros(len(PHASES), E, **z)
+        self.window_of = window_of
+        self.uncounted = torch.zeros((), **z)
+        self.shares = [p.share_matrix(layer).to(device) for p in placements]
+        rank_of = [p.rank_of_expert(layer) for p in placements]
+        self.rank_of = [r.to(device) if r is not None else None for r in rank_of]
+        self.rank_totals = [torch.zeros(p.num_gpus, dtype=torch.float64, device=device) for p in placements]
+        self.received = [torch.zeros(p.num_gpus, **z) if r is not None else None for p, r in zip(placements, rank_of)]
+        self.step_bal = torch.full((len(placements), max(num_steps, 1)), float("nan"), dtype=torch.float64, device=device)
+        self.step_phase = [None] * num_steps
+        self.tokens = 0
+        self.tokens_known = True
+        self.phase_tokens = [0, 0]
+        self.phase_steps = [0, 0]
+        self.factors = torch.tensor(factors, dtype=torch.float64, device=device)
+        self.overflow = torch.zeros(len(factors), E, **z)
+        self.overflow_steps = torch.zeros(len(factors), **z)
+        self.overflow_any = torch.zeros(len(factors), E, dtype=torch.bool, device=device)
+        self.bias = bias
+        if bias:
+            self.nb_total = torch.zeros(E, **z)
+            self.wb_total = torch.zeros(E, **z)
+            self.step_bal_nb = torch.full((2, max(num_steps, 1)), float("nan"), dtype=torch.float64, device=device)
+            self.changed = torch.zeros((), **z)
+            self.picks = 0
+        self.ids_seen = False
+        self.steps = 0
+
+    def add(self, s: int, load: StepLoad) -> None:
+        c = load.counts
+        self.steps += 1
+        self.total += c
+        self.windows[self.window_of[s]] += c
+        if load.uncounted is not None:
+            self.uncounted += load.uncounted
+        if load.num_tokens is None:
+            self.tokens_known = False
+        else:
+            self.tokens += load.num_tokens
+        if load.phase is not None:
+            p = PHASES.index(load.phase)
+            self.phases[p] += c
+            self.phase_tokens[p] += load.num_tokens or 0
+            self.phase_steps[p] += 1
+            self.step_phase[s] = p
+        cf = c.double()
+        for i, m in enumerate(self.shares):
+            rl = cf @ m
+            self.rank_totals[i] += rl
+            self.step_bal[i, s] = balancedness(rl)
+            if self.rank_of[i] is not None and load.ids is not None:
+                self.ids_seen = True
+                self.received[i] += tokens_per_rank(load.ids, self.rank_of[i], self.rank_totals[i].numel())
+        # capacity: ceil(f * assignments / E) per expert and step
+        cap = torch.ceil(self.factors * cf.sum() / self.E - 1e-9)
+        over = (cf[None, :] - cap[:, None]).clamp(min=0).long()
+        self.overflow += over
+        self.overflow_any |= over > 0
+        self.overflow_steps += (over.sum(1) > 0).long()
+        if self.bias and load.counts_nobias is not None:
+            with_c, with_ids = load.bias_counts_with, load.bias_ids_with
+            self.wb_total += with_c
+            self.nb_total += load.counts_nobias
+            if self.shares:
+                self.step_bal_nb[0, s] = balancedness(with_c.double() @ self.shares[0])
+                self.step_bal_nb[1, s] = balancedness(load.counts_nobias.double() @ self.shares[0])
+            if with_ids is not None and load.ids_nobias is not None:
+                a, b = with_ids.long(), load.ids_nobias.long()
+                same = (a[:, :, None] == b[:, None, :]).any(-1) & (a >= 0)
+                self.changed += ((a >= 0).sum() - same.sum())
+                self.picks += 1
+
+
+def _stats_row(counts: torch.Tensor) -> tuple[float, float, int | None]:
+    st = load_stats(counts, top_n=1)
+    return st.imbalance, st.cv, (st.hottest[0][0] if st.hottest else None)
+
+
+def analyze_balance(
+    source: Source,
+    options: BalanceOptions,
+    device: torch.device | str = "cpu",
+    progress: Callable[[int], None] | None = None,
+) -> BalanceResult:
+    """Stream ``source`` once and compute every load-balance statistic.
+
+    Args:
+        source: a :class:`TraceSource`, :class:`ImportedSource` or :class:`CountsSource`.
+        options: what to compute (EP sizes, placement file, windows, capacity, EPLB).
+        device: where the statistics run (``cuda`` when available is the CLI's default).
+        progress: called with the rows (or steps for counts) done after each step.
+
+    Returns:
+        A :class:`BalanceResult`.
+
+    Raises:
+        RouteToolError: an EP size that does not divide E, an impossible EPLB
+            configuration, a placement made for another expert count.
+    """
+    device = torch.device(device)
+    E = source.num_experts
+    layers = list(source.layers)
+    if not layers:
+        raise RouteToolError("no layer to analyse", path=source.path, fix="check --layers")
+    placements = [contiguous_placement(layers, E, n) for n in options.ep_sizes]
+    if options.placement is not None:
+        if options.placement.num_logical != E:
+            raise RouteToolError(f"the placement is for {options.placement.num_logical} experts, the input has {E}",
+                                 fix="use a placement made for this model")
+        placements.append(options.placement)
+    eplb_note = ""
+    if options.eplb is not None:
+        eo = options.eplb
+        gpus = eo.num_gpus or (options.ep_sizes[0] if options.ep_sizes else None)
+        if gpus is None:
+            raise RouteToolError("EPLB needs a GPU count", fix="pass --gpus or --ep-size")
+        redundant = eo.num_redundant if eo.num_redundant is not None else gpus
+        check_eplb_config(E, redundant, eo.num_groups, eo.num_nodes, gpus, eo.policy)
+        if E % gpus:
+            raise RouteToolError(f"EPLB: {E} experts cannot be placed contiguously on {gpus} GPUs for the 'before' figure",
+                                 fix="choose --gpus dividing the expert count")
+    notes = list(source.notes)
+    t0 = time.perf_counter()
+    rows = 0
+    results: list[LayerBalance] = []
+    total = torch.zeros(E, dtype=torch.int64, device=device)
+    window_counts: dict[int, torch.Tensor] = {}
+    uncounted_total = 0
+    for layer in layers:
+        sizes = source.step_sizes(layer)
+        window_of, W = window_of_steps(sizes, options.windows)
+        acc = _LayerAccumulator(E, placements, layer, len(sizes), window_of, W, options.capacity_factors, device,
+                                source.bias_effect)
+        for s, load in enumerate(source.steps(layer, device)):
+            acc.add(s, load)
+            if progress is not None:
+                progress(sizes[s])
+        rows += sum(sizes) if source.kind != "counts" else len(sizes)
+        res = _finish_layer(layer, acc, placements, source, options, sizes)
+        uncounted_total += res.uncounted
+        total += acc.total
+        window_counts[layer] = acc.windows.cpu()
+        results.append(res)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if uncounted_total:
+        notes.append(f"{uncounted_total:,} expert ids outside [0, {E}) on unpadded rows were not counted")
+
+    eplb = None
+    if options.eplb is not None:
+        eplb = _eplb_whatif(layers, results, window_counts, options, E)
+    elif not eplb_note:
+        eplb_note = "not computed (--no-eplb)"
+    ep = []
+    for i, p in enumerate(placements):
+        per_layer = torch.tensor([r.ranks[i].balancedness if r.ranks[i].balancedness is not None else float("nan")
+                                  for r in results], dtype=torch.float64)
+        step_means = [r.ranks[i].step_balancedness.mean for r in results if r.ranks[i].step_balancedness.mean is not None]
+        q = Quantiles.of(per_layer)
+        worst = None
+        if q.count:
+            worst = results[int(torch.nan_to_num(per_layer, nan=2.0).argmin())].layer
+        ep.append(EpSummary(placement=p.name, num_ranks=p.num_gpus, balancedness=q,
+                            step_balancedness_mean=sum(step_means) / len(step_means) if step_means else None,
+                            worst_layer=worst))
+    elapsed = time.perf_counter() - t0
+    total_cpu = total.cpu()
+    return BalanceResult(
+        source=source.path, kind=source.kind, model=source.model, routing=source.routing, num_experts=E,
+        topk=source.topk, device=str(device), layers=results, total_counts=total_cpu.tolist(),
+        total_load=load_stats(total_cpu, top_n=options.top_n), ep=ep, eplb=eplb, eplb_note=eplb_note,
+        bias_note=source.bias_note, capacity_factors=list(options.capacity_factors), notes=notes,
+        elapsed_s=elapsed, rows=rows,
+    )
+
+
+def _finish_layer(layer: int, acc: _LayerAccumulator, placements: list[Placement], source: Source,
+                  options: BalanceOptions, sizes: list[int]) -> LayerBalance:
+    total = acc.total.cpu()
+    assignments = int(total.sum())
+    ranks = []
+    step_bal = acc.step_bal.cpu()
+    for i, p in enumerate(placements):
+        rt = acc.rank_totals[i].cpu()
+        hot = int(torch.argmax(rt)) if rt.numel() else 0
+        recv = acc.received[i].cpu().tolist() if acc.received[i] is not None and acc.ids_seen else None
+        ranks.append(RankLoad(
+            placement=p.name, num_ranks=p.num_gpus, assignments=rt.tolist(), tokens_received=recv,
+            balancedness=finite_or_none(balancedness(rt)), step_balancedness=Quantiles.of(step_bal[i, :acc.steps]),
+            hottest_rank=hot, hottest_share=float(rt[hot] / rt.sum()) if rt.sum() > 0 else None,
+        ))
+    # windows
+    wc = acc.windows.cpu()
+    labels = source.step_labels(layer)
+    first_last: dict[int, list[int]] = {}
+    for s, w in enumerate(acc.window_of):
+        first_last.setdefault(w, [s, s])[1] = s
+    win_tokens: dict[int, int] = {}
+    share0 = acc.shares[0].cpu() if acc.shares else None
+    windows = []
+    for w in range(wc.shape[0]):
+        a, b = first_last[w]
+        imb, cv, top = _stats_row(wc[w])
+        label = (labels[a] if a == b else f"{labels[a]}..{labels[b]}") if labels else \
+            (f"step {a}" if a == b else f"steps {a}-{b}")
+        win_tokens[w] = sum(sizes[a:b + 1])
+        windows.append(WindowLoad(
+            index=w, first_step=a, last_step=b, label=label,
+            tokens=win_tokens[w] if source.kind != "counts" else (int(wc[w].sum()) // source.topk if source.topk else None),
+            assignments=int(wc[w].sum()), imbalance=imb, cv=cv,
+            balancedness=finite_or_none(balancedness(wc[w].double() @ share0)) if share0 is not None else None,
+            tv_distance=tv_distance(wc[w], total), top_expert=top,
+        ))
+    # phases
+    phases = []
+    pc = acc.phases.cpu()
+    for p, name in enumerate(PHASES):
+        if acc.phase_steps[p] == 0:
+            continue
+        imb, cv, top = _stats_row(pc[p])
+        mask = torch.tensor([acc.step_phase[s] == p for s in range(acc.steps)], dtype=torch.bool)
+        sb = step_bal[0, :acc.steps][mask] if share0 is not None else torch.empty(0)
+        sb = sb[~torch.isnan(sb)]
+        phases.append(PhaseLoad(
+            phase=name, steps=acc.phase_steps[p], tokens=acc.phase_tokens[p], assignments=int(pc[p].sum()),
+            imbalance=imb, cv=cv,
+            balancedness=finite_or_none(balancedness(pc[p].double() @ share0)) if share0 is not None else None,
+            step_balancedness_mean=float(sb.mean()) if sb.numel() else None, top_expert=top,
+        ))
+    phase_tv = tv_distance(pc[0], pc[1]) if len(phases) == 2 else None
+    # capacity
+    capacity = []
+    over = acc.overflow.cpu()
+    any_over = acc.overflow_any.cpu()
+    steps_over = acc.overflow_steps.cpu()
+    for i, f in enumerate(options.capacity_factors):
+        dropped = int(over[i].sum())
+        capacity.append(CapacityLoad(
+            factor=f, overflow=over[i].tolist(), dropped=dropped,
+            dropped_fraction=dropped / assignments if assignments else None,
+            experts_overflowing=int(any_over[i].sum()), steps_overflowing=int(steps_over[i]),
+        ))
+    bias = None
+    if acc.bias and source.bias_effect and int(acc.wb_total.sum()) + int(acc.nb_total.sum()) > 0:
+        wb, nb = acc.wb_total.cpu(), acc.nb_total.cpu()
+        sbn = acc.step_bal_nb.cpu()[:, :acc.steps]
+        q_with, q_without = Quantiles.of(sbn[0]), Quantiles.of(sbn[1])
+        picks = int(wb.sum())
+        bias = BiasEffect(
+            counts_with=wb.tolist(), counts_without=nb.tolist(),
+            load_with=load_stats(wb, top_n=options.top_n), load_without=load_stats(nb, top_n=options.top_n),
+            balancedness_with=finite_or_none(balancedness(wb.double() @ share0)) if share0 is not None else None,
+            balancedness_without=finite_or_none(balancedness(nb.double() @ share0)) if share0 is not None else None,
+            step_balancedness_with=q_with.mean, step_balancedness_without=q_without.mean,
+            changed_fraction=int(acc.changed) / picks if picks and acc.picks else None,
+        )
+    return LayerBalance(
+        layer=layer, num_steps=acc.steps, tokens=acc.tokens if acc.tokens_known else None,
+        assignments=assignments, uncounted=int(acc.uncounted), counts=total.tolist(),
+        load=load_stats(total, top_n=options.top_n), ranks=ranks, windows=windows, phases=phases,
+        phase_tv_distance=phase_tv, capacity=capacity, bias=bias,
+    )
+
+
+def _eplb_whatif(layers: list[int], results: list[LayerBalance], window_counts: dict[int, torch.Tensor],
+                 options: BalanceOptions, E: int) -> EplbResult:
+    eo = options.eplb
+    gpus = eo.num_gpus or options.ep_sizes[0]
+    redundant = eo.num_redundant if eo.num_redundant is not None else gpus
+    weights = torch.tensor([r.counts for r in results], dtype=torch.float64)
+    placement = rebalance_experts(weights, redundant, num_gpus=gpus, num_nodes=eo.num_nodes,
+                                  num_groups=eo.num_groups, policy=eo.policy, layers=layers)
+    before = contiguous_placement(layers, E, gpus)
+    out = []
+    for i, layer in enumerate(layers):
+        counts = weights[i]
+        mb, ma = before.share_matrix(layer), placement.share_matrix(layer)
+        rb, ra = counts @ mb, counts @ ma
+        wc = window_counts[layer].double()
+        wb, wa = balancedness(wc @ mb), balancedness(wc @ ma)
+        hb = ha = None
+        if wc.shape[0] >= 2:
+            half = wc.shape[0] // 2
+            fit = rebalance_experts(wc[:half].sum(0, keepdim=True), redundant, num_gpus=gpus, num_nodes=eo.num_nodes,
+                                    num_groups=eo.num_groups, policy=eo.policy, layers=[layer])
+            test = wc[half:].sum(0)
+            hb = finite_or_none(balancedness(test @ mb))
+            ha = finite_or_none(balancedness(test @ fit.share_matrix(layer)))
+        out.append(EplbLayer(
+            layer=layer, balancedness_before=finite_or_none(balancedness(rb)),
+            balancedness_after=finite_or_none(balancedness(ra)),
+            max_rank_load_before=float(rb.max()), max_rank_load_after=float(ra.max()),
+            window_balancedness_before=finite_or_none(torch.nanmean(wb)) if wb.numel() else None,
+            window_balancedness_after=finite_or_none(torch.nanmean(wa)) if wa.numel() else None,
+            holdout_before=hb, holdout_after=ha, replicated=placement.replicated(layer),
+            rank_load_before=rb.tolist(), rank_load_after=ra.tolist(),
+        ))
+    qb = Quantiles.of(torch.tensor([x.balancedness_before if x.balancedness_before is not None else math.nan for x in out]))
+    qa = Quantiles.of(torch.tensor([x.balancedness_after if x.balancedness_after is not None else math.nan for x in out]))
+    return EplbResult(num_redundant=redundant, num_gpus=gpus, num_nodes=eo.num_nodes, num_groups=eo.num_groups,
+                      policy=placement.policy, layers=out, placement=placement, summary_before=qb, summary_after=qa)
+
+
+def default_ep_sizes(num_experts: int) -> list[int]:
+    """The EP size used when none is given: the largest of 8, 4, 2, 1 that divides E."""
+    for n in (8, 4, 2, 1):
+        if num_experts % n == 0 and n <= num_experts:
+            return [n]
+    return [1]
+
+
+def route_fn_from(fn, router) -> RouteFn:
+    """Wrap a routing function with the seed's signature (kernel or reference) into a
+    :data:`RouteFn` returning only the ids, with the trace's router parameters."""
+    kwargs = router.kernel_kwargs()
+
+    def route(gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+        try:
+            return fn(gating, bias, is_padding=pad, **kwargs)[1]
+        except ValueError as exc:
+            raise RouteToolError(f"the routing function rejected the trace's inputs ({exc})",
+                                 fix="choose another --kernel, or --reference") from None
+
+    return route

@@ -1,0 +1,290 @@
+"""``routetool balance`` and ``routetool import`` (click commands; registered by routetool.cli).
+
+Thin: parse options, build a source, call :func:`routetool.balance.analyze_balance` or the
+importers, render, write. Bad input raises :class:`~routetool.errors.RouteToolError`, which
+the ``routetool`` group turns into a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from routetool.errors import EXIT_OK, RouteToolError
+from routetool.execution import DEVICE_CHOICES
+from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS
+
+_CTX = {"help_option_names": ["-h", "--help"]}
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeRemainingColumn(), console=Console(stderr=True), transient=True, disable=not enabled,
+    )
+
+
+def _int_list(option: str, spec: str | None) -> list[int] | None:
+    if spec is None or spec.strip().lower() in ("", "auto"):
+        return None
+    try:
+        values = [int(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        raise RouteToolError(f"{option} {spec!r} is not a list of integers", fix=f"use e.g. {option} 8,16") from None
+    if not values or any(v < 1 for v in values):
+        raise RouteToolError(f"{option} {spec!r}: values must be >= 1", fix=f"use e.g. {option} 8,16")
+    return values
+
+
+def _float_list(option: str, spec: str) -> list[float]:
+    if spec.strip().lower() in ("", "none"):
+        return []
+    try:
+        values = [float(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        raise RouteToolError(f"{option} {spec!r} is not a list of numbers", fix=f"use e.g. {option} 1.0,1.25,2") from None
+    if any(not v > 0 for v in values):
+        raise RouteToolError(f"{option} {spec!r}: factors must be > 0", fix=f"use e.g. {option} 1.0,1.25,2")
+    return values
+
+
+def _stats_device(choice: str) -> torch.device:
+    """Device for statistics when no kernel runs (no Triton involved)."""
+    has_cuda = torch.cuda.is_available()
+    if choice == "cuda" and not has_cuda:
+        raise RouteToolError("--device cuda: torch sees no CUDA GPU", fix="use --device cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if has_cuda and choice != "cpu" else torch.device("cpu")
+
+
+def _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model=None):
+    from routetool.imports import ImportOptions
+
+    return ImportOptions(format=fmt, num_experts=num_experts, topk=topk, skip_rows=skip_rows,
+                         drop_repeats=drop_repeats, select=select, model=model)
+
+
+def _dump_options(f):
+    """Options shared by both commands for reading routing dumps."""
+    for opt in reversed([
+        click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True,
+                     help="Input format (auto: by extension and content)."),
+        click.option("--num-experts", type=click.IntRange(min=1), default=None,
+                     help="Routed experts E of a dump (default: the file's metadata, else largest id + 1)."),
+        click.option("--topk", type=click.IntRange(min=1), default=None,
+                     help="Experts per token K of a dump (default: metadata, else the row width)."),
+        click.option("--skip-rows", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Drop the first N token rows of a dump (warm-up)."),
+        click.option("--drop-repeats", type=click.IntRange(min=0), default=DEFAULT_DROP_REPEATS, show_default=True,
+                     help="Drop runs of at least N identical consecutive rows of a dump (warm-up/dummy batches); "
+                          "0 keeps everything."),
+        click.option("--select", default=None, metavar="NAME[/NAME]",
+                     help="Counts JSON: the tables to use, e.g. olmoe-1b-7b-0924 or olmoe-1b-7b-0924/arxiv."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@click.command("balance", context_settings=_CTX)
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
+              help="Where routing and statistics run (auto: cuda if present).")
+@click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
+              help="Kernel that routes a trace's logits (variant or module:function).")
+@click.option("--reference", is_flag=True, help="Route a trace's logits with the PyTorch reference instead.")
+@click.option("--recorded", is_flag=True, help="Use the trace's recorded topk_ids instead of routing the logits.")
+@click.option("--layers", "layers_spec", default="all", show_default=True, help="Layers, e.g. 0,2,5-7.")
+@click.option("--layer", "focus_layer", type=int, default=None,
+              help="Show one layer in detail (windows, EPLB placement, expert and rank bars); the rest still covers --layers.")
+@click.option("--ep-size", "ep_spec", default=None, metavar="N[,N...]",
+              help="EP sizes to simulate with contiguous placement (default: the largest of 8, 4, 2, 1 dividing E).")
+@click.option("--placement", "placement_path", type=click.Path(path_type=Path), default=None,
+              help="Also simulate this placement JSON (e.g. one written by --eplb-out).")
+@click.option("--windows", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Windows of consecutive steps for drift over time.")
+@click.option("--decode-max-tokens", type=click.IntRange(min=0), default=256, show_default=True,
+              help="Steps with padding or at most this many tokens count as decode, the rest as prefill.")
+@click.option("--capacity-factor", "capacity_spec", default="1.0,1.25,2.0", show_default=True,
+              help="Capacity factors to evaluate ('none' to skip).")
+@click.option("--top", "top_n", type=click.IntRange(min=1), default=5, show_default=True, help="Hottest experts listed.")
+@click.option("--eplb/--no-eplb", default=True, show_default=True, help="EPLB what-if (replication and placement).")
+@click.option("--redundant", type=click.IntRange(min=0), default=None,
+              help="EPLB redundant experts (default: one per GPU).")
+@click.option("--gpus", type=click.IntRange(min=1), default=None, help="EPLB GPUs (default: the first --ep-size).")
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="EPLB nodes.")
+@click.option("--groups", type=click.IntRange(min=1), default=1, show_default=True,
+              help="EPLB expert groups (DeepSeek-V3: 8).")
+@click.option("--eplb-policy", type=click.Choice(("auto", "hierarchical", "global")), default="auto",
+              show_default=True, help="auto: hierarchical when nodes > 1 divide the groups, else global.")
+@click.option("--eplb-out", default=None, metavar="PATH", help="Write the EPLB placement as JSON.")
+@click.option("--bias-effect/--no-bias-effect", default=True, show_default=True,
+              help="Route again with the bias zeroed (traces with logits only).")
+@click.option("--json", "json_path", default=None, metavar="PATH",
+              help="Also write the results as JSON to PATH ('-' = stdout; the tables then go to stderr).")
+@click.option("--plot", "plot_dir", default=None, metavar="DIR", help="Write PNG figures into DIR (needs matplotlib).")
+@click.option("--force", is_flag=True, help="Replace existing --json/--eplb-out/--plot outputs.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@_dump_options
+def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, select, device: str, kernel_spec: str,
+            reference: bool, recorded: bool, layers_spec: str, focus_layer: int | None, ep_spec: str | None,
+            placement_path: Path | None, windows: int, decode_max_tokens: int, capacity_spec: str, top_n: int,
+            eplb: bool, redundant, gpus, nodes: int, groups: int, eplb_policy: str, eplb_out: str | None,
+            bias_effect: bool, json_path: str | None, plot_dir: str | None, force: bool, progress: bool) -> None:
+    """Load balance of SOURCE over experts and expert-parallel ranks, and what EPLB would buy.
+
+    SOURCE is a routetool trace, or a routing dump read directly: JSON lines, CSV (or a
+    folder of them), SGLang expert-distribution .pt dumps, per-layer expert counts as JSON.
+    Reports per layer: tokens per expert (max/mean, CV, entropy, Gini, idle, hottest),
+    balancedness per EP size (whole layer and per step), an EPLB placement and the
+    balancedness before/after, the router bias effect, capacity overflow, and drift
+    between prefill and decode and over time.
+    """
+    from routetool.balance import (
+        BalanceOptions, CountsSource, EplbOptions, ImportedSource, TraceSource, analyze_balance,
+        default_ep_sizes, route_fn_from,
+    )
+    from routetool.eplb import load_placement, placement_document
+    from routetool.imports import ImportedCounts, detect_format, read_dump
+    from routetool.replay import parse_layers
+    from routetool.report import check_output_path, write_json
+    from routetool.report_balance import balance_json, render_balance
+
+    if reference and recorded:
+        raise RouteToolError("--reference and --recorded exclude each other", fix="pass one of them")
+    if eplb_out == "-" and json_path == "-":
+        raise RouteToolError("--json - and --eplb-out - both want stdout", fix="write one of them to a file")
+    check_output_path(json_path, force)
+    check_output_path(eplb_out, force)
+    if eplb_out and not eplb:
+        raise RouteToolError("--eplb-out needs the EPLB what-if", fix="drop --no-eplb")
+    if plot_dir is not None:
+        from routetool.plots import check_plot_dir
+
+        check_plot_dir(plot_dir, force)
+    capacity = _float_list("--capacity-factor", capacity_spec)
+    ep_sizes = _int_list("--ep-size", ep_spec)
+    resolved_format = detect_format(source) if fmt == "auto" else fmt
+    if resolved_format != "trace" and (reference or recorded):
+        raise RouteToolError("--reference/--recorded apply to traces; a dump holds ids already", path=source,
+                             fix="drop the flag")
+
+    trace = None
+    try:
+        if resolved_format == "trace":
+            from routetool import trace as trace_module
+
+            # open_trace also reads sharded traces (an index of trace files); plain Trace otherwise
+            trace = getattr(trace_module, "open_trace", trace_module.Trace)(source)
+            layers = parse_layers(layers_spec, trace.layers, trace.display_path)
+            needs_logits = not recorded and any(trace.info(x).has_logits for x in layers)
+            bias_wanted = bias_effect and any(trace.info(x).has_logits for x in layers)
+            route_fn = nobias_fn = None
+            route_name = nobias_name = ""
+            if needs_logits or bias_wanted:
+                from routetool.execution import load_kernel, select_execution
+
+                execution = select_execution(device)
+                stats_device = execution.device
+                from kernel.reference import musespark1x_routing_reference
+
+                ref = route_fn_from(musespark1x_routing_reference, trace.meta.router)
+                if reference or recorded:
+                    route_fn, route_name = ref, "reference (PyTorch)"
+                else:
+                    name, fn = load_kernel(kernel_spec)
+                    where = "Triton interpreter" if execution.interpreted else execution.device_name
+                    route_fn, route_name = route_fn_from(fn, trace.meta.router), f"kernel {name} ({where})"
+                if bias_wanted:
+                    nobias_fn, nobias_name = route_fn, route_name
+            else:
+                stats_device = _stats_device(device)
+            routing = "recorded" if recorded else ("reference" if reference else "auto")
+            src = TraceSource(trace, layers, routing=routing, route_fn=route_fn, route_name=route_name,
+                              nobias_fn=nobias_fn, nobias_name=nobias_name, bias_effect=bias_effect,
+                              decode_max_tokens=decode_max_tokens)
+            total_work = sum(trace.info(x).num_tokens for x in layers)
+        else:
+            stats_device = _stats_device(device)
+            imported = read_dump(source, _import_options(resolved_format, num_experts, topk, skip_rows,
+                                                         drop_repeats, select))
+            layers = parse_layers(layers_spec, sorted(imported.layers), source)
+            if isinstance(imported, ImportedCounts):
+                src = CountsSource(imported, layers)
+                total_work = sum(int(imported.layers[x].sum()) for x in layers)
+            else:
+                src = ImportedSource(imported, layers, decode_max_tokens=decode_max_tokens)
+                total_work = sum(imported.layers[x].num_tokens for x in layers)
+        if focus_layer is not None and focus_layer not in layers:
+            raise RouteToolError(f"--layer {focus_layer} is not among the analysed layers",
+                                 fix=f"choose among {', '.join(map(str, layers[:20]))}")
+        E = src.num_experts
+        if ep_sizes is None:
+            ep_sizes = default_ep_sizes(E)
+        placement = None
+        if placement_path is not None:
+            placement = load_placement(placement_path, E, layers, ep_sizes[0] if ep_spec else None)
+        options = BalanceOptions(
+            ep_sizes=ep_sizes, placement=placement, windows=windows, capacity_factors=capacity, top_n=top_n,
+            eplb=EplbOptions(num_redundant=redundant, num_gpus=gpus, num_nodes=nodes, num_groups=groups,
+                             policy=eplb_policy) if eplb else None,
+        )
+        with _progress(progress) as bar:
+            task = bar.add_task(f"balance {source.name}", total=total_work)
+            result = analyze_balance(src, options, stats_device, progress=lambda n: bar.advance(task, n))
+    finally:
+        if trace is not None:
+            trace.close()
+
+    console = Console(stderr=json_path == "-" or eplb_out == "-")
+    render_balance(result, console, focus_layer)
+    status = Console(stderr=True)
+    if json_path is not None:
+        write_json(balance_json(result), json_path, sys.stdout)
+        if json_path != "-":
+            status.print(f"wrote {json_path}")
+    if eplb_out is not None and result.eplb is not None:
+        doc = placement_document(result.eplb.placement, source=result.source, model=result.model,
+                                 routing=result.routing,
+                                 fitted_on_assignments=[x.assignments for x in result.layers])
+        write_json(doc, eplb_out, sys.stdout)
+        if eplb_out != "-":
+            status.print(f"wrote {eplb_out}")
+    if plot_dir is not None:
+        from routetool.plots import write_balance_plots
+
+        for p in write_balance_plots(result, plot_dir, force=force):
+            status.print(f"wrote {p}")
+    click.get_current_context().exit(EXIT_OK)
+
+
+@click.command("import", context_settings=_CTX)
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
+              help="The ids-only trace to write (.safetensors).")
+@_dump_options
+@click.option("--model", default=None, help="Model name to record (default: from the file, else its name).")
+@click.option("--force", is_flag=True, help="Replace an existing output.")
+def import_(source: Path, output: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, select,
+            model: str | None, force: bool) -> None:
+    """Convert a routing dump (JSON lines, CSV or a folder of CSVs, SGLang per-token .pt)
+    into an ids-only routetool trace, for `routetool balance` and any tool reading traces.
+
+    Per-expert counts (counts JSON, SGLang stat/per-pass dumps) have no per-token ids and
+    cannot become a trace: analyse them directly with `routetool balance FILE`.
+    """
+    from routetool.imports import ImportedCounts, read_dump, write_imported_trace
+    from routetool.report import check_output_path
+    from routetool.report_balance import render_import
+
+    check_output_path(str(output), force)
+    imported = read_dump(source, _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model))
+    if isinstance(imported, ImportedCounts):
+        raise RouteToolError("holds per-expert counts, not per-token expert ids: a trace cannot be made from it",
+                             path=source, fix=f"analyse it directly: routetool balance {source}")
+    write_imported_trace(imported, output, force=force)
+    render_import(imported, str(output), Console())
+    click.get_current_context().exit(EXIT_OK)

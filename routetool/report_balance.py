@@ -1,0 +1,458 @@
+"""Reporters of ``routetool balance`` and ``routetool import``: rich tables, terminal bars,
+JSON documents. Nothing here computes results (see :mod:`routetool.balance`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from routetool.balance import BalanceResult, LayerBalance, Quantiles
+from routetool.eplb import placement_document
+from routetool.imports import ImportedCounts, ImportedRouting
+from routetool.load import LoadStats
+from routetool.report import fmt_float, histogram_renderable
+
+BALANCE_SCHEMA = "routetool.balance/1"
+_LEVELS = "▁▂▃▄▅▆▇█"
+_MAX_LAYER_ROWS = 64
+
+
+def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+              collapse_padding=True)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right")
+    return t
+
+
+def _f(value: float | None, digits: int = 3) -> str:
+    return fmt_float(value, digits) if value is not None else "-"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def _bal(value: float | None) -> Text:
+    """Balancedness coloured: green >= 0.9, yellow >= 0.7, red below."""
+    if value is None:
+        return Text("-", style="dim")
+    style = "green" if value >= 0.9 else ("yellow" if value >= 0.7 else "red")
+    return Text(f"{value:.3f}", style=style)
+
+
+def _spark(values: list[float | None], lo: float | None = None, hi: float | None = None) -> Text:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return Text("-", style="dim")
+    lo = min(vals) if lo is None else lo
+    hi = max(vals) if hi is None else hi
+    out = Text()
+    for v in values:
+        if v is None:
+            out.append("·", style="dim")
+            continue
+        level = 7 if hi <= lo else round(7 * (v - lo) / (hi - lo))
+        out.append(_LEVELS[max(0, min(7, level))], style="cyan")
+    return out
+
+
+def _bar(value: float, peak: float, width: int = 30, style: str = "cyan") -> Text:
+    n = round(width * value / peak) if peak > 0 else 0
+    t = Text("█" * n, style=style)
+    t.append("░" * (width - n), style="dim")
+    return t
+
+
+def _shown_layers(result: BalanceResult, layer: int | None) -> list[LayerBalance]:
+    if layer is not None:
+        return [x for x in result.layers if x.layer == layer]
+    return result.layers
+
+
+def rank_bars(assignments: list[float], title: str, tokens_received: list[int] | None = None) -> Panel:
+    """Assignments per EP rank as horizontal bars (the hottest in red)."""
+    peak = max(assignments) if assignments else 0.0
+    total = sum(assignments)
+    mean = total / len(assignments) if assignments else 0.0
+    lines = []
+    for r, a in enumerate(assignments):
+        line = Text(f"rank {r:>3} ")
+        line.append_text(_bar(a, peak, 40, "red" if a == peak and peak > 0 else "cyan"))
+        line.append(f" {a:,.0f}")
+        if tokens_received is not None:
+            line.append(f"  ({tokens_received[r]:,} tokens)", style="dim")
+        lines.append(line)
+    foot = Text(f"mean {mean:,.1f} assignments/rank, max {peak:,.0f}; balancedness "
+                f"{(mean / peak if peak else 0):.3f}", style="dim")
+    return Panel(Group(*lines, foot), title=title, expand=False)
+
+
+def heat_strip(result: BalanceResult, width: int = 128) -> Panel:
+    """Layer x expert load as block characters (height = load / mean of the layer)."""
+    E = result.num_experts
+    per = max(1, -(-E // width))
+    rows = result.layers[:_MAX_LAYER_ROWS]
+    peak = 0.0
+    grid = []
+    for x in rows:
+        mean = x.load.mean_load or 1.0
+        bins = [max(x.counts[i:i + per]) / mean for i in range(0, E, per)]
+        grid.append(bins)
+        peak = max(peak, max(bins))
+    lines = []
+    for x, bins in zip(rows, grid):
+        line = Text(f"L{x.layer:<4}")
+        for v in bins:
+            if v == 0:
+                line.append("·", style="dim red")
+            else:
+                lvl = max(0, min(7, round(7 * v / peak))) if peak else 0
+                line.append(_LEVELS[lvl], style="red" if v >= 2 else "cyan")
+        line.append(f" {x.load.imbalance:.2f}", style="dim")
+        lines.append(line)
+    note = (f"one column per expert" if per == 1 else f"one column per {per} experts (their max)")
+    lines.append(Text(f"{note}; height = tokens / layer mean (tallest = {peak:.2f}x); red >= 2x mean; · idle; "
+                      "right: max/mean" + (f"; first {_MAX_LAYER_ROWS} layers" if len(result.layers) > _MAX_LAYER_ROWS else ""),
+                      style="dim"))
+    return Panel(Group(*lines), title="Expert load per layer (layer x expert)", expand=False)
+
+
+def render_balance(result: BalanceResult, console: Console, layer: int | None = None) -> None:
+    """Print the balance report: header, expert load, EP ranks, EPLB, bias, capacity, drift, bars."""
+    header = Table.grid(padding=(0, 2))
+    header.add_row("input", f"{result.source} ({result.kind})")
+    header.add_row("model", result.model or "-")
+    header.add_row("routing", result.routing)
+    tokens = sum(x.tokens for x in result.layers if x.tokens is not None)
+    known = all(x.tokens is not None for x in result.layers)
+    header.add_row("experts", f"E={result.num_experts} topk={result.topk if result.topk else '?'}; "
+                              f"{len(result.layers)} layer(s); "
+                              + (f"{tokens:,} token-layers, " if known else "")
+                              + f"{sum(x.assignments for x in result.layers):,} assignments")
+    rate = result.token_layers_per_s
+    unit = "token-layers/s" if result.kind != "counts" else "steps/s"
+    header.add_row("statistics", f"on {result.device}, {result.elapsed_s:.2f} s"
+                                 + (f" ({rate:,.0f} {unit})" if rate else ""))
+    console.print(Panel(header, title="routetool balance", expand=False))
+
+    shown = _shown_layers(result, layer)
+    # expert load
+    t = _table("Expert load per layer (assignments = token-expert pairs)",
+               ["layer", "steps", "tokens", "assign", "max/mean", "CV", "entropy", "Gini", "idle", "hottest e:assign"],
+               left=("hottest e:assign",))
+    for x in shown:
+        hot = ", ".join(f"{e}:{c:,}" for e, c in x.load.hottest)
+        t.add_row(str(x.layer), str(x.num_steps), f"{x.tokens:,}" if x.tokens is not None else "-",
+                  f"{x.assignments:,}", _f(x.load.imbalance), _f(x.load.cv), _f(x.load.normalized_entropy),
+                  _f(x.load.gini), str(len(x.load.idle)), hot)
+    if layer is None and len(result.layers) > 1:
+        tl = result.total_load
+        t.add_row(Text("all", style="bold"), "", "", f"{tl.assignments:,}", _f(tl.imbalance), _f(tl.cv),
+                  _f(tl.normalized_entropy), _f(tl.gini), str(len(tl.idle)),
+                  ", ".join(f"{e}:{c:,}" for e, c in tl.hottest), end_section=True)
+    console.print(t)
+
+    # EP ranks
+    for i, ep in enumerate(result.ep):
+        t = _table(f"EP ranks: {ep.placement} (balancedness = mean/max assignments per rank)",
+                   ["layer", "balancedness", "step min", "p10", "p50", "p90", "mean", "hottest rank", "share",
+                    "rank loads"], left=("rank loads",))
+        for x in shown:
+            r = x.ranks[i]
+            q = r.step_balancedness
+            t.add_row(str(x.layer), _bal(r.balancedness), _f(q.min), _f(q.p10), _f(q.p50), _f(q.p90), _f(q.mean),
+                      str(r.hottest_rank), _pct(r.hottest_share), _spark(r.assignments, lo=0.0))
+        if layer is None and len(result.layers) > 1:
+            q = ep.balancedness
+            t.add_row(Text("layers", style="bold"), _bal(q.mean), _f(q.min), _f(q.p10), _f(q.p50), _f(q.p90),
+                      _f(ep.step_balancedness_mean), f"worst L{ep.worst_layer}" if ep.worst_layer is not None else "-",
+                      "", "", end_section=True)
+        console.print(t)
+        console.print(Text("'layers' row: mean, min, p10, p50, p90 of the per-layer balancedness; its 'mean' column: "
+                           "mean per-step balancedness over layers (SGLang's average balancedness)", style="dim"))
+
+    # EPLB
+    if result.eplb is not None:
+        e = result.eplb
+        t = _table(f"EPLB what-if ({e.policy}): {e.num_gpus} GPUs, {e.num_nodes} node(s), {e.num_groups} group(s), "
+                   f"{e.num_redundant} redundant experts",
+                   ["layer", "before", "after", "max rank before", "after", "windows before", "after",
+                    "holdout before", "after", "replicated e×n"], left=("replicated e×n",))
+        by_layer = {x.layer: x for x in e.layers}
+        for x in shown:
+            y = by_layer[x.layer]
+            rep = ", ".join(f"{le}×{n}" for le, n in y.replicated[:6]) + (" ..." if len(y.replicated) > 6 else "")
+            t.add_row(str(y.layer), _bal(y.balancedness_before), _bal(y.balancedness_after),
+                      f"{y.max_rank_load_before:,.0f}", f"{y.max_rank_load_after:,.0f}",
+                      _bal(y.window_balancedness_before), _bal(y.window_balancedness_after),
+                      _bal(y.holdout_before), _bal(y.holdout_after), rep or "-")
+        if layer is None and len(result.layers) > 1:
+            t.add_row(Text("mean", style="bold"), _bal(e.summary_before.mean), _bal(e.summary_after.mean),
+                      "", "", "", "", "", "", "", end_section=True)
+        console.print(t)
+        console.print(Text("before: contiguous placement on the same GPUs; after: EPLB fitted on this traffic "
+                           "(in-sample); windows: mean over windows; holdout: fitted on the first half of the windows, "
+                           "measured on the second", style="dim"))
+        if layer is not None and shown:
+            p = e.placement
+            y = by_layer[shown[0].layer]
+            phy = p.physical_to_logical[p.row(shown[0].layer)].tolist()
+            cnt = p.logical_count[p.row(shown[0].layer)].tolist()
+            per = p.experts_per_gpu
+            pt = _table(f"EPLB placement of layer {shown[0].layer} (physical slots per GPU; e×n = expert with n replicas)",
+                        ["GPU", "load before", "after", "logical experts in its slots"],
+                        left=("logical experts in its slots",))
+            for g in range(p.num_gpus):
+                slots = phy[g * per:(g + 1) * per]
+                names = ", ".join(f"{le}×{cnt[le]}" if cnt[le] > 1 else str(le) for le in slots)
+                pt.add_row(str(g), f"{y.rank_load_before[g]:,.0f}", f"{y.rank_load_after[g]:,.1f}", names)
+            console.print(pt)
+    elif result.eplb_note:
+        console.print(Text(f"EPLB: {result.eplb_note}", style="dim"))
+
+    # bias
+    biased = [x for x in shown if x.bias is not None]
+    if biased:
+        t = _table("Router bias effect: routed with the trace's bias vs bias zeroed",
+                   ["layer", "max/mean bias", "zeroed", "CV bias", "zeroed", "balancedness bias", "zeroed",
+                    "step mean bias", "zeroed", "picks changed"])
+        for x in biased:
+            b = x.bias
+            t.add_row(str(x.layer), _f(b.load_with.imbalance), _f(b.load_without.imbalance), _f(b.load_with.cv),
+                      _f(b.load_without.cv), _bal(b.balancedness_with), _bal(b.balancedness_without),
+                      _bal(b.step_balancedness_with), _bal(b.step_balancedness_without), _pct(b.changed_fraction))
+        console.print(t)
+        console.print(Text(f"bias effect: {result.bias_note}; balancedness at {result.ep[0].placement}"
+                           if result.ep else f"bias effect: {result.bias_note}", style="dim"))
+    else:
+        console.print(Text(f"Router bias effect: {result.bias_note}", style="yellow"))
+
+    # capacity
+    if result.capacity_factors:
+        cols = ["layer"]
+        for f in result.capacity_factors:
+            cols += [f"cf {f:g} dropped", "experts", "steps"]
+        t = _table("Capacity overflow: assignments over ceil(cf x assignments / E) per expert and step", cols)
+        for x in shown:
+            cells = [str(x.layer)]
+            for c in x.capacity:
+                cells += [Text(f"{c.dropped:,} ({_pct(c.dropped_fraction)})", style="red" if c.dropped else "dim"),
+                          str(c.experts_overflowing), str(c.steps_overflowing)]
+            t.add_row(*cells)
+        console.print(t)
+
+    # drift
+    t = _table("Drift: prefill vs decode, and over windows of consecutive steps",
+               ["layer", "prefill max/mean", "bal", "decode max/mean", "bal", "TV(prefill,decode)",
+                "windows", "max/mean per window", "max TV vs layer"], left=("max/mean per window",))
+    for x in shown:
+        ph = {p.phase: p for p in x.phases}
+        pre, dec = ph.get("prefill"), ph.get("decode")
+        tvs = [w.tv_distance for w in x.windows if w.tv_distance is not None]
+        t.add_row(str(x.layer), _f(pre.imbalance) if pre else "-", _bal(pre.balancedness) if pre else Text("-"),
+                  _f(dec.imbalance) if dec else "-", _bal(dec.balancedness) if dec else Text("-"),
+                  _f(x.phase_tv_distance), str(len(x.windows)), _spark([w.imbalance for w in x.windows]),
+                  _f(max(tvs)) if tvs else "-")
+    console.print(t)
+    if layer is not None and shown:
+        x = shown[0]
+        wt = _table(f"Windows of layer {x.layer}", ["window", "steps", "tokens", "assign", "max/mean", "CV",
+                                                    "balancedness", "TV vs layer", "top expert"])
+        for w in x.windows:
+            wt.add_row(w.label, f"{w.last_step - w.first_step + 1}", f"{w.tokens:,}" if w.tokens is not None else "-",
+                       f"{w.assignments:,}", _f(w.imbalance), _f(w.cv), _bal(w.balancedness), _f(w.tv_distance),
+                       str(w.top_expert) if w.top_expert is not None else "-")
+        console.print(wt)
+
+    # bars
+    if layer is None:
+        console.print(heat_strip(result))
+        console.print(histogram_renderable(result.total_counts, "Expert load, all layers summed (assignments)"))
+        if result.ep:
+            tot = [sum(x.ranks[0].assignments[r] for x in result.layers) for r in range(result.ep[0].num_ranks)]
+            console.print(rank_bars(tot, f"Rank load, all layers summed ({result.ep[0].placement})"))
+    elif shown:
+        x = shown[0]
+        console.print(histogram_renderable(x.counts, f"Expert load, layer {x.layer} (assignments)"))
+        for r in x.ranks:
+            console.print(rank_bars(r.assignments, f"Rank load, layer {x.layer} ({r.placement})", r.tokens_received))
+    if result.eplb is not None and len(shown) > 1:
+        lines = []
+        for y in result.eplb.layers[:_MAX_LAYER_ROWS]:
+            line = Text(f"L{y.layer:<4} before ")
+            line.append_text(_bar(y.balancedness_before or 0.0, 1.0, 25, "yellow"))
+            line.append(f" {_f(y.balancedness_before)}  after ")
+            line.append_text(_bar(y.balancedness_after or 0.0, 1.0, 25, "green"))
+            line.append(f" {_f(y.balancedness_after)}")
+            lines.append(line)
+        console.print(Panel(Group(*lines), title="Balancedness per layer, before / after EPLB (1.0 = even)",
+                            expand=False))
+    for note in result.notes:
+        console.print(Text("• " + note, style="yellow"))
+
+
+# ---------------------------------------------------------------------------------------
+# JSON
+def _quantiles(q: Quantiles) -> dict:
+    return asdict(q)
+
+
+def _load(load: LoadStats) -> dict:
+    return {
+        "num_experts": load.num_experts,
+        "assignments": load.assignments,
+        "max_load_assignments": load.max_load,
+        "mean_load_assignments": load.mean_load,
+        "imbalance_max_over_mean": load.imbalance,
+        "cv": load.cv,
+        "normalized_entropy": load.normalized_entropy,
+        "gini": load.gini,
+        "hottest": [{"expert": e, "assignments": c} for e, c in load.hottest],
+        "idle_experts": load.idle,
+    }
+
+
+def _layer(x: LayerBalance) -> dict:
+    return {
+        "layer": x.layer,
+        "num_steps": x.num_steps,
+        "tokens": x.tokens,
+        "assignments": x.assignments,
+        "uncounted_ids": x.uncounted,
+        "expert_counts_assignments": x.counts,
+        "load": _load(x.load),
+        "ranks": [
+            {
+                "placement": r.placement,
+                "num_ranks": r.num_ranks,
+                "rank_assignments": r.assignments,
+                "rank_tokens_received": r.tokens_received,
+                "balancedness_mean_over_max": r.balancedness,
+                "step_balancedness": _quantiles(r.step_balancedness),
+                "hottest_rank": r.hottest_rank,
+                "hottest_rank_share": r.hottest_share,
+            }
+            for r in x.ranks
+        ],
+        "phases": [
+            {"phase": p.phase, "steps": p.steps, "tokens": p.tokens, "assignments": p.assignments,
+             "imbalance_max_over_mean": p.imbalance, "cv": p.cv, "balancedness_mean_over_max": p.balancedness,
+             "step_balancedness_mean": p.step_balancedness_mean, "top_expert": p.top_expert}
+            for p in x.phases
+        ],
+        "phase_tv_distance": x.phase_tv_distance,
+        "windows": [
+            {"window": w.index, "label": w.label, "first_step": w.first_step, "last_step": w.last_step,
+             "tokens": w.tokens, "assignments": w.assignments, "imbalance_max_over_mean": w.imbalance, "cv": w.cv,
+             "balancedness_mean_over_max": w.balancedness, "tv_distance_from_layer": w.tv_distance,
+             "top_expert": w.top_expert}
+            for w in x.windows
+        ],
+        "capacity": [
+            {"capacity_factor": c.factor, "dropped_assignments": c.dropped, "dropped_fraction": c.dropped_fraction,
+             "experts_overflowing": c.experts_overflowing, "steps_overflowing": c.steps_overflowing,
+             "overflow_assignments_per_expert": c.overflow}
+            for c in x.capacity
+        ],
+        "bias_effect": None if x.bias is None else {
+            "expert_counts_with_bias_assignments": x.bias.counts_with,
+            "expert_counts_bias_zeroed_assignments": x.bias.counts_without,
+            "load_with_bias": _load(x.bias.load_with),
+            "load_bias_zeroed": _load(x.bias.load_without),
+            "balancedness_with_bias": x.bias.balancedness_with,
+            "balancedness_bias_zeroed": x.bias.balancedness_without,
+            "step_balancedness_mean_with_bias": x.bias.step_balancedness_with,
+            "step_balancedness_mean_bias_zeroed": x.bias.step_balancedness_without,
+            "changed_picks_fraction": x.bias.changed_fraction,
+        },
+    }
+
+
+def balance_json(result: BalanceResult, include_placement: bool = True) -> dict:
+    """The balance result as the documented JSON document (docs/balance.md)."""
+    import torch
+
+    eplb = None
+    if result.eplb is not None:
+        e = result.eplb
+        eplb = {
+            "policy": e.policy,
+            "num_redundant_experts": e.num_redundant,
+            "num_gpus": e.num_gpus,
+            "num_nodes": e.num_nodes,
+            "num_groups": e.num_groups,
+            "balancedness_before": _quantiles(e.summary_before),
+            "balancedness_after": _quantiles(e.summary_after),
+            "layers": [
+                {"layer": y.layer, "balancedness_before": y.balancedness_before,
+                 "balancedness_after": y.balancedness_after,
+                 "max_rank_load_before_assignments": y.max_rank_load_before,
+                 "max_rank_load_after_assignments": y.max_rank_load_after,
+                 "window_balancedness_before": y.window_balancedness_before,
+                 "window_balancedness_after": y.window_balancedness_after,
+                 "holdout_balancedness_before": y.holdout_before,
+                 "holdout_balancedness_after": y.holdout_after,
+                 "rank_load_before_assignments": y.rank_load_before,
+                 "rank_load_after_assignments": y.rank_load_after,
+                 "replicated": [{"expert": le, "replicas": n} for le, n in y.replicated]}
+                for y in e.layers
+            ],
+            "placement": placement_document(e.placement) if include_placement else None,
+        }
+    return {
+        "schema": BALANCE_SCHEMA,
+        "source": result.source,
+        "kind": result.kind,
+        "model": result.model,
+        "routing": result.routing,
+        "num_experts": result.num_experts,
+        "topk": result.topk,
+        "execution": {"device": result.device, "torch_version": torch.__version__},
+        "elapsed_s": result.elapsed_s,
+        "rows": result.rows,
+        "throughput_token_layers_per_s": result.token_layers_per_s if result.kind != "counts" else None,
+        "notes": result.notes,
+        "capacity_factors": result.capacity_factors,
+        "bias_effect_note": result.bias_note,
+        "eplb_note": result.eplb_note,
+        "all_layers": {**_load(result.total_load), "expert_counts_assignments": result.total_counts},
+        "ep": [
+            {"placement": s.placement, "num_ranks": s.num_ranks,
+             "balancedness_over_layers": _quantiles(s.balancedness),
+             "step_balancedness_mean": s.step_balancedness_mean, "worst_layer": s.worst_layer}
+            for s in result.ep
+        ],
+        "eplb": eplb,
+        "layers": [_layer(x) for x in result.layers],
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# import
+def render_import(imported: ImportedRouting | ImportedCounts, out: str | None, console: Console) -> None:
+    """Print what an import read (and where it wrote the trace)."""
+    t = _table(f"Imported {imported.source} ({imported.format}): {imported.model}",
+               ["layer", "tokens", "steps", "weights"] if isinstance(imported, ImportedRouting)
+               else ["layer", "steps", "assignments"])
+    if isinstance(imported, ImportedRouting):
+        for layer, x in list(imported.layers.items())[:_MAX_LAYER_ROWS]:
+            t.add_row(str(layer), f"{x.num_tokens:,}", str(x.num_steps), "yes" if x.topk_weights is not None else "no")
+    else:
+        for layer, m in list(imported.layers.items())[:_MAX_LAYER_ROWS]:
+            t.add_row(str(layer), str(m.shape[0]), f"{int(m.sum()):,}")
+    console.print(t)
+    summary = f"E={imported.num_experts} topk={imported.topk if imported.topk else '?'}, {len(imported.layers)} layer(s)"
+    if isinstance(imported, ImportedRouting):
+        summary += (f", {imported.num_tokens:,} token rows kept of {imported.rows_read:,} read")
+    console.print(Text(summary))
+    for note in imported.notes:
+        console.print(Text("• " + note, style="yellow"))
+    if out:
+        console.print(Text(f"wrote {out} (ids-only trace)", style="green"))

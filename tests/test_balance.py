@@ -1,0 +1,248 @@
+"""Load-balance analysis: numbers computed by hand on small inputs."""
+
+import pytest
+import torch
+
+from routetool.balance import (
+    BalanceOptions,
+    CountsSource,
+    EplbOptions,
+    ImportedSource,
+    TraceSource,
+    analyze_balance,
+    count_experts,
+    default_ep_sizes,
+    route_fn_from,
+    tokens_per_rank,
+    tv_distance,
+    window_of_steps,
+)
+from routetool.errors import RouteToolError
+from routetool.imports import ImportedCounts, ImportedLayer, ImportedRouting
+from routetool.trace import LayerArrays, RouterConfig, Trace
+from tests.helpers import make_trace
+
+
+# -- primitives -------------------------------------------------------------------------------
+def test_count_experts_skips_padding_and_bad_ids(device):
+    ids = torch.tensor([[0, 1], [0, 2], [-1, -1], [3, 7]], device=device)
+    counts, uncounted = count_experts(ids, 4)
+    assert counts.tolist() == [2, 1, 1, 1] and int(uncounted) == 3
+
+
+def test_tokens_per_rank_counts_a_token_once_per_rank(device):
+    # experts 0,1 on rank 0; 2,3 on rank 1. Row 0 -> rank 0 once; row 1 -> both; row 2 -> rank 1
+    ids = torch.tensor([[0, 1], [0, 2], [3, -1]], device=device)
+    out = tokens_per_rank(ids, torch.tensor([0, 0, 1, 1], device=device), 2)
+    assert out.tolist() == [2, 2]
+
+
+def test_tv_distance():
+    assert tv_distance(torch.tensor([1, 0]), torch.tensor([0, 5])) == 1.0
+    assert tv_distance(torch.tensor([2, 2]), torch.tensor([5, 5])) == 0.0
+    assert tv_distance(torch.tensor([3, 1]), torch.tensor([1, 1])) == pytest.approx(0.25)
+    assert tv_distance(torch.tensor([0, 0]), torch.tensor([1, 1])) is None
+
+
+@pytest.mark.parametrize("sizes, windows, expected", [
+    ([10, 10, 10, 10], 2, ([0, 0, 1, 1], 2)),
+    ([2, 3], 2, ([0, 1], 2)),                 # midpoints 1 and 3.5 of 5 rows
+    ([100, 1, 1, 1], 4, ([0, 1, 1, 1], 2)),   # one huge step: empty windows dropped
+    ([5], 8, ([0], 1)),                       # never more windows than steps
+])
+def test_window_of_steps(sizes, windows, expected):
+    assert window_of_steps(sizes, windows) == expected
+
+
+def test_default_ep_sizes():
+    assert default_ep_sizes(256) == [8] and default_ep_sizes(60) == [4] and default_ep_sizes(7) == [1]
+
+
+# -- the analysis on a hand-made routing ---------------------------------------------------------
+def _two_steps() -> ImportedRouting:
+    # step 0 (2 tokens): [[0,1],[0,2]] -> counts [2,1,1,0]
+    # step 1 (3 tokens): [[0,1],[2,3],[0,3]] -> counts [2,1,1,2]; total [4,2,2,2]
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [2, 3], [0, 3]], dtype=torch.int32)
+    layer = ImportedLayer(topk_ids=ids, topk_weights=None, step_offsets=[0, 2, 5])
+    return ImportedRouting(source="hand", format="jsonl", model="m", num_experts=4, topk=2, layers={5: layer})
+
+
+def test_expert_and_rank_numbers_by_hand(device):
+    src = ImportedSource(_two_steps(), decode_max_tokens=2)
+    r = analyze_balance(src, BalanceOptions(ep_sizes=[2], windows=2, capacity_factors=[1.0, 1.25, 2.0], eplb=None),
+                        device)
+    x = r.layers[0]
+    assert (x.layer, x.num_steps, x.tokens, x.assignments) == (5, 2, 5, 10)
+    assert x.counts == [4, 2, 2, 2]
+    assert x.load.imbalance == pytest.approx(4 / 2.5)
+    rank = x.ranks[0]
+    assert rank.assignments == [6.0, 4.0]                 # experts {0,1} and {2,3}
+    assert rank.balancedness == pytest.approx(5 / 6)
+    assert rank.hottest_rank == 0 and rank.hottest_share == pytest.approx(0.6)
+    assert rank.tokens_received == [4, 3]                 # step 0: [2,1]; step 1: [2,2]
+    q = rank.step_balancedness                            # step 0 ranks [3,1] -> 2/3; step 1 [3,3] -> 1
+    assert (q.count, q.min, q.mean) == (2, pytest.approx(2 / 3), pytest.approx(5 / 6))
+    # capacity: step 0 has 4 assignments, step 1 has 6
+    # cf 1.0: caps ceil(1)=1, ceil(1.5)=2 -> expert 0 overflows by 1 in step 0
+    # cf 1.25: caps ceil(1.25)=2, ceil(1.875)=2 -> nothing; cf 2: nothing
+    c1, c125, c2 = x.capacity
+    assert c1.overflow == [1, 0, 0, 0] and c1.dropped == 1 and c1.dropped_fraction == pytest.approx(0.1)
+    assert (c1.experts_overflowing, c1.steps_overflowing) == (1, 1)
+    assert c125.dropped == 0 and c2.dropped == 0
+    # phases: step 0 (2 tokens <= 2) decode, step 1 prefill; TV([.5,.25,.25,0], [1/3,1/6,1/6,1/3]) = 1/3
+    assert {p.phase: p.tokens for p in x.phases} == {"prefill": 3, "decode": 2}
+    assert x.phase_tv_distance == pytest.approx(1 / 3)
+    # windows: one step each; window 0 TV vs layer: 0.5 * (|.5-.4| + |.25-.2|*2 + |0-.2|) = 0.2
+    assert [w.assignments for w in x.windows] == [4, 6]
+    assert x.windows[0].tv_distance == pytest.approx(0.2)
+    assert x.windows[0].balancedness == pytest.approx(2 / 3)
+    assert r.ep[0].step_balancedness_mean == pytest.approx(5 / 6)
+
+
+def test_eplb_whatif_by_hand(device):
+    # layer counts [4,2,2,2] on 2 GPUs with 2 redundant experts: e0 gets 2 extra replicas
+    # (4/2=2 ties with the others; lowest index wins), slot loads [1.33,2,2,2,1.33,1.33] pack to
+    # {2,2,1.33} | {2,1.33,1.33} = 5.33 | 4.67 -> balancedness 5 / 5.33 = 0.9375 (before: 5/6)
+    src = ImportedSource(_two_steps())
+    r = analyze_balance(src, BalanceOptions(ep_sizes=[2], windows=2, eplb=EplbOptions(num_redundant=2)), device)
+    e = r.eplb
+    assert (e.num_gpus, e.num_redundant, e.policy) == (2, 2, "global")
+    y = e.layers[0]
+    assert y.balancedness_before == pytest.approx(5 / 6)
+    assert y.balancedness_after == pytest.approx(5 / (16 / 3))
+    assert y.max_rank_load_before == 6.0 and y.max_rank_load_after == pytest.approx(16 / 3)
+    assert y.replicated == [(0, 3)]
+    assert e.placement.logical_count.tolist() == [[3, 1, 1, 1]]
+    # holdout: fitted on window 0 ([2,1,1,0]), measured on window 1 ([2,1,1,2])
+    assert y.holdout_before == pytest.approx(1.0)   # window 1 ranks [3,3]
+    assert y.holdout_after is not None
+
+
+def test_eplb_default_is_one_redundant_expert_per_gpu():
+    r = analyze_balance(ImportedSource(_two_steps()), BalanceOptions(ep_sizes=[2]))
+    assert r.eplb.num_redundant == 2 and r.eplb.num_gpus == 2
+
+
+@pytest.mark.parametrize("options, words", [
+    (BalanceOptions(ep_sizes=[3], eplb=None), "cannot be split evenly over 3 EP ranks"),
+    (BalanceOptions(ep_sizes=[2], eplb=EplbOptions(num_redundant=1)), "multiple of the 2 GPUs"),
+])
+def test_impossible_configurations(options, words):
+    with pytest.raises(RouteToolError, match=words):
+        analyze_balance(ImportedSource(_two_steps()), options)
+
+
+def test_counts_source_capacity_from_assignments():
+    # 2 steps of counts; no topk -> tokens unknown; capacity needs only assignments per step
+    counts = ImportedCounts(source="c", format="counts-json", model="m", num_experts=4, topk=None,
+                            layers={0: torch.tensor([[6, 2, 0, 0], [2, 2, 2, 2]])}, step_labels=["a", "b"])
+    r = analyze_balance(CountsSource(counts), BalanceOptions(ep_sizes=[2], windows=8, capacity_factors=[1.0], eplb=None))
+    x = r.layers[0]
+    assert x.tokens is None and x.assignments == 16
+    # step a: cap ceil(8/4)=2 -> expert 0 overflows by 4; step b: cap 2 -> none
+    assert x.capacity[0].overflow == [4, 0, 0, 0]
+    assert [w.label for w in x.windows] == ["a", "b"]
+    assert x.ranks[0].tokens_received is None  # counts have no per-token ids
+    assert x.ranks[0].balancedness == pytest.approx(8 / 12)  # ranks [6+2+2+2, 2+2] = [12, 4]
+
+
+# -- traces: routing sources, padding, bias effect ---------------------------------------------
+def _bias_trace(path):
+    # E=4, K=1, sigmoid. Logits [2,1,0,0]: without bias expert 0 wins; bias -1 on expert 0 makes
+    # sigmoid(2)-1 = -0.12 < sigmoid(1) = 0.73, so expert 1 wins. Row 3 is padding.
+    logits = torch.tensor([[2.0, 1.0, 0.0, 0.0]] * 4)
+    pad = torch.tensor([False, False, False, True])
+    bias = torch.tensor([-1.0, 0.0, 0.0, 0.0])
+    # production picked 2 once; the padded row holds garbage (3), which must not count anywhere
+    recorded = torch.tensor([[1], [1], [2], [3]], dtype=torch.int32)
+    make_trace(path, {0: LayerArrays(gating_output=logits, bias=bias, is_padding=pad, topk_ids=recorded,
+                                     step_offsets=torch.tensor([0, 2, 4]))},
+               router=RouterConfig(num_experts=4, topk=1, route_scale=1.0))
+
+
+def _reference():
+    from kernel.reference import musespark1x_routing_reference
+
+    return musespark1x_routing_reference
+
+
+def test_trace_reference_routing_with_bias_effect(tmp_path, device):
+    path = tmp_path / "t.safetensors"
+    _bias_trace(path)
+    with Trace(path) as t:
+        ref = route_fn_from(_reference(), t.meta.router)
+        src = TraceSource(t, t.layers, routing="reference", route_fn=ref, route_name="reference", nobias_fn=ref)
+        r = analyze_balance(src, BalanceOptions(ep_sizes=[2], eplb=None, capacity_factors=[]), device)
+    x = r.layers[0]
+    assert x.tokens == 3 and x.counts == [0, 3, 0, 0]       # padded row not counted
+    b = x.bias
+    assert b.counts_with == [0, 3, 0, 0] and b.counts_without == [3, 0, 0, 0]
+    assert b.changed_fraction == 1.0
+    assert x.phases[0].phase == "decode" and x.phases[0].steps == 2  # small steps, one padded
+
+
+def test_trace_recorded_routing_keeps_bias_pair_consistent(tmp_path):
+    path = tmp_path / "t.safetensors"
+    _bias_trace(path)
+    with Trace(path) as t:
+        ref = route_fn_from(_reference(), t.meta.router)
+        src = TraceSource(t, t.layers, routing="recorded", nobias_fn=ref, nobias_name="reference")
+        r = analyze_balance(src, BalanceOptions(ep_sizes=[2], eplb=None, capacity_factors=[]))
+    x = r.layers[0]
+    assert x.counts == [0, 2, 1, 0]                          # the recorded ids, padded row left out
+    assert x.ranks[0].tokens_received == [2, 1]              # not [2, 2]: the padded row sends nothing
+    assert x.bias.counts_with == [0, 3, 0, 0]                # bias pair routed by the reference
+    assert x.bias.counts_without == [3, 0, 0, 0]
+    assert "recorded" in r.routing
+
+
+def test_ids_only_trace_says_bias_effect_needs_logits(tmp_path):
+    path = tmp_path / "ids.safetensors"
+    make_trace(path, {2: LayerArrays(topk_ids=torch.tensor([[0, 1], [2, 3], [0, 3]], dtype=torch.int32))},
+               router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
+    with Trace(path) as t:
+        src = TraceSource(t, t.layers)  # auto: recorded ids, no routing function needed
+        r = analyze_balance(src, BalanceOptions(ep_sizes=[2], eplb=None))
+    assert r.layers[0].counts == [2, 1, 1, 2] and r.layers[0].bias is None
+    assert "no logits" in r.bias_note
+    with Trace(path) as t, pytest.raises(RouteToolError, match="ids-only trace"):
+        TraceSource(t, t.layers, routing="reference", route_fn=lambda *a: None)
+
+
+def test_recorded_routing_needs_recorded_ids(tmp_path):
+    path = tmp_path / "t.safetensors"
+    make_trace(path, {0: LayerArrays(gating_output=torch.zeros(3, 8))})
+    with Trace(path) as t, pytest.raises(RouteToolError, match="holds no recorded topk_ids"):
+        TraceSource(t, t.layers, routing="recorded")
+
+
+def test_histogram_total_equals_unpadded_tokens_times_topk(tmp_path):
+    # invariant on the bundled synthetic trace (reference routing, CPU)
+    from pathlib import Path
+
+    trace = Path(__file__).resolve().parents[1] / "traces" / "musespark1x-synth-bf16.safetensors"
+    with Trace(trace) as t:
+        ref = route_fn_from(_reference(), t.meta.router)
+        src = TraceSource(t, [0], routing="reference", route_fn=ref, route_name="reference", nobias_fn=ref)
+        r = analyze_balance(src, BalanceOptions(ep_sizes=[8, 32], eplb=EplbOptions(num_redundant=32)))
+    x = r.layers[0]
+    assert x.assignments == x.tokens * 8 == sum(x.counts) and x.uncounted == 0
+    for rank in x.ranks:
+        assert sum(rank.assignments) == pytest.approx(x.assignments)
+        assert sum(rank.tokens_received) <= x.tokens * min(8, rank.num_ranks)
+    assert sum(x.bias.counts_without) == x.assignments
+    assert r.eplb.layers[0].balancedness_after >= r.eplb.layers[0].balancedness_before
+
+
+@pytest.mark.parametrize("num_ranks", [2, 128])  # both code paths: hit mask (<= 64 ranks) and sort
+def test_tokens_per_rank_paths_agree(device, num_ranks):
+    g = torch.Generator().manual_seed(num_ranks)
+    E = 256
+    ids = torch.randint(-1, E, (300, 8), generator=g).to(device)
+    rank_of = (torch.arange(E) // (E // num_ranks)).to(device)
+    out = tokens_per_rank(ids, rank_of, num_ranks)
+    expected = torch.zeros(num_ranks, dtype=torch.int64)
+    for row in ids.cpu().tolist():
+        for r in {int(rank_of[e]) for e in row if e >= 0}:
+            expected[r] += 1
+    assert out.cpu().tolist() == expected.tolist()

@@ -1,0 +1,343 @@
+"""Importers of routing dumps, on small files shaped like the real ones in ../shared/realdata
+(and on the real ones when present)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from routetool.errors import RouteToolError
+from routetool.imports import (
+    ImportedCounts,
+    ImportedRouting,
+    ImportOptions,
+    detect_format,
+    read_dump,
+    write_imported_trace,
+)
+from routetool.trace import Trace
+
+REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
+needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason="../shared/realdata not present")
+
+
+# -- look-alike writers ---------------------------------------------------------------------
+def write_qwen_like(path: Path, dummy: int = 100, second_dummy: int = 70) -> list[list[int]]:
+    """vLLM-hook JSONL: a meta row, a warm-up run of identical rows, real rows whose token_idx
+    restarts at every forward step (steps of 3, 2, 2 tokens), another dummy run, one more step."""
+    rows = [{"type": "meta", "model_id": "Qwen/Qwen1.5-MoE-A2.7B-Chat", "top_k": 4}]
+    dummy_row = {"topk_ids": [43, 5, 7, 58], "topk_weights": [0.0967, 0.0518, 0.0391, 0.0367]}
+    rows += [{"type": "route", "req_id": "r1", "token_idx": i, "layer": 0, **dummy_row} for i in range(dummy)]
+    real = [[1, 2, 3, 4], [5, 6, 7, 8], [1, 5, 9, 10], [2, 3, 4, 11], [12, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+            [0, 1, 2, 3]]
+    steps = [3, 2, 2]
+    k = 0
+    for n in steps:
+        for t in range(n):
+            rows.append({"type": "route", "req_id": "r1", "token_idx": t, "layer": 0, "topk_ids": real[k],
+                         "topk_weights": [0.4, 0.3, 0.2, 0.1]})
+            k += 1
+    rows += [{"type": "route", "req_id": "r1", "token_idx": i, "layer": 0, **dummy_row} for i in range(second_dummy)]
+    rows.append({"type": "route", "req_id": "r1", "token_idx": 0, "layer": 0, "topk_ids": real[k],
+                 "topk_weights": [0.4, 0.3, 0.2, 0.1]})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return real
+
+
+def write_mixtral_like(path: Path) -> None:
+    """HumanEval-hook JSONL: experts/gating_probs, per problem all tokens of layer 0, then layer 1."""
+    rows = []
+    ids = {0: [[6, 5], [5, 3], [7, 5]], 1: [[0, 3], [6, 2], [0, 3]]}
+    for problem in (0, 1):
+        for layer in (0, 1):
+            for t, e in enumerate(ids[layer][: 2 + problem]):
+                rows.append({"dataset": "humaneval", "problem_id": problem, "layer": layer, "experts": e,
+                             "gating_probs": [0.7, 0.3], "token_idx": t})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+DS_HEADER = "Layer ID,Batch Number,Token,Activated Expert IDs\n"
+
+
+def write_deepseek_like(folder: Path) -> None:
+    """DeepSeek-V2-Lite CSVs: one file per prompt, layers 1..2, ids as a bracketed list (not sorted),
+    tokens with commas quoted."""
+    folder.mkdir()
+    (folder / "prompt_2_data.csv").write_text(
+        DS_HEADER
+        + '1,0,"a, b","[8, 26, 56]"\n1,0,x,"[3, 14, 22]"\n2,0,"a, b","[3, 35, 38]"\n2,0,x,"[1, 2, 63]"\n'
+        + '1,1,y,"[8, 9, 10]"\n2,1,y,"[0, 1, 2]"\n'
+    )
+    (folder / "prompt_10_data.csv").write_text(DS_HEADER + '1,0,z,"[60, 61, 62]"\n2,0,z,"[5, 6, 7]"\n')
+
+
+# -- detection -------------------------------------------------------------------------------
+def test_detect_format(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"topk_ids": [1]}\n')
+    (tmp_path / "b.json").write_text('{\n "m": {"0": {"0": 1}}\n}\n')
+    (tmp_path / "c.csv").write_text(DS_HEADER)
+    (tmp_path / "d.pt").write_bytes(b"")
+    (tmp_path / "e.log").write_text('{"topk_ids": [1]}\n{"topk_ids": [2]}\n')
+    assert [detect_format(tmp_path / n) for n in ("a.jsonl", "b.json", "c.csv", "d.pt", "e.log")] == \
+        ["jsonl", "counts-json", "csv", "sglang", "jsonl"]
+    with pytest.raises(RouteToolError, match="no such file"):
+        detect_format(tmp_path / "missing.jsonl")
+
+
+# -- JSONL -------------------------------------------------------------------------------------
+def test_qwen_like_drops_warmup_runs_and_splits_steps(tmp_path):
+    path = tmp_path / "q.jsonl"
+    real = write_qwen_like(path)
+    r = read_dump(path, ImportOptions(num_experts=60))
+    assert isinstance(r, ImportedRouting)
+    assert (r.model, r.num_experts, r.topk) == ("Qwen/Qwen1.5-MoE-A2.7B-Chat", 60, 4)  # topk from the meta row
+    assert (r.rows_read, r.rows_dropped, r.runs_dropped) == (178, 170, 2)
+    layer = r.layers[0]
+    assert layer.topk_ids.tolist() == real[:8]
+    assert layer.step_offsets == [0, 3, 5, 7, 8]  # token_idx restarts = new forward step
+    assert layer.topk_weights.shape == (8, 4)
+    assert "dropped 170 warm-up/dummy rows: 2 run(s)" in r.notes[0]
+
+
+def test_qwen_like_filters_are_options(tmp_path):
+    path = tmp_path / "q.jsonl"
+    write_qwen_like(path)
+    kept = read_dump(path, ImportOptions(drop_repeats=0, num_experts=60))
+    assert kept.num_tokens == 178 and kept.rows_dropped == 0
+    skipped = read_dump(path, ImportOptions(drop_repeats=0, skip_rows=100, num_experts=60))
+    assert skipped.num_tokens == 78 and skipped.rows_skipped == 100
+    # a run exactly as long as the threshold is dropped; one row shorter is kept
+    exact = read_dump(path, ImportOptions(drop_repeats=100, num_experts=60))
+    assert (exact.rows_dropped, exact.runs_dropped) == (100, 1)
+    assert read_dump(path, ImportOptions(drop_repeats=101, num_experts=60)).num_tokens == 178
+
+
+def test_num_experts_inferred_with_a_note(tmp_path):
+    path = tmp_path / "q.jsonl"
+    write_qwen_like(path)
+    r = read_dump(path)
+    assert r.num_experts == 13  # largest real id is 12 once the dummy rows are gone
+    assert any("inferred from the largest id (12)" in n for n in r.notes)
+
+
+def test_mixtral_like_layers_and_problem_steps(tmp_path):
+    path = tmp_path / "m.jsonl"
+    write_mixtral_like(path)
+    r = read_dump(path)
+    assert (r.num_experts, r.topk) == (8, 2)
+    assert sorted(r.layers) == [0, 1]
+    assert r.layers[0].topk_ids.tolist() == [[6, 5], [5, 3], [6, 5], [5, 3], [7, 5]]
+    assert r.layers[0].step_offsets == [0, 2, 5]  # problem 0 (2 tokens), problem 1 (3 tokens)
+    assert r.layers[1].topk_weights[0].tolist() == pytest.approx([0.7, 0.3])
+
+
+def test_jsonl_with_token_batches_per_line(tmp_path):
+    path = tmp_path / "b.jsonl"
+    path.write_text(json.dumps({"layer": 3, "topk_ids": [[0, 1], [2, 3], [1, 2]]}) + "\n"
+                    + json.dumps({"layer": 3, "topk_ids": [[0, 3]]}) + "\n")
+    r = read_dump(path, ImportOptions(num_experts=4))
+    assert r.layers[3].step_offsets == [0, 3, 4]
+
+
+@pytest.mark.parametrize("lines, options, words", [
+    (['{"topk_ids": [1, 2]}', "not json"], {}, "line 2: not JSON"),
+    (['{"topk_ids": [1, 2]}', '{"topk_ids": [1, 2, 3]}'], {"topk": 2}, "line 2: 3 expert ids, expected topk=2"),
+    (['{"topk_ids": [1, 1]}'], {}, "line 1: duplicate expert id"),
+    (['{"topk_ids": [1, 9]}'], {"num_experts": 8}, "line 1: expert id 9 >= num_experts=8"),
+    (['{"topk_ids": [1, -2]}'], {}, "line 1: negative expert id"),
+    (['{"topk_ids": [1, 2]}', '{"topk_ids": [3]}'], {}, "different numbers of expert ids"),
+    (['{"other": 1}'], {}, "no token rows left"),
+])
+def test_jsonl_bad_input_names_file_and_line(tmp_path, lines, options, words):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(RouteToolError, match=words) as info:
+        read_dump(path, ImportOptions(**options))
+    assert str(path) in str(info.value)
+
+
+# -- CSV ---------------------------------------------------------------------------------------
+def test_deepseek_like_csv_folder(tmp_path):
+    folder = tmp_path / "ds"
+    write_deepseek_like(folder)
+    r = read_dump(folder)
+    assert r.format == "csv" and (r.num_experts, r.topk) == (64, 3)
+    assert sorted(r.layers) == [1, 2]
+    # natural file order (prompt_2 before prompt_10); steps: (prompt_2, batch 0), (prompt_2, batch 1), (prompt_10, 0)
+    assert r.layers[1].topk_ids.tolist() == [[8, 26, 56], [3, 14, 22], [8, 9, 10], [60, 61, 62]]
+    assert r.layers[1].step_offsets == [0, 2, 3, 4]
+    assert r.layers[2].topk_weights is None
+
+
+def test_csv_without_id_column(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_text("layer,foo\n0,1\n")
+    with pytest.raises(RouteToolError, match="no expert-id column"):
+        read_dump(path)
+
+
+# -- SGLang .pt dumps ----------------------------------------------------------------------
+def write_sglang_stat(path: Path) -> torch.Tensor:
+    """stat mode: logical_count [buffer steps, layers, experts]; an unfilled buffer slot is all zero;
+    layer 0 is dense (no routed tokens)."""
+    lc = torch.zeros(4, 3, 8, dtype=torch.int32)
+    lc[0, 1] = torch.tensor([4, 0, 1, 1, 0, 0, 1, 1])
+    lc[0, 2] = torch.tensor([2, 2, 2, 2, 0, 0, 0, 0])
+    lc[1, 1] = torch.tensor([0, 0, 0, 0, 2, 2, 2, 2])
+    lc[1, 2] = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1])
+    lc[3, 1] = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1])
+    lc[3, 2] = torch.tensor([8, 0, 0, 0, 0, 0, 0, 0])
+    torch.save({"rank": 0, "logical_count": lc, "average_utilization_rate_over_window": None}, path)
+    return lc
+
+
+def write_sglang_per_token(path: Path) -> None:
+    """per_token mode: records with topk_ids_of_layer [layers, tokens, 8] of *physical* ids (-1 unused
+    columns beyond topk=2), and last_physical_to_logical_map [layers, 6] (E=4 + 2 replicas)."""
+    phys_map = torch.tensor([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 3, 3]])
+
+    def ids(rows):
+        t = torch.full((2, len(rows[0]), 8), -1, dtype=torch.int32)
+        for layer in range(2):
+            for i, r in enumerate(rows[layer]):
+                t[layer, i, : len(r)] = torch.tensor(r)
+        return t
+
+    records = [
+        {"forward_pass_id": 0, "rank": 0, "gatherer_key": "primary", "input_ids": [1, 2], "positions": [0, 1],
+         "extend_seq_lens": [2], "forward_mode": 1, "misc_objects": [],
+         "topk_ids_of_layer": ids([[[0, 5], [4, 2]], [[4, 1], [5, 2]]]),
+         "global_physical_count": torch.zeros(2, 6, dtype=torch.int32)},
+        {"forward_pass_id": 1, "rank": 0, "gatherer_key": "primary", "input_ids": [3], "positions": [2],
+         "extend_seq_lens": [1], "forward_mode": 2, "misc_objects": [],
+         "topk_ids_of_layer": ids([[[3, 2]], [[0, 3]]]),
+         "global_physical_count": torch.zeros(2, 6, dtype=torch.int32)},
+    ]
+    torch.save({"records": records, "last_physical_to_logical_map": phys_map}, path)
+
+
+def test_sglang_stat_dump(tmp_path):
+    path = tmp_path / "expert_distribution_recorder_1.pt"
+    lc = write_sglang_stat(path)
+    r = read_dump(path)
+    assert isinstance(r, ImportedCounts) and r.num_experts == 8
+    assert sorted(r.layers) == [1, 2]  # dense layer 0 left out
+    assert r.layers[1].tolist() == [lc[0, 1].tolist(), lc[1, 1].tolist(), lc[3, 1].tolist()]  # empty slot 2 dropped
+    assert any("1 empty steps" in n for n in r.notes)
+
+
+def test_sglang_per_token_dump_maps_physical_to_logical(tmp_path):
+    path = tmp_path / "expert_distribution_recorder_1_0.pt"
+    write_sglang_per_token(path)
+    r = read_dump(path)
+    assert isinstance(r, ImportedRouting) and (r.num_experts, r.topk) == (4, 2)
+    # layer 0 map [0,1,2,3,0,1]: [0,5]->[0,1], [4,2]->[0,2], [3,2]->[3,2]
+    assert r.layers[0].topk_ids.tolist() == [[0, 1], [0, 2], [3, 2]]
+    # layer 1 map [0,1,2,3,3,3]: [4,1]->[3,1], [5,2]->[3,2], [0,3]->[0,3]
+    assert r.layers[1].topk_ids.tolist() == [[3, 1], [3, 2], [0, 3]]
+    assert r.layers[0].step_offsets == [0, 2, 3]  # one step per forward pass
+
+
+def test_sglang_per_pass_dump_gives_counts(tmp_path):
+    path = tmp_path / "pp.pt"
+    g = torch.tensor([[1, 0, 0, 0, 2, 0], [0, 0, 0, 1, 1, 1]], dtype=torch.int32)
+    torch.save({"records": [{"forward_pass_id": 0, "rank": 0, "global_physical_count": g}],
+                "last_physical_to_logical_map": torch.tensor([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 3, 3]])}, path)
+    r = read_dump(path)
+    assert isinstance(r, ImportedCounts)
+    assert r.layers[0].tolist() == [[3, 0, 0, 0]] and r.layers[1].tolist() == [[0, 0, 0, 3]]
+
+
+def test_not_an_sglang_dump(tmp_path):
+    path = tmp_path / "x.pt"
+    torch.save({"weights": torch.zeros(2)}, path)
+    with pytest.raises(RouteToolError, match="not an SGLang expert-distribution dump"):
+        read_dump(path)
+    path.write_bytes(b"garbage")
+    with pytest.raises(RouteToolError, match="weights_only=True"):
+        read_dump(path)
+
+
+# -- counts JSON --------------------------------------------------------------------------------
+def _counts_doc():
+    return {
+        "mixtral": {"arxiv": {"0": {str(e): 10 + e for e in range(8)}, "7": {str(e): 5 for e in range(8)}},
+                    "book": {"0": {str(e): 20 for e in range(8)}, "7": {str(e): 1 + e for e in range(8)}}},
+        "olmoe": {"arxiv": {"0": {str(e): 3 for e in range(64)}}},
+    }
+
+
+def test_counts_json_select_model_and_domain(tmp_path):
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps(_counts_doc(), indent=1))
+    with pytest.raises(RouteToolError, match="several models in one file.*--select"):
+        read_dump(path)
+    r = read_dump(path, ImportOptions(select="mixtral"))
+    assert isinstance(r, ImportedCounts) and r.num_experts == 8 and r.model == "mixtral"
+    assert r.step_labels == ["arxiv", "book"]
+    assert r.layers[0].tolist() == [[10 + e for e in range(8)], [20] * 8]
+    one = read_dump(path, ImportOptions(select="mixtral/book"))
+    assert one.layers[7].tolist() == [[1 + e for e in range(8)]]
+    with pytest.raises(RouteToolError, match="matches no table"):
+        read_dump(path, ImportOptions(select="switch"))
+
+
+def test_counts_json_list_form(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"0": [1, 2, 3], "5": [0, 0, 9]}))
+    r = read_dump(path, ImportOptions(topk=1))
+    assert r.layers[5].tolist() == [[0, 0, 9]] and r.topk == 1
+
+
+def test_counts_json_bad_count(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"0": {"0": -1, "1": 2}}))
+    with pytest.raises(RouteToolError, match="not a non-negative integer"):
+        read_dump(path)
+
+
+# -- writing an ids-only trace ----------------------------------------------------------------
+def test_import_writes_ids_only_trace(tmp_path):
+    src = tmp_path / "m.jsonl"
+    write_mixtral_like(src)
+    r = read_dump(src)
+    out = tmp_path / "m.safetensors"
+    write_imported_trace(r, out)
+    with Trace(out) as t:
+        assert t.layers == (0, 1) and t.meta.router.num_experts == 8 and t.meta.router.topk == 2
+        info = t.info(0)
+        assert not info.has_logits and info.has_recorded_ids and info.step_offsets == (0, 2, 5)
+        steps = list(t.steps(0))
+        assert torch.cat([s.recorded_ids for s in steps]).tolist() == r.layers[0].topk_ids.tolist()
+        assert t.meta.extra["import_format"] == "jsonl"
+    with pytest.raises(RouteToolError, match="already exists"):
+        write_imported_trace(r, out)
+    write_imported_trace(r, out, force=True)
+
+
+# -- the real files, when present ----------------------------------------------------------------
+@needs_realdata
+def test_real_qwen_warmup_rows_dropped():
+    r = read_dump(REALDATA / "qwen1.5-moe-a2.7b-chat.layer0.gsm8k.jsonl", ImportOptions(num_experts=60))
+    assert (r.rows_read, r.rows_dropped, r.runs_dropped, r.num_tokens) == (18818, 16384, 2, 2434)
+    assert r.topk == 4 and r.layers[0].num_steps > 50
+
+
+@needs_realdata
+def test_real_olmoe_and_mixtral_and_deepseek():
+    o = read_dump(REALDATA / "olmoe-1b-7b.layer0.gsm8k.jsonl")
+    assert (o.num_experts, o.topk, o.num_tokens, o.rows_dropped) == (64, 8, 4471, 2048)
+    m = read_dump(REALDATA / "mixtral-8x7b-instruct.all-layers.humaneval.jsonl")
+    assert (m.num_experts, m.topk, len(m.layers), m.rows_dropped) == (8, 2, 32, 0)
+    d = read_dump(REALDATA / "deepseek-v2-lite-expert-ids")
+    assert (d.num_experts, d.topk, sorted(d.layers)) == (64, 6, list(range(1, 27)))
+    assert all(x.num_tokens == d.layers[1].num_tokens for x in d.layers.values())
+
+
+@needs_realdata
+def test_real_counts_json():
+    c = read_dump(REALDATA / "expert-counts.olmoe-paper.json", ImportOptions(select="mixtral-8x7b-v0.1", topk=2))
+    assert c.num_experts == 8 and sorted(c.layers) == [0, 7, 15] and len(c.step_labels) == 5
+    # 208,896 tokens per domain, top-2
+    assert int(c.layers[0][0].sum()) == 2 * 208_896
