@@ -1,7 +1,6 @@
 """`routetool validate`: the suite, the verdicts, mutation tests, JSON/JUnit, CLI."""
 
 import json
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -68,13 +67,11 @@ def test_each_mutant_fails_with_its_class(name, execution):
         assert row.top_inputs, "the offending row's inputs are reported"
 
 
-def test_project_kernel_passes_quick_suite_in_time(execution):
+def test_project_kernel_passes_quick_suite(execution):
     import kernel
 
-    start = time.perf_counter()
     result = validate(kernel.variant("tiled"), "tiled", execution, cases=QUICK)
     assert result.ok, [(c.name, c.failure_classes, c.message) for c in result.cases if not c.ok]
-    assert time.perf_counter() - start < 120
 
 
 def test_seed_variant_passes_on_fp32_and_fails_nonfinite(execution):
