@@ -197,27 +197,27 @@ SMALL_BATCH = 1024
 
 
 def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype, device_type: str = "cuda") -> LaunchConfig:
-    """Launch settings chosen by shape, from the sweep in benchmarks/NOTES.md (H200).
+    """Launch settings chosen by shape, from the sweeps in benchmarks/NOTES.md (H200).
 
-    * small batches (<= :data:`SMALL_BATCH` tokens, decode): one token per program and
-      one warp, 32 lanes per row, so each round's dependency chain is short;
-    * large batches (prefill): ``chunk`` = 64 experts, i.e. 64 / vector-width lanes per row
-      (16 for float32, 8 for bf16/fp16), 4 warps (8 beyond 256 padded experts), and as
-      many rows per program as the warps cover;
-    * under the Triton interpreter (CPU tensors) each program costs Python overhead, so
-      programs take up to 128 rows.
+    On a GPU, 32 lanes share a row (each holding ``16 / itemsize``-wide vectors), so every
+    reduction of a selection round is a single warp-wide ``REDUX`` on Hopper:
+
+    * small batches (<= :data:`SMALL_BATCH` tokens, decode): one token per program and one
+      warp, for the shortest dependency chain;
+    * large batches (prefill): 8 tokens per program over 4 warps.
+
+    Under the Triton interpreter (CPU tensors) each program costs Python overhead, so
+    programs take up to 128 rows instead.
     """
     e_pad = padded_num_experts(num_experts)
     vec = 16 // gating_dtype.itemsize
     if device_type != "cuda":
-        chunk = min(e_pad, 64)
-        return LaunchConfig(block_t=min(128, triton.next_power_of_2(max(1, num_tokens))), chunk=chunk, num_warps=4)
+        return LaunchConfig(block_t=min(128, triton.next_power_of_2(max(1, num_tokens))), chunk=min(e_pad, 64),
+                            num_warps=4)
+    chunk = min(e_pad, 32 * vec)
     if num_tokens <= SMALL_BATCH:
-        return LaunchConfig(block_t=1, chunk=min(e_pad, 32 * vec), num_warps=1)
-    chunk = min(e_pad, 64)
-    lanes = max(1, chunk // vec)
-    num_warps = 4 if e_pad <= 256 else 8
-    return LaunchConfig(block_t=max(1, 32 // lanes) * num_warps, chunk=chunk, num_warps=num_warps)
+        return LaunchConfig(block_t=1, chunk=chunk, num_warps=1)
+    return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)
 
 
 def fused_musespark1x_routing(

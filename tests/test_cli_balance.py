@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from conftest import DEVICE
 from routetool.cli import _Group
 from routetool.cli_balance import balance, import_
 from routetool.trace import LayerArrays, RouterConfig, Trace
@@ -146,7 +147,7 @@ def test_balance_on_dumps_directly(tmp_path):
 
 
 def test_kernel_routing_default_on_a_trace_with_logits(tmp_path):
-    # the default routes logits with the project's kernel (Triton interpreter on CPU)
+    # the default routes logits with the project's kernel (compiled, or the Triton interpreter on CPU)
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(24, 8, generator=g)
     bias = torch.zeros(8)
@@ -154,7 +155,7 @@ def test_kernel_routing_default_on_a_trace_with_logits(tmp_path):
     trace = tmp_path / "t.safetensors"
     make_trace(trace, {0: LayerArrays(gating_output=logits, bias=bias, step_offsets=torch.tensor([0, 16, 24]))})
     out = tmp_path / "k.json"
-    res = run("balance", trace, "--ep-size", "2", "--json", out, "--no-progress", "--device", "cpu")
+    res = run("balance", trace, "--ep-size", "2", "--json", out, "--no-progress", "--device", DEVICE.type)
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     assert d["routing"].startswith("kernel tiled")

@@ -161,9 +161,9 @@ def test_recorder_records_cuda_steps_and_refuses_graph_capture(tmp_path, monkeyp
     graph_out = tmp_path / "graph.json"
     w = torch.empty((8, 8), device="cuda")
     ids = torch.empty((8, 8), dtype=torch.int32, device="cuda")
-    mod.fused_musespark1x_routing(inputs[1], bias, 8, 2.5, w, ids)  # compile outside the capture
+    mod.fused_musespark1x_routing(inputs[1], bias, 8, 2.5, topk_weights=w, topk_ids=ids)  # compile first
     with pytest.raises(RouteToolError, match="capture"):
         with RoutingRecorder(graph_out, target=target, num_layers=2):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                mod.fused_musespark1x_routing(inputs[1], bias, 8, 2.5, w, ids)
+                mod.fused_musespark1x_routing(inputs[1], bias, 8, 2.5, topk_weights=w, topk_ids=ids)

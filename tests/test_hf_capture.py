@@ -20,6 +20,7 @@ from routetool.capture.hf import (  # noqa: E402
 )
 from routetool.errors import RouteToolError  # noqa: E402
 from routetool.trace import open_trace, write_trace  # noqa: E402
+from conftest import DEVICE
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 2
@@ -39,7 +40,7 @@ def _replay(path):
     from routetool.execution import load_kernel, select_execution
     from routetool.replay import replay_trace
 
-    execution = select_execution("cpu")
+    execution = select_execution(DEVICE.type)
     name, fn = load_kernel("tiled")
     with open_trace(path) as t:
         return replay_trace(t, name, fn, execution, measure_latency=False)

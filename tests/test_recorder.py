@@ -17,6 +17,7 @@ from routetool.capture.recorder import RoutingRecorder
 from routetool.errors import RouteToolError
 from routetool.sharded import ShardedTrace
 from routetool.trace import Trace, open_trace
+from conftest import DEVICE
 
 MODULE = "routetool_test_fake_vllm_routing"
 TARGET = f"{MODULE}:fused_musespark1x_routing"
@@ -130,7 +131,7 @@ def test_replay_of_recorded_trace_matches(fake_module, tmp_path):
     engine = FakeEngine(fake_module, dtype=torch.float32)
     with RoutingRecorder(out, target=TARGET, num_layers=3, shard_mb=0.004):
         _run(engine)
-    execution = select_execution("cpu")
+    execution = select_execution(DEVICE.type)
     name, fn = load_kernel("tiled")
     with open_trace(out) as t:
         assert len(t.shards) > 1

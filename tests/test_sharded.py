@@ -9,6 +9,7 @@ from helpers import make_trace
 from routetool.errors import RouteToolError
 from routetool.sharded import ShardedTrace, looks_like_index, read_index, shard_path, write_index
 from routetool.trace import LayerArrays, RouterConfig, Trace, open_trace
+from conftest import DEVICE
 
 E, K = 12, 3
 ROUTER = RouterConfig(num_experts=E, topk=K, route_scale=2.0)
@@ -97,7 +98,7 @@ def test_replay_reads_a_sharded_trace_like_one_file(tmp_path):
         is_padding=torch.cat([p[3].is_padding for p in parts]), step_offsets=torch.tensor([0, 6, 8, 13]),
     )
     single = make_trace(tmp_path / "whole.safetensors", {3: whole}, router=ROUTER)
-    execution = select_execution("cpu")
+    execution = select_execution(DEVICE.type)
     name, fn = load_kernel("tiled")
     with open_trace(index) as a, open_trace(single) as b:
         ra = replay_trace(a, name, fn, execution, measure_latency=False)
