@@ -92,7 +92,6 @@ def copy_bandwidth_gbps(num_bytes: int = 1 << 30) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    del src, dst
     return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 

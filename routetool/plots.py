@@ -8,12 +8,11 @@ existing figure is replaced only with ``force``.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from routetool.balance import BalanceResult
 from routetool.errors import RouteToolError
-from routetool.trace import default_file_mode
+from routetool.files import atomic_write
 
 FIGURES = ("expert_load_heatmap.png", "balancedness_eplb.png", "rank_load.png")
 """Files :func:`write_balance_plots` writes (the EPLB figure shows the EP placements
@@ -55,19 +54,8 @@ def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
 
 
 def _save(fig, path: Path, plt) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.chmod(tmp, default_file_mode())
-        os.replace(tmp, path)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise RouteToolError(f"cannot write ({exc.strerror or exc})", path=path,
-                             fix="check free disk space and permissions") from None
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"), suffix=".png")
     finally:
         plt.close(fig)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from rich.text import Text
 
 from routetool.compare import ComparisonSummary
 from routetool.errors import RouteToolError
-from routetool.trace import default_file_mode
+from routetool.files import atomic_write
 from routetool.load import LoadStats
 from routetool.replay import ReplayResult
 
@@ -92,7 +91,7 @@ _NAMES = {
 }
 
 
-def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
+def table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
               collapse_padding=True)
     for col in columns:
@@ -135,13 +134,13 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     console.print(Panel(header, title="routetool replay", expand=False))
 
     totals = result.totals()
-    summary = _table("Summary: rows of all replayed layers", ["", *(_NAMES.get(n, n) for n in totals)], left=("",))
+    summary = table("Summary: rows of all replayed layers", ["", *(_NAMES.get(n, n) for n in totals)], left=("",))
     columns = [_summary_column(s) for s in totals.values()]
     for i, label in enumerate(_SUMMARY_ROWS):
         summary.add_row(label, *(col[i] for col in columns))
     console.print(summary)
 
-    per_layer = _table("Per layer: kernel vs reference",
+    per_layer = table("Per layer: kernel vs reference",
                        ["layer", "tokens", "steps", "padded ok", "nonfinite", "exact", "reord", "tie-eq",
                         "mism", "inval"])
     for layer in result.layers:
@@ -155,7 +154,7 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
         )
     console.print(per_layer)
 
-    load_table = _table("Per layer: weights, k-th boundary, expert load (padded rows excluded)",
+    load_table = table("Per layer: weights, k-th boundary, expert load (padded rows excluded)",
                         ["layer", "max|Δw|", "min margin", "ties@k", "max/mean", "CV", "idle", "hottest e:tokens"],
                         left=("hottest e:tokens",))
     for layer in result.layers:
@@ -184,7 +183,7 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
         console.print(Text("• " + text, style="yellow"))
 
     if result.latency:
-        lat = _table("Latency per step shape (µs, CUDA-graph replay)",
+        lat = table("Latency per step shape (µs, CUDA-graph replay)",
                      ["tokens", "steps", "kernel p10", "p50", "p90", "reference p50", "speedup"])
         for s in result.latency:
             lat.add_row(f"{s.num_tokens:,}", str(s.steps), f"{s.kernel.p10_us:.2f}", f"{s.kernel.p50_us:.2f}",
@@ -209,7 +208,7 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
 
     failures = [f for s in result.totals().values() for f in s.failures]
     if failures:
-        ft = _table("First failing rows", ["layer", "step", "row", "class", "reasons", "expected ids", "got ids"],
+        ft = table("First failing rows", ["layer", "step", "row", "class", "reasons", "expected ids", "got ids"],
                     left=("class", "reasons", "expected ids", "got ids"))
         for f in failures[:10]:
             ft.add_row(str(f.layer), str(f.step), str(f.row), f.row_class, ", ".join(f.reasons) or "-",
@@ -358,22 +357,22 @@ def render_validate(result, console: Console, show_failures: int = 15) -> None:
     ex = result.execution
     console.print(Panel(f"kernel {result.kernel} on {ex.device_name}; suite {result.suite or '-'}; "
                         f"ties within {result.tie_ulps:g} float32 ulps", title="routetool validate", expand=False))
-    table = _table("Verdicts by family", ["family", "cases", "pass", "pass (ties)", "tie rows", "rejected",
+    tbl = table("Verdicts by family", ["family", "cases", "pass", "pass (ties)", "tie rows", "rejected",
                                           "skipped", "fail", "failure classes"], left=("family", "failure classes"))
     for family, counts in result.families().items():
         classes = sorted({c for case in result.cases if case.family == family for c in case.failure_classes})
         total = sum(counts[v] for v in ("pass", "pass_tie", "rejected", "fail", "skipped"))
-        table.add_row(family, str(total), _count(counts["pass"]), _count(counts["pass_tie"]),
+        tbl.add_row(family, str(total), _count(counts["pass"]), _count(counts["pass_tie"]),
                       _count(counts["tie_rows"]), _count(counts["rejected"]), _count(counts["skipped"]),
                       _count(counts["fail"], bad=True), Text(", ".join(classes), style="red" if classes else ""))
-    console.print(table)
+    console.print(tbl)
     rejected = [c for c in result.cases if c.verdict == "rejected"]
     if rejected:
         console.print(Text(f"{len(rejected)} documented rejection(s), e.g. {rejected[0].name}: {rejected[0].message}",
                            style="dim"))
     failed = [c for c in result.cases if c.verdict == "fail"]
     if failed:
-        ft = _table(f"Failing cases ({len(failed)}; first {min(len(failed), show_failures)})",
+        ft = table(f"Failing cases ({len(failed)}; first {min(len(failed), show_failures)})",
                     ["case", "classes", "first offending row: expected ids -> got ids"], left=("case", "classes",
                     "first offending row: expected ids -> got ids"))
         for c in failed[:show_failures]:
@@ -451,17 +450,7 @@ def write_text(text: str, path: str, console_out) -> None:
         console_out.write(text)
         console_out.flush()
         return
-    p = Path(path)
-    folder = p.parent if str(p.parent) else Path(".")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(tmp, default_file_mode())
-        os.replace(tmp, p)
-    except OSError as exc:
-        raise RouteToolError(f"cannot write ({exc.strerror or exc})", path=p,
-                             fix="check free disk space and permissions") from None
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 # ---------------------------------------------------------------------------------------
@@ -514,7 +503,7 @@ def render_bench(result, console: Console) -> None:
     console.print(Panel(f"{result.gpu_name}, driver {result.driver_version}, torch {result.torch_version}, "
                         f"triton {result.triton_version}; copy bandwidth {result.copy_bandwidth_gbps:,.0f} GB/s "
                         "(read + write)", title="routetool bench", expand=False))
-    t = _table(f"Latency (µs) and bandwidth; speedup vs {result.baseline or '-'}",
+    t = table(f"Latency (µs) and bandwidth; speedup vs {result.baseline or '-'}",
                ["kernel", "tokens", "E", "k", "dtype", "p50", "p10-p90", "GB/s", "of copy", "speedup", "status"],
                left=("kernel", "dtype", "status"))
     for r in result.rows:

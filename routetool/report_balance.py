@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from rich import box
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
@@ -16,19 +15,11 @@ from routetool.balance import BalanceResult, LayerBalance, Quantiles
 from routetool.eplb import placement_document
 from routetool.imports import ImportedCounts, ImportedRouting
 from routetool.load import LoadStats
-from routetool.report import fmt_float, histogram_renderable
+from routetool.report import fmt_float, histogram_renderable, table
 
 BALANCE_SCHEMA = "routetool.balance/1"
 _LEVELS = "▁▂▃▄▅▆▇█"
 _MAX_LAYER_ROWS = 64
-
-
-def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-              collapse_padding=True)
-    for col in columns:
-        t.add_column(col, justify="left" if col in left else "right")
-    return t
 
 
 def _f(value: float | None, digits: int = 3) -> str:
@@ -117,7 +108,7 @@ def heat_strip(result: BalanceResult, width: int = 128) -> Panel:
                 line.append(_LEVELS[lvl], style="red" if v >= 2 else "cyan")
         line.append(f" {x.load.imbalance:.2f}", style="dim")
         lines.append(line)
-    note = (f"one column per expert" if per == 1 else f"one column per {per} experts (their max)")
+    note = ("one column per expert" if per == 1 else f"one column per {per} experts (their max)")
     lines.append(Text(f"{note}; height = tokens / layer mean (tallest = {peak:.2f}x); red >= 2x mean; · idle; "
                       "right: max/mean" + (f"; first {_MAX_LAYER_ROWS} layers" if len(result.layers) > _MAX_LAYER_ROWS else ""),
                       style="dim"))
@@ -144,7 +135,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
 
     shown = _shown_layers(result, layer)
     # expert load
-    t = _table("Expert load per layer (assignments = token-expert pairs)",
+    t = table("Expert load per layer (assignments = token-expert pairs)",
                ["layer", "steps", "tokens", "assign", "max/mean", "CV", "entropy", "Gini", "idle", "hottest e:assign"],
                left=("hottest e:assign",))
     for x in shown:
@@ -161,7 +152,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
 
     # EP ranks
     for i, ep in enumerate(result.ep):
-        t = _table(f"EP ranks: {ep.placement} (balancedness = mean/max assignments per rank)",
+        t = table(f"EP ranks: {ep.placement} (balancedness = mean/max assignments per rank)",
                    ["layer", "balancedness", "step min", "p10", "p50", "p90", "mean", "hottest rank", "share",
                     "rank loads"], left=("rank loads",))
         for x in shown:
@@ -181,7 +172,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
     # EPLB
     if result.eplb is not None:
         e = result.eplb
-        t = _table(f"EPLB what-if ({e.policy}): {e.num_gpus} GPUs, {e.num_nodes} node(s), {e.num_groups} group(s), "
+        t = table(f"EPLB what-if ({e.policy}): {e.num_gpus} GPUs, {e.num_nodes} node(s), {e.num_groups} group(s), "
                    f"{e.num_redundant} redundant experts",
                    ["layer", "before", "after", "max rank before", "after", "windows before", "after",
                     "holdout before", "after", "replicated e×n"], left=("replicated e×n",))
@@ -206,7 +197,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
             phy = p.physical_to_logical[p.row(shown[0].layer)].tolist()
             cnt = p.logical_count[p.row(shown[0].layer)].tolist()
             per = p.experts_per_gpu
-            pt = _table(f"EPLB placement of layer {shown[0].layer} (physical slots per GPU; e×n = expert with n replicas)",
+            pt = table(f"EPLB placement of layer {shown[0].layer} (physical slots per GPU; e×n = expert with n replicas)",
                         ["GPU", "load before", "after", "logical experts in its slots"],
                         left=("logical experts in its slots",))
             for g in range(p.num_gpus):
@@ -220,7 +211,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
     # bias
     biased = [x for x in shown if x.bias is not None]
     if biased:
-        t = _table("Router bias effect: routed with the trace's bias vs bias zeroed",
+        t = table("Router bias effect: routed with the trace's bias vs bias zeroed",
                    ["layer", "max/mean bias", "zeroed", "CV bias", "zeroed", "balancedness bias", "zeroed",
                     "step mean bias", "zeroed", "picks changed"])
         for x in biased:
@@ -239,7 +230,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
         cols = ["layer"]
         for f in result.capacity_factors:
             cols += [f"cf {f:g} dropped", "experts", "steps"]
-        t = _table("Capacity overflow: assignments over ceil(cf x assignments / E) per expert and step", cols)
+        t = table("Capacity overflow: assignments over ceil(cf x assignments / E) per expert and step", cols)
         for x in shown:
             cells = [str(x.layer)]
             for c in x.capacity:
@@ -249,7 +240,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
         console.print(t)
 
     # drift
-    t = _table("Drift: prefill vs decode, and over windows of consecutive steps",
+    t = table("Drift: prefill vs decode, and over windows of consecutive steps",
                ["layer", "prefill max/mean", "bal", "decode max/mean", "bal", "TV(prefill,decode)",
                 "windows", "max/mean per window", "max TV vs layer"], left=("max/mean per window",))
     for x in shown:
@@ -263,7 +254,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
     console.print(t)
     if layer is not None and shown:
         x = shown[0]
-        wt = _table(f"Windows of layer {x.layer}", ["window", "steps", "tokens", "assign", "max/mean", "CV",
+        wt = table(f"Windows of layer {x.layer}", ["window", "steps", "tokens", "assign", "max/mean", "CV",
                                                     "balancedness", "TV vs layer", "top expert"])
         for w in x.windows:
             wt.add_row(w.label, f"{w.last_step - w.first_step + 1}", f"{w.tokens:,}" if w.tokens is not None else "-",
@@ -438,7 +429,7 @@ def balance_json(result: BalanceResult, include_placement: bool = True) -> dict:
 # import
 def render_import(imported: ImportedRouting | ImportedCounts, out: str | None, console: Console) -> None:
     """Print what an import read (and where it wrote the trace)."""
-    t = _table(f"Imported {imported.source} ({imported.format}): {imported.model}",
+    t = table(f"Imported {imported.source} ({imported.format}): {imported.model}",
                ["layer", "tokens", "steps", "weights"] if isinstance(imported, ImportedRouting)
                else ["layer", "steps", "assignments"])
     if isinstance(imported, ImportedRouting):

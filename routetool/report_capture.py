@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from rich import box
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from routetool.info import TraceInfo, step_token_quantiles
-from routetool.report import fmt_float
+from routetool.report import fmt_float, table
 
 INFO_SCHEMA = "routetool.info/1"
 
@@ -27,14 +26,6 @@ def fmt_bytes(n: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{n} B"  # pragma: no cover
-
-
-def _table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-              collapse_padding=True)
-    for col in columns:
-        t.add_column(col, justify="left" if col in left else "right")
-    return t
 
 
 def _router_line(r) -> str:
@@ -87,7 +78,7 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
     columns = ["layer", "tokens", "steps", "rows/step min", "p50", "max", "max|bias|", "recorded"]
     if info.scanned:
         columns += ["padded", "nonfinite"]
-    table = _table("Per layer", columns, left=("recorded",))
+    tbl = table("Per layer", columns, left=("recorded",))
     for layer in info.layers:
         q = step_token_quantiles(layer.step_tokens)
         recorded = "ids+weights" if layer.has_recorded_weights else ("ids" if layer.has_recorded_ids else "-")
@@ -100,15 +91,15 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
             frac = layer.padded_fraction or 0.0
             row += [f"{layer.padded_rows:,} ({fmt_float(100 * frac)}%)",
                     Text(f"{layer.nonfinite_rows:,}", style="yellow" if layer.nonfinite_rows else "dim")]
-        table.add_row(*row)
-    console.print(table)
+        tbl.add_row(*row)
+    console.print(tbl)
 
     # tensors: one block per group of layers with the same tensors (usually all layers)
     groups: dict[tuple, list[int]] = {}
     for layer in info.layers:
         sig = tuple((name, t.dtype, t.shape) for name, t in layer.tensors.items())
         groups.setdefault(sig, []).append(layer.layer)
-    tt = _table("Tensors per layer", ["layers", "tensor", "dtype", "shape"], left=("layers", "tensor", "dtype"))
+    tt = table("Tensors per layer", ["layers", "tensor", "dtype", "shape"], left=("layers", "tensor", "dtype"))
     for sig, members in groups.items():
         label = "all" if len(groups) == 1 else _layer_list(members)
         for i, (name, dtype, shape) in enumerate(sig):
@@ -120,7 +111,7 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
         unit = "steps" if info.steps_same_in_all_layers else "layer-steps"
         same = ", same in every layer" if info.steps_same_in_all_layers else ""
         title = f"Step shapes ({len(shapes)} distinct{same})"
-        st = _table(title, ["rows/step", unit])
+        st = table(title, ["rows/step", unit])
         common = sorted(shapes.items(), key=lambda kv: (-kv[1], kv[0]))[:max_shapes]
         for rows, count in sorted(common):
             st.add_row(f"{rows:,}", f"{count:,}")
@@ -183,15 +174,15 @@ def info_json(info: TraceInfo) -> dict:
 # routetool synth
 def render_synth(path: str, stats: list, console: Console) -> None:
     """Print the realised statistics of a synthetic trace (:class:`routetool.synth.SynthLayerStats`)."""
-    table = _table(f"{path}: realised statistics per layer", ["layer", "tokens", "steps", "padded", "nonfin",
+    tbl = table(f"{path}: realised statistics per layer", ["layer", "tokens", "steps", "padded", "nonfin",
                                                                "ties@k", "imb0", "imb", "CV", "idle", "max|b|"])
     for st in stats:
-        table.add_row(str(st.layer), f"{st.num_tokens:,}", str(st.num_steps), f"{st.padded_rows:,}",
+        tbl.add_row(str(st.layer), f"{st.num_tokens:,}", str(st.num_steps), f"{st.padded_rows:,}",
                       f"{st.nonfinite_rows:,}", f"{st.boundary_ties:,}", fmt_float(st.imbalance_zero_bias),
                       fmt_float(st.imbalance), fmt_float(st.cv), str(st.idle_experts), fmt_float(st.bias_abs_max))
-    table.caption = ("padded rows excluded from the load; ties@k: exact ties at the k-th boundary; imb0 / imb: "
+    tbl.caption = ("padded rows excluded from the load; ties@k: exact ties at the k-th boundary; imb0 / imb: "
                      "max/mean tokens per expert without / with the bias; CV: std/mean with the bias")
-    console.print(table)
+    console.print(tbl)
 
 
 # ---------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,7 +42,8 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.trace import LayerInfo, Step, Trace, TraceMeta, default_file_mode
+from routetool.files import atomic_write
+from routetool.trace import LayerInfo, Step, Trace, TraceMeta
 
 INDEX_FORMAT = "routetool-trace-index"
 INDEX_VERSION = "1"
@@ -96,25 +96,13 @@ def write_index(
     doc: dict[str, object] = {"format": INDEX_FORMAT, "version": INDEX_VERSION}
     doc.update(extra or {})
     doc.update({"complete": bool(complete), "stopped_by": stopped_by, "shards": [dict(s) for s in shards]})
-    folder = path.parent if str(path.parent) else Path(".")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    except OSError as exc:
-        raise RouteToolError(f"cannot write the index ({exc.strerror or exc})", path=path,
-                             fix="choose a writable folder") from None
-    try:
-        with os.fdopen(fd, "w") as fh:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as fh:
             json.dump(doc, fh, indent=2)
             fh.write("\n")
-        os.chmod(tmp, default_file_mode())
-        os.replace(tmp, path)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise RouteToolError(f"cannot write the index ({exc.strerror or exc})", path=path,
-                             fix="check free disk space and permissions") from None
+
+    atomic_write(path, write)
     return path
 
 

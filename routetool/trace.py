@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from routetool.errors import RouteToolError
+from routetool.files import atomic_write
 
 FORMAT_NAME = "routetool-trace"
 FORMAT_VERSION = "1"
@@ -463,13 +463,6 @@ class Trace:
         return sum(i.num_tokens for i in self._infos.values())
 
 
-def default_file_mode() -> int:
-    """``0o666`` less the process umask: the mode a plain ``open(path, "w")`` would give."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def _standalone(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor that owns its storage (safetensors refuses shared storage)."""
     t = t.detach().to("cpu")
@@ -519,26 +512,14 @@ def write_trace(
             value = getattr(arrays, name)
             if value is not None:
                 tensors[f"layers.{int(layer)}.{name}"] = _standalone(value)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        os.close(fd)
-    except OSError as exc:
-        raise RouteToolError(f"cannot write in this folder ({exc.strerror or exc})", path=folder,
-                             fix="choose a writable folder") from None
-    try:
+    def write_and_check(tmp: str) -> None:
         try:
             save_file(tensors, tmp, metadata=metadata_dict(meta, len(layers)))
-        except (OSError, SafetensorError) as exc:
+        except SafetensorError as exc:
             raise RouteToolError(f"cannot write ({exc})", path=path, fix="check free disk space and permissions") from None
         Trace(tmp, display_path=path).close()  # validate what was written before it replaces anything
-        os.chmod(tmp, default_file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+
+    atomic_write(path, write_and_check)
     return path
 
 
