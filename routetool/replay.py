@@ -45,8 +45,11 @@ class LayerReplay:
         kernel_vs_reference: the main comparison.
         reference_vs_recorded / kernel_vs_recorded: against the production outputs stored
             in the trace, when it has them.
-        expert_counts: tokens per expert from the kernel's ids (padded rows excluded).
+        expert_counts: tokens per expert from the kernel's ids (padded rows excluded); for an
+            ids-only layer, from the recorded ids.
         load: statistics of ``expert_counts``.
+        ids_only: the layer has no logits (an imported routing dump): nothing was compared
+            or timed, only the recorded ids' load counted.
     """
 
     layer: int
@@ -63,6 +66,7 @@ class LayerReplay:
     kernel_vs_recorded: ComparisonSummary | None = None
     expert_counts: list[int] = field(default_factory=list)
     load: LoadStats | None = None
+    ids_only: bool = False
 
     @property
     def ok(self) -> bool:
@@ -133,6 +137,11 @@ class ReplayResult:
     def ok(self) -> bool:
         return all(layer.ok for layer in self.layers)
 
+    @property
+    def compared_rows(self) -> int:
+        """Rows the kernel and the reference were compared on (0 for an ids-only trace)."""
+        return sum(layer.kernel_vs_reference.rows for layer in self.layers)
+
     def totals(self) -> dict[str, ComparisonSummary]:
         """Comparison summaries summed over layers, by comparison name."""
         out: dict[str, ComparisonSummary] = {}
@@ -202,7 +211,8 @@ def replay_trace(
     Args:
         trace: an open trace. kernel_name / kernel_fn: the kernel under test.
         execution: from :func:`routetool.execution.select_execution`.
-        layers: layers to replay (default all); must have gating_output.
+        layers: layers to replay (default all). Layers without gating_output (ids-only
+            traces) are not compared or timed: only their recorded ids' load is counted.
         tie_ulps: near-tie tolerance of the comparison (float32 ulps).
         measure_latency: time each distinct step shape under CUDA graphs (GPU only).
         progress: called with the number of rows done after each step.
@@ -211,8 +221,7 @@ def replay_trace(
         A :class:`ReplayResult`.
 
     Raises:
-        RouteToolError: an ids-only layer (no logits to replay), or the kernel rejecting
-            the trace's inputs.
+        RouteToolError: the kernel rejecting the trace's inputs.
     """
     from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
 
@@ -220,13 +229,6 @@ def replay_trace(
     E, K = router.num_experts, router.topk
     device = execution.device
     chosen = list(trace.layers) if layers is None else list(layers)
-    for layer in chosen:
-        if not trace.info(layer).has_logits:
-            raise RouteToolError(
-                "holds no gating_output (an ids-only trace): nothing to replay",
-                path=trace.display_path, tensor=f"layers.{layer}.gating_output",
-                fix="use `routetool balance` for ids-only traces",
-            )
     kernel_tol = weight_tolerance(torch.float32, router.route_scale)
     semantics = trace.meta.extra.get("weights_semantics", "renormalized")
     unnormalized = semantics == "unnormalized"
@@ -236,6 +238,10 @@ def replay_trace(
     for layer in chosen:
         info = trace.info(layer)
         res = LayerReplay(layer=layer, num_tokens=info.num_tokens, num_steps=info.num_steps)
+        if not info.has_logits:
+            results.append(_ids_only_layer(trace, res, E, device, progress))
+            total_counts += torch.tensor(res.expert_counts, device=device)
+            continue
         if info.has_recorded_ids:
             res.reference_vs_recorded = ComparisonSummary()
             res.kernel_vs_recorded = ComparisonSummary()
@@ -323,6 +329,25 @@ def replay_trace(
         latency_note=note,
         weights_semantics=semantics,
     )
+
+
+def _ids_only_layer(trace: Trace, res: LayerReplay, E: int, device: torch.device,
+                    progress: Callable[[int], None] | None) -> LayerReplay:
+    """A layer without logits: only the load of the recorded ids, nothing to compare or time."""
+    res.ids_only = True
+    counts = torch.zeros(E, dtype=torch.int64, device=device)
+    for step in trace.steps(res.layer):
+        ids = step.recorded_ids.to(device)
+        if step.is_padding is not None:
+            pad = step.is_padding.to(device)
+            res.padded_rows += int(pad.sum())
+            ids = ids[~pad]
+        counts += expert_counts(ids, E)
+        if progress is not None:
+            progress(step.num_tokens)
+    res.expert_counts = counts.tolist()
+    res.load = load_stats(counts)
+    return res
 
 
 def _measure_latency(trace: Trace, kernel_fn: RoutingFn, router: RouterConfig, device: torch.device,

@@ -169,6 +169,11 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     console.print(load_table)
 
     findings = []
+    ids_only = [layer.layer for layer in result.layers if layer.ids_only]
+    if ids_only:
+        findings.append(f"layer(s) {', '.join(map(str, ids_only))} hold no logits (an ids-only trace): the kernel/"
+                        "reference comparison, k-th margins and latency are skipped there; their load comes from the "
+                        "recorded ids (`routetool balance` analyses such traces in depth)")
     nonfinite = sum(layer.nonfinite_rows for layer in result.layers)
     if nonfinite:
         findings.append(f"{nonfinite:,} rows have non-finite logits (NaN/inf); the reference routes them by the "
@@ -214,7 +219,9 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
             ft.add_row(str(f.layer), str(f.step), str(f.row), f.row_class, ", ".join(f.reasons) or "-",
                        str(f.expected_ids), str(f.test_ids))
         console.print(ft)
-    if result.ok:
+    if result.compared_rows == 0:
+        console.print(Text("NOTHING COMPARED: the replayed layers hold no logits", style="bold yellow"))
+    elif result.ok:
         console.print(Text("PASS: no real mismatch, no invalid output, weights within tolerance", style="bold green"))
     else:
         console.print(Text("FAIL: the kernel (or the recorded output) disagrees with the reference; exit code 1",
@@ -271,6 +278,7 @@ def replay_json(result: ReplayResult) -> dict:
         "layers": [
             {
                 "layer": layer.layer,
+                "ids_only": layer.ids_only,
                 "num_tokens": layer.num_tokens,
                 "num_steps": layer.num_steps,
                 "padded_rows": layer.padded_rows,

@@ -149,8 +149,6 @@ BAD_INPUT = [
     (lambda p: _raw_trace(p, {"layers.0.gating_output": torch.zeros(4, 9)}), "layers.0.gating_output: has 9"),
     (lambda p: _raw_trace(p, {"layers.0.gating_output": torch.zeros(4, 8), "layers.0.bias": torch.full((8,), float("nan"))}),
      "layers.0.bias: has 8 non-finite values"),
-    (lambda p: make_trace(p, {0: LayerArrays(topk_ids=torch.zeros(4, 2, dtype=torch.int32))}),
-     "holds no gating_output"),
 ]
 
 
@@ -163,6 +161,19 @@ def test_bad_input_is_one_line_exit_2(tmp_path, make, message):
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("routetool: error: ") and str(path) in lines[0]
     assert message in lines[0]
+
+
+def test_ids_only_trace_counts_load_and_says_what_is_skipped(tmp_path):
+    ids = torch.tensor([[0, 1], [1, 2], [-1, -1], [1, 7]], dtype=torch.int32)
+    pad = torch.tensor([False, False, True, False])
+    path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids, is_padding=pad)})
+    res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    layer = doc["layers"][0]
+    assert layer["ids_only"] is True and layer["expert_counts_tokens"] == [1, 3, 1, 0, 0, 0, 0, 1]
+    assert layer["comparisons"]["kernel_vs_reference"]["rows"] == 0 and layer["padded_rows"] == 1
+    assert "hold no logits" in res.stderr and "NOTHING COMPARED" in res.stderr
 
 
 def test_usage_errors_exit_2(tmp_path):
