@@ -319,6 +319,11 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
                                message=str(exc), duration_s=time.perf_counter() - start)]
         out = []
         for layer in result.layers:
+            if layer.ids_only:
+                out.append(CaseResult(family=family, name=f"{family}/layer{layer.layer}",
+                                      description=f"layer {layer.layer}: ids only", verdict="skipped",
+                                      message="the layer holds no logits (an ids-only trace): nothing to validate"))
+                continue
             s = layer.kernel_vs_reference
             classes = (["mismatch"] if s.mismatch else []) + [f"invalid:{r}" for r, n in s.invalid_reasons.items() if n]
             if s.weight_rows_over_tolerance:
