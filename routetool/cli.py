@@ -74,11 +74,12 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     invalid output or weight outside tolerance.
     """
     from routetool.execution import load_kernel, select_execution
-    from routetool.report import check_output_path, render_replay, replay_json, write_json
+    from routetool.files import check_output_paths
+    from routetool.report import render_replay, replay_json, write_json
     from routetool.replay import parse_layers, replay_trace
     from routetool.trace import open_trace
 
-    check_output_path(json_path, force)
+    check_output_paths([json_path], force=force, inputs=[trace])
     execution = select_execution(device)
     name, fn = load_kernel(kernel_spec)
     with open_trace(trace) as t:
@@ -125,15 +126,15 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     Exit 0 when nothing failed, 1 otherwise.
     """
     from routetool.execution import load_kernel, select_execution
-    from routetool.report import check_output_path, render_validate, validate_json, validate_junit, write_json, write_text
+    from routetool.files import check_output_paths
+    from routetool.report import render_validate, validate_json, validate_junit, write_json, write_text
     from routetool.suite import build_suite
     from routetool.trace import open_trace
     from routetool.validate import validate as run_validate
 
     if json_path == "-" and junit_path == "-":
         raise RouteToolError("--json - and --junit - both want stdout", fix="write one of them to a file")
-    check_output_path(json_path, force)
-    check_output_path(junit_path, force)
+    check_output_paths([json_path, junit_path], force=force, inputs=traces)
     if suite == "none" and not traces:
         raise RouteToolError("nothing to validate: --suite none and no trace given", fix="give a trace or a suite")
     try:
@@ -199,12 +200,12 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
 
     from routetool.bench import DTYPES, resolve_kernels, run_bench, trace_step_shapes
     from routetool.execution import select_execution
-    from routetool.report import bench_csv, bench_json, check_output_path, render_bench, write_json, write_text
+    from routetool.files import check_output_paths
+    from routetool.report import bench_csv, bench_json, render_bench, write_json, write_text
 
     if csv_path == "-" and json_path == "-":
         raise RouteToolError("--csv - and --json - both want stdout", fix="write one of them to a file")
-    check_output_path(csv_path, force)
-    check_output_path(json_path, force)
+    check_output_paths([csv_path, json_path], force=force, inputs=[trace_path])
     token_list = _int_list(tokens, "--tokens")
     expert_list = _int_list(experts, "--experts") if experts else None
     topk_list = _int_list(topks, "--topk") if topks else None

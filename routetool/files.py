@@ -54,3 +54,57 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *, suffi
             pass
         raise
     return path
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = True) -> None:
+    """Fail before any work when an output cannot be written or would destroy data.
+
+    Args:
+        outputs: output paths (None entries are ignored; ``-`` means stdout when allowed).
+        force: allow replacing existing files (never an input, never twice in one run).
+        inputs: the run's input paths; no output may be one of them.
+        allow_stdout: whether ``-`` is accepted.
+
+    Raises:
+        RouteToolError: ``-`` where a file is needed; two outputs naming the same file; an
+            output that is an input; an existing file without ``force``; a directory; a
+            missing or unwritable folder (probed by creating a temporary file).
+    """
+    seen: list[Path] = []
+    for out in outputs:
+        if out is None:
+            continue
+        if str(out) == "-":
+            if not allow_stdout:
+                raise RouteToolError("'-' (stdout) cannot take this output", path="-", fix="name a file")
+            continue
+        p = Path(out)
+        for other in seen:
+            if _same_file(p, other):
+                raise RouteToolError("is named for two outputs of one run", path=p, fix="give each output its own file")
+        seen.append(p)
+        for inp in inputs:
+            if inp is not None and str(inp) != "-" and _same_file(p, Path(inp)):
+                raise RouteToolError("is this run's input; writing the output there would destroy it", path=p,
+                                     fix="choose another output path")
+        if p.is_dir():
+            raise RouteToolError("is a directory", path=p, fix="name a file")
+        if p.exists() and not force:
+            raise RouteToolError("already exists", path=p, fix="choose another path or pass --force to replace it")
+        folder = p.parent if str(p.parent) else Path(".")
+        if not folder.is_dir():
+            raise RouteToolError("folder does not exist", path=folder, fix="create it first")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise RouteToolError(f"folder is not writable ({exc.strerror or exc})", path=folder,
+                                 fix="choose a writable folder") from None

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,8 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from routetool.compare import ComparisonSummary
-from routetool.errors import RouteToolError
-from routetool.files import atomic_write
+from routetool.files import atomic_write, check_output_paths
 from routetool.load import LoadStats
 from routetool.replay import ReplayResult
 
@@ -317,22 +315,12 @@ def replay_json(result: ReplayResult) -> dict:
 def check_output_path(path: str | None, force: bool) -> None:
     """Fail early (before any work) when ``path`` cannot be written or would overwrite.
 
+    See :func:`routetool.files.check_output_paths` (several outputs, inputs) for the rules.
+
     Raises:
-        RouteToolError: the file exists and ``force`` is off, it is a directory, or its
-            folder does not exist.
+        RouteToolError: as check_output_paths.
     """
-    if path is None or path == "-":
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise RouteToolError("is a directory", path=p, fix="name a file")
-    if p.exists() and not force:
-        raise RouteToolError("already exists", path=p, fix="choose another path or pass --force to replace it")
-    folder = p.parent if str(p.parent) else Path(".")
-    if not folder.is_dir():
-        raise RouteToolError("folder does not exist", path=folder, fix="create it first")
-    if not os.access(folder, os.W_OK):
-        raise RouteToolError("folder is not writable", path=folder, fix="choose a writable folder")
+    check_output_paths([path], force=force)
 
 
 def _clean(value):
