@@ -15,14 +15,35 @@ from routetool.execution import DEVICE_CHOICES
 
 
 class _Group(click.Group):
-    """Maps :class:`RouteToolError` to a one-line message and exit code 2, in one place."""
+    """Maps errors to one-line messages and the documented exit codes, in one place.
+
+    :class:`RouteToolError` -> its exit code (2 for bad input, 1 for a failing kernel);
+    click's usage errors (unknown option, bad value) -> one line and exit 2.
+    """
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except RouteToolError as exc:
             click.echo(f"routetool: error: {exc}", err=True)
-            ctx.exit(EXIT_USAGE)
+            ctx.exit(exc.exit_code)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            command = exc.ctx.command_path if exc.ctx is not None else "routetool"
+            click.echo(f"routetool: error: {exc.format_message()} (see `{command} --help`)", err=True)
+            sys.exit(EXIT_USAGE)
+        except click.exceptions.Abort:
+            click.echo("routetool: aborted", err=True)
+            sys.exit(130)
+        except click.ClickException as exc:
+            click.echo(f"routetool: error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        sys.exit(rv if isinstance(rv, int) else EXIT_OK)  # click returns the exit code of ctx.exit
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,6 +67,12 @@ def _progress(enabled: bool) -> Progress:
     )
 
 
+def _finite(ctx, param, value):
+    if value is not None and value != value:
+        raise click.BadParameter("must be a number, not nan")
+    return value
+
+
 @main.command()
 @click.argument("trace", type=click.Path(path_type=Path, dir_okay=True))
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
@@ -56,7 +83,7 @@ def _progress(enabled: bool) -> Progress:
               help="Layers to replay, e.g. 0,2,5-7.")
 @click.option("--layer", "histogram_layer", type=int, default=None,
               help="Show the expert-load histogram of this layer (default: all replayed layers summed).")
-@click.option("--tie-ulps", type=click.FloatRange(min=0), default=16.0, show_default=True,
+@click.option("--tie-ulps", type=click.FloatRange(min=0, max=1e6), default=16.0, show_default=True, callback=_finite,
               help="Near-tie tolerance in float32 ulps for the tie-equivalent class (0 = exact ties only).")
 @click.option("--latency/--no-latency", default=True, show_default=True,
               help="Time each distinct step shape under CUDA graphs (GPU only).")
@@ -111,7 +138,7 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
               help="Only these suite families (repeatable): ties, nonfinite, bias, shapes, layouts, dtypes, padding, parameters.")
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
               help="cuda: compiled kernels, CUDA-graph cases; cpu: the Triton interpreter; auto: cuda if present.")
-@click.option("--tie-ulps", type=click.FloatRange(min=0), default=16.0, show_default=True,
+@click.option("--tie-ulps", type=click.FloatRange(min=0, max=1e6), default=16.0, show_default=True, callback=_finite,
               help="Near-tie tolerance in float32 ulps for tie-equivalent rows (0 = exact ties only).")
 @click.option("--json", "json_path", default=None, metavar="PATH", help="Write verdicts as JSON ('-' = stdout).")
 @click.option("--junit", "junit_path", default=None, metavar="PATH", help="Write verdicts as JUnit XML ('-' = stdout).")

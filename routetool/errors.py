@@ -16,6 +16,8 @@ class RouteToolError(Exception):
     The message names the file (and tensor, where there is one), what is wrong, and the fix.
     """
 
+    exit_code = EXIT_USAGE
+
     def __init__(self, message: str, *, path: object = None, tensor: str | None = None, fix: str | None = None):
         parts = []
         if path is not None:
@@ -30,3 +32,18 @@ class RouteToolError(Exception):
         self.path = path
         self.tensor = tensor
         self.fix = fix
+
+
+class KernelError(RouteToolError):
+    """The kernel under test crashed or returned outputs of the wrong shape or dtype.
+
+    Reported in one line like bad input, but with exit code 1: the check found a problem
+    with the kernel, not with the user's input. ``failure_class`` is ``crash`` or
+    ``wrong_shape`` (validate's classes).
+    """
+
+    exit_code = EXIT_FINDINGS
+
+    def __init__(self, message: str, *, failure_class: str, **kw):
+        super().__init__(message, **kw)
+        self.failure_class = failure_class

@@ -19,11 +19,11 @@ from routetool.compare import (
     compare_step,
     weight_tolerance,
 )
-from routetool.errors import RouteToolError
+from routetool.errors import KernelError, RouteToolError
 from routetool.execution import Execution, RoutingFn
 from routetool.load import LoadStats, expert_counts, load_stats
 from routetool.timing import Latency, cuda_graph_latency, synchronize
-from routetool.trace import RouterConfig, Step, Trace
+from routetool.trace import RouterConfig, Trace
 
 DEFAULT_TIE_ULPS = 16.0
 """Near-tie tolerance of the comparison, in float32 ulps (see :mod:`routetool.compare`)."""
@@ -165,9 +165,13 @@ def parse_layers(spec: str | None, available: Sequence[int], path: object = None
         try:
             if "-" in part[1:]:
                 lo, hi = part.split("-", 1) if not part.startswith("-") else (part, "")
+                if int(hi) < int(lo):
+                    raise RouteToolError(f"--layers {spec!r}: the range {part!r} is empty", fix="write low-high, e.g. 1-3")
                 chosen.extend(range(int(lo), int(hi) + 1))
             else:
                 chosen.append(int(part))
+        except RouteToolError:
+            raise
         except ValueError:
             raise RouteToolError(f"--layers {spec!r}: cannot parse {part!r}", fix="use e.g. 0,2,5-7 or all") from None
     missing = sorted(set(chosen) - set(available))
@@ -183,16 +187,46 @@ def _nonfinite_rows(gating: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(gating)).any(dim=-1)
 
 
-def _run_kernel(fn: RoutingFn, name: str, step: Step, gating: torch.Tensor, bias: torch.Tensor,
-                pad: torch.Tensor | None, router: RouterConfig, path: object) -> tuple[torch.Tensor, torch.Tensor]:
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
+                       router: RouterConfig, *, where: str, path: object = None,
+                       tensor: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call a routing function with the seed's signature and check what it returns.
+
+    Returns:
+        ``(topk_weights, topk_ids)`` of shape ``[n, topk]``.
+
+    Raises:
+        RouteToolError: the kernel rejected the input with ``ValueError`` (exit 2: bad usage,
+            e.g. the seed and bf16 logits).
+        KernelError: the kernel raised anything else, or returned something other than two
+            ``[n, topk]`` tensors (float weights, integer ids) (exit 1).
+    """
     try:
-        return fn(gating, bias, is_padding=pad, **router.kernel_kwargs())
+        out = fn(gating, bias, topk_weights=None, topk_ids=None, is_padding=pad, **router.kernel_kwargs())
     except ValueError as exc:
-        raise RouteToolError(
-            f"kernel {name!r} rejected layer {step.layer} step {step.index} ({exc})",
-            path=path, tensor=f"layers.{step.layer}.gating_output",
-            fix="choose another --kernel, or a trace the kernel supports",
-        ) from None
+        raise RouteToolError(f"kernel {name!r} rejected {where} ({_first_line(exc)})", path=path, tensor=tensor,
+                             fix="choose another --kernel, or a trace the kernel supports") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the kernel under test raises is reported
+        raise KernelError(f"kernel {name!r} crashed on {where} ({_first_line(exc)})", failure_class="crash",
+                          path=path, tensor=tensor, fix="fix the kernel") from None
+    n, k = gating.shape[0], router.topk
+    ok = isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
+    if ok:
+        w, ids = out
+        ok = (tuple(w.shape) == (n, k) and tuple(ids.shape) == (n, k) and w.is_floating_point()
+              and not ids.is_floating_point() and ids.dtype != torch.bool)
+    if not ok:
+        got = (", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor)
+                         else type(t).__name__ for t in out) if isinstance(out, (tuple, list)) else type(out).__name__)
+        raise KernelError(f"kernel {name!r} returned ({got}) on {where}; expected (topk_weights float [{n}, {k}], "
+                          f"topk_ids int [{n}, {k}])", failure_class="wrong_shape", path=path, tensor=tensor,
+                          fix="return (topk_weights, topk_ids)")
+    return out[0], out[1]
 
 
 def replay_trace(
@@ -221,7 +255,8 @@ def replay_trace(
         A :class:`ReplayResult`.
 
     Raises:
-        RouteToolError: the kernel rejecting the trace's inputs.
+        RouteToolError: the kernel rejecting the trace's inputs (ValueError).
+        KernelError: the kernel crashing or returning outputs of the wrong shape.
     """
     from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
 
@@ -254,7 +289,9 @@ def replay_trace(
             entry[0] += 1
             gating = step.gating_output.to(device)
             pad = step.is_padding.to(device) if step.is_padding is not None else None
-            w, ids = _run_kernel(kernel_fn, kernel_name, step, gating, bias, pad, router, trace.display_path)
+            w, ids = run_kernel_checked(kernel_fn, kernel_name, gating, bias, pad, router,
+                                        where=f"layer {layer} step {step.index}", path=trace.display_path,
+                                        tensor=f"layers.{layer}.gating_output")
             ref_w, ref_ids = musespark1x_routing_reference(gating, bias, is_padding=pad, **router.kernel_kwargs())
             scores = normalized_scores(gating, router.router_score_normalization, router.router_output_multiplier)
             biased = biased_scores(scores, bias)

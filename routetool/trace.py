@@ -27,6 +27,7 @@ from routetool.files import atomic_write
 FORMAT_NAME = "routetool-trace"
 FORMAT_VERSION = "1"
 NORMALIZATIONS = ("sigmoid", "softmax")
+WEIGHTS_SEMANTICS = ("renormalized", "unnormalized")
 
 _LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.([a-z_]+)$")
 _LAYER_FIELDS = ("gating_output", "bias", "is_padding", "step_offsets", "topk_ids", "topk_weights")
@@ -243,6 +244,10 @@ def parse_metadata(path: Path, raw: Mapping[str, str] | None) -> TraceMeta:
     problems = router_config_errors(router)
     if problems:
         raise RouteToolError("; ".join(problems), path=path, tensor="__metadata__", fix="fix the router parameters in the metadata")
+    semantics = raw.get("weights_semantics")
+    if semantics is not None and semantics not in WEIGHTS_SEMANTICS:
+        raise RouteToolError(f"metadata weights_semantics={semantics!r} is not one of {', '.join(WEIGHTS_SEMANTICS)}",
+                             path=path, tensor="__metadata__", fix="fix the metadata value")
     known = {"format", "format_version", "model", "num_layers", "num_experts", "topk", "route_scale",
              "router_score_normalization", "router_output_multiplier", "router_score_division_eps", "provenance"}
     return TraceMeta(
@@ -296,6 +301,8 @@ class Trace:
             raise RouteToolError("no such file", path=self.display_path, fix="check the path")
         if self.path.is_dir():
             raise RouteToolError("is a directory, not a trace file", path=self.display_path, fix="name a .safetensors trace")
+        if not self.path.is_file():
+            raise RouteToolError("is not a regular file", path=self.display_path, fix="name a .safetensors trace file")
         try:
             self._file = safe_open(str(self.path), framework="pt", device="cpu")
         except SafetensorError as exc:

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from routetool.compare import INVALID_REASONS, RowClass, compare_step, weight_tolerance
-from routetool.errors import RouteToolError
+from routetool.errors import KernelError, RouteToolError
 from routetool.execution import Execution, RoutingFn
+from routetool.replay import _first_line
 from routetool.suite import Case, CaseInput
 
 REJECTION_TYPES = (ValueError, TypeError, NotImplementedError)
@@ -269,7 +270,7 @@ def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float
             weights, ids = _call(fn, inp)
             classes, ties, rows = _run_checks(case, fn, inp, weights, ids, tie_ulps)
     except REJECTION_TYPES as exc:
-        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        message = _first_line(exc)
         if rejection_documented(fn, case.feature):
             res.verdict, res.message = "rejected", f"documented rejection of {case.feature}: {message}"
         else:
@@ -279,7 +280,7 @@ def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float
         return res
     except Exception as exc:  # noqa: BLE001 - a crash of the kernel under test is a finding
         res.verdict, res.failure_classes = "fail", ["crash"]
-        res.message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        res.message = _first_line(exc)
         res.duration_s = time.perf_counter() - start
         return res
     res.failure_classes, res.tie_rows, res.rows = classes, ties, rows
@@ -308,6 +309,10 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
         start = time.perf_counter()
         try:
             result = replay_trace(trace, kernel_name, fn, execution, tie_ulps=tie_ulps, measure_latency=False)
+        except KernelError as exc:
+            return [CaseResult(family=family, name=f"{family}/all-layers", description="replay of every layer",
+                               verdict="fail", failure_classes=[exc.failure_class], message=str(exc),
+                               duration_s=time.perf_counter() - start)]
         except RouteToolError as exc:
             if "rejected" not in str(exc):
                 raise

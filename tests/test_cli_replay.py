@@ -202,3 +202,60 @@ def test_cpu_says_latency_is_not_measured():
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
     res = _run("replay", trace, "--layers", "1", "--no-progress")
     assert "Triton interpreter" in res.output and "not measured" in res.output
+
+
+def _kernels_file(tmp_path):
+    src = tmp_path / "user_kernels.py"
+    src.write_text(
+        "import torch\n"
+        "from kernel.reference import musespark1x_routing_reference as ref\n"
+        "def raises(g, b, topk, route_scale, *a, **k):\n"
+        "    raise RuntimeError('boom\\nsecond line')\n"
+        "def short(gating_output, bias, topk, route_scale, router_output_multiplier=None,\n"
+        "          router_score_normalization='sigmoid', router_score_division_eps=None, topk_weights=None,\n"
+        "          topk_ids=None, *, is_padding=None):\n"
+        "    w, ids = ref(gating_output, bias, topk, route_scale, router_output_multiplier,\n"
+        "                 router_score_normalization, router_score_division_eps, is_padding=is_padding)\n"
+        "    return w[:-1], ids[:-1]\n"
+        "def no_defaults(gating_output, bias, topk, route_scale, router_output_multiplier,\n"
+        "                router_score_normalization, router_score_division_eps, topk_weights, topk_ids, *,\n"
+        "                is_padding):\n"
+        "    return ref(gating_output, bias, topk, route_scale, router_output_multiplier,\n"
+        "               router_score_normalization, router_score_division_eps, is_padding=is_padding)\n"
+    )
+    return src
+
+
+@pytest.mark.parametrize("fn,message", [("raises", "crashed on layer 1 step 0 (RuntimeError: boom)"),
+                                        ("short", "returned ((383, 8) float32, (383, 8) int32) on layer 1 step 0")])
+def test_failing_user_kernel_is_one_line_exit_1(tmp_path, fn, message):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    kernel = f"{_kernels_file(tmp_path)}:{fn}"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress")
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 1 and len(lines) == 1 and message in lines[0], res.output
+    res = _run("validate", trace, "--suite", "none", "--kernel", kernel, "--no-progress", "--device", DEVICE)
+    assert res.exit_code == 1 and ("crash" in res.output or "wrong_shape" in res.output)
+
+
+def test_kernel_with_the_full_signature_and_no_defaults(tmp_path):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    kernel = f"{_kernels_file(tmp_path)}:no_defaults"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress",
+               "--no-latency")
+    assert res.exit_code == 0, res.output
+
+
+def test_usage_errors_are_one_line_and_outputs_never_clobber_inputs(tmp_path):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    for args in (["replay", "--bogus"], ["replay", str(trace), "--tie-ulps", "nan"],
+                 ["replay", str(trace), "--layers", "3-1"], ["validate", "--family"]):
+        res = _run(*args)
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("routetool: error: "), (args, res.output)
+    copy = tmp_path / "t.safetensors"
+    copy.write_bytes(trace.read_bytes())
+    res = _run("replay", copy, "--json", copy, "--force", "--no-progress")
+    assert res.exit_code == 2 and "input" in res.output and copy.read_bytes() == trace.read_bytes()
+    res = _run("validate", copy, "--suite", "none", "--json", tmp_path / "o", "--junit", tmp_path / "o")
+    assert res.exit_code == 2 and "two outputs" in res.output
