@@ -156,6 +156,8 @@ class StepLoad:
             the analysed routing is another one, e.g. the recorded ids), or None.
         counts_nobias / ids_nobias: that function's routing with the bias zeroed, or None.
         uncounted: 0-d tensor, ids outside ``[0, E)`` on unpadded rows.
+        duplicates: 0-d tensor, unpadded rows that name one expert twice (None: not checked,
+            e.g. imported dumps, whose rows were checked when read).
     """
 
     counts: torch.Tensor
@@ -167,6 +169,7 @@ class StepLoad:
     counts_nobias: torch.Tensor | None = None
     ids_nobias: torch.Tensor | None = None
     uncounted: torch.Tensor | None = None
+    duplicates: torch.Tensor | None = None
 
 
 class Source:
@@ -200,6 +203,63 @@ class Source:
 
     def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
         raise NotImplementedError
+
+    def duplicate_error(self, layer: int, rows: int, first_step: int) -> RouteToolError:
+        """The error for ``rows`` rows of ``layer`` that name an expert twice (first in ``first_step``)."""
+        return RouteToolError(f"layer {layer}: {rows:,} row(s) name one expert twice (first in step {first_step}); "
+                              "each token picks distinct experts", path=self.path, fix="fix the input")
+
+
+def duplicate_rows(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """0-d int64 tensor: rows of ``ids`` ``[n, K]`` holding one id in ``[0, E)`` twice (ids outside
+    ``[0, E)``, e.g. -1 on padded rows, are ignored). No host synchronisation."""
+    if ids.dim() != 2 or ids.shape[1] < 2 or ids.shape[0] == 0:
+        return torch.zeros((), dtype=torch.int64, device=ids.device)
+    s = ids.long().sort(dim=1).values
+    same = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0) & (s[:, 1:] < num_experts)
+    return same.any(dim=1).sum()
+
+
+def _first_line(exc: BaseException, limit: int = 120) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating: torch.Tensor, bias: torch.Tensor,
+               pad: torch.Tensor | None, topk: int) -> torch.Tensor:
+    """Run a routing function on one step and check what it returns.
+
+    Returns:
+        ``[n, topk]`` integer ids on ``gating``'s device.
+
+    Raises:
+        RouteToolError: the function raised (any exception), or returned something other than
+            an integer tensor of shape ``[n, topk]``; the message names the function, the layer
+            and the step.
+    """
+    n = int(gating.shape[0])
+    try:
+        ids = fn(gating, bias, pad)
+    except RouteToolError:
+        raise
+    except ValueError as exc:
+        raise RouteToolError(f"{name} rejected the inputs of layer {layer}, step {step} "
+                             f"({_first_line(exc)})", path=path, fix="choose another --kernel, or --reference") from None
+    except Exception as exc:  # noqa: BLE001 - a user kernel may fail in any way
+        raise RouteToolError(f"{name} failed on layer {layer}, step {step} ({type(exc).__name__}: {_first_line(exc)})",
+                             path=path, fix="fix the kernel (check it with `routetool validate`), or use --reference") from None
+    if not isinstance(ids, torch.Tensor):
+        raise RouteToolError(f"{name} returned {type(ids).__name__} for the topk_ids of layer {layer}, step {step}; "
+                             "expected a tensor", path=path, fix="return (topk_weights, topk_ids) as the seed kernel does")
+    if tuple(ids.shape) != (n, topk):
+        raise RouteToolError(f"{name} returned topk_ids of shape {list(ids.shape)} on layer {layer}, step {step}; "
+                             f"expected [{n}, {topk}]", path=path,
+                             fix="fix the kernel (check it with `routetool validate`), or use --reference")
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise RouteToolError(f"{name} returned topk_ids of dtype {ids.dtype} on layer {layer}, step {step}; "
+                             "expected integers", path=path, fix="return int32/int64 expert ids")
+    return ids.to(gating.device)
 
 
 def _phase(num_tokens: int, padded: int, decode_max_tokens: int) -> str:
@@ -253,6 +313,8 @@ class TraceSource(Source):
         self.layers = list(layers)
         self.decode_max_tokens = decode_max_tokens
         self.route_fn = route_fn
+        self.route_name = route_name
+        self.nobias_name = nobias_name or route_name
         self.notes = []
         self._mode: dict[int, str] = {}
         for layer in self.layers:
@@ -302,13 +364,25 @@ class TraceSource(Source):
         o = self.trace.info(layer).step_offsets
         return [b - a for a, b in zip(o, o[1:])]
 
+    def duplicate_error(self, layer: int, rows: int, first_step: int) -> RouteToolError:
+        if self._mode[layer] == "recorded":
+            return RouteToolError(f"{rows:,} unpadded row(s) name one expert twice (first in step {first_step}); each "
+                                  "token picks distinct experts, as `routetool import` requires of dumps",
+                                  path=self.path, tensor=f"layers.{layer}.topk_ids",
+                                  fix="fix the capture" + (", or route the logits (drop --recorded)"
+                                                           if self.trace.info(layer).has_logits else ""))
+        return RouteToolError(f"{self.route_name} returned {rows:,} row(s) naming one expert twice on layer {layer} "
+                              f"(first in step {first_step})", path=self.path,
+                              fix="fix the kernel (check it with `routetool validate`), or use --reference")
+
     def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
         E = self.num_experts
         mode = self._mode[layer]
         info = self.trace.info(layer)
         bias = self.trace.bias(layer).to(device)
         zeros = torch.zeros_like(bias)
-        for step in self.trace.steps(layer):
+        K = self.topk
+        for s, step in enumerate(self.trace.steps(layer)):
             n = step.num_tokens
             pad_cpu = step.is_padding
             padded = int(pad_cpu.sum()) if pad_cpu is not None else 0
@@ -317,16 +391,18 @@ class TraceSource(Source):
             if mode == "recorded":
                 ids = step.recorded_ids.to(device)
             else:
-                ids = self.route_fn(gating, bias, pad)
+                ids = call_route(self.route_fn, self.route_name, self.path, layer, s, gating, bias, pad, K)
             counts, uncounted = _count_step(ids, E, pad)
-            load = StepLoad(counts=counts, num_tokens=n - padded, ids=_mask(ids, pad),
-                            phase=_phase(n - padded, padded, self.decode_max_tokens), uncounted=uncounted)
+            masked = _mask(ids, pad)
+            load = StepLoad(counts=counts, num_tokens=n - padded, ids=masked,
+                            phase=_phase(n - padded, padded, self.decode_max_tokens), uncounted=uncounted,
+                            duplicates=duplicate_rows(masked, E))
             if self.bias_effect and info.has_logits:
                 if mode == "route" and self.nobias_fn is self.route_fn:
                     with_bias = ids
                 else:
-                    with_bias = self.nobias_fn(gating, bias, pad)
-                without = self.nobias_fn(gating, zeros, pad)
+                    with_bias = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, bias, pad, K)
+                without = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, zeros, pad, K)
                 load.bias_ids_with, load.ids_nobias = _mask(with_bias, pad), _mask(without, pad)
                 load.bias_counts_with = counts if with_bias is ids else _count_step(with_bias, E, pad)[0]
                 load.counts_nobias = _count_step(without, E, pad)[0]
@@ -467,7 +543,9 @@ class WindowLoad:
     """Load of a window of consecutive steps of one layer.
 
     Attributes:
-        index, first_step, last_step, label: where it is. tokens / assignments: totals.
+        index, first_step, last_step, label: where it is. tokens: unpadded tokens (None
+        when unknown, e.g. counts without topk; the windows of a layer sum to its tokens).
+        assignments: total assignments.
         imbalance, cv: of the window's expert histogram. balancedness: at the first EP
         placement. tv_distance: from the layer's whole-traffic distribution.
         top_expert: the busiest expert of the window.
@@ -663,8 +741,11 @@ class BalanceResult:
 def window_of_steps(sizes: Sequence[int], windows: int) -> tuple[list[int], int]:
     """Split steps into at most ``windows`` runs of consecutive steps of about equal size.
 
-    Step ``s`` goes to window ``floor(W * mid_s / total)``, with ``mid_s`` the row at the
-    middle of the step; empty windows are dropped and the rest renumbered.
+    Windows are cut by rows (``sizes``: rows per step, padded rows of a trace included, or
+    assignments for counts): step ``s`` goes to window ``floor(W * mid_s / total)``, with
+    ``mid_s`` the row at the middle of the step; a window no step's middle falls in is empty
+    and dropped, and the rest renumbered, so there can be fewer than ``windows`` (never more
+    than there are steps).
 
     Returns:
         ``(window index of every step, number of windows)``.
@@ -716,6 +797,9 @@ class _LayerAccumulator:
             self.picks = 0
         self.ids_seen = False
         self.steps = 0
+        self.window_tokens: list[int | None] = [0] * num_windows
+        self.duplicates = torch.zeros((), **z)
+        self.first_duplicate = torch.full((), num_steps, **z)
 
     def add(self, s: int, load: StepLoad) -> None:
         c = load.counts
@@ -724,10 +808,18 @@ class _LayerAccumulator:
         self.windows[self.window_of[s]] += c
         if load.uncounted is not None:
             self.uncounted += load.uncounted
+        if load.duplicates is not None:
+            self.duplicates += load.duplicates
+            self.first_duplicate = torch.where(load.duplicates > 0, torch.clamp(self.first_duplicate, max=s),
+                                               self.first_duplicate)
+        w = self.window_of[s]
         if load.num_tokens is None:
             self.tokens_known = False
+            self.window_tokens[w] = None
         else:
             self.tokens += load.num_tokens
+            if self.window_tokens[w] is not None:
+                self.window_tokens[w] += load.num_tokens
         if load.phase is not None:
             p = PHASES.index(load.phase)
             self.phases[p] += c
@@ -826,6 +918,9 @@ def analyze_balance(
             acc.add(s, load)
             if progress is not None:
                 progress(sizes[s])
+        duplicates = int(acc.duplicates)  # one read-back per layer
+        if duplicates:
+            raise source.duplicate_error(layer, duplicates, int(acc.first_duplicate))
         rows += sum(sizes) if source.kind != "counts" else len(sizes)
         res = _finish_layer(layer, acc, placements, source, options, sizes)
         uncounted_total += res.uncounted
@@ -886,7 +981,6 @@ def _finish_layer(layer: int, acc: _LayerAccumulator, placements: list[Placement
     first_last: dict[int, list[int]] = {}
     for s, w in enumerate(acc.window_of):
         first_last.setdefault(w, [s, s])[1] = s
-    win_tokens: dict[int, int] = {}
     share0 = acc.shares[0].cpu() if acc.shares else None
     windows = []
     for w in range(wc.shape[0]):
@@ -894,10 +988,9 @@ def _finish_layer(layer: int, acc: _LayerAccumulator, placements: list[Placement
         imb, cv, top = _stats_row(wc[w])
         label = (labels[a] if a == b else f"{labels[a]}..{labels[b]}") if labels else \
             (f"step {a}" if a == b else f"steps {a}-{b}")
-        win_tokens[w] = sum(sizes[a:b + 1])
         windows.append(WindowLoad(
             index=w, first_step=a, last_step=b, label=label,
-            tokens=win_tokens[w] if source.kind != "counts" else (int(wc[w].sum()) // source.topk if source.topk else None),
+            tokens=acc.window_tokens[w],  # unpadded tokens: the windows sum to the layer's tokens
             assignments=int(wc[w].sum()), imbalance=imb, cv=cv,
             balancedness=finite_or_none(balancedness(wc[w].double() @ share0)) if share0 is not None else None,
             tv_distance=tv_distance(wc[w], total), top_expert=top,
@@ -1002,14 +1095,16 @@ def default_ep_sizes(num_experts: int) -> list[int]:
 
 def route_fn_from(fn, router) -> RouteFn:
     """Wrap a routing function with the seed's signature (kernel or reference) into a
-    :data:`RouteFn` returning only the ids, with the trace's router parameters."""
+    :data:`RouteFn` returning only the ids, with the trace's router parameters.
+
+    Exceptions propagate; :func:`call_route` (used by :class:`TraceSource`) turns them, and
+    wrong shapes, into one-line errors naming the function, the layer and the step."""
     kwargs = router.kernel_kwargs()
 
     def route(gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
-        try:
-            return fn(gating, bias, is_padding=pad, **kwargs)[1]
-        except ValueError as exc:
-            raise RouteToolError(f"the routing function rejected the trace's inputs ({exc})",
-                                 fix="choose another --kernel, or --reference") from None
+        out = fn(gating, bias, is_padding=pad, **kwargs)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(f"returned {type(out).__name__}, expected (topk_weights, topk_ids)")
+        return out[1]
 
     return route

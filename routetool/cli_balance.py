@@ -89,6 +89,42 @@ def _dump_options(f):
     return f
 
 
+_DUMP_OPTIONS = {"num_experts": "--num-experts", "topk": "--topk", "skip_rows": "--skip-rows",
+                 "drop_repeats": "--drop-repeats", "select": "--select"}
+
+
+def _reject_dump_options(source: Path) -> None:
+    """A trace records E, K and its steps: the options for reading dumps do not apply to it."""
+    ctx = click.get_current_context()
+    given = [flag for name, flag in _DUMP_OPTIONS.items()
+             if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT,
+                                                       click.core.ParameterSource.DEFAULT_MAP)]
+    if given:
+        raise RouteToolError(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} to routing dumps, not to a "
+                             "trace (a trace records its num_experts, topk and steps)", path=source,
+                             fix=f"drop {', '.join(given)}")
+
+
+def _same_path(a, b) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], inputs: list) -> None:
+    """No --plot figure may be another output of the run or one of its inputs."""
+    for fig in figures:
+        for flag, out in outputs.items():
+            if out is not None and out != "-" and _same_path(fig, out):
+                raise RouteToolError(f"is named by {flag} and is a --plot figure", path=fig,
+                                     fix="give each output its own file")
+        for inp in inputs:
+            if inp is not None and _same_path(fig, inp):
+                raise RouteToolError("is this run's input; a --plot figure would replace it", path=fig,
+                                     fix="choose another --plot folder")
+
+
 @click.command("balance", context_settings=_CTX)
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
@@ -105,7 +141,7 @@ def _dump_options(f):
 @click.option("--placement", "placement_path", type=click.Path(path_type=Path), default=None,
               help="Also simulate this placement JSON (e.g. one written by --eplb-out).")
 @click.option("--windows", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Windows of consecutive steps for drift over time.")
+              help="At most this many windows of consecutive steps (cut by rows; empty ones dropped) for drift over time.")
 @click.option("--decode-max-tokens", type=click.IntRange(min=0), default=256, show_default=True,
               help="Steps with padding or at most this many tokens count as decode, the rest as prefill.")
 @click.option("--capacity-factor", "capacity_spec", default="1.0,1.25,2.0", show_default=True,
@@ -148,26 +184,31 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
         default_ep_sizes, route_fn_from,
     )
     from routetool.eplb import load_placement, placement_document
-    from routetool.imports import ImportedCounts, detect_format, read_dump
+    from routetool.files import check_output_paths
+    from routetool.imports import ImportedCounts, read_dump, resolve_format
     from routetool.replay import parse_layers
-    from routetool.report import check_output_path, write_json
+    from routetool.report import write_json
     from routetool.report_balance import balance_json, render_balance
 
     if reference and recorded:
         raise RouteToolError("--reference and --recorded exclude each other", fix="pass one of them")
     if eplb_out == "-" and json_path == "-":
         raise RouteToolError("--json - and --eplb-out - both want stdout", fix="write one of them to a file")
-    check_output_path(json_path, force)
-    check_output_path(eplb_out, force)
+    # every output is checked before any work: never one file twice, never an input
+    check_output_paths([json_path, eplb_out], force=force, inputs=[source, placement_path])
     if eplb_out and not eplb:
         raise RouteToolError("--eplb-out needs the EPLB what-if", fix="drop --no-eplb")
     if plot_dir is not None:
-        from routetool.plots import check_plot_dir
+        from routetool.plots import check_plot_dir, figure_paths
 
         check_plot_dir(plot_dir, force)
+        _check_figures_apart(figure_paths(plot_dir), {"--json": json_path, "--eplb-out": eplb_out},
+                             [source, placement_path])
     capacity = _float_list("--capacity-factor", capacity_spec)
     ep_sizes = _int_list("--ep-size", ep_spec)
-    resolved_format = detect_format(source) if fmt == "auto" else fmt
+    resolved_format = resolve_format(source, fmt)
+    if resolved_format == "trace":
+        _reject_dump_options(source)
     if resolved_format != "trace" and (reference or recorded):
         raise RouteToolError("--reference/--recorded apply to traces; a dump holds ids already", path=source,
                              fix="drop the flag")
@@ -276,11 +317,12 @@ def import_(source: Path, output: Path, fmt: str, num_experts, topk, skip_rows, 
     Per-expert counts (counts JSON, SGLang stat/per-pass dumps) have no per-token ids and
     cannot become a trace: analyse them directly with `routetool balance FILE`.
     """
+    from routetool.files import check_output_paths
     from routetool.imports import ImportedCounts, read_dump, write_imported_trace
-    from routetool.report import check_output_path
     from routetool.report_balance import render_import
 
-    check_output_path(str(output), force)
+    # before any work: '-' is refused (a trace is a file), and the dump is never the output
+    check_output_paths([output], force=force, inputs=[source], allow_stdout=False)
     imported = read_dump(source, _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model))
     if isinstance(imported, ImportedCounts):
         raise RouteToolError("holds per-expert counts, not per-token expert ids: a trace cannot be made from it",

@@ -418,32 +418,48 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     order. The GPU count comes from ``num_gpus`` in the file, else from ``num_gpus``.
 
     Raises:
-        RouteToolError: unreadable file, missing keys, a layer without a row, a logical
-            expert with no slot, slots not divisible by the GPUs.
+        RouteToolError: unreadable file, missing keys, values of the wrong type (ids that are
+            not integers, ``num_gpus`` that is not a positive integer ...), a layer without a
+            row, a logical expert with no slot, slots not divisible by the GPUs; one line
+            naming the key and the element.
     """
     path = Path(path)
+    fix_file = "fix the file, or write one with `routetool balance --eplb-out`"
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RouteToolError("no such file", path=path, fix="check the --placement path") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RouteToolError(f"not a readable JSON file ({exc})", path=path,
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise RouteToolError(f"not a readable JSON file ({_first_line(exc)})", path=path,
                              fix="pass a placement written by `routetool balance --eplb-out`") from None
     if not isinstance(doc, dict) or "physical_to_logical_map" not in doc:
         raise RouteToolError("has no physical_to_logical_map", path=path,
                              fix="pass a placement written by `routetool balance --eplb-out`")
-    try:
-        rows = torch.tensor(doc["physical_to_logical_map"], dtype=torch.int64)
-    except (TypeError, ValueError, RuntimeError):
-        raise RouteToolError("physical_to_logical_map is not a list of equal-length integer lists", path=path,
-                             fix="fix the file") from None
-    if rows.dim() == 1:
-        rows = rows[None]
-    if rows.dim() != 2 or rows.shape[1] == 0:
-        raise RouteToolError(f"physical_to_logical_map has shape {list(rows.shape)}; expected [layers, physical experts]",
-                             path=path, fix="fix the file")
+    raw = doc["physical_to_logical_map"]
+    if isinstance(raw, list) and raw and not any(isinstance(r, list) for r in raw):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw or not all(isinstance(r, list) and r for r in raw):
+        raise RouteToolError("physical_to_logical_map is not a non-empty list of non-empty integer lists", path=path,
+                             fix=fix_file)
+    if len({len(r) for r in raw}) != 1:
+        raise RouteToolError(f"physical_to_logical_map rows have different lengths ({sorted({len(r) for r in raw})})",
+                             path=path, fix=fix_file)
+    for i, r in enumerate(raw):
+        for j, e in enumerate(r):
+            if not _is_int(e):
+                raise RouteToolError(f"physical_to_logical_map[{i}][{j}] is {json.dumps(e)}: logical expert ids are "
+                                     "integers", path=path, fix=fix_file)
+            if not 0 <= e < num_experts:
+                raise RouteToolError(f"physical_to_logical_map[{i}][{j}] is {e}: outside [0, {num_experts})", path=path,
+                                     fix=f"the input has {num_experts} experts; use a placement made for it")
+    rows = torch.tensor(raw, dtype=torch.int64)
     file_layers = doc.get("layers")
     if file_layers is not None:
+        if not isinstance(file_layers, list) or not all(_is_int(x) and x >= 0 for x in file_layers):
+            raise RouteToolError(f"'layers' is {_short(file_layers)}; expected a list of non-negative integer layer ids",
+                                 path=path, fix=fix_file)
+        if len(set(file_layers)) != len(file_layers):
+            raise RouteToolError("'layers' lists a layer twice", path=path, fix=fix_file)
         if len(file_layers) != rows.shape[0]:
             raise RouteToolError(f"lists {len(file_layers)} layers but physical_to_logical_map has {rows.shape[0]} rows",
                                  path=path, fix="fix the file")
@@ -460,15 +476,25 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     else:
         raise RouteToolError(f"has {rows.shape[0]} rows and no 'layers' list, but {len(layers)} layers are analysed",
                              path=path, fix="add a 'layers' list to the file")
-    G = doc.get("num_gpus", num_gpus)
-    if not isinstance(G, int) or G < 1:
+    if "num_gpus" in doc and doc["num_gpus"] is not None:
+        G = doc["num_gpus"]
+        if not _is_int(G) or G < 1:
+            raise RouteToolError(f"num_gpus is {json.dumps(G)}; expected a positive integer", path=path, fix=fix_file)
+    elif num_gpus is not None:
+        G = num_gpus
+    else:
         raise RouteToolError("does not say num_gpus", path=path, fix="add num_gpus to the file or pass one --ep-size")
+    extra = {}
+    for key in ("num_nodes", "num_groups"):
+        value = doc.get(key, 1)
+        if value is None:
+            value = 1
+        if not _is_int(value) or value < 1:
+            raise RouteToolError(f"{key} is {json.dumps(value)}; expected a positive integer", path=path, fix=fix_file)
+        extra[key] = value
     P = chosen.shape[1]
     if P % G:
         raise RouteToolError(f"{P} physical experts are not a multiple of num_gpus={G}", path=path, fix="fix the file")
-    if int(chosen.min()) < 0 or int(chosen.max()) >= num_experts:
-        raise RouteToolError(f"maps to logical experts outside [0, {num_experts})", path=path,
-                             fix=f"the trace has {num_experts} experts; use a placement made for it")
     counts = torch.stack([torch.bincount(r, minlength=num_experts) for r in chosen])
     if (counts == 0).any():
         i, e = (counts == 0).nonzero()[0].tolist()
@@ -482,9 +508,25 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
             seen[e] += 1
     return Placement(
         layers=list(layers), physical_to_logical=chosen, replica_rank=replica_rank, logical_count=counts,
-        num_gpus=G, num_nodes=int(doc.get("num_nodes", 1)), num_groups=int(doc.get("num_groups", 1)),
+        num_gpus=G, num_nodes=extra["num_nodes"], num_groups=extra["num_groups"],
         policy="file", name=f"{path.name} ep={G}",
     )
+
+
+def _is_int(value) -> bool:
+    """A JSON integer (not a bool, not a float such as 0.5 or 2.0)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value, limit: int = 40) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _first_line(exc: BaseException, limit: int = 120) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def max_rank_load(counts: torch.Tensor, placement: Placement, layer: int) -> float:

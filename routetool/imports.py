@@ -33,12 +33,19 @@ file; ``drop_repeats`` drops every run of at least that many consecutive identic
 ``num_experts`` / ``topk`` come from the options, else from the file's metadata, else are
 inferred: E = largest id + 1 (with a note: an expert never picked would be missed), K = the
 row width (every row must have the same).
+
+Numbers are checked, not coerced: expert ids and layers must be integers (``3`` or ``3.0``,
+never ``1.5``, ``true`` or NaN), ids in ``[0, E)`` with E at most :data:`MAX_EXPERTS`, layers
+in ``[0, MAX_LAYERS)``, counts finite non-negative integers. Every failure, including text
+that is not UTF-8, is a :class:`RouteToolError` of one line naming the file and the line, key
+or tensor element.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -64,8 +71,47 @@ _CSV_IDS = ("activated_expert_ids", "topk_ids", "expert_ids", "experts", "select
 _CSV_WEIGHTS = ("topk_weights", "weights", "gating_probs", "routing_weights", "expert_weights")
 _CSV_LAYER = ("layer_id", "layer", "layer_idx")
 _CSV_STEP = ("batch_number", "step", "batch", "forward_pass_id", "step_id")
-_INT = re.compile(r"-?\d+")
-_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_INT_TEXT = re.compile(r"\s*[-+]?\d+\s*")
+_CSV_SPLIT = re.compile(r"[\s,;\[\]()]+")
+
+MAX_EXPERTS = 1 << 20
+"""Largest expert count accepted (``--num-experts``, file metadata, ids): 1,048,576 experts."""
+MAX_LAYERS = 1 << 16
+"""Layer ids must lie in ``[0, MAX_LAYERS)``."""
+MAX_COUNT = 1 << 62
+"""Largest per-expert count accepted in counts files (int64 headroom for sums)."""
+
+
+def one_line(text: object, limit: int = 160) -> str:
+    """The first non-empty line of ``text`` (e.g. an exception), shortened to ``limit`` characters."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    first = lines[0] if lines else ""
+    return first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
+
+
+def _as_int(value) -> int | None:
+    """``value`` as an int when it is an integer (int, integral float, integer text); else None.
+
+    Booleans, fractions, NaN/inf and other types are not integers.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, str) and _INT_TEXT.fullmatch(value):
+        return int(value)
+    return None
+
+
+def _layer_index(value, where: str, key: str, path: Path) -> int:
+    layer = _as_int(value)
+    if layer is None or not 0 <= layer < MAX_LAYERS:
+        shown = repr(value) if isinstance(value, str) else _short(value)
+        raise RouteToolError(f"{where}: {key}={shown} is not a layer index (an integer in [0, {MAX_LAYERS:,}))",
+                             path=path, fix="fix the row")
+    return layer
 
 
 @dataclass
@@ -183,7 +229,11 @@ def detect_format(path: Path) -> str:
     if not path.exists():
         raise RouteToolError("no such file or folder", path=path, fix="check the path")
     if path.is_dir():
-        kinds = {p.suffix.lower() for p in path.iterdir() if p.is_file() and not p.name.startswith(".")}
+        try:
+            kinds = {p.suffix.lower() for p in path.iterdir() if p.is_file() and not p.name.startswith(".")}
+        except OSError as exc:
+            raise RouteToolError(f"cannot list the folder ({exc.strerror or exc})", path=path,
+                                 fix="check permissions") from None
         for suffixes, fmt in (((".csv",), "csv"), ((".pt", ".pth"), "sglang"), ((".jsonl", ".ndjson"), "jsonl")):
             if kinds & set(suffixes):
                 if len(kinds & {".csv", ".pt", ".pth", ".jsonl", ".ndjson"}) > 1:
@@ -216,7 +266,7 @@ def detect_format(path: Path) -> str:
         try:
             json.loads(first_line)
             return "jsonl" if b"\n" in text.strip() else "counts-json"
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError: the reader says where
             return "counts-json"
     if len(head) >= 8 and head[:8] != b"\x00" * 8 and b"__metadata__" in head[:4096]:
         return "trace"
@@ -268,7 +318,14 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
     if not rows:
         raise RouteToolError("no token rows left to import", path=source,
                              fix="check the file, --skip-rows and --drop-repeats")
-    K = options.topk or meta_topk
+    empty = next((r for r in rows if not r.ids), None)
+    if empty is not None:
+        raise RouteToolError(f"{empty.where}: no expert ids (an empty list)", path=source,
+                             fix="fix the row: every token row lists its topk expert ids")
+    K = options.topk if options.topk is not None else meta_topk
+    if K is not None and not 1 <= K <= MAX_EXPERTS:
+        raise RouteToolError(f"topk={K} (from the file's metadata) is not in [1, {MAX_EXPERTS:,}]", path=source,
+                             fix="pass the model's --topk")
     if K is None:
         widths = {len(r.ids) for r in rows}
         if len(widths) != 1:
@@ -281,16 +338,22 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
         if len(r.ids) != K:
             raise RouteToolError(f"{r.where}: {len(r.ids)} expert ids, expected topk={K}", path=source,
                                  fix="fix the row, or pass the right --topk")
+        lo, hi = min(r.ids), max(r.ids)
+        if lo < 0:
+            raise RouteToolError(f"{r.where}: negative expert id {lo}", path=source, fix="fix the row")
+        if hi >= MAX_EXPERTS:
+            raise RouteToolError(f"{r.where}: expert id {hi} is out of range (at most {MAX_EXPERTS - 1:,})",
+                                 path=source, fix="fix the row")
         if len(set(r.ids)) != K:
             raise RouteToolError(f"{r.where}: duplicate expert id in {list(r.ids)}", path=source,
                                  fix="each token picks distinct experts; fix the dump")
         if r.weights is not None and len(r.weights) != K:
             raise RouteToolError(f"{r.where}: {len(r.weights)} weights for {K} ids", path=source, fix="fix the row")
-        lo = min(r.ids)
-        if lo < 0:
-            raise RouteToolError(f"{r.where}: negative expert id {lo}", path=source, fix="fix the row")
-        max_id = max(max_id, max(r.ids))
-    E = options.num_experts or meta_experts
+        max_id = max(max_id, hi)
+    E = options.num_experts if options.num_experts is not None else meta_experts
+    if E is not None and not 1 <= E <= MAX_EXPERTS:
+        raise RouteToolError(f"num_experts={E} (from the file's metadata) is not in [1, {MAX_EXPERTS:,}]",
+                             path=source, fix="pass the model's --num-experts")
     if E is None:
         E = max_id + 1
         notes.append(f"num_experts={E} inferred from the largest id ({max_id}); pass --num-experts if the model "
@@ -342,25 +405,66 @@ def _first_key(obj: dict, keys: Iterable[str]):
     return None
 
 
+def _json_ids(value, where: str, key: str, path: Path) -> tuple[int, ...]:
+    """One token's expert ids: a list of integers (ints, integral floats or integer text)."""
+    if not isinstance(value, list):
+        raise RouteToolError(f"{where}: {key} is {type(value).__name__} {_short(value)}, not a list of expert ids",
+                             path=path, fix="fix the row")
+    out = []
+    for x in value:
+        v = _as_int(x)
+        if v is None:
+            raise RouteToolError(f"{where}: expert id {_short(x)} in {key} is not an integer", path=path,
+                                 fix="expert ids are integers; fix the row")
+        out.append(v)
+    return tuple(out)
+
+
+def _json_weights(value, where: str, key: str, path: Path) -> tuple[float, ...]:
+    if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in value):
+        raise RouteToolError(f"{where}: {key} is not a list of numbers ({_short(value)})", path=path, fix="fix the row")
+    try:
+        return tuple(float(x) for x in value)
+    except OverflowError:
+        raise RouteToolError(f"{where}: a weight in {key} is too large for a float", path=path,
+                             fix="fix the row") from None
+
+
+def _short(value, limit: int = 40) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> Iterator[_Row]:
     last: dict[int, tuple] = {}  # layer -> (explicit step, request, token_idx, step counter)
     ignored = 0
     try:
-        fh = open(path, encoding="utf-8")
+        fh = open(path, "rb")
     except OSError as exc:
         raise RouteToolError(f"cannot read ({exc.strerror or exc})", path=path, fix="check the path") from None
     with fh:
-        for lineno, line in enumerate(fh, 1):
-            line = line.strip()
+        for lineno, raw in enumerate(fh, 1):
+            where = f"line {lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
+            except UnicodeDecodeError as exc:
+                raise RouteToolError(f"{where}: not UTF-8 text (byte {exc.start + 1} of the line is {raw[exc.start]:#04x})",
+                                     path=path, fix="JSON lines are UTF-8 text; check the file and --format") from None
             if not line:
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise RouteToolError(f"line {lineno}: not JSON ({exc.msg})", path=path,
+                raise RouteToolError(f"{where}: not JSON ({exc.msg})", path=path,
+                                     fix="one JSON object per line (JSON Lines)") from None
+            except (ValueError, RecursionError) as exc:  # e.g. an integer of more than 4,300 digits
+                raise RouteToolError(f"{where}: not readable JSON ({one_line(exc, 80)})", path=path,
                                      fix="one JSON object per line (JSON Lines)") from None
             if not isinstance(obj, dict):
-                raise RouteToolError(f"line {lineno}: not a JSON object", path=path, fix="one JSON object per line")
+                raise RouteToolError(f"{where}: not a JSON object", path=path, fix="one JSON object per line")
             if obj.get("type") == "meta":
                 meta.update(obj)
                 continue
@@ -372,17 +476,30 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
             w_key = _first_key(obj, _WEIGHT_KEYS)
             weights = obj.get(w_key) if w_key else None
             layer_key = _first_key(obj, _LAYER_KEYS)
-            try:
-                layer = int(obj[layer_key]) if layer_key else 0
-            except (TypeError, ValueError):
-                raise RouteToolError(f"line {lineno}: {layer_key}={obj[layer_key]!r} is not an integer", path=path,
-                                     fix="fix the row") from None
-            token_rows = ids if ids and isinstance(ids[0], list) else [ids]
-            weight_rows = weights if (weights and isinstance(weights[0], list)) else ([weights] if weights else None)
+            layer = _layer_index(obj[layer_key], where, layer_key, path) if layer_key else 0
+            if not isinstance(ids, list):
+                raise RouteToolError(f"{where}: {id_key} is {_short(ids)}, not a list of expert ids", path=path,
+                                     fix="fix the row")
+            batch = bool(ids) and isinstance(ids[0], list)
+            token_rows = [_json_ids(r, where, id_key, path) for r in ids] if batch else [_json_ids(ids, where, id_key, path)]
+            weight_rows = None
+            if weights is not None and weights != []:
+                if batch:
+                    if not isinstance(weights, list) or len(weights) != len(token_rows):
+                        raise RouteToolError(f"{where}: {w_key} does not hold one list of weights per token row of "
+                                             f"{id_key}", path=path, fix="fix the row")
+                    weight_rows = [_json_weights(w, where, w_key, path) for w in weights]
+                else:
+                    weight_rows = [_json_weights(weights, where, w_key, path)]
             step_key_name = _first_key(obj, _STEP_KEYS)
             req = tuple(obj.get(k) for k in _REQUEST_KEYS)
             tok_key = _first_key(obj, _TOKEN_KEYS)
-            tok = obj.get(tok_key) if tok_key else None
+            tok = None
+            if tok_key is not None and obj[tok_key] is not None:
+                tok = _as_int(obj[tok_key])
+                if tok is None:
+                    raise RouteToolError(f"{where}: {tok_key}={_short(obj[tok_key])} is not an integer", path=path,
+                                         fix="fix the row")
             prev = last.get(layer)
             if step_key_name is not None:
                 explicit = obj[step_key_name]
@@ -396,25 +513,20 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
                 else:
                     counter = prev[3]
             last[layer] = (explicit, req, tok, counter)
-            for i, row in enumerate(token_rows):
-                try:
-                    row_ids = tuple(int(x) for x in row)
-                    row_w = tuple(float(x) for x in weight_rows[i]) if weight_rows else None
-                except (TypeError, ValueError, IndexError):
-                    raise RouteToolError(f"line {lineno}: {id_key}/{w_key} are not lists of numbers", path=path,
-                                         fix="fix the row") from None
-                yield _Row(layer, row_ids, row_w, (file_tag, counter), f"line {lineno}")
+            for i, row_ids in enumerate(token_rows):
+                yield _Row(layer, row_ids, weight_rows[i] if weight_rows else None, (file_tag, counter), where)
     if ignored:
         notes.append(f"{path.name}: ignored {ignored:,} lines without expert ids")
 
 
-def _meta_int(meta: dict, *keys: str) -> int | None:
+def _meta_int(meta: dict, path: Path, *keys: str) -> int | None:
     for k in keys:
         if k in meta and meta[k] is not None:
-            try:
-                return int(meta[k])
-            except (TypeError, ValueError):
-                return None
+            value = _as_int(meta[k])
+            if value is None or not 1 <= value <= MAX_EXPERTS:
+                raise RouteToolError(f"meta row: {k}={_short(meta[k])} is not an integer in [1, {MAX_EXPERTS:,}]",
+                                     path=path, fix="fix the meta row, or pass the value as an option")
+            return value
     return None
 
 
@@ -430,8 +542,9 @@ def read_jsonl(path: Path, options: ImportOptions) -> ImportedRouting:
     read = len(rows)
     rows, skipped, dropped, runs = _filter_rows(rows, options)
     model = options.model or str(meta.get("model_id") or meta.get("model") or path.stem)
-    result = _assemble(rows, path, "jsonl", options, model, _meta_int(meta, "num_experts", "n_experts"),
-                       _meta_int(meta, "top_k", "topk", "num_experts_per_tok"), notes)
+    result = _assemble(rows, path, "jsonl", options, model,
+                       None if options.num_experts else _meta_int(meta, path, "num_experts", "n_experts"),
+                       None if options.topk else _meta_int(meta, path, "top_k", "topk", "num_experts_per_tok"), notes)
     return _finish(result, read, skipped, dropped, runs, options)
 
 
@@ -439,6 +552,37 @@ def read_jsonl(path: Path, options: ImportOptions) -> ImportedRouting:
 # CSV
 def _norm(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.strip().lower()).strip("_")
+
+
+def _utf8_lines(fh, path: Path) -> Iterator[str]:
+    """The lines of a binary file as text, failing on the first line that is not UTF-8."""
+    for lineno, raw in enumerate(fh, 1):
+        try:
+            yield raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise RouteToolError(f"line {lineno}: not UTF-8 text (byte {exc.start + 1} of the line is "
+                                 f"{raw[exc.start]:#04x})", path=path,
+                                 fix="save the dump as UTF-8 text, or check --format") from None
+
+
+def _csv_numbers(text: str, kind, what: str, where: str, column: str, path: Path) -> list:
+    """Numbers of a list field such as ``"[8, 26, 56]"`` (brackets, commas, spaces separate)."""
+    out = []
+    for tok in _CSV_SPLIT.split(text.strip()):
+        if not tok:
+            continue
+        if kind is int:
+            if not _INT_TEXT.fullmatch(tok):
+                raise RouteToolError(f"{where}: {what} {tok!r} in {column!r} is not an integer", path=path,
+                                     fix="expert ids are integers; fix the row")
+            out.append(int(tok))
+        else:
+            try:
+                out.append(float(tok))
+            except ValueError:
+                raise RouteToolError(f"{where}: {what} {tok!r} in {column!r} is not a number", path=path,
+                                     fix="fix the row") from None
+    return out
 
 
 def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
@@ -449,17 +593,17 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
     notes: list[str] = []
     for file_no, f in enumerate(files):
         try:
-            fh = open(f, newline="", encoding="utf-8")
+            fh = open(f, "rb")
         except OSError as exc:
             raise RouteToolError(f"cannot read ({exc.strerror or exc})", path=f, fix="check the path") from None
         with fh:
-            reader = csv.reader(fh, delimiter="\t" if f.suffix.lower() == ".tsv" else ",")
+            reader = csv.reader(_utf8_lines(fh, f), delimiter="\t" if f.suffix.lower() == ".tsv" else ",")
             try:
                 header = next(reader)
             except StopIteration:
                 continue
             except csv.Error as exc:
-                raise RouteToolError(f"not a CSV file ({exc})", path=f, fix="pass a CSV with a header row") from None
+                raise RouteToolError(f"not a CSV file ({one_line(exc)})", path=f, fix="pass a CSV with a header row") from None
             names = [_norm(h) for h in header]
 
             def col(candidates, names=names):
@@ -473,23 +617,23 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
                 raise RouteToolError(f"no expert-id column in the header {header}", path=f,
                                      fix="name it 'Activated Expert IDs', 'topk_ids' or 'expert_ids'")
             try:
-                for lineno, rec in enumerate(reader, 2):
+                for rec in reader:
+                    lineno = reader.line_num
                     if not rec:
                         continue
+                    where = f"line {lineno}"
                     if len(rec) != len(header):
-                        raise RouteToolError(f"line {lineno}: {len(rec)} fields, header has {len(header)}", path=f,
+                        raise RouteToolError(f"{where}: {len(rec)} fields, header has {len(header)}", path=f,
                                              fix="quote fields that contain commas")
-                    ids = tuple(int(x) for x in _INT.findall(rec[c_ids]))
-                    weights = tuple(float(x) for x in _FLOAT.findall(rec[c_w])) if c_w is not None else None
-                    try:
-                        layer = int(rec[c_layer]) if c_layer is not None else 0
-                        step = rec[c_step] if c_step is not None else None
-                    except ValueError:
-                        raise RouteToolError(f"line {lineno}: layer {rec[c_layer]!r} is not an integer", path=f,
-                                             fix="fix the row") from None
+                    ids = tuple(_csv_numbers(rec[c_ids], int, "expert id", where, header[c_ids], f))
+                    weights = None
+                    if c_w is not None and rec[c_w].strip():
+                        weights = tuple(_csv_numbers(rec[c_w], float, "weight", where, header[c_w], f))
+                    layer = _layer_index(rec[c_layer], where, header[c_layer], f) if c_layer is not None else 0
+                    step = rec[c_step] if c_step is not None else None
                     rows.append(_Row(layer, ids, weights, (file_no, step), f"{f.name} line {lineno}"))
             except csv.Error as exc:
-                raise RouteToolError(f"malformed CSV ({exc})", path=f, fix="fix the file") from None
+                raise RouteToolError(f"malformed CSV ({one_line(exc)})", path=f, fix="fix the file") from None
     if len(files) > 1:
         notes.append(f"read {len(files)} CSV files; each file's batches are separate steps")
     read = len(rows)
@@ -503,19 +647,68 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
 # SGLang expert-distribution dumps
 def _torch_load(path: Path):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with open(path, "rb") as fh:
+            head = fh.read(4)
     except FileNotFoundError:
         raise RouteToolError("no such file", path=path, fix="check the path") from None
+    except OSError as exc:
+        raise RouteToolError(f"cannot read ({exc.strerror or exc})", path=path, fix="check permissions") from None
+    if not head:
+        raise RouteToolError("is empty", path=path, fix="pass an SGLang expert-distribution dump (.pt)")
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
+        raise RouteToolError("is not a torch.save file (neither a zip archive nor a pickle), so not an SGLang dump",
+                             path=path, fix="pass an SGLang expert-distribution dump (.pt), or the file's --format")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - pickle errors of any kind are bad input
-        raise RouteToolError(f"cannot load with torch.load(weights_only=True) ({type(exc).__name__}: {exc})",
-                             path=path, fix="pass an SGLang expert-distribution dump (.pt)") from None
+        raise RouteToolError(f"cannot load with torch.load(weights_only=True) ({type(exc).__name__}: "
+                             f"{one_line(exc, 100)})", path=path,
+                             fix="pass an SGLang expert-distribution dump (.pt)") from None
+
+
+def _where(name: str, index) -> str:
+    return f"{name}[{', '.join(str(int(i)) for i in index)}]"
+
+
+def _int_tensor(value, name: str, path: Path, *, low: int, high: int, what: str) -> torch.Tensor:
+    """``value`` as an int64 tensor of integers in ``[low, high)``, or a one-line error naming
+    the first bad element (non-numeric, non-finite, fractional or out of range)."""
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise RouteToolError(f"{name} is not a numeric tensor ({one_line(exc, 80)})", path=path,
+                             fix="pass an unmodified SGLang dump") from None
+    if t.dtype == torch.bool or t.is_complex():
+        raise RouteToolError(f"{name} has dtype {t.dtype}; expected integer {what}", path=path,
+                             fix="pass an unmodified SGLang dump")
+    if t.is_floating_point():
+        t64 = t.double()
+        bad = ~torch.isfinite(t64) | (t64 != t64.round())
+        if bad.any():
+            idx = bad.nonzero()[0].tolist()
+            raise RouteToolError(f"{_where(name, idx)} is {float(t64[tuple(idx)])!r}: {what} must be finite integers",
+                                 path=path, fix="pass an unmodified SGLang dump")
+        out_of_range = (t64 < low) | (t64 >= high)
+        if out_of_range.any():
+            idx = out_of_range.nonzero()[0].tolist()
+            raise RouteToolError(f"{_where(name, idx)} is {float(t64[tuple(idx)])!r}: {what} must lie in [{low}, {high:,})",
+                                 path=path, fix="pass an unmodified SGLang dump")
+        return t64.long()
+    t = t.long()
+    bad = (t < low) | (t >= high)
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        v = int(t[tuple(idx)])
+        why = "counts cannot be negative" if low == 0 and v < 0 and "count" in what else f"{what} must lie in [{low}, {high:,})"
+        raise RouteToolError(f"{_where(name, idx)} is {v}: {why}", path=path, fix="pass an unmodified SGLang dump")
+    return t
 
 
 def _phys_to_log(path: Path, obj: dict, num_layers: int, num_physical: int) -> tuple[torch.Tensor, bool]:
     m = obj.get("last_physical_to_logical_map")
     if m is None:
         return torch.arange(num_physical).repeat(num_layers, 1), False
-    m = torch.as_tensor(m).long()
+    m = _int_tensor(m, "last_physical_to_logical_map", path, low=0, high=MAX_EXPERTS, what="logical expert ids")
     if m.dim() != 2 or m.shape[0] != num_layers or m.shape[1] != num_physical:
         raise RouteToolError(f"last_physical_to_logical_map has shape {list(m.shape)}; expected "
                              f"[{num_layers}, {num_physical}]", path=path, fix="pass an unmodified SGLang dump")
@@ -542,10 +735,17 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     for f, obj in objs:
         if not isinstance(obj["records"], list):
             raise RouteToolError("'records' is not a list", path=f, fix="pass an unmodified SGLang dump")
-        for r in obj["records"]:
+        for i, r in enumerate(obj["records"]):
             if not isinstance(r, dict) or "forward_pass_id" not in r:
-                raise RouteToolError("a record lacks forward_pass_id", path=f, fix="pass an unmodified SGLang dump")
-            records.append((int(r["forward_pass_id"]), int(r.get("rank", 0)), f, r))
+                raise RouteToolError(f"records[{i}] lacks forward_pass_id", path=f, fix="pass an unmodified SGLang dump")
+            fp, rank = _as_int(_scalar(r["forward_pass_id"])), _as_int(_scalar(r.get("rank", 0)))
+            if fp is None or rank is None:
+                raise RouteToolError(f"records[{i}]: forward_pass_id / rank are not integers", path=f,
+                                     fix="pass an unmodified SGLang dump")
+            if "topk_ids_of_layer" not in r and "global_physical_count" not in r:
+                raise RouteToolError(f"records[{i}] holds neither topk_ids_of_layer nor global_physical_count", path=f,
+                                     fix="pass an unmodified SGLang dump")
+            records.append((fp, rank, f, r))
         maps[f] = obj
     if not records:
         raise RouteToolError("holds no records", path=path, fix="record some traffic before dumping")
@@ -555,16 +755,29 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     return _sglang_per_pass(path, records, maps, options, model, notes)
 
 
+def _scalar(value):
+    """A 0-d tensor as a Python number (SGLang stores some ids as tensors); anything else as is."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
+
+
 def _sglang_stat(path: Path, objs, options: ImportOptions, model: str, notes: list[str]) -> ImportedCounts:
     chunks = []
     for f, obj in objs:
-        lc = torch.as_tensor(obj["logical_count"]).long()
+        lc = _int_tensor(obj["logical_count"], "logical_count", f, low=0, high=MAX_COUNT, what="expert counts")
         if lc.dim() == 2:
             lc = lc[None]
-        if lc.dim() != 3:
+        if lc.dim() != 3 or lc.shape[2] == 0:
             raise RouteToolError(f"logical_count has shape {list(lc.shape)}; expected [steps, layers, experts]",
                                  path=f, fix="pass an unmodified SGLang dump")
+        if lc.shape[2] > MAX_EXPERTS:
+            raise RouteToolError(f"logical_count has {lc.shape[2]:,} experts (at most {MAX_EXPERTS:,})", path=f,
+                                 fix="pass an unmodified SGLang dump")
         chunks.append(lc)
+    if len({c.shape[1:] for c in chunks}) > 1:
+        raise RouteToolError(f"the dumps' logical_count shapes differ ({sorted({tuple(c.shape[1:]) for c in chunks})})",
+                             path=path, fix="read dumps of one model and run together")
     lc = torch.cat(chunks)
     empty = lc.sum(dim=(1, 2)) == 0
     if empty.any():
@@ -592,16 +805,40 @@ def _sglang_per_pass(path: Path, records, maps, options, model, notes) -> Import
     steps: dict[int, torch.Tensor] = {}
     E = None
     for fp, _rank, f, r in records:
-        g = torch.as_tensor(r.get("global_physical_count")).long()
-        if g.dim() != 2:
+        if r.get("global_physical_count") is None:
+            raise RouteToolError(f"forward pass {fp}: a record lacks global_physical_count", path=f,
+                                 fix="pass an unmodified SGLang dump")
+        g = _int_tensor(r["global_physical_count"], f"forward pass {fp}: global_physical_count", f, low=0,
+                        high=MAX_COUNT, what="expert counts")
+        if g.dim() != 2 or g.shape[1] == 0:
             raise RouteToolError("a record's global_physical_count is not [layers, physical experts]", path=f,
                                  fix="pass an unmodified SGLang dump")
         m, _ = _phys_to_log(f, maps[f], g.shape[0], g.shape[1])
-        E = int(m.max()) + 1 if options.num_experts is None else options.num_experts
+        map_experts = int(m.max()) + 1
+        if options.num_experts is not None and map_experts > options.num_experts:
+            raise RouteToolError(f"last_physical_to_logical_map names expert {map_experts - 1} >= --num-experts "
+                                 f"{options.num_experts}", path=f, fix="fix --num-experts")
+        E = max(E or 0, options.num_experts or map_experts)
         logical = torch.zeros(g.shape[0], E, dtype=torch.int64).scatter_add_(1, m, g)
-        steps[fp] = steps.get(fp, 0) + logical
-    stacked = torch.stack([steps[k] for k in sorted(steps)])  # [S, L, E]
+        prev = steps.get(fp)
+        if prev is not None and prev.shape != logical.shape:
+            if prev.shape[0] != logical.shape[0]:
+                raise RouteToolError(f"forward pass {fp}: records disagree on the number of layers", path=f,
+                                     fix="read dumps of one model and run together")
+            wider = torch.zeros_like(logical) if prev.shape[1] < logical.shape[1] else torch.zeros_like(prev)
+            wider[:, : prev.shape[1]] += prev
+            wider[:, : logical.shape[1]] += logical
+            steps[fp] = wider
+        else:
+            steps[fp] = logical if prev is None else prev + logical
+    if len({s.shape[0] for s in steps.values()}) > 1:
+        raise RouteToolError("the records disagree on the number of layers", path=path,
+                             fix="read dumps of one model and run together")
+    stacked = torch.stack([torch.nn.functional.pad(steps[k], (0, E - steps[k].shape[1])) for k in sorted(steps)])
     layers = {layer: stacked[:, layer].clone() for layer in range(stacked.shape[1]) if stacked[:, layer].sum() > 0}
+    if not layers:
+        raise RouteToolError("every record's global_physical_count is zero", path=path,
+                             fix="record some traffic before dumping")
     notes.append("SGLang per-pass dump: per-step expert counts (physical counts mapped to logical experts)")
     return ImportedCounts(source=str(path), format="sglang", model=model, num_experts=E, topk=options.topk,
                           layers=layers, notes=notes)
@@ -611,13 +848,18 @@ def _sglang_per_token(path: Path, records, maps, options, model, notes) -> Impor
     rows: list[_Row] = []
     mapped = False
     for fp, rank, f, r in records:
-        ids = torch.as_tensor(r["topk_ids_of_layer"]).long()  # [L, n, 8] physical ids, -1 unused
+        # [L, n, 8] physical ids, -1 unused
+        ids = _int_tensor(r["topk_ids_of_layer"], f"forward pass {fp}: topk_ids_of_layer", f, low=-1,
+                          high=MAX_EXPERTS, what="physical expert ids (-1 unused)")
         if ids.dim() != 3:
             raise RouteToolError("a record's topk_ids_of_layer is not [layers, tokens, k]", path=f,
                                  fix="pass an unmodified SGLang dump")
+        if ids.numel() == 0:
+            continue
         L = ids.shape[0]
         m_obj = maps[f].get("last_physical_to_logical_map")
-        num_phys = int(torch.as_tensor(m_obj).shape[1]) if m_obj is not None else int(ids.max()) + 1
+        num_phys = int(torch.as_tensor(m_obj).shape[1]) if m_obj is not None and torch.as_tensor(m_obj).dim() == 2 \
+            else int(ids.max()) + 1
         m, has_map = _phys_to_log(f, maps[f], L, max(num_phys, 1))
         mapped |= has_map
         valid = ids >= 0
@@ -637,8 +879,10 @@ def _sglang_per_token(path: Path, records, maps, options, model, notes) -> Impor
     rows, skipped, dropped, runs = _filter_rows(rows, options)
     E = options.num_experts
     if E is None:
-        ms = [torch.as_tensor(o["last_physical_to_logical_map"]) for o in maps.values()
-              if o.get("last_physical_to_logical_map") is not None]
+        ms = [_int_tensor(o["last_physical_to_logical_map"], "last_physical_to_logical_map", Path(str(f)), low=0,
+                          high=MAX_EXPERTS, what="logical expert ids")
+              for f, o in maps.items() if o.get("last_physical_to_logical_map") is not None]
+        ms = [x for x in ms if x.numel()]
         E = int(max(int(x.max()) for x in ms)) + 1 if ms else None
     result = _assemble(rows, path, "sglang", options, model, E, None, notes)
     return _finish(result, read, skipped, dropped, runs, options)
@@ -656,6 +900,9 @@ def _is_int(s) -> bool:
 
 def _counts_vector(value, where: str, path: Path) -> dict[int, int]:
     if isinstance(value, list):
+        if len(value) > MAX_EXPERTS:
+            raise RouteToolError(f"{where}: {len(value):,} counts (at most {MAX_EXPERTS:,} experts)", path=path,
+                                 fix="fix the file")
         items = enumerate(value)
     elif isinstance(value, dict) and all(_is_int(k) for k in value):
         items = ((int(k), v) for k, v in value.items())
@@ -663,18 +910,40 @@ def _counts_vector(value, where: str, path: Path) -> dict[int, int]:
         raise RouteToolError(f"{where}: expected {{expert_id: count}} or a list of counts", path=path, fix="fix the file")
     out = {}
     for e, c in items:
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0 or c != int(c):
-            raise RouteToolError(f"{where}: expert {e} count {c!r} is not a non-negative integer", path=path,
+        if not 0 <= e < MAX_EXPERTS:
+            raise RouteToolError(f"{where}: expert id {e} is out of range [0, {MAX_EXPERTS:,})", path=path,
                                  fix="fix the file")
-        out[int(e)] = int(c)
+        if isinstance(c, bool) or not isinstance(c, (int, float)):
+            raise RouteToolError(f"{where}: expert {e} count {_short(c)} is not a non-negative integer", path=path,
+                                 fix="fix the file")
+        if isinstance(c, float) and not math.isfinite(c):
+            raise RouteToolError(f"{where}: expert {e} count {_short(c)} is not a finite number", path=path,
+                                 fix="fix the file: counts are non-negative integers")
+        if c < 0 or c != int(c):
+            raise RouteToolError(f"{where}: expert {e} count {_short(c)} is not a non-negative integer", path=path,
+                                 fix="fix the file")
+        if c >= MAX_COUNT:
+            raise RouteToolError(f"{where}: expert {e} count {_short(c)} is too large (at most {MAX_COUNT - 1:,})",
+                                 path=path, fix="fix the file")
+        out[e] = int(c)
     return out
+
+
+def _layer_key(k: str, where: str, path: Path) -> int:
+    layer = int(k)
+    if not 0 <= layer < MAX_LAYERS:
+        raise RouteToolError(f"{where}: layer {k!r} is not a layer index (an integer in [0, {MAX_LAYERS:,}))",
+                             path=path, fix="fix the file")
+    return layer
 
 
 def _layer_tables(node, names: tuple[str, ...], path: Path) -> Iterator[tuple[tuple[str, ...], dict]]:
     if isinstance(node, dict) and node and all(_is_int(k) for k in node):
         vals = list(node.values())
         if all(isinstance(v, (dict, list)) for v in vals):
-            yield names, {int(k): _counts_vector(v, "/".join(names + (str(k),)), path) for k, v in node.items()}
+            where = "/".join(names) or "top level"
+            yield names, {_layer_key(k, where, path): _counts_vector(v, "/".join(names + (str(k),)), path)
+                          for k, v in node.items()}
             return
         if all(isinstance(v, (int, float)) for v in vals):  # {expert: count} without layers
             yield names, {0: _counts_vector(node, "/".join(names) or "top level", path)}
@@ -690,10 +959,23 @@ def _layer_tables(node, names: tuple[str, ...], path: Path) -> Iterator[tuple[tu
 def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
     """Read tokens per expert per layer from a nested JSON (see the module docstring)."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RouteToolError(f"not a readable JSON file ({exc})", path=path, fix="fix the file") from None
+        data = path.read_bytes()
+    except OSError as exc:
+        raise RouteToolError(f"cannot read ({exc.strerror or exc})", path=path, fix="check the path") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise RouteToolError(f"line {line}: not UTF-8 text (byte {exc.start + 1} of the file is {data[exc.start]:#04x})",
+                             path=path, fix="save it as UTF-8 JSON, or check --format") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RouteToolError(f"line {exc.lineno}: not JSON ({exc.msg})", path=path, fix="fix the file") from None
+    except (ValueError, RecursionError) as exc:
+        raise RouteToolError(f"not readable JSON ({one_line(exc, 80)})", path=path, fix="fix the file") from None
     tables = list(_layer_tables(doc, (), path))
+    tables = [(n, t) for n, t in tables if any(t.values())]
     if not tables:
         raise RouteToolError("no {layer: {expert_id: count}} tables found", path=path,
                              fix="use {model: {domain: {layer: {expert_id: count}}}} or {layer: [counts]}")
@@ -743,6 +1025,57 @@ def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
 
 # ---------------------------------------------------------------------------------------
 # entry points
+def _detected(path: Path) -> str | None:
+    try:
+        return detect_format(path)
+    except RouteToolError:
+        return None
+
+
+def resolve_format(path: str | Path, fmt: str = "auto") -> str:
+    """The reader for ``path``: ``detect_format`` for ``auto``; an explicit ``fmt`` is checked
+    against what the file clearly is (a routetool trace or not).
+
+    Raises:
+        RouteToolError: missing path; ``--format trace`` for a file that is not a trace; a dump
+            format for a file that is a trace; nothing recognisable.
+    """
+    path = Path(path)
+    if fmt == "auto":
+        return detect_format(path)
+    if fmt not in FORMATS:
+        raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
+    if not path.exists():
+        raise RouteToolError("no such file or folder", path=path, fix="check the path")
+    detected = _detected(path)
+    if fmt == "trace" and detected != "trace":
+        looks = f" (its content looks like {detected})" if detected else ""
+        raise RouteToolError(f"--format trace does not match: this is not a routetool trace{looks}", path=path,
+                             fix="drop --format to detect the format, or pass the file's format")
+    if fmt != "trace" and detected == "trace":
+        raise RouteToolError(f"--format {fmt} does not match: this is a routetool trace, not a {fmt} dump", path=path,
+                             fix="drop --format")
+    return fmt
+
+
+def check_import_options(options: ImportOptions) -> None:
+    """Bounds on the options (one-line errors instead of absurd allocations).
+
+    Raises:
+        RouteToolError: ``num_experts`` / ``topk`` outside ``[1, MAX_EXPERTS]``, negative filters.
+    """
+    for name, value in (("--num-experts", options.num_experts), ("--topk", options.topk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= MAX_EXPERTS):
+            raise RouteToolError(f"{name} {value} is out of range: at most {MAX_EXPERTS:,} experts are supported",
+                                 fix=f"pass the model's {name} (between 1 and {MAX_EXPERTS:,})")
+    if options.num_experts is not None and options.topk is not None and options.topk > options.num_experts:
+        raise RouteToolError(f"--topk {options.topk} > --num-experts {options.num_experts}",
+                             fix="a token picks at most num_experts experts")
+    if options.skip_rows < 0 or options.drop_repeats < 0:
+        raise RouteToolError("--skip-rows and --drop-repeats must be >= 0", fix="e.g. --skip-rows 0")
+
+
 def read_dump(path: str | Path, options: ImportOptions | None = None) -> ImportedRouting | ImportedCounts:
     """Read any supported routing dump (not a trace).
 
@@ -750,20 +1083,34 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
         :class:`ImportedRouting` for per-token ids, :class:`ImportedCounts` for counts.
 
     Raises:
-        RouteToolError: unknown format, malformed rows (naming the file and line), E/K
-            contradictions.
+        RouteToolError: unknown format, a trace, malformed rows (naming the file and line),
+            numbers that are not what they must be (non-integer or out-of-range ids and layers,
+            negative or non-finite counts), E/K contradictions. Any other parse failure of the
+            file is reported in one line as well, never as a traceback.
     """
     options = options or ImportOptions()
     path = Path(path)
-    fmt = detect_format(path) if options.format == "auto" else options.format
-    if options.format != "auto" and not path.exists():
-        raise RouteToolError("no such file or folder", path=path, fix="check the path")
+    check_import_options(options)
+    explicit = options.format != "auto"
+    fmt = resolve_format(path, options.format)
     if fmt == "trace":
-        raise RouteToolError("is already a routetool trace", path=path, fix="analyse it with `routetool balance`")
+        raise RouteToolError("is already a routetool trace: `import` reads routing dumps", path=path,
+                             fix="analyse it with `routetool balance`")
     readers = {"jsonl": read_jsonl, "csv": read_csv, "sglang": read_sglang, "counts-json": read_counts_json}
     if fmt not in readers:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
-    return readers[fmt](path, options)
+    try:
+        return readers[fmt](path, options)
+    except RouteToolError:
+        raise
+    except OSError as exc:
+        raise RouteToolError(f"cannot read ({exc.strerror or one_line(exc, 100)})", path=exc.filename or path,
+                             fix="check the path and permissions") from None
+    except (UnicodeDecodeError, ValueError, OverflowError, TypeError, KeyError, IndexError, RuntimeError,
+            RecursionError) as exc:
+        how = f"--format {fmt}" if explicit else f"{fmt} (detected)"
+        raise RouteToolError(f"cannot read as {how} ({type(exc).__name__}: {one_line(exc, 100)})", path=path,
+                             fix="check the file, or pass its --format") from None
 
 
 def write_imported_trace(imported: ImportedRouting, out: str | Path, *, force: bool = False) -> Path:

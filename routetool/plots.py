@@ -8,6 +8,7 @@ existing figure is replaced only with ``force``.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from routetool.balance import BalanceResult
@@ -32,19 +33,43 @@ def _pyplot():
 
 
 def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
-    """Fail early (before any work): matplotlib missing, the folder's parent missing, a
-    figure already there without ``force``.
+    """Fail early (before any work): matplotlib missing, ``-`` given, the folder (or, when it
+    does not exist yet, its parent) missing or not writable, a figure already there without
+    ``force``.
+
+    Writability is probed: a temporary file is created in the folder (and removed); a
+    missing folder is created and removed again, so nothing is left behind.
 
     Raises:
         RouteToolError: with the fix.
     """
     _pyplot()
+    if str(folder) == "-":
+        raise RouteToolError("--plot needs a folder; figures cannot go to stdout", path="-",
+                             fix="name a folder, e.g. --plot figs")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise RouteToolError("is not a folder", path=folder, fix="name a folder for the figures")
     parent = folder.parent if str(folder.parent) else Path(".")
     if not folder.exists() and not parent.is_dir():
         raise RouteToolError("folder does not exist", path=parent, fix="create it first")
+    created = False
+    try:
+        if not folder.exists():
+            folder.mkdir()
+            created = True
+        fd, probe = tempfile.mkstemp(prefix=".routetool-plot.", suffix=".probe", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise RouteToolError(f"cannot write figures here ({exc.strerror or exc})", path=folder,
+                             fix="choose a writable folder for --plot") from None
+    finally:
+        if created:
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
     if not force:
         existing = [name for name in FIGURES if (folder / name).exists()]
         if existing:
@@ -53,9 +78,20 @@ def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
     return folder
 
 
+def figure_paths(folder: str | os.PathLike) -> list[Path]:
+    """The files :func:`write_balance_plots` may write into ``folder``."""
+    return [Path(folder) / name for name in FIGURES]
+
+
 def _save(fig, path: Path, plt) -> None:
     try:
         atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"), suffix=".png")
+    except RouteToolError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a drawing failure must not end in a traceback
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")[:120]
+        raise RouteToolError(f"cannot draw the figure ({type(exc).__name__}: {first})", path=path,
+                             fix="report it; the other outputs were written") from None
     finally:
         plt.close(fig)
 
@@ -80,7 +116,11 @@ def write_balance_plots(result: BalanceResult, folder: str | os.PathLike, *, for
     import numpy as np
 
     folder = check_plot_dir(folder, force)
-    folder.mkdir(exist_ok=True)
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise RouteToolError(f"cannot create the folder ({exc.strerror or exc})", path=folder,
+                             fix="choose a writable folder for --plot") from None
     written = []
     layers = [x.layer for x in result.layers]
     title = f"{result.model or Path(result.source).name}"

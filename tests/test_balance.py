@@ -246,3 +246,81 @@ def test_tokens_per_rank_paths_agree(device, num_ranks):
         for r in {int(rank_of[e]) for e in row if e >= 0}:
             expected[r] += 1
     assert out.cpu().tolist() == expected.tolist()
+
+
+# -- windows, duplicates, routing functions that misbehave ---------------------------------------
+def test_window_tokens_exclude_padded_rows_and_sum_to_the_layer(tmp_path):
+    # _bias_trace: step 0 has 2 rows, step 1 has 2 rows of which 1 is padding. Windows are cut
+    # by rows (2 + 2), but their tokens are unpadded tokens: 2 and 1, summing to the layer's 3.
+    path = tmp_path / "t.safetensors"
+    _bias_trace(path)
+    with Trace(path) as t:
+        src = TraceSource(t, t.layers, routing="recorded", bias_effect=False)
+        r = analyze_balance(src, BalanceOptions(ep_sizes=[2], windows=2, eplb=None, capacity_factors=[]))
+    x = r.layers[0]
+    assert [w.tokens for w in x.windows] == [2, 1]
+    assert sum(w.tokens for w in x.windows) == x.tokens == 3
+    assert sum(w.assignments for w in x.windows) == x.assignments
+
+
+def test_window_tokens_of_counts_with_topk_sum_to_the_layer():
+    counts = ImportedCounts(source="c", format="counts-json", model="m", num_experts=4, topk=2,
+                            layers={0: torch.tensor([[6, 2, 0, 0], [2, 2, 2, 2], [1, 1, 0, 0]])})
+    r = analyze_balance(CountsSource(counts), BalanceOptions(ep_sizes=[2], windows=2, eplb=None, capacity_factors=[]))
+    x = r.layers[0]
+    assert sum(w.tokens for w in x.windows) == x.tokens == 4 + 4 + 1
+
+
+def test_duplicate_recorded_ids_are_rejected_like_dumps(tmp_path):
+    # a row [0, 0] used to count expert 0 twice without a word; `import` rejects such rows
+    path = tmp_path / "dup.safetensors"
+    ids = torch.tensor([[0, 1], [2, 3], [0, 1], [3, 3], [0, 3]], dtype=torch.int32)
+    make_trace(path, {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 2, 5]))},
+               router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
+    with Trace(path) as t, pytest.raises(RouteToolError, match=r"layers.0.topk_ids: 1 unpadded row\(s\) name one "
+                                                                 r"expert twice \(first in step 1\)"):
+        analyze_balance(TraceSource(t, t.layers), BalanceOptions(ep_sizes=[2], eplb=None))
+
+
+def test_duplicates_on_padded_rows_do_not_count(tmp_path):
+    # padded rows hold anything (here [1, 1]); they are masked before the check
+    path = tmp_path / "pad.safetensors"
+    ids = torch.tensor([[0, 1], [1, 1]], dtype=torch.int32)
+    make_trace(path, {0: LayerArrays(topk_ids=ids, is_padding=torch.tensor([False, True]))},
+               router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
+    with Trace(path) as t:
+        r = analyze_balance(TraceSource(t, t.layers), BalanceOptions(ep_sizes=[2], eplb=None))
+    assert r.layers[0].counts == [1, 1, 0, 0]
+
+
+def _route_with(tmp_path, fn):
+    path = tmp_path / "t.safetensors"
+    _bias_trace(path)
+    with Trace(path) as t:
+        src = TraceSource(t, t.layers, routing="kernel", route_fn=fn, route_name="kernel bad", bias_effect=False)
+        return analyze_balance(src, BalanceOptions(ep_sizes=[2], eplb=None))
+
+
+def _crash(gating, bias, pad):
+    raise RuntimeError("device-side assert\nsecond line")
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_crash, r"kernel bad failed on layer 0, step 0 \(RuntimeError: device-side assert\)"),
+    (lambda g, b, p: torch.zeros(g.shape[0] - 1, 1, dtype=torch.int64),
+     r"kernel bad returned topk_ids of shape \[1, 1\] on layer 0, step 0; expected \[2, 1\]"),
+    (lambda g, b, p: torch.zeros(g.shape[0], 2, dtype=torch.int64), r"shape \[2, 2\] .*expected \[2, 1\]"),
+    (lambda g, b, p: torch.zeros(g.shape[0], 1), "returned topk_ids of dtype torch.float32"),
+    (lambda g, b, p: None, "returned NoneType for the topk_ids of layer 0, step 0"),
+])
+def test_misbehaving_routing_function_is_one_line(tmp_path, fn, words):
+    # a kernel returning n-1 rows used to exit 0 with an undercounted load
+    with pytest.raises(RouteToolError, match=words) as info:
+        _route_with(tmp_path, fn)
+    assert "\n" not in str(info.value) and "t.safetensors" in str(info.value)
+
+
+def test_route_fn_from_needs_a_pair():
+    route = route_fn_from(lambda *a, **k: torch.zeros(2, 1), RouterConfig(num_experts=4, topk=1, route_scale=1.0))
+    with pytest.raises(TypeError, match="expected \\(topk_weights, topk_ids\\)"):
+        route(torch.zeros(2, 4), torch.zeros(4), None)

@@ -263,3 +263,205 @@ def test_layer_detail_shows_the_eplb_placement(tmp_path):
     assert any("1, 3, 0×3" in ln and "5.3" in ln for ln in lines)
     assert any("2, 0×3, 0×3" in ln and "4.7" in ln for ln in lines)
     assert "Windows of layer 0" in res.output
+
+
+# -- bad input from a new user's reports: one line, exit 2, nothing written ----------------------
+def _one_line_error(res, *words):
+    assert res.exit_code == 2, res.output
+    assert res.output.startswith("routetool: error:") and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    for w in words:
+        assert w in res.output, res.output
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("bin.jsonl", b'{"topk_ids":[1,2]}\n\xff\xfe bad\n', ["bin.jsonl: line 2: not UTF-8 text"]),
+    ("empty.jsonl", b'{"topk_ids":[]}\n', ["empty.jsonl: line 1: no expert ids"]),
+    ("big.jsonl", b'{"topk_ids":[1,2,3,99999999999999999999999]}\n', ["big.jsonl: line 1: expert id", "out of range"]),
+    ("nan.json", b'{"m":{"d":{"0":{"0":5,"1":NaN}}}}', ["nan.json: m/d/0: expert 1 count NaN is not a finite number"]),
+    ("frac.jsonl", b'{"topk_ids":[1.5,2]}\n', ["frac.jsonl: line 1: expert id 1.5 in topk_ids is not an integer"]),
+    ("layer.jsonl", b'{"layer":-1,"topk_ids":[1,2]}\n', ["layer.jsonl: line 1: layer=-1 is not a layer index"]),
+    ("garbage.pt", b"garbage", ["garbage.pt: is not a torch.save file"]),
+])
+@pytest.mark.parametrize("command", ["import", "balance"])
+def test_bad_dump_files_are_one_line(tmp_path, command, name, content, words):
+    path = tmp_path / name
+    path.write_bytes(content)
+    args = ["-o", tmp_path / "x.safetensors"] if command == "import" else ["--no-progress"]
+    _one_line_error(run(command, path, *args), *words)
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_negative_sglang_count_is_rejected(tmp_path):
+    # used to report Gini 1.67 and entropy -0.24
+    pt = tmp_path / "stat.pt"
+    torch.save({"logical_count": torch.tensor([[[1, -2, 3]]])}, pt)
+    _one_line_error(run("balance", pt, "--no-progress"), "logical_count[0, 0, 1] is -2: counts cannot be negative")
+
+
+def test_huge_num_experts_is_a_clear_error(tmp_path):
+    q = tmp_path / "q.jsonl"
+    write_qwen_like(q)
+    _one_line_error(run("import", q, "-o", tmp_path / "x.safetensors", "--num-experts", "99999999999"),
+                    "--num-experts 99999999999 is out of range")
+
+
+@pytest.mark.parametrize("doc, words", [
+    ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": True}, "num_gpus is true; expected a positive integer"),
+    ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 0}, "num_gpus is 0; expected a positive integer"),
+    ({"physical_to_logical_map": [[0, 0.5, 2, 3]], "num_gpus": 2}, "physical_to_logical_map[0][1] is 0.5"),
+])
+def test_bad_placement_file_is_one_line(tmp_path, doc, words):
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    placement = tmp_path / "p.json"
+    placement.write_text(json.dumps(doc))
+    _one_line_error(run("balance", trace, "--ep-size", "2", "--placement", placement, "--no-progress"), words)
+
+
+def test_recorded_duplicates_are_one_line(tmp_path):
+    trace = tmp_path / "dup.safetensors"
+    ids = torch.tensor([[0, 1], [0, 0]], dtype=torch.int32)
+    make_trace(trace, {0: LayerArrays(topk_ids=ids)}, router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
+    _one_line_error(run("balance", trace, "--recorded", "--ep-size", "2", "--no-progress"),
+                    "layers.0.topk_ids", "name one expert twice")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (a folder nothing can be created in)")
+def test_unwritable_plot_folder_fails_before_the_analysis(tmp_path):
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    out = tmp_path / "b.json"
+    res = run("balance", trace, "--ep-size", "2", "--plot", "/proc/routetool-figs", "--json", out, "--no-progress")
+    _one_line_error(res, "/proc/routetool-figs: cannot write figures here")
+    assert not out.exists()  # stopped before any work
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (a folder nothing can be created in)")
+def test_late_plot_write_error_is_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from routetool import plots
+
+    monkeypatch.setattr(plots, "check_plot_dir", lambda folder, force: Path(folder))  # let it through early
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    res = run("balance", trace, "--ep-size", "2", "--plot", "/proc/routetool-figs", "--no-progress")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "routetool: error: /proc/routetool-figs: cannot create the folder" in res.output
+
+
+def test_plot_dash_is_refused(tmp_path):
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    _one_line_error(run("balance", trace, "--plot", "-", "--no-progress"), "--plot needs a folder")
+
+
+def test_plot_figure_cannot_be_another_output(tmp_path):
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    _one_line_error(run("balance", trace, "--ep-size", "2", "--plot", figs, "--json", figs / "rank_load.png",
+                        "--no-progress"), "is named by --json and is a --plot figure")
+
+
+def test_one_file_for_two_outputs_is_refused(tmp_path):
+    # --json same.json --eplb-out same.json used to write both into one file (exit 0)
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    same = tmp_path / "same.json"
+    _one_line_error(run("balance", trace, "--ep-size", "2", "--json", same, "--eplb-out", same, "--no-progress"),
+                    "is named for two outputs of one run")
+    assert not same.exists()
+
+
+def test_balance_output_cannot_be_its_input(tmp_path):
+    q = tmp_path / "q.jsonl"
+    write_qwen_like(q)
+    before = q.read_bytes()
+    _one_line_error(run("balance", q, "--json", q, "--force", "--no-progress"), "is this run's input")
+    assert q.read_bytes() == before
+
+
+def test_import_never_replaces_its_dump(tmp_path):
+    # import in.jsonl -o in.jsonl --force used to replace the dump with the trace
+    q = tmp_path / "q.jsonl"
+    write_qwen_like(q)
+    before = q.read_bytes()
+    _one_line_error(run("import", q, "-o", q, "--force"), "is this run's input")
+    assert q.read_bytes() == before
+    _one_line_error(run("import", q, "-o", "-"), "'-' (stdout) cannot take this output")
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ("sglang", "q.jsonl: is not a torch.save file"),
+    ("trace", "q.jsonl: --format trace does not match: this is not a routetool trace"),
+])
+def test_import_wrong_format_is_one_line(tmp_path, fmt, words):
+    q = tmp_path / "q.jsonl"
+    write_qwen_like(q)
+    res = run("import", q, "--format", fmt, "-o", tmp_path / "x.safetensors")
+    _one_line_error(res, words)
+    assert "already" not in res.output
+
+
+def test_balance_format_trace_on_a_dump(tmp_path):
+    q = tmp_path / "q.jsonl"
+    write_qwen_like(q)
+    _one_line_error(run("balance", q, "--format", "trace", "--no-progress"), "--format trace does not match")
+
+
+@pytest.mark.parametrize("args, flags", [
+    (["--num-experts", "8"], "--num-experts applies"),
+    (["--topk", "2", "--select", "x"], "--topk, --select apply"),
+    (["--skip-rows", "0"], "--skip-rows applies"),          # given, even at its default value
+    (["--drop-repeats", "64"], "--drop-repeats applies"),
+])
+def test_dump_options_on_a_trace_are_refused(tmp_path, args, flags):
+    # they used to be ignored silently
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    _one_line_error(run("balance", trace, *args, "--no-progress"), flags, "to routing dumps, not to a trace")
+
+
+KERNELS = '''
+import torch
+from kernel.reference import musespark1x_routing_reference as ref
+
+def boom(gating_output, bias, *args, **kwargs):
+    raise RuntimeError("illegal memory access\\nwith a second line")
+
+def short(gating_output, bias, *args, **kwargs):
+    w, i = ref(gating_output, bias, *args, **kwargs)
+    return w[:-1], i[:-1]
+'''
+
+
+@pytest.mark.parametrize("fn, words", [
+    ("boom", ["failed on layer 0, step 0 (RuntimeError: illegal memory access)"]),
+    ("short", ["returned topk_ids of shape [15, 2] on layer 0, step 0; expected [16, 2]"]),
+])
+def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
+    # a kernel returning n-1 rows used to exit 0 with an undercounted load
+    mod = tmp_path / "kernels.py"
+    mod.write_text(KERNELS)
+    trace = tmp_path / "t.safetensors"
+    g = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
+    make_trace(trace, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 24]))})
+    res = run("balance", trace, "--kernel", f"{mod}:{fn}", "--ep-size", "2", "--device", "cpu", "--no-progress")
+    _one_line_error(res, f"kernel {mod}:{fn}", *words)
+
+
+def test_window_tokens_exclude_padding_through_the_cli(tmp_path):
+    trace = tmp_path / "pad.safetensors"
+    ids = torch.tensor([[0, 1], [0, 2], [2, 3], [-1, -1]], dtype=torch.int32)
+    make_trace(trace, {0: LayerArrays(topk_ids=ids, is_padding=torch.tensor([False, False, False, True]),
+                                      step_offsets=torch.tensor([0, 2, 4]))},
+               router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
+    out = tmp_path / "w.json"
+    assert run("balance", trace, "--ep-size", "2", "--windows", "2", "--json", out, "--no-progress").exit_code == 0
+    layer = json.loads(out.read_text())["layers"][0]
+    assert [w["tokens"] for w in layer["windows"]] == [2, 1] and layer["tokens"] == 3

@@ -202,12 +202,33 @@ def test_placement_json_roundtrip(tmp_path):
     ({"physical_to_logical_map": [[0, 1, 2, 3]], "layers": [1], "num_gpus": 2}, [0], "no placement for layer"),
     ({"physical_to_logical_map": [[0, 1, 2, 7]], "num_gpus": 2}, [0], "outside"),
     ({"placement": []}, [0], "no physical_to_logical_map"),
+    # types and values are checked one by one, with the key and element named
+    ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": True}, [0], "num_gpus is true; expected a positive integer"),
+    ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 0}, [0], "num_gpus is 0; expected a positive integer"),
+    ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 2.0}, [0], "num_gpus is 2.0"),
+    ({"physical_to_logical_map": [[0, 0.5, 2, 3]], "num_gpus": 2}, [0], r"physical_to_logical_map\[0\]\[1\] is 0.5"),
+    ({"physical_to_logical_map": [[0, True, 2, 3]], "num_gpus": 2}, [0], r"\[0\]\[1\] is true"),
+    ({"physical_to_logical_map": [[0, 1, 2, -1]], "num_gpus": 2}, [0], r"\[0\]\[3\] is -1: outside"),
+    ({"physical_to_logical_map": [[0, 1, 2, 3], [0, 1]], "num_gpus": 2}, [0], "different lengths"),
+    ({"physical_to_logical_map": "0,1,2,3", "num_gpus": 2}, [0], "not a non-empty list"),
+    ({"physical_to_logical_map": [[0, 1, 2, 3]], "layers": ["a"], "num_gpus": 2}, [0], "'layers' is"),
+    ({"physical_to_logical_map": [[0, 1, 2, 3]], "layers": 0, "num_gpus": 2}, [0], "'layers' is"),
+    ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 2, "num_nodes": "x"}, [0], "num_nodes is"),
+    ({"physical_to_logical_map": [[0, 1, 2, 3]]}, [0], "does not say num_gpus"),
 ])
 def test_bad_placement_files(tmp_path, doc, layers, words):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc))
-    with pytest.raises(RouteToolError, match=words):
+    with pytest.raises(RouteToolError, match=words) as info:
         load_placement(path, 4, layers)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_placement_file_not_json(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_bytes(b"\xff\xfe{")
+    with pytest.raises(RouteToolError, match="not a readable JSON file"):
+        load_placement(path, 4, [0])
 
 
 def test_single_row_placement_applies_to_every_layer(tmp_path):

@@ -148,13 +148,105 @@ def test_jsonl_with_token_batches_per_line(tmp_path):
     (['{"topk_ids": [1, -2]}'], {}, "line 1: negative expert id"),
     (['{"topk_ids": [1, 2]}', '{"topk_ids": [3]}'], {}, "different numbers of expert ids"),
     (['{"other": 1}'], {}, "no token rows left"),
+    # parse failures that used to be tracebacks
+    (['{"topk_ids": [1, 2]}', '{"topk_ids": []}'], {}, r"line 2: no expert ids \(an empty list\)"),
+    (['{"topk_ids": [[1, 2], []]}'], {}, "line 1: no expert ids"),
+    (['{"topk_ids": [1, 2, 3, 99999999999999999999999]}'], {}, "line 1: expert id 99999999999999999999999 is out of range"),
+    (['{"topk_ids": 7}'], {}, "line 1: topk_ids is 7, not a list of expert ids"),
+    (['{"topk_ids": [1, ' + "9" * 5000 + ']}'], {}, "line 1: not readable JSON"),  # Python's int digit limit
+    # wrong numbers that used to be accepted silently
+    (['{"topk_ids": [1.5, 2]}'], {}, "line 1: expert id 1.5 in topk_ids is not an integer"),
+    (['{"topk_ids": [true, 2]}'], {}, "line 1: expert id true in topk_ids is not an integer"),
+    (['{"topk_ids": [NaN, 2]}'], {}, "line 1: expert id NaN in topk_ids is not an integer"),
+    (['{"topk_ids": [1, 2], "layer": 1.5}'], {}, "line 1: layer=1.5 is not a layer index"),
+    (['{"topk_ids": [1, 2], "layer": true}'], {}, "line 1: layer=true is not a layer index"),
+    (['{"topk_ids": [1, 2], "layer": 1e30}'], {}, "line 1: layer=1e.30 is not a layer index"),
+    (['{"topk_ids": [1, 2], "layer_id": -1}'], {}, "line 1: layer_id=-1 is not a layer index"),
+    (['{"topk_ids": [1, 2], "token_idx": 0}', '{"topk_ids": [1, 3], "token_idx": "a"}'], {},
+     "line 2: token_idx=\"a\" is not an integer"),
+    (['{"topk_ids": [1, 2], "topk_weights": [0.5, true]}'], {}, "line 1: topk_weights is not a list of numbers"),
+    (['{"type": "meta", "num_experts": 99999999999}', '{"topk_ids": [1, 2]}'], {},
+     "meta row: num_experts=99999999999 is not an integer in"),
+    (['{"type": "meta", "top_k": true}', '{"topk_ids": [1, 2]}'], {}, "meta row: top_k=true"),
 ])
 def test_jsonl_bad_input_names_file_and_line(tmp_path, lines, options, words):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(RouteToolError, match=words) as info:
         read_dump(path, ImportOptions(**options))
-    assert str(path) in str(info.value)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_jsonl_integral_floats_and_integer_text_are_integers(tmp_path):
+    # 3.0 and "2" are the integers 3 and 2 (some writers emit floats); the layer likewise
+    path = tmp_path / "f.jsonl"
+    path.write_text('{"topk_ids": [3.0, "2"], "layer": 2.0}\n')
+    r = read_dump(path, ImportOptions(num_experts=4))
+    assert r.layers[2].topk_ids.tolist() == [[3, 2]]
+
+
+def test_jsonl_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(b'{"topk_ids": [1, 2]}\n\xff\xfe{"topk_ids": [1, 2]}\n')
+    with pytest.raises(RouteToolError, match=r"line 2: not UTF-8 text \(byte 1 of the line is 0xff\)"):
+        read_dump(path)
+
+
+def test_jsonl_utf8_bom_is_fine(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"topk_ids": [1, 2]}\n')
+    assert read_dump(path).layers[0].topk_ids.tolist() == [[1, 2]]
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"num_experts": 99999999999}, "--num-experts 99999999999 is out of range: at most 1,048,576"),
+    ({"topk": 1 << 30}, "--topk 1073741824 is out of range"),
+    ({"num_experts": 4, "topk": 8}, "--topk 8 > --num-experts 4"),
+])
+def test_option_bounds(tmp_path, options, words):
+    # a huge --num-experts used to allocate [E]-sized tensors until memory ran out
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"topk_ids": [1, 2]}\n')
+    with pytest.raises(RouteToolError, match=words):
+        read_dump(path, ImportOptions(**options))
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ("trace", "--format trace does not match: this is not a routetool trace .its content looks like jsonl"),
+    ("sglang", "is not a torch.save file"),
+])
+def test_wrong_format_says_so(tmp_path, fmt, words):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"topk_ids": [1, 2]}\n{"topk_ids": [0, 2]}\n')
+    with pytest.raises(RouteToolError, match=words) as info:
+        read_dump(path, ImportOptions(format=fmt))
+    assert "already" not in str(info.value) and "\n" not in str(info.value)
+
+
+def test_dump_format_on_a_trace_says_so(tmp_path):
+    src = tmp_path / "m.jsonl"
+    write_mixtral_like(src)
+    out = tmp_path / "m.safetensors"
+    write_imported_trace(read_dump(src), out)
+    with pytest.raises(RouteToolError, match="--format jsonl does not match: this is a routetool trace"):
+        read_dump(out, ImportOptions(format="jsonl"))
+    with pytest.raises(RouteToolError, match="is already a routetool trace"):
+        read_dump(out)
+
+
+def test_any_other_parse_failure_is_one_line(tmp_path, monkeypatch):
+    # last resort: a reader failing in an unforeseen way still gives one line naming the file
+    from routetool import imports
+
+    def broken(path, options):
+        raise KeyError("records\nsecond line")
+
+    monkeypatch.setattr(imports, "read_jsonl", broken)
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"topk_ids": [1, 2]}\n')
+    with pytest.raises(RouteToolError, match=r"cannot read as jsonl \(detected\) \(KeyError: 'records") as info:
+        read_dump(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
 # -- CSV ---------------------------------------------------------------------------------------
@@ -168,6 +260,30 @@ def test_deepseek_like_csv_folder(tmp_path):
     assert r.layers[1].topk_ids.tolist() == [[8, 26, 56], [3, 14, 22], [8, 9, 10], [60, 61, 62]]
     assert r.layers[1].step_offsets == [0, 2, 3, 4]
     assert r.layers[2].topk_weights is None
+
+
+@pytest.mark.parametrize("body, words", [
+    ('1,0,x,"[1.5, 2]"\n', r"line 2: expert id '1.5' in 'Activated Expert IDs' is not an integer"),
+    ('1,0,x,"tensor([1, 2])"\n', "line 2: expert id 'tensor' in 'Activated Expert IDs' is not an integer"),
+    ('-1,0,x,"[1, 2]"\n', "line 2: Layer ID='-1' is not a layer index"),
+    ('1e30,0,x,"[1, 2]"\n', "line 2: Layer ID='1e30' is not a layer index"),
+    ('1,0,x,"[]"\n', "x.csv line 2: no expert ids"),
+    ('1,0,x,"[1, 99999999999999999999999]"\n', "line 2: expert id 99999999999999999999999 is out of range"),
+])
+def test_csv_wrong_numbers(tmp_path, body, words):
+    # "[1.5, 2]" used to be read as the ids 1, 5, 2
+    path = tmp_path / "x.csv"
+    path.write_text(DS_HEADER + body)
+    with pytest.raises(RouteToolError, match=words) as info:
+        read_dump(path)
+    assert "x.csv" in str(info.value)
+
+
+def test_csv_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_bytes(DS_HEADER.encode() + b'1,0,x,"[1, 2]"\n1,0,\xff,"[1, 3]"\n')
+    with pytest.raises(RouteToolError, match="line 3: not UTF-8 text"):
+        read_dump(path)
 
 
 def test_csv_without_id_column(tmp_path):
@@ -227,6 +343,33 @@ def test_sglang_stat_dump(tmp_path):
     assert any("1 empty steps" in n for n in r.notes)
 
 
+@pytest.mark.parametrize("lc, words", [
+    ([[[1, -2, 3]]], r"logical_count\[0, 0, 1\] is -2: counts cannot be negative"),
+    (torch.tensor([[[1.0, float("nan"), 3.0]]]), r"logical_count\[0, 0, 1\] is nan: expert counts must be finite"),
+    (torch.tensor([[[1.0, 2.5, 3.0]]]), r"logical_count\[0, 0, 1\] is 2.5"),
+    ("abc", "logical_count is not a numeric tensor"),
+])
+def test_sglang_stat_bad_counts(tmp_path, lc, words):
+    # a negative count used to give Gini 1.67 and entropy -0.24
+    path = tmp_path / "stat.pt"
+    torch.save({"logical_count": lc}, path)
+    with pytest.raises(RouteToolError, match=words) as info:
+        read_dump(path)
+    assert str(path) in str(info.value)
+
+
+def test_sglang_per_token_bad_ids(tmp_path):
+    path = tmp_path / "pt.pt"
+    ids = torch.full((1, 1, 8), -1, dtype=torch.int32)
+    ids[0, 0, :2] = torch.tensor([0, -5])
+    torch.save({"records": [{"forward_pass_id": 0, "topk_ids_of_layer": ids}]}, path)
+    with pytest.raises(RouteToolError, match=r"topk_ids_of_layer\[0, 0, 1\] is -5"):
+        read_dump(path)
+    torch.save({"records": [{"forward_pass_id": 0, "rank": 0}]}, path)
+    with pytest.raises(RouteToolError, match="neither topk_ids_of_layer nor global_physical_count"):
+        read_dump(path)
+
+
 def test_sglang_per_token_dump_maps_physical_to_logical(tmp_path):
     path = tmp_path / "expert_distribution_recorder_1_0.pt"
     write_sglang_per_token(path)
@@ -255,8 +398,12 @@ def test_not_an_sglang_dump(tmp_path):
     with pytest.raises(RouteToolError, match="not an SGLang expert-distribution dump"):
         read_dump(path)
     path.write_bytes(b"garbage")
-    with pytest.raises(RouteToolError, match="weights_only=True"):
+    with pytest.raises(RouteToolError, match="not a torch.save file"):
         read_dump(path)
+    path.write_bytes(b"PK\x03\x04garbage")  # looks like a zip, is not one: torch.load's message, one line
+    with pytest.raises(RouteToolError, match="weights_only=True") as info:
+        read_dump(path)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
 
 
 # -- counts JSON --------------------------------------------------------------------------------
@@ -294,6 +441,32 @@ def test_counts_json_bad_count(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"0": {"0": -1, "1": 2}}))
     with pytest.raises(RouteToolError, match="not a non-negative integer"):
+        read_dump(path)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"m":{"d":{"0":{"0":5,"1":NaN}}}}', r"m/d/0: expert 1 count NaN is not a finite number"),
+    ('{"m":{"d":{"0":{"0":5,"1":Infinity}}}}', r"m/d/0: expert 1 count Infinity is not a finite number"),
+    ('{"m":{"d":{"0":{"0":5,"1":1.5}}}}', r"m/d/0: expert 1 count 1.5 is not a non-negative integer"),
+    ('{"m":{"d":{"0":{"0":5,"1":1e300}}}}', r"m/d/0: expert 1 count 1e\+300 is too large"),
+    ('{"m":{"d":{"0":{"-1":5,"1":2}}}}', r"m/d/0: expert id -1 is out of range"),
+    ('{"m":{"d":{"0":{"99999999999":5}}}}', r"m/d/0: expert id 99999999999 is out of range"),
+    ('{"m":{"d":{"-1":{"0":5,"1":2}}}}', r"m/d: layer '-1' is not a layer index"),
+    ('{"m":{"d":{"0":{}}}}', r"no \{layer: \{expert_id: count\}\} tables found"),
+    ('{"m": [1, 2', r"line 1: not JSON"),
+])
+def test_counts_json_bad_numbers_name_the_key(tmp_path, text, words):
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    with pytest.raises(RouteToolError, match=words) as info:
+        read_dump(path)
+    assert str(path) in str(info.value)
+
+
+def test_counts_json_not_utf8(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_bytes(b'{"m":\n {"0": [1, 2]}, "\xff": 1}')
+    with pytest.raises(RouteToolError, match="line 2: not UTF-8 text"):
         read_dump(path)
 
 
