@@ -56,14 +56,16 @@ def main() -> None:
 
 
 def _progress(enabled: bool) -> Progress:
+    """A transient progress bar on stderr; off when stderr is not a terminal (logs, pipes)."""
+    console = Console(stderr=True)
     return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeRemainingColumn(),
-        console=Console(stderr=True),
+        console=console,
         transient=True,
-        disable=not enabled,
+        disable=not enabled or not console.is_terminal,
     )
 
 

@@ -10,6 +10,7 @@ code 2. The commands are registered on the main group by :mod:`routetool.cli`
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -53,30 +54,80 @@ def _parse_overrides(items: tuple[str, ...]) -> dict:
     return out
 
 
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+def _progress(enabled: bool, percent: bool = False):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
-    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeRemainingColumn(), console=Console(stderr=True), transient=True, disable=not enabled)
+    count = TaskProgressColumn() if percent else MofNCompleteColumn()
+    console = Console(stderr=True)
+    # off where stderr is not a terminal: there a transient bar leaves an empty line behind,
+    # which would make a one-line error two lines
+    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), count,
+                    TimeRemainingColumn(), console=console, transient=True,
+                    disable=not enabled or not console.is_terminal)
+
+
+def _warn(line: str) -> None:
+    click.echo(f"routetool: warning: {line}", err=True)
+
+
+MAX_SEED = 2**63 - 1
+
+
+def _affinity(ctx, param, value):
+    """``--affinity``: auto (None) or a finite number in [0, 10]."""
+    from routetool.synth import MAX_AFFINITY
+
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not (math.isfinite(number) and 0 <= number <= MAX_AFFINITY):
+        raise RouteToolError(f"--affinity {value!r} must be auto or a finite number in [0, {MAX_AFFINITY:g}]",
+                             fix="e.g. --affinity auto, or --affinity 1.5")
+    return number
+
+
+def _std(ctx, param, value):
+    """``--router-std`` / ``--bias-std``: None or a finite number in [0, 10]."""
+    from routetool.capture.hf import MAX_STD
+
+    if value is None:
+        return None
+    if not (math.isfinite(value) and 0 <= value <= MAX_STD):
+        raise RouteToolError(f"{param.opts[0]} {value!r} must be a finite number in [0, {MAX_STD:g}]",
+                             fix=f"e.g. {param.opts[0]} 0.25 (0 keeps HF's initialisation)")
+    return value
 
 
 # ---------------------------------------------------------------------------------------
 # routetool synth
 @click.command()
-@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Trace file to write (.safetensors).")
-@click.option("--layers", "num_layers", type=click.IntRange(min=1), default=4, show_default=True, help="MoE layers.")
-@click.option("--experts", "num_experts", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Routed experts per layer (E).")
-@click.option("--topk", type=click.IntRange(min=1), default=8, show_default=True, help="Experts per token (K).")
-@click.option("--route-scale", type=float, default=2.5, show_default=True, help="routed_scaling_factor.")
+@click.option("-o", "--output", "--out", "out", type=click.Path(path_type=Path), required=True,
+              help="Trace file to write (.safetensors). --out is an alias.")
+@click.option("--layers", "num_layers", type=click.IntRange(1, 1024), default=4, show_default=True,
+              help="MoE layers (1-1024).")
+@click.option("--experts", "num_experts", type=click.IntRange(1, 1 << 16), default=256, show_default=True,
+              help="Routed experts per layer (E, 1-65536).")
+@click.option("--topk", type=click.IntRange(min=1), default=8, show_default=True, help="Experts per token (K <= E).")
+@click.option("--route-scale", type=float, default=2.5, show_default=True, help="routed_scaling_factor (finite, > 0).")
 @click.option("--normalization", type=click.Choice(["sigmoid", "softmax"]), default="sigmoid", show_default=True)
 @click.option("--multiplier", type=float, default=None, help="router_output_multiplier (default: none).")
 @click.option("--eps", type=float, default=None, help="router_score_division_eps (default: none).")
 @click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bfloat16", show_default=True,
               help="dtype of the stored logits.")
 @click.option("--prefill", default="384,128", show_default=True, help="Prefill chunk sizes in tokens (or none).")
-@click.option("--decode-steps", type=click.IntRange(min=0), default=16, show_default=True)
-@click.option("--max-decode-batch", type=click.IntRange(min=1), default=48, show_default=True,
+@click.option("--decode-steps", type=click.IntRange(0, 1_000_000), default=16, show_default=True,
+              help="Decode steps (0-1,000,000).")
+@click.option("--max-decode-batch", type=click.IntRange(1, 1 << 20), default=48, show_default=True,
               help="Decode batches are drawn uniformly from 1..this.")
 @click.option("--padding", default="graph", show_default=True,
               help="graph (pad decode batches to CUDA-graph sizes), none, or fraction:F (F of all rows padded).")
@@ -84,34 +135,46 @@ def _progress(enabled: bool):
               show_default=True, help="Step order of prefill chunks and decode batches.")
 @click.option("--skew", default="imbalance:3", show_default=True,
               help="Load skew: uniform, zipf:A, hot:N:F or imbalance:X[:S] (target max/mean per layer).")
+@click.option("--affinity", default="auto", show_default=True, callback=_affinity,
+              help="Token-expert affinity of the logit model (0-10); auto: 1.5, lowered for imbalance targets "
+                   "below the level 1.5 gives.")
 @click.option("--bias", type=click.Choice(["zero", "fitted"]), default="zero", show_default=True,
               help="zero, or fitted by DeepSeek-V3's auxiliary-loss-free update rule.")
-@click.option("--bias-rate", type=float, default=1e-3, show_default=True, help="Update rate u of the bias fit.")
-@click.option("--fit-steps", type=click.IntRange(min=0), default=50, show_default=True,
+@click.option("--bias-rate", type=float, default=1e-3, show_default=True, help="Update rate u of the bias fit (0-1).")
+@click.option("--fit-steps", type=click.IntRange(0, 10_000), default=50, show_default=True,
               help="Bias updates (batches of 1024 tokens).")
-@click.option("--ties", type=click.IntRange(min=0), default=4, show_default=True,
+@click.option("--ties", type=click.IntRange(0, 100_000), default=4, show_default=True,
               help="Rows per layer given an exact tie at the k-th boundary.")
-@click.option("--nonfinite", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--nonfinite", type=click.IntRange(0, 100_000), default=0, show_default=True,
               help="Rows per layer given a NaN and a +inf logit.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed (0 to 2**63-1).")
 @click.option("--model", "model_name", default="synthetic", show_default=True, help="Model name in the metadata.")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: float, normalization: str,
           multiplier: float | None, eps: float | None, dtype: str, prefill: str, decode_steps: int,
-          max_decode_batch: int, padding: str, order: str, skew: str, bias: str, bias_rate: float, fit_steps: int,
-          ties: int, nonfinite: int, seed: int, model_name: str, force: bool) -> None:
+          max_decode_batch: int, padding: str, order: str, skew: str, affinity: float | None, bias: str,
+          bias_rate: float, fit_steps: int, ties: int, nonfinite: int, seed: int, model_name: str, force: bool,
+          progress: bool) -> None:
     """Write a synthetic trace with controlled shape, skew, padding, ties and bias.
 
     Deterministic for a given seed. Prints the realised statistics per layer (tokens,
     padded and non-finite rows, exact ties at the k-th boundary, max/mean load without and
-    with the bias). The model of the logits is described in docs/capture.md.
+    with the bias, the imbalance target and the affinity used), and a warning for targets
+    the model cannot make. The model of the logits and the size limits are in docs/capture.md.
     """
-    from routetool.report import check_output_path
+    from routetool.files import check_output_paths
     from routetool.report_capture import render_synth
-    from routetool.synth import SynthSpec, synth_stats, synthesize
+    from routetool.synth import (
+        SynthSpec,
+        generate,
+        synth_stats,
+        synth_warnings,
+        synth_work,
+    )
     from routetool.trace import RouterConfig, write_trace
 
-    check_output_path(str(out), force)
+    check_output_paths([out], force=force, allow_stdout=False)
     spec = SynthSpec(
         num_layers=num_layers,
         router=RouterConfig(num_experts=num_experts, topk=topk, route_scale=route_scale,
@@ -120,10 +183,18 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
         dtype=_torch_dtype(dtype), prefill_chunks=_parse_chunks(prefill), decode_steps=decode_steps,
         max_decode_batch=max_decode_batch, padding=padding, order=order, skew=skew, bias=bias,
         bias_update_rate=bias_rate, fit_steps=fit_steps, ties=ties, nonfinite=nonfinite, seed=seed, model=model_name,
+        affinity=affinity,
     )
-    meta, layers = synthesize(spec)
-    write_trace(out, meta, layers, force=force)
-    render_synth(str(out), synth_stats(meta, layers), Console())
+    total = synth_work(spec)  # checks the spec and its sizes before any work
+    with _progress(progress, percent=True) as bar:
+        task = bar.add_task(f"synth {out.name}", total=total)
+        result = generate(spec, progress=lambda n: bar.advance(task, n))
+        stats = synth_stats(result.meta, result.layers, result.calibration, progress=lambda n: bar.advance(task, n))
+        bar.update(task, description=f"write {out.name}")
+        write_trace(out, result.meta, result.layers, force=force)
+    render_synth(str(out), stats, Console())
+    for line in synth_warnings(stats):
+        _warn(line)
     click.echo(f"wrote {out}", err=True)
 
 
@@ -143,13 +214,17 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
     TRACE is a .safetensors trace or a sharded trace's index (.json). Reads headers only
     (fast on any size) unless --scan is given.
     """
-    from routetool.info import trace_info
-    from routetool.report import check_output_path, write_json
+    from routetool.files import check_output_paths
+    from routetool.info import check_trace_file, trace_info
+    from routetool.report import write_json
     from routetool.report_capture import info_json, render_info
     from routetool.trace import open_trace
 
-    check_output_path(json_path, force)
+    check_output_paths([json_path], force=force, inputs=[trace])
+    check_trace_file(trace)
     with open_trace(trace) as t:
+        # a sharded trace's shards are inputs too
+        check_output_paths([json_path], force=force, inputs=[trace, *getattr(t, "shard_paths", [])])
         with _progress(progress and scan) as bar:
             task = bar.add_task(f"scan {trace.name}", total=t.total_tokens)
             result = trace_info(t, scan=scan, progress=lambda n: bar.advance(task, n))
@@ -165,6 +240,10 @@ def capture() -> None:
     """Record traces from real model runs (HF transformers; the vLLM recorder is a Python API)."""
 
 
+MAX_CAPTURE_LOGITS = 2**30
+"""Largest recording (rows x experts x layers) capture hf holds in memory."""
+
+
 @capture.command("hf")
 @click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
               help="Local checkpoint folder (from_pretrained, local files only).")
@@ -174,30 +253,32 @@ def capture() -> None:
               default=None, help="A small built-in config of this architecture: seeded random weights.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config field (--config/--arch), VALUE as JSON; repeatable.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
-@click.option("--router-std", type=click.FloatRange(min=0), default=None,
-              help="Redraw router weights from N(0, std^2) (random-weight models; default 0.25, 0 = HF init).")
-@click.option("--bias-std", type=click.FloatRange(min=0), default=None,
-              help="Draw e_score_correction_bias from N(0, std^2) (random-weight models; default 0.02).")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+              help="Seed of the random weights (0 to 2**63-1).")
+@click.option("--router-std", type=float, default=None, callback=_std,
+              help="Redraw router weights from N(0, std^2) (random-weight models; 0-10, default 0.25, 0 = HF init).")
+@click.option("--bias-std", type=float, default=None, callback=_std,
+              help="Draw e_score_correction_bias from N(0, std^2) (random-weight models; 0-10, default 0.02).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="Model dtype (auto: the checkpoint's; float32 for random-weight models).")
-@click.option("--text", "text_file", type=click.File("r", encoding="utf-8"), required=True,
-              help="Input text file, or - for stdin.")
+@click.option("--text", "text_path", metavar="FILE|-", required=True, help="Input text file (UTF-8), or - for stdin.")
 @click.option("--tokenizer", "tokenizer_mode", type=click.Choice(["auto", "checkpoint", "bytes"]), default="auto",
               show_default=True,
               help="auto: the checkpoint's tokenizer when it has one, else UTF-8 bytes; checkpoint: must load; bytes.")
-@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="Prompts per batch.")
-@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+@click.option("--batch", type=click.IntRange(1, 1 << 16), default=4, show_default=True, help="Prompts per batch.")
+@click.option("--prompt-tokens", type=click.IntRange(1, 1 << 20), default=64, show_default=True,
               help="Tokens per prompt (consecutive slices of the text).")
-@click.option("--max-new-tokens", type=click.IntRange(min=0), default=8, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(0, 1 << 16), default=8, show_default=True,
               help="Greedy tokens to generate: 1 prefill step + (N - 1) decode steps (0: one forward pass).")
-@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Trace file to write.")
+@click.option("-o", "--output", "--out", "out", type=click.Path(path_type=Path), required=True,
+              help="Trace file to write (.safetensors). --out is an alias.")
 @click.option("--model-name", default=None, help="Model name in the trace metadata.")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: str | None, overrides: tuple[str, ...],
-                       seed: int, router_std: float | None, bias_std: float | None, dtype: str, text_file,
+                       seed: int, router_std: float | None, bias_std: float | None, dtype: str, text_path: str,
                        tokenizer_mode: str, batch: int, prompt_tokens: int, max_new_tokens: int, out: Path,
-                       model_name: str | None, force: bool) -> None:
+                       model_name: str | None, force: bool, progress: bool) -> None:
     """Run a transformers MoE model on text and record every MoE layer's router.
 
     Records router logits, the bias (e_score_correction_bias, where the architecture has
@@ -205,7 +286,7 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
     DeepSeek-V3 / Kimi-K2 / GLM-4.5 (sigmoid + bias), Qwen3-MoE / Mixtral (softmax).
     """
     from routetool.capture import hf
-    from routetool.report import check_output_path
+    from routetool.files import check_output_paths
     from routetool.report_capture import render_hf_capture
     from routetool.trace import write_trace
 
@@ -218,25 +299,32 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
                              fix="drop them, or edit the checkpoint's config")
     if model_path is None and tokenizer_mode == "checkpoint":
         raise RouteToolError("--tokenizer checkpoint needs --model", fix="random-weight models use UTF-8 bytes")
-    check_output_path(str(out), force)
-    text = text_file.read()
-    source_name = getattr(text_file, "name", "<stdin>")
+    check_output_paths([out], force=force, inputs=[text_path, config_path], allow_stdout=False)
+    text = hf.read_text(text_path)
+    source_name = "<stdin>" if text_path == "-" else text_path
     torch_dtype = None if dtype == "auto" else _torch_dtype(dtype)
     if model_path is not None:
+        source = model_path
         model, tokenizer = hf.load_checkpoint(model_path, dtype=torch_dtype or "auto", tokenizer=tokenizer_mode)
         origin = f"checkpoint {model_path}"
     else:
         fields = _parse_overrides(overrides)
         config = hf.load_config(config_path, **fields) if config_path is not None else hf.small_config(arch, **fields)
+        source = config_path if config_path is not None else " ".join([f"--arch {arch}",
+                                                                       *(f"--set {o}" for o in overrides)])
+        hf.check_model_config(config, source)
         rs = 0.25 if router_std is None else router_std
         bs = 0.02 if bias_std is None else bias_std
+        _check_capture_size(hf, config, batch, prompt_tokens, max_new_tokens, source)
         model = hf.build_model(config, seed=seed, router_std=rs, bias_std=bs,
-                               dtype=torch_dtype or _torch_dtype("float32"))
+                               dtype=torch_dtype or _torch_dtype("float32"), source=source)
         tokenizer = None
         has_bias = hf.router_config_for(config)[0].has_bias
         origin = (f"{'config ' + str(config_path) if config_path else 'built-in small ' + arch + ' config'}"
                   f"{' with ' + ', '.join(overrides) if overrides else ''}, random weights seeded {seed}, router "
                   f"weights std {rs:g}" + (f", bias std {bs:g}" if has_bias else ""))
+    if model_path is not None:
+        _check_capture_size(hf, model.config, batch, prompt_tokens, max_new_tokens, source)
     ids = hf.encode_text(text, tokenizer, int(model.config.vocab_size))
     input_ids = hf.prompt_batch(ids, batch, prompt_tokens, source=source_name)
     tok = "checkpoint tokenizer" if tokenizer is not None else "UTF-8 bytes"
@@ -246,16 +334,32 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
                   f"prompts x {prompt_tokens} tokens ({tok}) of {source_name}; 1 prefill step + "
                   f"{max(max_new_tokens - 1, 0)} greedy decode steps; router logits, bias and the model's own "
                   "top-k ids/weights recorded by forward hooks")
-    meta, layers = hf.capture_hf(model, input_ids, max_new_tokens=max_new_tokens, model_name=name,
-                                 provenance=provenance)
-    write_trace(out, meta, layers, force=force)
+    with _progress(progress) as bar:
+        task = bar.add_task(f"capture {type(model).__name__} (forward passes)", total=max(1, max_new_tokens))
+        meta, layers = hf.capture_hf(model, input_ids, max_new_tokens=max_new_tokens, model_name=name,
+                                     provenance=provenance, source=source, progress=lambda n: bar.advance(task, n))
+        bar.update(task, description=f"write {out.name}")
+        write_trace(out, meta, layers, force=force)
     first = next(iter(layers.values()))
     summary = hf.HFCapture(
         out=str(out), model_name=name, family=hf.router_config_for(model.config)[0].name, layers=sorted(layers),
-        router=meta.router, weights_semantics=meta.extra.get("weights_semantics", "renormalized"), batch=batch,
+        router=meta.router, weights_semantics=meta.extra["weights_semantics"], batch=batch,
         prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
         tokenizer="checkpoint tokenizer" if tokenizer is not None else "UTF-8 byte fallback",
         num_steps=int(first.step_offsets.numel() - 1), tokens_per_layer=int(first.gating_output.shape[0]),
     )
     render_hf_capture(summary, Console())
     click.echo(f"wrote {out}; replay it with: routetool replay {out}", err=True)
+
+
+def _check_capture_size(hf, config, batch: int, prompt_tokens: int, max_new_tokens: int, source) -> None:
+    """Refuse a recording too large to hold in memory, before the model runs."""
+    _, router, _ = hf.router_config_for(config, source)
+    rows = batch * prompt_tokens + batch * max(max_new_tokens - 1, 0)
+    layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+    logits = rows * router.num_experts * layers
+    if logits > MAX_CAPTURE_LOGITS:
+        raise RouteToolError(
+            f"the recording would hold up to {rows:,} rows x {router.num_experts:,} experts x {layers:,} layers = "
+            f"{logits:,} logits; the limit is 2**30 = {MAX_CAPTURE_LOGITS:,} (it is held in memory)", path=source,
+            fix="lower --batch, --prompt-tokens or --max-new-tokens")

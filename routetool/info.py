@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from routetool.errors import RouteToolError
 from routetool.trace import FORMAT_VERSION, RouterConfig
 
 _ST_DTYPE_NAMES = {
@@ -138,6 +139,22 @@ class TraceInfo:
         if not self.scanned:
             return None
         return self.padded_rows / self.total_tokens if self.total_tokens else 0.0
+
+
+def check_trace_file(path: str | Path) -> None:
+    """Refuse a trace path that exists but is not a regular file or a folder (a FIFO, a
+    device, a socket), before anything opens it: reading one could block forever.
+
+    A missing path or a directory is left to :func:`routetool.trace.open_trace`, which names
+    them (a sharded trace's shards are checked by :class:`routetool.sharded.ShardedTrace`).
+
+    Raises:
+        RouteToolError: naming the path and the fix.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_file() and not p.is_dir():
+        raise RouteToolError("is not a regular file (a FIFO, device or socket); reading it could block", path=p,
+                             fix="name a .safetensors trace or a sharded trace's index .json")
 
 
 def _header_dtypes(paths: list[Path]) -> dict[str, str]:

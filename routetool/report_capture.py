@@ -173,16 +173,38 @@ def info_json(info: TraceInfo) -> dict:
 # ---------------------------------------------------------------------------------------
 # routetool synth
 def render_synth(path: str, stats: list, console: Console) -> None:
-    """Print the realised statistics of a synthetic trace (:class:`routetool.synth.SynthLayerStats`)."""
-    tbl = table(f"{path}: realised statistics per layer", ["layer", "tokens", "steps", "padded", "nonfin",
-                                                               "ties@k", "imb0", "imb", "CV", "idle", "max|b|"])
+    """Print the realised statistics of a synthetic trace (:class:`routetool.synth.SynthLayerStats`):
+    one table of rows and special rows, one of the load (two, so that each fits 80 columns)."""
+    rows = table(f"{path}: realised statistics per layer", ["layer", "tokens", "steps", "padded", "nonfinite",
+                                                               "ties@k"])
     for st in stats:
-        tbl.add_row(str(st.layer), f"{st.num_tokens:,}", str(st.num_steps), f"{st.padded_rows:,}",
-                      f"{st.nonfinite_rows:,}", f"{st.boundary_ties:,}", fmt_float(st.imbalance_zero_bias),
-                      fmt_float(st.imbalance), fmt_float(st.cv), str(st.idle_experts), fmt_float(st.bias_abs_max))
-    tbl.caption = ("padded rows excluded from the load; ties@k: exact ties at the k-th boundary; imb0 / imb: "
-                     "max/mean tokens per expert without / with the bias; CV: std/mean with the bias")
-    console.print(tbl)
+        rows.add_row(str(st.layer), f"{st.num_tokens:,}", str(st.num_steps), f"{st.padded_rows:,}",
+                     f"{st.nonfinite_rows:,}", f"{st.boundary_ties:,}")
+    rows.caption = "ties@k: unpadded rows with an exact tie at the k-th boundary"
+    console.print(rows)
+
+    targets = any(st.imbalance_target is not None for st in stats)
+    columns = ["layer", "imb0", "imb", "CV", "idle", "max|bias|"]
+    if targets:
+        columns[1:1] = ["target", "affinity"]
+    load = table("Load per layer (padded rows excluded)", columns)
+    for st in stats:
+        row = [str(st.layer), fmt_float(st.imbalance_zero_bias), fmt_float(st.imbalance), fmt_float(st.cv),
+               str(st.idle_experts), fmt_float(st.bias_abs_max)]
+        if targets:
+            target = Text("-") if st.imbalance_target is None else Text(fmt_float(st.imbalance_target))
+            if st.imbalance_target is not None and not st.target_reached:
+                target = Text(f"{fmt_float(st.imbalance_target)} (!)", style="yellow")
+            row[1:1] = [target, "-" if st.affinity is None else fmt_float(st.affinity)]
+        load.add_row(*row)
+    caption = ("imb0 / imb: max/mean tokens per expert without / with the bias; CV: std/mean with the bias; "
+               "idle: experts no token picks")
+    if targets:
+        caption += ("; target: the layer's imbalance target, met on 2048 calibration tokens (imb0 differs by "
+                    "sampling noise, more for fewer tokens; (!): out of the model's reach, see the warning); "
+                    "affinity: token-expert affinity of the logit model")
+    load.caption = caption
+    console.print(load)
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ index file that lists them in order::
       ]
     }
 
-Only ``format``, ``version`` and ``shards[].path`` are required; ``path`` is relative to the
-index's folder (or absolute). ``size_bytes``, when present, is checked against the file, so
-a replaced or truncated shard is caught before it is read. Every other key is
+Only ``format``, ``version`` and ``shards[].path`` are required; ``shards`` is a non-empty
+list; ``path`` is relative to the index's folder (or absolute), names a regular file, and no
+file is listed twice. ``size_bytes``, when present, is a non-negative integer checked against
+the file, so a replaced or truncated shard is caught before it is read. Every other key is
 informational and kept as is.
 
 Reading rules (:class:`ShardedTrace`): a layer's steps are the concatenation of its steps in
@@ -110,8 +111,9 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
     """Read and check an index file; returns the parsed document.
 
     Raises:
-        RouteToolError: missing or unreadable file, not JSON, another format or version,
-            no shards, a shard entry without a path.
+        RouteToolError: missing, unreadable or non-regular file, not JSON, another format or
+            version, ``shards`` not a non-empty list, a shard entry without a path, a
+            ``size_bytes`` that is not a non-negative integer, a path listed twice.
     """
     path = Path(path)
     shown = display_path if display_path is not None else path
@@ -119,6 +121,9 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
         raise RouteToolError("no such file", path=shown, fix="check the path")
     if path.is_dir():
         raise RouteToolError("is a directory, not a trace file", path=shown,
+                             fix="name a .safetensors trace or a sharded trace's index .json")
+    if not path.is_file():  # a FIFO, device or socket: reading it could block forever
+        raise RouteToolError("is not a regular file (a FIFO, device or socket)", path=shown,
                              fix="name a .safetensors trace or a sharded trace's index .json")
     try:
         doc = json.loads(path.read_text())
@@ -136,14 +141,39 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
         raise RouteToolError(f"trace index version {doc.get('version')!r} is not supported (this routetool reads "
                              f"{INDEX_VERSION!r})", path=shown, tensor="index", fix="upgrade routetool")
     shards = doc.get("shards")
-    if not isinstance(shards, list) or not shards:
+    if shards is None:
+        raise RouteToolError("the index lists no shards (no \"shards\" key)", path=shown, tensor="index.shards",
+                             fix="the recording wrote nothing; record again")
+    if not isinstance(shards, list):
+        raise RouteToolError(f"\"shards\" must be a list of shard entries, not {type(shards).__name__} "
+                             f"{_short(shards)}", path=shown, tensor="index.shards",
+                             fix="write the index with routetool's recorder (shards: [{\"path\": ...}, ...])")
+    if not shards:
         raise RouteToolError("the index lists no shards", path=shown, tensor="index.shards",
                              fix="the recording wrote nothing; record again")
+    seen: dict[str, int] = {}
     for i, entry in enumerate(shards):
+        where = f"index.shards[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
-            raise RouteToolError(f"shard entry {i} has no path", path=shown, tensor=f"index.shards[{i}]",
+            raise RouteToolError(f"shard entry {i} has no path", path=shown, tensor=where,
                                  fix="each shard entry needs a \"path\" string")
+        size = entry.get("size_bytes")
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            raise RouteToolError(f"shard {i} ({entry['path']}): size_bytes={_short(size)} is not a byte count",
+                                 path=shown, tensor=where,
+                                 fix="size_bytes must be a non-negative integer (or absent)")
+        key = os.path.normpath(entry["path"])
+        if key in seen:
+            raise RouteToolError(f"shard {i} ({entry['path']}) is listed twice (also as shard {seen[key]}); its "
+                                 "steps would be counted twice", path=shown, tensor=where,
+                                 fix="list every shard once")
+        seen[key] = i
     return doc
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass
@@ -181,17 +211,32 @@ class ShardedTrace:
         self.shard_paths: list[Path] = []
         self.shards: list[Trace] = []
         try:
+            index_name = self.display_path.name
+            fix = f"keep every shard file next to the index {index_name}"
             for i, entry in enumerate(self.index["shards"]):
                 p = Path(entry["path"])
                 full = p if p.is_absolute() else folder / p
                 shown = full if display_path is None else Path(self.display_path).parent / p
                 if not full.exists():
-                    raise RouteToolError(f"shard {i} listed in the index does not exist", path=shown,
-                                         fix=f"keep every shard file next to the index {self.display_path.name}")
+                    raise RouteToolError(f"shard {i} listed in the index {index_name} does not exist", path=shown,
+                                         fix=fix)
+                if full.is_dir():
+                    raise RouteToolError(f"shard {i} listed in the index {index_name} is a directory, not a shard "
+                                         "file", path=shown, fix="each shard entry must name a .safetensors file")
+                if not full.is_file():  # a FIFO, device or socket: reading it could block forever
+                    raise RouteToolError(f"shard {i} listed in the index {index_name} is not a regular file (a FIFO, "
+                                         "device or socket)", path=shown,
+                                         fix="each shard entry must name a .safetensors file")
+                for j, other in enumerate(self.shard_paths):
+                    if os.path.samefile(full, other):
+                        raise RouteToolError(f"shard {i} listed in the index {index_name} is the same file as shard "
+                                             f"{j}; its steps would be counted twice", path=shown,
+                                             fix=f"list every shard once in {index_name}")
                 size = entry.get("size_bytes")
-                if isinstance(size, int) and full.stat().st_size != size:
+                actual = full.stat().st_size
+                if size is not None and actual != size:
                     raise RouteToolError(
-                        f"shard {i} has {full.stat().st_size} bytes but the index says {size}",
+                        f"shard {i} has {actual} bytes but the index {index_name} says {size}",
                         path=shown, fix="the shard was replaced or truncated; copy the recording again",
                     )
                 self.shard_paths.append(full)

@@ -318,3 +318,161 @@ def test_capture_hf_refuses_existing_output_before_loading(tmp_path):
     out.write_bytes(b"precious")
     _one_line_error(_run("capture", "hf", "--arch", "mixtral", "--text", TEXT, "-o", out), "already exists")
     assert out.read_bytes() == b"precious"
+
+
+# ---------------------------------------------------------------------------------------
+# outputs: '-' is not a file; --output (with --out kept as an alias)
+@pytest.mark.parametrize("flag", ["-o", "--output", "--out"])
+def test_synth_refuses_stdout_as_its_output(tmp_path, monkeypatch, flag):
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(_run("synth", flag, "-", *SMALL), "'-' (stdout) cannot take this output", "name a file")
+    assert list(tmp_path.iterdir()) == []  # no file literally named '-'
+
+
+@pytest.mark.parametrize("flag", ["--output", "--out"])
+def test_synth_output_option_and_its_alias(tmp_path, flag):
+    out = tmp_path / "s.safetensors"
+    res = _run("synth", flag, out, *SMALL)
+    assert res.exit_code == 0, res.output
+    assert f"wrote {out}" in res.output and out.is_file()
+
+
+def test_capture_hf_refuses_stdout_and_its_own_input_as_output(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(_run("capture", "hf", "--arch", "mixtral", "--text", TEXT, "--output", "-"),
+                    "'-' (stdout) cannot take this output")
+    assert list(tmp_path.iterdir()) == []
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT.read_text())
+    _one_line_error(_run("capture", "hf", "--arch", "mixtral", "--text", text, "--out", text, "--force"),
+                    "is this run's input")
+    assert text.read_text() == TEXT.read_text()
+
+
+def test_info_json_refuses_the_trace_and_its_shards(tmp_path):
+    from routetool.sharded import write_index
+
+    trace = tmp_path / "t.safetensors"
+    assert _run("synth", "-o", trace, *SMALL).exit_code == 0
+    before = trace.read_bytes()
+    _one_line_error(_run("info", trace, "--json", trace, "--force"), "is this run's input")
+    index = tmp_path / "run.json"
+    write_index(index, [{"path": trace.name}], complete=True, stopped_by="exit")
+    _one_line_error(_run("info", index, "--json", trace, "--force"), "is this run's input")
+    assert trace.read_bytes() == before
+
+
+# ---------------------------------------------------------------------------------------
+# synth: impossible numbers fail fast, in one line
+@pytest.mark.parametrize("args, fragments", [
+    (["--padding", "fraction:0.999999"], ["logits; the limit is 2**28", "per layer"]),
+    (["--prefill", "999999999999"], ["1,000,000,000,004 rows x 48 experts", "the limit is 2**28"]),
+    (["--seed", "99999999999999999999"], ["--seed", "0<=x<=9223372036854775807"]),
+    (["--seed", "-1"], ["--seed"]),
+    (["--experts", "100000", "--prefill", "1", "--decode-steps", "0"], ["--experts", "1<=x<=65536"]),
+    (["--experts", "65536", "--topk", "8", "--layers", "4", "--skew", "imbalance:3", "--prefill", "1",
+      "--decode-steps", "0"], ["logit evaluations", "the limit is 2**34"]),
+    (["--decode-steps", "100000000"], ["--decode-steps", "0<=x<=1000000"]),
+    (["--skew", "zipf:nan"], ["--skew 'zipf:nan': arguments must be finite numbers"]),
+    (["--skew", "imbalance:nan"], ["finite numbers"]),
+    (["--skew", "imbalance:inf"], ["finite numbers"]),
+    (["--skew", "imbalance:3:nan"], ["finite numbers"]),
+    (["--skew", "imbalance:9"], ["at most experts/topk = 8"]),
+    (["--bias-rate", "nan"], ["bias_update_rate=nan (--bias-rate)"]),
+    (["--bias-rate", "inf"], ["(--bias-rate) must be a finite number in [0, 1]"]),
+    (["--route-scale", "nan"], ["route_scale=nan must be finite"]),
+    (["--multiplier", "inf"], ["router_output_multiplier must be finite"]),
+    (["--eps", "nan"], ["router_score_division_eps=nan"]),
+    (["--affinity", "nan"], ["--affinity 'nan' must be auto or a finite number in [0, 10]"]),
+    (["--affinity", "11"], ["--affinity '11'"]),
+    (["--ties", "1000000"], ["--ties"]),
+])
+def test_synth_impossible_numbers_exit_2(tmp_path, args, fragments):
+    out = tmp_path / "s.safetensors"
+    _one_line_error(_run("synth", "-o", out, *SMALL, *args), *fragments)
+    assert not out.exists()
+
+
+def test_synth_prints_targets_and_warns_about_unreachable_ones(tmp_path):
+    out = tmp_path / "s.safetensors"
+    args = ["--layers", "2", "--prefill", "2048", "--decode-steps", "0", "--ties", "0"]
+    res = _run("synth", "-o", out, *args, "--skew", "imbalance:1.5:0")
+    assert res.exit_code == 0, res.output
+    assert "target" in res.stdout and "affinity" in res.stdout and "routetool: warning" not in res.stderr
+    res = _run("synth", "-o", out, *args, "--skew", "imbalance:1.05:0", "--force")
+    assert res.exit_code == 0, res.output
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("routetool: warning:")]
+    assert len(warnings) == 1 and "layers 0, 1: imbalance target 1.05 is below the lowest level" in warnings[0]
+    assert "(!)" in res.stdout
+
+
+# ---------------------------------------------------------------------------------------
+# info: non-regular files
+def test_info_on_a_fifo_fails_at_once(tmp_path):
+    import os
+
+    fifo = tmp_path / "trace.safetensors"
+    os.mkfifo(fifo)
+    _one_line_error(_run("info", fifo), "trace.safetensors: is not a regular file")
+    index = tmp_path / "run.json"
+    os.mkfifo(index)
+    _one_line_error(_run("info", index), "run.json: is not a regular file")
+
+
+# ---------------------------------------------------------------------------------------
+# capture hf: impossible configs and options, bad text files
+@pytest.mark.parametrize("args, fragments", [
+    (["--arch", "mixtral", "--set", "num_experts_per_tok=9"],
+     ["--arch mixtral --set num_experts_per_tok=9: num_experts_per_tok=9 must be an integer in [1, "
+      "num_local_experts=8]"]),
+    (["--arch", "mixtral", "--set", "num_experts_per_tok=-1"], ["num_experts_per_tok=-1 must be"]),
+    (["--arch", "mixtral", "--set", "num_local_experts=0"], ["num_local_experts=0 must be an integer >= 1"]),
+    (["--arch", "mixtral", "--set", "num_local_experts=1"], ["num_experts_per_tok=2 must be an integer in [1, "
+                                                             "num_local_experts=1]"]),
+    (["--arch", "mixtral", "--set", "num_local_experts=x"], ["--arch mixtral", "num_local_experts", "expected int"]),
+    (["--arch", "mixtral", "--set", "hidden_size=-1"], ["hidden_size=-1 must be an integer >= 1"]),
+    (["--arch", "qwen3_moe", "--set", "num_experts=2"], ["num_experts_per_tok=4 must be an integer in [1, "
+                                                         "num_experts=2]"]),
+    (["--arch", "qwen3_moe", "--set", "norm_topk_prob=\"no\""], ["norm_topk_prob"]),
+    (["--arch", "deepseek_v3", "--set", "routed_scaling_factor=-1.0"], ["routed_scaling_factor=-1.0 must be"]),
+    (["--arch", "mixtral", "--set", "num_attention_heads=3"], ["--arch mixtral --set num_attention_heads=3: ",
+                                                               "the model failed to run (RuntimeError"]),
+    (["--arch", "mixtral", "--seed", "99999999999999999999"], ["--seed", "0<=x<=9223372036854775807"]),
+    (["--arch", "mixtral", "--router-std", "nan"], ["--router-std nan must be a finite number in [0, 10]"]),
+    (["--arch", "mixtral", "--router-std", "-1"], ["--router-std -1.0 must be"]),
+    (["--arch", "deepseek_v3", "--bias-std", "nan"], ["--bias-std nan must be"]),
+    (["--arch", "deepseek_v3", "--bias-std", "inf"], ["--bias-std inf must be"]),
+    (["--arch", "mixtral", "--batch", "60000", "--prompt-tokens", "100000"], ["logits; the limit is 2**30"]),
+])
+def test_capture_hf_impossible_configs_exit_2(tmp_path, args, fragments):
+    pytest.importorskip("transformers")
+    out = tmp_path / "o.safetensors"
+    _one_line_error(_run("capture", "hf", "--text", TEXT, "-o", out, *args), *fragments)
+    assert not out.exists()
+
+
+def test_capture_hf_config_file_with_topk_above_its_experts(tmp_path):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 6,
+                                  "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                  "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 256}))
+    _one_line_error(_run("capture", "hf", "--config", config, "--text", TEXT, "-o", tmp_path / "o.safetensors"),
+                    f"{config}: num_experts_per_tok=6 must be an integer in [1, num_local_experts=4]")
+
+
+@pytest.mark.parametrize("make, fragments", [
+    (lambda p: p / "missing.txt", ["missing.txt: no such file", "UTF-8 text file"]),
+    (lambda p: p, ["is a directory, not a text file"]),
+    (lambda p: (p / "b.txt").write_bytes(b"ok \xff\xfe bytes") and p / "b.txt", ["b.txt: is not UTF-8 text (byte 3"]),
+    (lambda p: (p / "e.txt").write_text(" \n") and p / "e.txt", ["e.txt: the text is empty"]),
+])
+def test_capture_hf_bad_text_file_is_one_line(tmp_path, make, fragments):
+    text = make(tmp_path)
+    _one_line_error(_run("capture", "hf", "--arch", "mixtral", "--text", text, "-o", tmp_path / "o.safetensors"),
+                    *fragments)
+
+
+def test_capture_hf_empty_stdin_is_one_line(tmp_path):
+    _one_line_error(_run("capture", "hf", "--arch", "mixtral", "--text", "-", "-o", tmp_path / "o.safetensors",
+                         input=""), "<stdin>: the text is empty")

@@ -173,3 +173,84 @@ def test_seeded_models_are_deterministic(tmp_path):
             n = ta.info(layer).num_tokens
             sa, sb = ta.read_rows(layer, 0, n), tb.read_rows(layer, 0, n)
             assert torch.equal(sa.gating_output, sb.gating_output) and torch.equal(sa.recorded_ids, sb.recorded_ids)
+
+
+# ---------------------------------------------------------------------------------------
+# impossible configs are refused before the model is built; failures of the model code are one line
+@pytest.mark.parametrize("arch, overrides, message", [
+    ("mixtral", dict(num_experts_per_tok=9), r"num_experts_per_tok=9 must be an integer in \[1, num_local_experts=8\]"),
+    ("mixtral", dict(num_experts_per_tok=-1), "num_experts_per_tok=-1"),
+    ("mixtral", dict(num_local_experts=0), "num_local_experts=0 must be an integer >= 1"),
+    ("mixtral", dict(num_local_experts=1), r"num_experts_per_tok=2 must be an integer in \[1, num_local_experts=1\]"),
+    ("qwen3_moe", dict(num_experts=3), r"num_experts_per_tok=4 must be an integer in \[1, num_experts=3\]"),
+    ("deepseek_v3", dict(n_routed_experts=2), r"\[1, n_routed_experts=2\]"),
+    ("deepseek_v3", dict(routed_scaling_factor=0.0), "routed_scaling_factor=0.0 must be a finite number > 0"),
+    ("mixtral", dict(hidden_size=-1), "hidden_size=-1 must be an integer >= 1"),
+    ("mixtral", dict(vocab_size=0), "vocab_size=0 must be an integer >= 1"),
+])
+def test_impossible_router_configs_are_refused(arch, overrides, message, monkeypatch):
+    import transformers
+
+    def no_build(*a, **k):
+        raise AssertionError("the config must be refused before the model is built")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", no_build)
+    config = small_config(arch, **{**TINY, **overrides})
+    with pytest.raises(RouteToolError, match=message):
+        build_model(config, source="--arch test")
+
+
+def test_config_type_errors_are_one_line():
+    with pytest.raises(RouteToolError) as info:
+        small_config("mixtral", num_local_experts="x")
+    assert "\n" not in str(info.value) and "num_local_experts" in str(info.value)
+
+
+def test_bad_seed_and_std_are_refused():
+    config = small_config("mixtral", **TINY)
+    for kw, message in ((dict(seed=2**64), r"seed=.* \[0, 2\*\*63-1\]"), (dict(seed=-1), "seed=-1"),
+                        (dict(router_std=float("nan")), "--router-std nan"), (dict(bias_std=-0.5), "--bias-std -0.5"),
+                        (dict(router_std=float("inf")), "--router-std inf")):
+        with pytest.raises(RouteToolError, match=message):
+            build_model(config, **kw)
+
+
+def test_model_failures_while_running_are_one_line():
+    model = build_model(small_config("mixtral", **TINY), seed=0)
+    ids = torch.full((1, 4), 300)  # outside the 256-token vocabulary: the embedding fails
+    with pytest.raises(RouteToolError, match=r"--arch x: the model failed to run \(IndexError"):
+        capture_hf(model, ids, max_new_tokens=1, model_name="m", provenance="p", source="--arch x")
+
+
+def test_capture_progress_counts_forward_passes():
+    model = build_model(small_config("mixtral", **TINY), seed=0)
+    ids = prompt_batch(encode_text(TEXT, None, 256), 2, 5)
+    done = []
+    capture_hf(model, ids, max_new_tokens=NEW, model_name="m", provenance="p", progress=done.append)
+    assert sum(done) == NEW
+
+
+@pytest.mark.parametrize("arch, overrides, semantics", [
+    ("deepseek_v3", {}, "renormalized"),
+    ("deepseek_v3", dict(norm_topk_prob=False), "unnormalized"),
+    ("qwen3_moe", dict(norm_topk_prob=False), "unnormalized"),
+    ("mixtral", {}, "renormalized"),
+])
+def test_weights_semantics_are_documented_values(arch, overrides, semantics):
+    from routetool.trace import WEIGHTS_SEMANTICS
+
+    _, _, got = router_config_for(small_config(arch, **TINY, **overrides))
+    assert got == semantics and got in WEIGHTS_SEMANTICS
+
+
+def test_read_text_errors(tmp_path):
+    from routetool.capture.hf import read_text
+
+    (tmp_path / "ok.txt").write_text("héllo")
+    assert read_text(tmp_path / "ok.txt") == "héllo"
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    (tmp_path / "empty.txt").write_text("")
+    for path, message in ((tmp_path / "missing.txt", "no such file"), (tmp_path, "is a directory"),
+                          (tmp_path / "bad.txt", "is not UTF-8 text"), (tmp_path / "empty.txt", "the text is empty")):
+        with pytest.raises(RouteToolError, match=message):
+            read_text(path)

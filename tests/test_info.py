@@ -101,3 +101,29 @@ def test_sharded_trace_info(tmp_path):
     layer = info.layers[0]
     assert layer.step_tokens == [3, 4, 5] and layer.tensors["gating_output"].shape == (12, 6)
     assert layer.tensors["step_offsets"].shape == (4,)
+
+
+def test_check_trace_file_refuses_non_regular_files(tmp_path):
+    import os
+
+    from routetool.errors import RouteToolError
+    from routetool.info import check_trace_file
+
+    fifo = tmp_path / "t.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(RouteToolError, match="t.safetensors: is not a regular file"):
+        check_trace_file(fifo)
+    check_trace_file(SYNTH)  # a regular file passes
+    check_trace_file(tmp_path / "missing.safetensors")  # left to open_trace, which names it
+    check_trace_file(tmp_path)  # a directory too
+
+
+def test_sharded_trace_with_a_shard_listed_twice_is_refused(tmp_path):
+    from routetool.errors import RouteToolError
+
+    shard = make_trace(tmp_path / "run-00000.safetensors",
+                       {0: LayerArrays(gating_output=torch.randn(5, 8))}, router=RouterConfig(num_experts=8, topk=2))
+    index = tmp_path / "run.json"
+    write_index(index, [{"path": shard.name}, {"path": shard.name}], complete=True, stopped_by="exit")
+    with pytest.raises(RouteToolError, match="listed twice"):
+        open_trace(index)

@@ -415,3 +415,17 @@ def test_start_close_api_and_atexit(fake_module, tmp_path):
     empty = RoutingRecorder(tmp_path / "b.json", target=TARGET, num_layers=3).start()
     with pytest.warns(UserWarning, match="saw no call"):
         empty._atexit()
+
+
+def test_weights_semantics_written_is_a_documented_value(fake_module, tmp_path):
+    # the trace reader refuses any weights_semantics but renormalized / unnormalized
+    from routetool.trace import WEIGHTS_SEMANTICS
+
+    out = tmp_path / "run.json"
+    with RoutingRecorder(out, target=TARGET, num_layers=3, shard_mb=0.002):
+        _run(FakeEngine(fake_module))
+    with open_trace(out) as t:
+        assert len(t.shards) > 1
+        for shard in t.shards:
+            assert shard.meta.extra["weights_semantics"] in WEIGHTS_SEMANTICS
+            assert shard.meta.extra["weights_semantics"] == "renormalized"  # the seed always renormalises

@@ -148,7 +148,7 @@ def test_weights_semantics_must_agree(tmp_path):
     ('{"format": "routetool-trace-index", "version": "1", "shards": []}', "lists no shards"),
     ('{"format": "routetool-trace-index", "version": "1", "shards": [{"size_bytes": 3}]}', "shard entry 0 has no path"),
     ('{"format": "routetool-trace-index", "version": "1", "shards": [{"path": "gone.safetensors"}]}',
-     "gone.safetensors: shard 0 listed in the index does not exist"),
+     "gone.safetensors: shard 0 listed in the index run.json does not exist"),
 ])
 def test_bad_index(tmp_path, doc, message):
     index = tmp_path / "run.json"
@@ -162,7 +162,7 @@ def test_replaced_or_truncated_shard_is_caught(tmp_path):
     index = _sharded(tmp_path, [{0: _layer(gen, [4])}, {0: _layer(gen, [4])}])
     shard = shard_path(index, 1)
     shard.write_bytes(shard.read_bytes()[:-8])
-    with pytest.raises(RouteToolError, match="shard 1 has .* bytes but the index says"):
+    with pytest.raises(RouteToolError, match="shard 1 has .* bytes but the index run.json says"):
         open_trace(index)
     doc = read_index(index)
     doc["shards"][1].pop("size_bytes")  # without the size, the reader's own checks catch it
@@ -175,3 +175,57 @@ def test_missing_index_and_shard_path_naming(tmp_path):
     with pytest.raises(RouteToolError, match="nope.json: no such file"):
         open_trace(tmp_path / "nope.json")
     assert shard_path(tmp_path / "a.b.json", 12).name == "a.b-00012.safetensors"
+
+
+def _one_shard(tmp_path):
+    gen = torch.Generator().manual_seed(6)
+    return make_trace(shard_path(tmp_path / "run.json", 0), {0: _layer(gen, [4, 2])}, router=ROUTER)
+
+
+@pytest.mark.parametrize("entries, message", [
+    # the same shard twice used to be read twice: every count doubled
+    (lambda s: [{"path": s.name}, {"path": s.name}],
+     r"run.json: index.shards\[1\]: shard 1 \(run-00000.safetensors\) is listed twice \(also as shard 0\)"),
+    (lambda s: [{"path": s.name}, {"path": f"./{s.name}"}], r"is listed twice \(also as shard 0\)"),
+    (lambda s: [{"path": s.name}, {"path": str(s)}],
+     "run-00000.safetensors: shard 1 listed in the index run.json is the same file as shard 0"),
+    (lambda s: [{"path": s.name, "size_bytes": "big"}],
+     r"run.json: index.shards\[0\]: shard 0 \(run-00000.safetensors\): size_bytes=\"big\" is not a byte count"),
+    (lambda s: [{"path": s.name, "size_bytes": -3}], "size_bytes=-3 is not a byte count"),
+    (lambda s: [{"path": s.name, "size_bytes": 1.5}], "size_bytes=1.5 is not a byte count"),
+    (lambda s: [{"path": s.name, "size_bytes": True}], "size_bytes=true is not a byte count"),
+    (lambda s: [{"path": "."}], r"shard 0 listed in the index run.json is a directory, not a shard file"),
+])
+def test_bad_shard_entries_name_the_index_and_the_shard(tmp_path, entries, message):
+    shard = _one_shard(tmp_path)
+    index = tmp_path / "run.json"
+    write_index(index, entries(shard), complete=True, stopped_by="exit")
+    with pytest.raises(RouteToolError, match=message):
+        open_trace(index)
+
+
+def test_shards_must_be_a_list(tmp_path):
+    index = tmp_path / "run.json"
+    index.write_text(json.dumps({"format": "routetool-trace-index", "version": "1", "shards": "x"}))
+    with pytest.raises(RouteToolError, match=r"run.json: index.shards: \"shards\" must be a list of shard entries, "
+                                             r"not str \"x\""):
+        open_trace(index)
+    index.write_text(json.dumps({"format": "routetool-trace-index", "version": "1"}))
+    with pytest.raises(RouteToolError, match="lists no shards"):
+        open_trace(index)
+
+
+def test_non_regular_index_and_shards_are_refused(tmp_path):
+    import os
+
+    fifo = tmp_path / "run-00000.safetensors"
+    os.mkfifo(fifo)
+    index = tmp_path / "run.json"
+    write_index(index, [{"path": fifo.name}], complete=True, stopped_by="exit")
+    with pytest.raises(RouteToolError, match="run-00000.safetensors: shard 0 listed in the index run.json is not a "
+                                             "regular file"):
+        open_trace(index)
+    fifo_index = tmp_path / "fifo.json"
+    os.mkfifo(fifo_index)
+    with pytest.raises(RouteToolError, match="fifo.json: is not a regular file"):
+        read_index(fifo_index)

@@ -46,13 +46,16 @@ def test_deterministic_for_a_seed():
 
 
 def test_bundled_synthetic_trace_is_reproduced_exactly():
-    # the same spec as traces/make_musespark1x_synth.py: the generator has not drifted
+    # the same spec as traces/make_musespark1x_synth.py: the generator has not drifted. The
+    # trace was made before the affinity could be lowered for low imbalance targets, so it
+    # fixes the affinity at 1.5 (its first two layers' targets, 2.4 and 3.5, are below the
+    # unskewed level of that affinity: they got 3.0 and 4.0 on the calibration batch)
     spec = SynthSpec(
         num_layers=4,
         router=RouterConfig(num_experts=256, topk=8, route_scale=2.5, router_score_normalization="sigmoid"),
         dtype=torch.bfloat16, prefill_chunks=(384, 97), decode_steps=24, max_decode_batch=40, skew="imbalance:4",
         bias="fitted", bias_update_rate=1e-3, fit_steps=20, ties=6, nonfinite=0, seed=20261130,
-        model="MuseSpark1x-shaped synthetic (256 experts, top-8, sigmoid, bf16)",
+        model="MuseSpark1x-shaped synthetic (256 experts, top-8, sigmoid, bf16)", affinity=1.5,
     )
     meta, layers = synthesize(spec)
     with Trace(ROOT / "traces" / "musespark1x-synth-bf16.safetensors") as t:
@@ -181,5 +184,129 @@ def test_ties_and_nonfinite_rows():
     (dict(router=RouterConfig(num_experts=4, topk=5)), "topk=5"),
 ])
 def test_bad_specs(kw, message):
+    with pytest.raises(RouteToolError, match=message):
+        synthesize(small(**kw))
+
+
+# ---------------------------------------------------------------------------------------
+# imbalance targets below the unskewed level, limits, calibration report
+def _targets(skew, **kw):
+    from routetool.synth import generate
+
+    base = dict(num_layers=2, router=RouterConfig(num_experts=256, topk=8, route_scale=2.5), prefill_chunks=(2048,),
+                decode_steps=0, ties=0, nonfinite=0, skew=skew, seed=5)
+    base.update(kw)
+    result = generate(SynthSpec(**base))
+    return result, synth_stats(result.meta, result.layers, result.calibration)
+
+
+def test_imbalance_targets_below_the_unskewed_level_are_met():
+    # at 256 experts, top-8, the affinity 1.5 alone gives max/mean ~3-4: targets below
+    # that used to be silently ignored (imbalance:1.5:0 and imbalance:3:0 gave the same trace)
+    from routetool.synth import DEFAULT_AFFINITY, synth_warnings
+
+    low, low_stats = _targets("imbalance:1.5:0")
+    mid, mid_stats = _targets("imbalance:3:0")
+    assert not torch.equal(low.layers[0].gating_output, mid.layers[0].gating_output)
+    for st in low_stats:
+        assert st.imbalance_target == 1.5 and st.target_reached
+        assert st.affinity < DEFAULT_AFFINITY  # lowered to get there
+        assert st.calibrated_imbalance == pytest.approx(1.5, rel=0.1)
+        assert st.imbalance_zero_bias < 2.0  # the trace's own 2048 tokens, sampling noise aside
+    for st in mid_stats:
+        assert st.target_reached and st.calibrated_imbalance == pytest.approx(3.0, rel=0.1)
+        assert 2.4 < st.imbalance_zero_bias < 3.6
+    assert synth_warnings(low_stats) == [] and synth_warnings(mid_stats) == []
+    assert "affinity=auto (1.5, lowered to" in low.meta.provenance
+    # above the unskewed level the affinity stays 1.5 and nothing changes in the provenance
+    high, high_stats = _targets("imbalance:6:0")
+    assert all(st.affinity == DEFAULT_AFFINITY and st.target_reached for st in high_stats)
+    assert "affinity" not in high.meta.provenance
+
+
+def test_unreachable_imbalance_targets_are_reported():
+    from routetool.synth import synth_warnings
+
+    # below what sampling noise alone gives on the calibration batch
+    _, stats = _targets("imbalance:1.05:0")
+    assert all(not st.target_reached and st.affinity == 0 and st.calibrated_imbalance > 1.2 for st in stats)
+    (line,) = synth_warnings(stats)
+    assert line.startswith("layers 0, 1: imbalance target 1.05 is below the lowest level the model can make; got ")
+    # a fixed affinity does not move: a target below its level is reported, not met
+    _, fixed = _targets("imbalance:1.5:0", affinity=1.5)
+    assert all(not st.target_reached and st.affinity == 1.5 for st in fixed)
+    assert "below the level of the fixed affinity 1.5" in synth_warnings(fixed)[0]
+    assert "--affinity auto" in synth_warnings(fixed)[0]
+
+
+def test_affinity_zero_leaves_only_sampling_noise():
+    _, stats = _targets("uniform", affinity=0.0)
+    assert all(st.imbalance_zero_bias < 1.6 for st in stats)  # ~1.4 at 2048 tokens
+    _, default = _targets("uniform")
+    assert all(st.imbalance_zero_bias > 2.4 for st in default)  # the affinity's own skew
+
+
+def test_auto_affinity_is_deterministic():
+    spec = small(skew="imbalance:1.5:0", num_layers=2)
+    _assert_same_trace(synthesize(spec), synthesize(spec))
+
+
+def test_stats_in_blocks_equal_stats_in_one_piece(monkeypatch):
+    import routetool.synth as synth_mod
+
+    meta, layers = synthesize(small(ties=5, nonfinite=3, padding="fraction:0.2"))
+    whole = synth_stats(meta, layers)
+    monkeypatch.setattr(synth_mod, "STATS_BLOCK_ELEMENTS", 7 * 40)  # 7 rows per block
+    assert synth_stats(meta, layers) == whole
+
+
+def test_progress_adds_up_to_the_work():
+    from routetool.synth import generate, synth_work
+
+    spec = small(skew="imbalance:2", bias="fitted")
+    done = []
+    result = generate(spec, progress=done.append)
+    synth_stats(result.meta, result.layers, result.calibration, progress=done.append)
+    assert sum(done) == synth_work(spec)
+
+
+@pytest.mark.parametrize("kw, message", [
+    # each case used to run out of memory, overflow, hang or make NaN logits with exit 0
+    (dict(padding="fraction:0.999999"), "per layer"),
+    (dict(prefill_chunks=(999_999_999_999,)), r"1,000,000,000,005 rows x 40 experts .* the limit is 2\*\*28"),
+    (dict(seed=99999999999999999999), r"seed=.* must be in \[0, 2\*\*63-1\]"),
+    (dict(seed=-1), r"must be in \[0, 2\*\*63-1\]"),
+    (dict(router=RouterConfig(num_experts=100_000, topk=8)), "above the limit 65,536"),
+    (dict(router=RouterConfig(num_experts=65536, topk=8), num_layers=4, prefill_chunks=(1,), decode_steps=0,
+          skew="imbalance:3"),
+     r"logit evaluations .* the limit is 2\*\*34"),
+    (dict(decode_steps=100_000_000), "above the limit 1,000,000"),
+    (dict(num_layers=2000), r"num_layers=2,000 \(--layers\) must be in \[1, 1,024\]"),
+    (dict(num_layers=1000, prefill_chunks=(65536,), decode_steps=0), r"the limit is 2\*\*30"),
+    (dict(skew="zipf:nan"), "finite numbers"),
+    (dict(skew="imbalance:nan"), "finite numbers"),
+    (dict(skew="imbalance:inf"), "finite numbers"),
+    (dict(skew="imbalance:3:nan"), "finite numbers"),
+    (dict(skew="hot:inf:2"), "finite numbers"),
+    (dict(skew="hot:2.5:3"), "integer N"),
+    (dict(skew="hot:41:3"), "more than the 40 experts"),
+    (dict(skew="zipf:1000"), "A <= 100"),
+    (dict(skew="imbalance:11"), "at most experts/topk = 10"),
+    (dict(bias_update_rate=float("nan")), "bias_update_rate=nan"),
+    (dict(bias_update_rate=2.0), r"must be a finite number in \[0, 1\]"),
+    (dict(fit_steps=10**6), "fit_steps"),
+    (dict(ties=10**7), "ties and nonfinite"),
+    (dict(affinity=float("nan")), "affinity=nan"),
+    (dict(affinity=-1.0), "affinity=-1.0"),
+    (dict(decode_steps=2.5), "must be integers"),
+])
+def test_impossible_specs_fail_before_any_work(kw, message, monkeypatch):
+    import routetool.synth as synth_mod
+
+    def no_work(*a, **k):
+        raise AssertionError("the spec must be refused before any logits are drawn")
+
+    monkeypatch.setattr(synth_mod, "_offsets", no_work)
+    monkeypatch.setattr(synth_mod, "_draw", no_work)
     with pytest.raises(RouteToolError, match=message):
         synthesize(small(**kw))

@@ -26,6 +26,7 @@ spec = SynthSpec(
     ties=6,
     nonfinite=0,
     seed=20261130,
+    affinity=1.5,
     model="MuseSpark1x-shaped synthetic (256 experts, top-8, sigmoid, bf16)",
 )
 meta, layers = synthesize(spec)

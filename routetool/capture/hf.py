@@ -30,15 +30,24 @@ Weight semantics, written to the trace's ``weights_semantics`` metadata:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.trace import LayerArrays, RouterConfig, TraceMeta
+from routetool.trace import (
+    WEIGHTS_SEMANTICS,
+    LayerArrays,
+    RouterConfig,
+    TraceMeta,
+    router_config_errors,
+)
 
 _LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -61,42 +70,113 @@ FAMILIES = {
 }
 
 
-def router_config_for(config) -> tuple[RouterFamily, RouterConfig, str]:
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                   "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+_NON_NEGATIVE_COUNTS = ("n_shared_experts", "first_k_dense_replace")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _config_error(message: str, source: object, key: str | None = None) -> RouteToolError:
+    fix = (f"fix {key} in the config (or --set {key}=...)" if key else "fix the config (or --set KEY=VALUE)")
+    return RouteToolError(message, path=source, fix=fix)
+
+
+def check_model_config(config, source: object = None) -> None:
+    """Refuse a config whose sizes transformers would fail on (or build nonsense from):
+    every size field present must be an integer >= 1 (counts such as ``n_shared_experts``
+    >= 0), and the router must be one routetool records (:func:`router_config_for`).
+
+    Args:
+        config: a transformers config. source: what to name in errors (a config file,
+            ``--arch X``).
+
+    Raises:
+        RouteToolError: naming the field, its value and the allowed range.
+    """
+    for key in _POSITIVE_SIZES + _NON_NEGATIVE_COUNTS:
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        low = 0 if key in _NON_NEGATIVE_COUNTS else 1
+        if not _is_int(value) or value < low:
+            raise _config_error(f"{key}={value!r} must be an integer >= {low}", source, key)
+    router_config_for(config, source)
+
+
+def router_config_for(config, source: object = None) -> tuple[RouterFamily, RouterConfig, str]:
     """Router family, parameters and weight semantics of a transformers model config.
+
+    Args:
+        config: a transformers config. source: what to name in errors.
 
     Returns:
         ``(family, router, weights_semantics)`` with semantics ``"renormalized"`` or
-        ``"unnormalized"``.
+        ``"unnormalized"`` (:data:`routetool.trace.WEIGHTS_SEMANTICS`).
 
     Raises:
-        RouteToolError: an unsupported ``model_type``, or group-limited routing.
+        RouteToolError: an unsupported ``model_type``, group-limited routing, or router
+            fields of the wrong type or range (expert count < 1, top-k outside [1, experts],
+            a scaling factor that is not finite and > 0, ``norm_topk_prob`` not a bool).
     """
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:
-        raise RouteToolError(f"model_type {model_type!r} is not supported",
+        raise RouteToolError(f"model_type {model_type!r} is not supported", path=source,
                              fix=f"supported: {', '.join(sorted(FAMILIES))}")
     if family.normalization == "sigmoid":
-        n_group, topk_group = getattr(config, "n_group", 1) or 1, getattr(config, "topk_group", 1) or 1
+        n_group, topk_group = getattr(config, "n_group", 1), getattr(config, "topk_group", 1)
+        n_group, topk_group = (1 if n_group is None else n_group), (1 if topk_group is None else topk_group)
+        for key, value in (("n_group", n_group), ("topk_group", topk_group)):
+            if not _is_int(value) or value < 1:
+                raise _config_error(f"{key}={value!r} must be an integer >= 1", source, key)
         if n_group > 1 and topk_group < n_group:
             raise RouteToolError(
                 f"group-limited routing (n_group={n_group}, topk_group={topk_group}) is not the MuseSpark1x router",
-                fix="set n_group=1 and topk_group=1 in the config to record plain top-k routing",
+                path=source, fix="set n_group=1 and topk_group=1 in the config to record plain top-k routing",
             )
-        num_experts = config.n_routed_experts
-        renorm = bool(getattr(config, "norm_topk_prob", True))
-        router = RouterConfig(
-            num_experts=num_experts,
-            topk=config.num_experts_per_tok,
-            route_scale=float(getattr(config, "routed_scaling_factor", 1.0)),
-            router_score_normalization="sigmoid",
-            router_score_division_eps=1e-20 if renorm else None,
-        )
+        experts_key = "n_routed_experts"
+        renorm_default, scale_key = True, "routed_scaling_factor"
     else:
-        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts")
-        renorm = True if family.name == "mixtral" else bool(getattr(config, "norm_topk_prob", False))
-        router = RouterConfig(num_experts=num_experts, topk=config.num_experts_per_tok, route_scale=1.0,
+        experts_key = "num_local_experts" if family.name == "mixtral" else "num_experts"
+        if getattr(config, experts_key, None) is None:
+            experts_key = "num_experts" if experts_key == "num_local_experts" else "num_local_experts"
+        renorm_default, scale_key = family.name == "mixtral", None
+    num_experts = getattr(config, experts_key, None)
+    topk = getattr(config, "num_experts_per_tok", None)
+    if not _is_int(num_experts) or num_experts < 1:
+        raise _config_error(f"{experts_key}={num_experts!r} must be an integer >= 1 (routed experts)", source,
+                            experts_key)
+    if not _is_int(topk) or not 1 <= topk <= num_experts:
+        raise _config_error(f"num_experts_per_tok={topk!r} must be an integer in [1, {experts_key}={num_experts}]",
+                            source, "num_experts_per_tok")
+    renorm = getattr(config, "norm_topk_prob", renorm_default)
+    if family.name == "mixtral":
+        renorm = True  # Mixtral always renormalises
+    elif renorm is None:
+        renorm = renorm_default
+    if not isinstance(renorm, bool):
+        raise _config_error(f"norm_topk_prob={renorm!r} must be true or false", source, "norm_topk_prob")
+    scale = 1.0
+    if scale_key is not None:
+        raw = getattr(config, scale_key, 1.0)
+        raw = 1.0 if raw is None else raw
+        if not (isinstance(raw, (int, float)) and not isinstance(raw, bool) and math.isfinite(raw) and raw > 0):
+            raise _config_error(f"{scale_key}={raw!r} must be a finite number > 0", source, scale_key)
+        scale = float(raw)
+    if family.normalization == "sigmoid":
+        router = RouterConfig(num_experts=num_experts, topk=topk, route_scale=scale,
+                              router_score_normalization="sigmoid",
+                              router_score_division_eps=1e-20 if renorm else None)
+    else:
+        router = RouterConfig(num_experts=num_experts, topk=topk, route_scale=1.0,
                               router_score_normalization="softmax")
+    problems = router_config_errors(router)
+    if problems:
+        raise _config_error("; ".join(problems), source)
     return family, router, "renormalized" if renorm else "unnormalized"
 
 
@@ -178,6 +258,9 @@ class HFRouterRecorder:
         """
         if self.num_steps == 0:
             raise RouteToolError("the recorder saw no router call", fix="run a forward pass inside the `with` block")
+        if self.weights_semantics not in WEIGHTS_SEMANTICS:  # the trace reader refuses any other value
+            raise RouteToolError(f"weights_semantics {self.weights_semantics!r} is not one of "
+                                 f"{', '.join(WEIGHTS_SEMANTICS)}", fix="record a supported model")
         layers: dict[int, LayerArrays] = {}
         for layer, module in sorted(self.modules.items()):
             sizes = [t.shape[0] for t in self._logits[layer]]
@@ -229,6 +312,27 @@ _SMALL_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_
                      max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` of an exception, on one line (transformers' messages span several)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _quiet_transformers(transformers):
+    """transformers' own warnings off (they would add lines before routetool's one-line error;
+    the config checks here report the same problems)."""
+    logging = transformers.utils.logging
+    previous = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)
+
+
 def require_transformers():
     """Import transformers, or say how to install it.
 
@@ -257,9 +361,11 @@ def small_config(arch: str, **overrides):
     fields = {**_SMALL_COMMON, **_SMALL[arch], **overrides}
     model_type = fields.pop("model_type")
     try:
-        return transformers.AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError) as exc:
-        raise RouteToolError(f"cannot build a {arch} config ({exc})", fix="check the --set values") from None
+        with _quiet_transformers(transformers):
+            return transformers.AutoConfig.for_model(model_type, **fields)
+    except Exception as exc:  # noqa: BLE001 - TypeError, ValueError, strict-dataclass errors ...
+        raise RouteToolError(f"cannot build a {arch} config ({_one_line(exc)})", path=f"--arch {arch}",
+                             fix="check the --set values") from None
 
 
 def load_config(path: str | Path, **overrides):
@@ -286,14 +392,16 @@ def load_config(path: str | Path, **overrides):
     for key in ("architectures", "transformers_version", "auto_map"):
         fields.pop(key, None)
     try:
-        return transformers.AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise RouteToolError(f"transformers cannot build model_type {model_type!r} ({exc})", path=file,
-                             fix="use a config of a supported MoE model") from None
+        with _quiet_transformers(transformers):
+            return transformers.AutoConfig.for_model(model_type, **fields)
+    except Exception as exc:  # noqa: BLE001 - TypeError, ValueError, KeyError, strict-dataclass ...
+        raise RouteToolError(f"transformers cannot build model_type {model_type!r} ({_one_line(exc)})", path=file,
+                             fix="fix the config's values (or --set KEY=VALUE), or use a config of a supported "
+                                 "MoE model") from None
 
 
 def build_model(config, *, seed: int = 0, router_std: float = 0.25, bias_std: float = 0.02,
-                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+                dtype: torch.dtype = torch.float32, source: object = None) -> torch.nn.Module:
     """A causal-LM of ``config`` with seeded random weights (no network).
 
     HF initialises routers at std 0.02 and the correction bias at 0, which gives nearly
@@ -301,22 +409,47 @@ def build_model(config, *, seed: int = 0, router_std: float = 0.25, bias_std: fl
     N(0, router_std^2) and, for families with a bias, the bias from N(0, bias_std^2), from a
     generator seeded with ``seed`` (0 keeps HF's initialisation).
 
+    Args:
+        config: a transformers config (:func:`small_config`, :func:`load_config`).
+        seed: in [0, 2**63 - 1]. router_std / bias_std: finite, in [0, 10].
+        dtype: model dtype. source: what to name in errors (a config file, ``--arch X``).
+
     Raises:
-        RouteToolError: an unsupported router family or group-limited routing (checked first).
+        RouteToolError: an unsupported router family, group-limited routing, impossible
+            sizes or router fields (:func:`check_model_config`, checked first), bad seed or
+            std, or any failure of transformers to build the model (in one line).
     """
     transformers = require_transformers()
-    router_config_for(config)  # refuse unsupported models before building anything
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in router_modules(model).values():
-            if router_std > 0:
-                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * router_std)
-            bias = getattr(module, "e_score_correction_bias", None)
-            if bias_std > 0 and bias is not None:
-                bias.copy_(torch.randn(bias.shape, generator=gen) * bias_std)
+    check_model_config(config, source)  # refuse impossible configs before building anything
+    if not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
+        raise RouteToolError(f"seed={seed!r} must be an integer in [0, 2**63-1]", fix="e.g. --seed 0")
+    for name, std in (("router-std", router_std), ("bias-std", bias_std)):
+        if not (isinstance(std, (int, float)) and math.isfinite(std) and 0 <= std <= MAX_STD):
+            raise RouteToolError(f"--{name} {std!r} must be a finite number in [0, {MAX_STD:g}]",
+                                 fix=f"e.g. --{name} 0.25 (0 keeps HF's initialisation)")
+    try:
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for module in router_modules(model).values():
+                if router_std > 0:
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * router_std)
+                bias = getattr(module, "e_score_correction_bias", None)
+                if bias_std > 0 and bias is not None:
+                    bias.copy_(torch.randn(bias.shape, generator=gen) * bias_std)
+    except RouteToolError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the model code raises for a config it cannot build
+        raise RouteToolError(f"transformers cannot build the model ({_one_line(exc)})", path=source,
+                             fix="check the config's sizes (or the --set values)") from None
     return model
+
+
+MAX_SEED = 2**63 - 1
+"""Largest ``--seed`` (torch generators take 64-bit seeds)."""
+MAX_STD = 10.0
+"""Largest ``--router-std`` / ``--bias-std``."""
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model",
@@ -346,8 +479,8 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", toke
         raise RouteToolError(f"tokenizer {tokenizer!r} must be auto, checkpoint or bytes", fix="e.g. --tokenizer auto")
     try:
         config = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise RouteToolError(f"cannot read the config ({exc})", path=p / "config.json",
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, KeyError, strict-dataclass errors ...
+        raise RouteToolError(f"cannot read the config ({_one_line(exc)})", path=p / "config.json",
                              fix="check the checkpoint") from None
     router_config_for(config)
     has_files = any((p / name).is_file() for name in _TOKENIZER_FILES)
@@ -355,16 +488,50 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", toke
     if tokenizer == "checkpoint" or (tokenizer == "auto" and has_files):
         try:
             tok = transformers.AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-        except Exception as exc:  # transformers raises many types for broken tokenizer files
+        except Exception as exc:  # noqa: BLE001 - many types for broken tokenizer files
             raise RouteToolError(f"cannot load the checkpoint's tokenizer ({type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0] if str(exc) else ''})", path=p,
                                  fix="fix the tokenizer files, or pass --tokenizer bytes") from None
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise RouteToolError(f"cannot load the weights ({str(exc).splitlines()[0] if str(exc) else exc})", path=p,
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, RuntimeError, safetensors errors ...
+        raise RouteToolError(f"cannot load the weights ({_one_line(exc)})", path=p,
                              fix="check that the checkpoint is complete") from None
     return model.eval(), tok
+
+
+def read_text(path: str | Path) -> str:
+    """The input text of a capture: a UTF-8 file, or ``-`` for stdin.
+
+    Raises:
+        RouteToolError: a missing file, a directory, a file that cannot be read or is not
+            UTF-8 text, or an empty text (naming the file and the fix).
+    """
+    shown = "<stdin>" if str(path) == "-" else Path(path)
+    fix = "give --text a UTF-8 text file (or - for stdin)"
+    if str(path) == "-":
+        import sys
+
+        stream = getattr(sys.stdin, "buffer", None)
+        data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise RouteToolError("no such file", path=p, fix=fix)
+        if p.is_dir():
+            raise RouteToolError("is a directory, not a text file", path=p, fix=fix)
+        try:
+            data = p.read_bytes()
+        except OSError as exc:
+            raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=p, fix="check permissions") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RouteToolError(f"is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r})", path=shown,
+                             fix=fix) from None
+    if not text.strip():
+        raise RouteToolError("the text is empty", path=shown, fix="give text to run the model on")
+    return text
 
 
 def encode_text(text: str, tokenizer, vocab_size: int) -> list[int]:
@@ -443,15 +610,34 @@ class HFCapture:
 
 
 def capture_hf(model: torch.nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int, model_name: str,
-               provenance: str) -> tuple[TraceMeta, dict[int, LayerArrays]]:
+               provenance: str, source: object = None,
+               progress: Callable[[int], None] | None = None) -> tuple[TraceMeta, dict[int, LayerArrays]]:
     """Run ``model`` on ``input_ids`` (:func:`run_model`) under :class:`HFRouterRecorder`.
+
+    Args:
+        source: what to name when the model fails to run (a config file, ``--arch X``).
+        progress: called with 1 after each forward pass (``max(1, max_new_tokens)`` in all).
 
     Returns:
         ``(meta, layers)`` for :func:`routetool.trace.write_trace`.
 
     Raises:
-        RouteToolError: an unsupported model, or no router call seen.
+        RouteToolError: an unsupported model, no router call seen, or any failure of the
+            model's own code while it runs (in one line).
     """
     with HFRouterRecorder(model) as rec:
-        run_model(model, input_ids, max_new_tokens)
+        handle = None
+        if progress is not None and rec.modules:
+            first = rec.modules[min(rec.modules)]
+            handle = first.register_forward_hook(lambda *_: progress(1))
+        try:
+            run_model(model, input_ids, max_new_tokens)
+        except RouteToolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model code failed on this config or input
+            raise RouteToolError(f"the model failed to run ({_one_line(exc)})", path=source,
+                                 fix="check the config's sizes (or the --set values) and the input sizes") from None
+        finally:
+            if handle is not None:
+                handle.remove()
     return rec.trace(model_name=model_name, provenance=provenance)
