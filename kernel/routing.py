@@ -1,13 +1,14 @@
-"""The project's MuseSpark1x routing kernel: several tokens per program, packed selection keys.
+"""The project's MuseSpark1x routing kernel: several tokens per program, integer selection keys.
 
 Algorithm, per program (``BLOCK_T`` tokens):
 
 1. Load a ``[BLOCK_T, NUM_CHUNKS, CHUNK]`` tile of logits: each token row cut into
    ``NUM_CHUNKS`` runs of ``CHUNK`` contiguous experts (experts padded to a power of two).
    The innermost axis is the contiguous one, so loads are coalesced; the compiler lays
-   threads out along it first and then along the rows, so only ``CHUNK / vector width``
-   threads share a row and most of each row's reduction happens in registers instead of
-   warp shuffles. Logits of any float dtype are upcast to float32.
+   threads out along it first and then along the rows, so ``CHUNK / vector width`` threads
+   share a row. The default launch uses 32 (a whole warp per row), which makes every
+   reduction a single warp-wide ``REDUX`` on Hopper (measured fastest at every batch size;
+   benchmarks/NOTES.md). Logits of any float dtype are upcast to float32.
 2. Scores: sigmoid or stable softmax of ``logits * multiplier`` (NaN logits count as -inf).
 3. One int32 key per expert: the order-preserving integer image of the float32 biased score
    (``score + bias``, NaN -> -inf, -0.0 -> +0.0). Each of the ``TOPK`` rounds takes the
@@ -43,7 +44,7 @@ import triton.language as tl
 
 from kernel._launch import check_routing_args, pdl_supported
 
-_EMPTY_KEY = tl.constexpr(-(2**31))  # below every real key: the image of -inf is -2**31 + 0x7F800000
+_EMPTY_KEY = tl.constexpr(-(2**31))  # below every real key: the image of -inf is -2**31 + 0x7FFFFF
 
 
 _UNROLL_MAX_TOPK = tl.constexpr(32)
