@@ -6,8 +6,9 @@ lazily, on first use of their names here; :mod:`kernel.reference` needs no Trito
 
 Variants (all with the seed's signature, returning ``(topk_weights, topk_ids)``):
 
-* ``tiled`` (:func:`fused_musespark1x_routing`, the default): several tokens per program,
-  packed selection keys, any float gating dtype.
+* ``tiled`` (:func:`fused_musespark1x_routing`, the default): integer selection keys, any
+  float gating dtype; the scan algorithm for decode batches and the two-level algorithm
+  for prefill batches (:func:`default_config`).
 * ``seed`` (:func:`fused_musespark1x_routing_seed`): the seed's algorithm, one program per
   token with repeated ``tl.argmax``; float32 gating_output only.
 """

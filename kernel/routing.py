@@ -1,26 +1,32 @@
-"""The project's MuseSpark1x routing kernel: several tokens per program, integer selection keys.
+"""The project's MuseSpark1x routing kernels: integer selection keys, two algorithms chosen by batch size.
 
-Algorithm, per program (``BLOCK_T`` tokens):
+Shared by both algorithms:
 
-1. Load a ``[BLOCK_T, NUM_CHUNKS, CHUNK]`` tile of logits: each token row cut into
-   ``NUM_CHUNKS`` runs of ``CHUNK`` contiguous experts (experts padded to a power of two).
-   The innermost axis is the contiguous one, so loads are coalesced; the compiler lays
-   threads out along it first and then along the rows, so ``CHUNK / vector width`` threads
-   share a row. The default launch uses 32 (a whole warp per row), which makes every
-   reduction a single warp-wide ``REDUX`` on Hopper (measured fastest at every batch size;
-   benchmarks/NOTES.md). Logits of any float dtype are upcast to float32.
-2. Scores: sigmoid or stable softmax of ``logits * multiplier`` (NaN logits count as -inf).
-3. One int32 key per expert: the order-preserving integer image of the float32 biased score
-   (``score + bias``, NaN -> -inf, -0.0 -> +0.0). Each of the ``TOPK`` rounds takes the
-   largest key, then the lowest expert index holding it (so ties go to the lowest index,
-   exactly as ``tl.argmax`` breaks them), and masks that expert out. Two 32-bit reductions
-   per round measured faster on an H200 than one reduction over packed int64
-   (score, index) keys, which Hopper compares in several instructions
-   (benchmarks/NOTES.md).
-4. Weights: the picked experts' logits are re-read (already in cache) and only those
-   ``TOPK`` scores are recomputed (cheaper than a score reduction per round, measured),
-   renormalised by ``route_scale / (sum + eps)``; a zero denominator gives weights 0.
-   Padded rows get id -1 and weight 0.
+* Logits of any float dtype are upcast to float32 and multiplied by the optional
+  ``router_output_multiplier``.
+* Scores: sigmoid, or stable softmax (NaN logits count as -inf). On NVIDIA GPUs the
+  sigmoid uses the approximate ``ex2``/``rcp`` instructions (:func:`_sigmoid`, within a
+  few float32 ulps of ``torch.sigmoid``); under the interpreter it is ``tl.sigmoid``.
+* One int32 key per expert: the order-preserving integer image of the float32 biased score
+  (``score + bias``; a NaN bias counts as -inf). The largest key wins; of equal keys the
+  lowest expert index wins, exactly as ``tl.argmax`` breaks ties.
+* Weights: the picked experts' logits are re-read (in cache) and only those ``topk`` scores
+  are recomputed, renormalised by ``route_scale / (sum + eps)``; a zero denominator gives
+  weights 0. Padded rows get id -1 and weight 0. Programmatic dependent launch on Hopper.
+
+**Scan** (:func:`_routing_kernel`; decode batches): a ``[BLOCK_T, NUM_CHUNKS, CHUNK]`` tile
+of logits (``CHUNK / vector width`` lanes share a row; 32 by default, so that every
+reduction is one warp-wide ``REDUX`` on Hopper) and ``topk`` rounds of (largest key, lowest
+expert holding it, mask it out). Each round scans every expert of the row.
+
+**Two-level** (:func:`_two_level_kernel`; prefill batches): one warp per token, expert ``e``
+in column ``e % WIDTH`` of slice ``e // WIDTH``. Level 1 streams the slices once, keeping per
+column its best two (score, expert) in order and its third-best score. Level 2 merges the
+columns' pairs with ``topk`` rounds over one head per column. That is the exact top-k
+unless a column holds three of the picks, which the third-best scores detect; such tiles
+are redone by the scan. Each expert is touched a constant number of times instead of
+``topk`` times; a persistent grid loads each token's logits one token ahead.
+Measurements of both: benchmarks/NOTES.md.
 
 Semantics are the seed's (see :mod:`kernel.reference`, which defines them, including the
 rule for non-finite input). Differences from the seed kernel, and why:
@@ -48,6 +54,84 @@ _EMPTY_KEY = tl.constexpr(-(2**31))  # below every real key: the image of -inf i
 
 
 _UNROLL_MAX_TOPK = tl.constexpr(32)
+_LOG2E = tl.constexpr(1.4426950408889634)
+_TWO_M64 = tl.constexpr(2.0**-64)
+
+
+@triton.jit
+def _prepare_logits(x, router_output_multiplier, HAS_MULTIPLIER: tl.constexpr, NORMALIZATION_MODE: tl.constexpr):
+    """float32 logits times the optional multiplier; under softmax NaN -> -inf (:func:`_sigmoid` takes NaN itself)."""
+    x = x.to(tl.float32)
+    if HAS_MULTIPLIER:
+        x = x * router_output_multiplier
+    if NORMALIZATION_MODE == 1:
+        x = tl.where(x != x, -float("inf"), x)
+    return x
+
+
+@triton.jit
+def _prepare_bias(b, FAST_MATH: tl.constexpr):
+    """float32 bias, NaN -> -inf (so that ``score + bias`` is never NaN: scores are finite).
+
+    ``FAST_MATH``: the hardware ``max`` returns its non-NaN operand, one instruction.
+    """
+    b = b.to(tl.float32)
+    if FAST_MATH:
+        return tl.maximum(b, -float("inf"))
+    return tl.where(b != b, -float("inf"), b)
+
+
+@triton.jit
+def _sigmoid(x, FAST_MATH: tl.constexpr):
+    """sigmoid of float32 ``x``, with NaN counted as -inf (score +0); in ``[+0, 1]``, never ``-0.0``.
+
+    ``FAST_MATH`` (NVIDIA GPUs): ``1 / (1 + 2^(-x log2 e))`` from the flush-to-zero
+    ``ex2.approx`` and ``rcp.approx`` instructions, 6 instructions instead of the 13 of the
+    IEEE-safe exp and division. Flushing is harmless here: ``2^(-x log2 e)`` below ``2^-126``
+    adds nothing to 1, and the reciprocal is taken of ``(1 + t) * 2^-64`` (a normal number
+    for every finite ``t``) and scaled back, so scores below ``2^-126`` keep their subnormal
+    values instead of becoming 0. NaN is caught by the hardware ``min`` (which returns the
+    non-NaN operand): ``min(NaN, +inf) = +inf``, ``1 / (1 + inf) = 0``. Versus
+    ``torch.sigmoid``: a few float32 ulps, plus for negative ``x`` a relative error of about
+    ``|x| * 2^-24`` from rounding ``x log2 e`` (as in ``tl.exp``).
+    """
+    if FAST_MATH:
+        u = tl.minimum(x * -_LOG2E, float("inf"))
+        t = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [t * _TWO_M64 + _TWO_M64],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        return r * _TWO_M64
+    return tl.sigmoid(tl.where(x != x, -float("inf"), x))
+
+
+@triton.jit
+def _softmax_stats(row_max):
+    """From a row's max logit: (the finite max to subtract, whether the row holds +inf)."""
+    has_inf = row_max == float("inf")
+    finite_max = tl.where((row_max > -float("inf")) & ~has_inf, row_max, 0.0)
+    return finite_max, has_inf
+
+
+@triton.jit
+def _softmax_numerator(x, finite_max, has_inf):
+    """exp(x - max), or the +inf experts' equal shares (1 each) when the row holds +inf."""
+    return tl.where(has_inf, (x == float("inf")).to(tl.float32), tl.exp(x - finite_max))
+
+
+@triton.jit
+def _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Unbiased scores of prepared logits: sigmoid, or softmax from the row's statistics."""
+    if NORMALIZATION_MODE == 0:
+        return _sigmoid(x, FAST_MATH)
+    return tl.where(total > 0, _softmax_numerator(x, finite_max, has_inf) / tl.where(total > 0, total, 1.0), 0.0)
+
+
+@triton.jit
+def _ordered_key(biased):
+    """int32 whose integer order is the float order of ``biased`` (no NaN; never -0.0)."""
+    bits = biased.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
@@ -58,6 +142,90 @@ def _select_round(key, ids, expert, slot, k, E_PAD: tl.constexpr):
     key = tl.where(expert == first, _EMPTY_KEY, key)
     ids = tl.where(slot == k, first, ids)
     return key, ids
+
+
+@triton.jit
+def _scan_select(
+    gating_output_ptr, bias_ptr, row, row_off, row_ok, num_experts, stride_gn, stride_bias,
+    router_output_multiplier,
+    TOPK: tl.constexpr,
+    SLOTS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Exact selection by repeated argmax over a ``[BLOCK_T, NUM_CHUNKS, CHUNK]`` tile.
+
+    ``row``, ``row_off`` and ``row_ok`` are ``(BLOCK_T, 1, 1)``. Returns
+    ``(ids, finite_max, has_inf, total)``: ids ``(BLOCK_T, 1, SLOTS)`` int32 (slots past
+    ``TOPK`` hold 0), and the softmax statistics ``(BLOCK_T, 1, 1)`` (placeholders under
+    sigmoid).
+    """
+    E_PAD: tl.constexpr = NUM_CHUNKS * CHUNK
+    # expert = chunk * CHUNK + lane; the innermost axis is the contiguous one.
+    expert = tl.arange(0, NUM_CHUNKS)[None, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
+    expert_ok = expert < num_experts
+    logits = tl.load(gating_output_ptr + row_off + expert * stride_gn, mask=expert_ok & row_ok, other=-float("inf"))
+    # The bias is loaded through a pointer tile of the logits' shape so it gets their layout.
+    bias_ptrs = tl.broadcast_to(bias_ptr + expert * stride_bias, logits.shape)
+    bias = _prepare_bias(tl.load(bias_ptrs, mask=expert_ok, other=0.0), FAST_MATH)
+    logits = _prepare_logits(logits, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
+    finite_max = tl.zeros_like(row_off).to(tl.float32)
+    has_inf = finite_max != 0.0
+    total = finite_max + 1.0
+    if NORMALIZATION_MODE == 1:
+        finite_max, has_inf = _softmax_stats(tl.max(tl.max(logits, axis=2), axis=1)[:, None, None])
+        total = tl.sum(tl.sum(_softmax_numerator(logits, finite_max, has_inf), axis=2), axis=1)[:, None, None]
+    key = _ordered_key(_scores(logits, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bias)
+    key = tl.where(expert_ok, key, _EMPTY_KEY)
+
+    # Outputs live in (BLOCK_T, 1, SLOTS) tensors derived from the tile's layout, so the
+    # rounds need no layout conversion (no shared-memory round trip per round).
+    slot = tl.arange(0, SLOTS)[None, None, :]
+    ids = tl.zeros([row.shape[0], 1, SLOTS], dtype=tl.int32)
+    if TOPK <= _UNROLL_MAX_TOPK:
+        for k in tl.static_range(TOPK):
+            key, ids = _select_round(key, ids, expert, slot, k, E_PAD)
+    else:  # a loop, not unrolled: unrolling hundreds of rounds takes minutes to compile
+        for k in range(TOPK):
+            key, ids = _select_round(key, ids, expert, slot, k, E_PAD)
+    return ids, finite_max, has_inf, total
+
+
+@triton.jit
+def _write_outputs(
+    gating_output_ptr, row, row_off, row_ok, ids, slot, finite_max, has_inf, total,
+    topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
+    stride_pad, router_output_multiplier, route_scale, division_eps,
+    TOPK: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Weights of the picked experts, padding, and the stores; ``ids``/``slot`` broadcast against ``row``.
+
+    The picked experts' logits are re-read (in cache) and only those ``TOPK`` scores are
+    recomputed, renormalised by ``route_scale / (sum + eps)``; a zero denominator gives
+    weights 0. Padded rows get id -1 and weight 0.
+    """
+    out_ok = row_ok & (slot < TOPK)
+    picked = tl.load(gating_output_ptr + row_off + ids * stride_gn, mask=out_ok, other=-float("inf"))
+    picked = _prepare_logits(picked, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
+    picked_scores = tl.where(out_ok, _scores(picked, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
+    denom = tl.sum(picked_scores, axis=-1, keep_dims=True)
+    if HAS_EPS:
+        denom = denom + division_eps
+    inv_sum_scaled = tl.where(denom > 0, route_scale / tl.where(denom > 0, denom, 1.0), 0.0)
+    weights = picked_scores * inv_sum_scaled
+    if is_padding_ptr is not None:
+        padded = tl.load(is_padding_ptr + row * stride_pad, mask=row_ok, other=0) != 0
+        ids = tl.where(padded, -1, ids)
+        weights = tl.where(padded, 0.0, weights)
+    tl.store(topk_ids_ptr + row * stride_im + slot * stride_ik, ids, mask=out_ok)
+    tl.store(topk_weights_ptr + row * stride_wm + slot * stride_wk, weights, mask=out_ok)
 
 
 @triton.jit
@@ -89,88 +257,264 @@ def _routing_kernel(
     HAS_MULTIPLIER: tl.constexpr,
     HAS_EPS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FAST_MATH: tl.constexpr,
 ):
-    """Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``."""
-    E_PAD: tl.constexpr = NUM_CHUNKS * CHUNK
-    pid = tl.program_id(0)
-
-    # 3-D tile [BLOCK_T, NUM_CHUNKS, CHUNK]; expert = chunk * CHUNK + lane.
-    expert = tl.arange(0, NUM_CHUNKS)[None, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
-    row = pid * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
-    expert_ok = expert < num_experts
+    """Scan algorithm. Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``."""
+    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
     row_ok = row < num_tokens
     row_off = row.to(tl.int64) * stride_gm
-
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    logits = tl.load(
-        gating_output_ptr + row_off + expert * stride_gn,
-        mask=expert_ok & row_ok,
-        other=-float("inf"),
-    ).to(tl.float32)
-    # The bias is loaded through a pointer tile of the logits' shape so it gets their layout.
-    bias_ptrs = tl.broadcast_to(bias_ptr + expert * stride_bias, [BLOCK_T, NUM_CHUNKS, CHUNK])
-    bias = tl.load(bias_ptrs, mask=expert_ok, other=0.0).to(tl.float32)
-    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    ids, finite_max, has_inf, total = _scan_select(
+        gating_output_ptr, bias_ptr, row, row_off, row_ok, num_experts, stride_gn, stride_bias,
+        router_output_multiplier, TOPK, TOPK_PADDED, NUM_CHUNKS, CHUNK, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH,
+    )
+    _write_outputs(
+        gating_output_ptr, row, row_off, row_ok, ids, tl.arange(0, TOPK_PADDED)[None, None, :], finite_max, has_inf,
+        total, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
+        stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, NORMALIZATION_MODE, HAS_MULTIPLIER,
+        HAS_EPS, FAST_MATH,
+    )
 
-    if HAS_MULTIPLIER:
-        logits = logits * router_output_multiplier
-    logits = tl.where(logits != logits, -float("inf"), logits)
-    if NORMALIZATION_MODE == 0:
-        scores = tl.sigmoid(logits)
+
+@triton.jit
+def _load_slices(
+    gating_output_ptr, tile, num_tokens, num_experts, stride_gm, stride_gn,
+    WIDTH: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    MASK_EXPERTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """The logits of the ``BLOCK_T`` rows of ``tile`` as a tuple of ``NUM_SLICES`` ``(BLOCK_T, WIDTH)`` tensors.
+
+    Rows past the end re-read the last row (always in bounds, so no row mask); experts past
+    ``num_experts`` read ``-inf``.
+    """
+    col = tl.arange(0, WIDTH)[None, :]
+    row = tl.minimum(tile * BLOCK_T + tl.arange(0, BLOCK_T)[:, None], num_tokens - 1)
+    row_ptr = gating_output_ptr + row.to(tl.int64) * stride_gm + col * stride_gn
+    xs = ()
+    for v in tl.static_range(NUM_SLICES):
+        if MASK_EXPERTS:
+            xs = xs + (tl.load(row_ptr + v * WIDTH * stride_gn, mask=v * WIDTH + col < num_experts,
+                               other=-float("inf")),)
+        else:
+            xs = xs + (tl.load(row_ptr + v * WIDTH * stride_gn),)
+    return xs
+
+
+@triton.jit
+def _load_bias_slices(
+    bias_ptr, num_experts, stride_bias,
+    WIDTH: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    MASK_EXPERTS: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """The prepared bias (:func:`_prepare_bias`) as a tuple of ``NUM_SLICES`` ``(1, WIDTH)`` tensors, loaded once per program."""
+    col = tl.arange(0, WIDTH)[None, :]
+    bs = ()
+    for v in tl.static_range(NUM_SLICES):
+        if MASK_EXPERTS:
+            b = tl.load(bias_ptr + (v * WIDTH + col) * stride_bias, mask=v * WIDTH + col < num_experts, other=0.0)
+        else:
+            b = tl.load(bias_ptr + (v * WIDTH + col) * stride_bias)
+        bs = bs + (_prepare_bias(b, FAST_MATH),)
+    return bs
+
+
+@triton.jit
+def _two_level_tile(
+    tile, xs, bs,
+    gating_output_ptr, bias_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens, num_experts,
+    stride_gm, stride_gn, stride_bias, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
+    router_output_multiplier, route_scale, division_eps,
+    TOPK: tl.constexpr,
+    WIDTH: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    MASK_EXPERTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Route the ``BLOCK_T`` tokens of ``tile`` from their logits ``xs`` and the bias ``bs`` (see :func:`_two_level_kernel`)."""
+    E_BIG: tl.constexpr = (NUM_SLICES + 1) * WIDTH  # above every expert and every placeholder
+    col = tl.arange(0, WIDTH)[None, :]  # (1, WIDTH); also the output slot of the first TOPK columns
+    row = tile * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (BLOCK_T, 1)
+    row_ok = row < num_tokens
+    row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
+    finite_max = tl.zeros([BLOCK_T, 1], dtype=tl.float32)
+    has_inf = finite_max != 0.0
+    total = finite_max + 1.0
+    if NORMALIZATION_MODE == 1:
+        run_max = tl.full([BLOCK_T, WIDTH], -float("inf"), tl.float32)
+        for v in tl.static_range(NUM_SLICES):
+            run_max = tl.maximum(run_max, _prepare_logits(xs[v], router_output_multiplier, HAS_MULTIPLIER, 1))
+        finite_max, has_inf = _softmax_stats(tl.max(run_max, axis=1)[:, None])
+        run_sum = tl.zeros([BLOCK_T, WIDTH], dtype=tl.float32)
+        for v in tl.static_range(NUM_SLICES):
+            x = _prepare_logits(xs[v], router_output_multiplier, HAS_MULTIPLIER, 1)
+            run_sum += _softmax_numerator(x, finite_max, has_inf)
+        total = tl.sum(run_sum, axis=1)[:, None]
+
+    # Level 1: per column, the two best (biased score, slice) in order and the third-best
+    # score, over the slices in expert order. Only a strictly greater score moves an entry
+    # up, so of equal scores the lower expert stays ahead. Placeholders: -inf, slice
+    # NUM_SLICES (an expert index above all real ones, so real experts win ties with it).
+    for v in tl.static_range(NUM_SLICES):
+        x = _prepare_logits(xs[v], router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
+        biased = _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bs[v]
+        if MASK_EXPERTS:
+            biased = tl.where(v * WIDTH + col < num_experts, biased, -float("inf"))
+        if v == 0:
+            m1 = biased
+            j1 = tl.zeros([BLOCK_T, WIDTH], dtype=tl.int32)
+            m2 = tl.full([BLOCK_T, WIDTH], -float("inf"), tl.float32)
+            j2 = j1 + NUM_SLICES
+            m3 = m2
+        elif v == 1:
+            above1 = biased > m1
+            m2 = tl.minimum(biased, m1)
+            m1 = tl.maximum(biased, m1)
+            j2 = tl.where(above1, 0, 1)
+            j1 = 1 - j2
+        else:
+            above1 = biased > m1
+            above2 = biased > m2
+            m3 = tl.maximum(m3, tl.minimum(biased, m2))
+            m2 = tl.maximum(m2, tl.minimum(biased, m1))
+            m1 = tl.maximum(m1, biased)
+            j2 = tl.where(above1, j1, tl.where(above2, v, j2))
+            j1 = tl.where(above1, v, j1)
+
+    # Level 2: merge the columns' sorted pairs; the pick of round k goes to output slot k.
+    k1 = _ordered_key(m1)
+    k2 = _ordered_key(m2)
+    e1 = j1 * WIDTH + col
+    e2 = j2 * WIDTH + col
+    ids = tl.zeros([BLOCK_T, WIDTH], dtype=tl.int32)
+    kth = tl.zeros([BLOCK_T, 1], dtype=tl.int32)
+    for k in tl.static_range(TOPK):
+        kth = tl.max(k1, axis=1)[:, None]
+        first = tl.min(tl.where(k1 == kth, e1, E_BIG), axis=1)[:, None]
+        popped = e1 == first
+        k1 = tl.where(popped, k2, k1)
+        e1 = tl.where(popped, e2, e1)
+        k2 = tl.where(popped, _EMPTY_KEY, k2)
+        ids = tl.where(col == k, first, ids)
+
+    # Exact unless some column's third-best score reaches the k-th pick's (impossible with
+    # at most two slices); then the tile is redone by the scan algorithm. Each branch
+    # writes its own outputs, so neither converts the other's layout.
+    unproven = 0
+    if NUM_SLICES > 2:
+        unproven = tl.max(tl.max(tl.where(row_ok & (_ordered_key(m3) >= kth), 1, 0), axis=1), axis=0)
+    if unproven > 0:
+        row3 = row[:, :, None]
+        row_off3 = row_off[:, :, None]
+        ids3, finite_max3, has_inf3, total3 = _scan_select(
+            gating_output_ptr, bias_ptr, row3, row_off3, row_ok[:, :, None], num_experts, stride_gn, stride_bias,
+            router_output_multiplier, TOPK, WIDTH, NUM_CHUNKS, WIDTH, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH,
+        )
+        _write_outputs(
+            gating_output_ptr, row3, row_off3, row_ok[:, :, None], ids3, tl.arange(0, WIDTH)[None, None, :],
+            finite_max3, has_inf3, total3, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm,
+            stride_wk, stride_im, stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK,
+            NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+        )
     else:
-        row_max = tl.max(tl.max(logits, axis=2), axis=1)[:, None, None]  # (BLOCK_T, 1, 1)
-        has_inf = row_max == float("inf")
-        finite_max = tl.where((row_max > -float("inf")) & ~has_inf, row_max, 0.0)
-        exp = tl.where(has_inf, (logits == float("inf")).to(tl.float32), tl.exp(logits - finite_max))
-        total = tl.sum(tl.sum(exp, axis=2), axis=1)[:, None, None]
-        scores = tl.where(total > 0, exp / tl.where(total > 0, total, 1.0), 0.0)
+        _write_outputs(
+            gating_output_ptr, row, row_off, row_ok, ids, col, finite_max, has_inf, total,
+            topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
+            stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, NORMALIZATION_MODE, HAS_MULTIPLIER,
+            HAS_EPS, FAST_MATH,
+        )
 
-    biased = scores + bias
-    biased = tl.where(biased != biased, -float("inf"), biased)
-    biased = tl.where(biased == 0.0, 0.0, biased)  # -0.0 and +0.0 must tie
-    bits = biased.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
-    # Selection: TOPK rounds of (max of the keys, lowest expert holding it, mask it out).
-    # Outputs live in (BLOCK_T, 1, TOPK_PADDED) tensors derived from the tile's layout, so
-    # the rounds need no layout conversion (no shared-memory round trip per round).
-    slot = tl.arange(0, TOPK_PADDED)[None, None, :]
-    ids = tl.zeros([BLOCK_T, 1, TOPK_PADDED], dtype=tl.int32)
-    key = tl.where(expert_ok, ordered, _EMPTY_KEY)
-    if TOPK <= _UNROLL_MAX_TOPK:
-        for k in tl.static_range(TOPK):
-            key, ids = _select_round(key, ids, expert, slot, k, E_PAD)
-    else:  # a loop, not unrolled: unrolling hundreds of rounds takes minutes to compile
-        for k in range(TOPK):
-            key, ids = _select_round(key, ids, expert, slot, k, E_PAD)
+@triton.jit(do_not_specialize=["stride_wk", "stride_ik"])  # no vectorised store layout for the outputs
+def _two_level_kernel(
+    gating_output_ptr,
+    bias_ptr,
+    topk_weights_ptr,
+    topk_ids_ptr,
+    is_padding_ptr,
+    num_tokens,
+    num_experts,
+    stride_gm,
+    stride_gn,
+    stride_bias,
+    stride_wm,
+    stride_wk,
+    stride_im,
+    stride_ik,
+    stride_pad,
+    router_output_multiplier,
+    route_scale,
+    division_eps,
+    tiles_per_program,
+    TOPK: tl.constexpr,
+    WIDTH: tl.constexpr,  # columns per row (power of two, >= TOPK)
+    NUM_SLICES: tl.constexpr,  # cdiv(num_experts, WIDTH)
+    NUM_CHUNKS: tl.constexpr,  # fallback tile: NUM_CHUNKS * WIDTH = padded experts
+    MASK_EXPERTS: tl.constexpr,  # num_experts < NUM_SLICES * WIDTH
+    BLOCK_T: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """Two-level algorithm over tiles of ``BLOCK_T`` tokens.
 
-    # Weights from the picked experts only: re-read their logits (in cache), recompute their scores.
-    out_ok = row_ok & (slot < TOPK)
-    picked = tl.load(gating_output_ptr + row_off + ids * stride_gn, mask=out_ok, other=-float("inf"))
-    picked = picked.to(tl.float32)
-    if HAS_MULTIPLIER:
-        picked = picked * router_output_multiplier
-    picked = tl.where(picked != picked, -float("inf"), picked)
-    if NORMALIZATION_MODE == 0:
-        picked_scores = tl.sigmoid(picked)
-    else:
-        e = tl.where(has_inf, (picked == float("inf")).to(tl.float32), tl.exp(picked - finite_max))
-        picked_scores = tl.where(total > 0, e / tl.where(total > 0, total, 1.0), 0.0)
-    picked_scores = tl.where(out_ok, picked_scores, 0.0)
-    denom = tl.sum(picked_scores, axis=2)[:, :, None]
-    if HAS_EPS:
-        denom = denom + division_eps
-    inv_sum_scaled = tl.where(denom > 0, route_scale / tl.where(denom > 0, denom, 1.0), 0.0)
-    weights = picked_scores * inv_sum_scaled
+    Grid: one program per tile, or (``PERSISTENT``) fewer programs, program ``p`` taking
+    tiles ``p, p + grid, ...`` (``tiles_per_program`` of them at most) and loading each
+    tile's logits one tile ahead, so that the memory latency of the next tile overlaps the
+    work on this one.
 
-    if is_padding_ptr is not None:
-        padded = tl.load(is_padding_ptr + row * stride_pad, mask=row_ok, other=0) != 0  # (BLOCK_T, 1, 1)
-        ids = tl.where(padded, -1, ids)
-        weights = tl.where(padded, 0.0, weights)
-    tl.store(topk_ids_ptr + row * stride_im + slot * stride_ik, ids, mask=out_ok)
-    tl.store(topk_weights_ptr + row * stride_wm + slot * stride_wk, weights, mask=out_ok)
+    Expert ``e`` of a row sits in column ``e % WIDTH`` of slice ``e // WIDTH``. Slices are
+    streamed once; each column keeps its two best (score, expert) entries in order and the
+    score of its third best. Merging the columns' sorted pairs with ``TOPK`` rounds of
+    (largest head key, lowest expert holding it, pop) gives the exact top-k whenever no
+    column holds three of them; the third-best scores prove that (all below the k-th pick),
+    and a tile where they do not is redone by the scan algorithm. Each expert is touched a
+    constant number of times instead of ``TOPK`` times.
+    """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    bs = _load_bias_slices(bias_ptr, num_experts, stride_bias, WIDTH, NUM_SLICES, MASK_EXPERTS, FAST_MATH)
+    if PERSISTENT:
+        num_tiles = tl.cdiv(num_tokens, BLOCK_T)
+        xs = _load_slices(gating_output_ptr, pid, num_tokens, num_experts, stride_gm, stride_gn, WIDTH, NUM_SLICES,
+                          MASK_EXPERTS, BLOCK_T)
+        for it in range(0, tiles_per_program):
+            tile = pid + it * tl.num_programs(0)
+            cur = xs
+            xs = _load_slices(gating_output_ptr, tile + tl.num_programs(0), num_tokens, num_experts, stride_gm,
+                              stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+            if tile < num_tiles:
+                _two_level_tile(
+                    tile, cur, bs, gating_output_ptr, bias_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr,
+                    num_tokens, num_experts, stride_gm, stride_gn, stride_bias, stride_wm, stride_wk, stride_im,
+                    stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
+                    NUM_SLICES, NUM_CHUNKS, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                    FAST_MATH,
+                )
+    else:  # (the interpreter cannot loop to a runtime bound)
+        xs = _load_slices(gating_output_ptr, pid, num_tokens, num_experts, stride_gm, stride_gn, WIDTH, NUM_SLICES,
+                          MASK_EXPERTS, BLOCK_T)
+        _two_level_tile(
+            pid, xs, bs, gating_output_ptr, bias_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens,
+            num_experts, stride_gm, stride_gn, stride_bias, stride_wm, stride_wk, stride_im, stride_ik,
+            stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
+            NUM_SLICES, NUM_CHUNKS, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+        )
 
 
 @dataclass(frozen=True)
@@ -178,14 +522,29 @@ class LaunchConfig:
     """Launch settings of :func:`fused_musespark1x_routing`.
 
     Attributes:
-        block_t: tokens per program (power of two).
-        chunk: contiguous experts per innermost tile run (power of two, <= padded experts).
+        block_t: tokens per program, or per loop iteration of a persistent program
+            (power of two).
+        chunk: ``"scan"``: contiguous experts per innermost tile run; ``"two_level"``: columns
+            per row (power of two, <= padded experts).
         num_warps: warps per program.
+        algorithm: ``"scan"`` (``topk`` rounds over every expert of the row) or
+            ``"two_level"`` (per-column best two, then a merge of the columns; see
+            :func:`_two_level_kernel`).
+        programs_per_sm: ``"two_level"`` only: a persistent grid of this many programs per
+            streaming multiprocessor (0: one program per ``block_t`` tokens).
+        max_registers: registers per thread the compiler may use (``maxnreg``; 0: its
+            choice). Fewer registers let more programs reside on an SM.
     """
 
     block_t: int
     chunk: int
     num_warps: int
+    algorithm: str = "scan"
+    programs_per_sm: int = 0
+    max_registers: int = 0
+
+
+ALGORITHMS = ("scan", "two_level")
 
 
 def padded_num_experts(num_experts: int) -> int:
@@ -193,22 +552,33 @@ def padded_num_experts(num_experts: int) -> int:
     return 1 << max(3, (num_experts - 1).bit_length())
 
 
-SMALL_BATCH = 1024
-"""Up to this many tokens the launch favours latency (one token per program, 32 lanes a row)."""
+SMALL_BATCH = 2048
+"""Up to this many tokens the launch favours latency (scan, one token per program, 32 lanes a row)."""
+
+PERSISTENT_FROM = 4096
+"""Above this many tokens the two-level launch is a persistent grid (below, one program per token)."""
+
+TWO_LEVEL_MAX_TOPK = 32
+"""Largest ``topk`` of the two-level default (its output slots are the 32 columns of a row)."""
 
 
-def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype, device_type: str = "cuda") -> LaunchConfig:
+def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype, device_type: str = "cuda",
+                   topk: int = 8) -> LaunchConfig:
     """Launch settings chosen by shape, from the sweeps in benchmarks/NOTES.md (H200).
 
-    On a GPU, 32 lanes share a row (each holding ``16 / itemsize``-wide vectors), so every
-    reduction of a selection round is a single warp-wide ``REDUX`` on Hopper:
-
-    * small batches (<= :data:`SMALL_BATCH` tokens, decode): one token per program and one
-      warp, for the shortest dependency chain;
-    * large batches (prefill): 8 tokens per program over 4 warps.
+    * small batches (<= :data:`SMALL_BATCH` tokens, decode): the scan algorithm, one token
+      per program and one warp, 32 lanes per row (each holding ``16 / itemsize``-wide
+      vectors), so every reduction of a selection round is a single warp-wide ``REDUX``
+      on Hopper: the shortest dependency chain;
+    * large batches (prefill): the two-level algorithm, one warp per token, 32 columns (64
+      above 256 experts); above :data:`PERSISTENT_FROM` tokens on a persistent grid of 28
+      programs per SM for 129-256 experts (as many as the kernel's 72 registers let
+      reside) and 32 otherwise; it touches each expert a constant number of times instead
+      of ``topk`` times. Scan with 8 tokens over 4 warps when ``topk`` >
+      :data:`TWO_LEVEL_MAX_TOPK`.
 
     Under the Triton interpreter (CPU tensors) each program costs Python overhead, so
-    programs take up to 128 rows instead.
+    programs take up to 128 rows of the scan algorithm instead.
     """
     e_pad = padded_num_experts(num_experts)
     vec = 16 // gating_dtype.itemsize
@@ -218,7 +588,29 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     chunk = min(e_pad, 32 * vec)
     if num_tokens <= SMALL_BATCH:
         return LaunchConfig(block_t=1, chunk=chunk, num_warps=1)
+    if topk <= TWO_LEVEL_MAX_TOPK:
+        width = max(min(e_pad, 64 if num_experts > 256 else 32), triton.next_power_of_2(topk))
+        per_sm = 0 if num_tokens <= PERSISTENT_FROM else 28 if 128 < num_experts <= 256 else 32
+        return LaunchConfig(block_t=1, chunk=width, num_warps=1, algorithm="two_level", programs_per_sm=per_sm)
     return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _fast_math(device: torch.device) -> bool:
+    """Whether the kernels may use NVIDIA's approximate ``ex2``/``rcp`` (compiled for an NVIDIA GPU)."""
+    return device.type == "cuda" and torch.version.hip is None and not _INTERPRETED
+
+
+_INTERPRETED = type(_routing_kernel).__name__ == "InterpretedFunction"
 
 
 def fused_musespark1x_routing(
@@ -272,15 +664,26 @@ def fused_musespark1x_routing(
         return launch.topk_weights, launch.topk_ids
     e_pad = padded_num_experts(launch.num_experts)
     if config is None:
-        config = default_config(launch.num_tokens, launch.num_experts, gating_output.dtype, gating_output.device.type)
+        config = default_config(launch.num_tokens, launch.num_experts, gating_output.dtype, gating_output.device.type,
+                                launch.topk)
     for name, value in (("block_t", config.block_t), ("chunk", config.chunk), ("num_warps", config.num_warps)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"launch config {name}={value} must be a power of two")
     if config.chunk > e_pad:
         raise ValueError(f"launch config chunk={config.chunk} exceeds the padded expert count {e_pad}")
+    if config.algorithm not in ALGORITHMS:
+        raise ValueError(f"launch config algorithm={config.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if config.algorithm == "two_level" and launch.topk > config.chunk:
+        raise ValueError(f"the two_level algorithm needs topk <= chunk (columns), got topk={launch.topk}, "
+                         f"chunk={config.chunk}")
+    if config.programs_per_sm < 0:
+        raise ValueError(f"launch config programs_per_sm={config.programs_per_sm} must be >= 0")
+    if config.max_registers and not 24 <= config.max_registers <= 255:
+        raise ValueError(f"launch config max_registers={config.max_registers} must be 0 or in [24, 255]")
     enable_pdl = pdl_supported(gating_output.device) if use_pdl is None else bool(use_pdl)
     weights, ids = launch.topk_weights, launch.topk_ids
-    _routing_kernel[(triton.cdiv(launch.num_tokens, config.block_t),)](
+    num_tiles = triton.cdiv(launch.num_tokens, config.block_t)
+    args = (
         gating_output,
         bias,
         weights,
@@ -299,16 +702,32 @@ def fused_musespark1x_routing(
         launch.router_output_multiplier if launch.router_output_multiplier is not None else 1.0,
         launch.route_scale,
         launch.router_score_division_eps if launch.router_score_division_eps is not None else 0.0,
+    )
+    common = dict(
         TOPK=launch.topk,
-        TOPK_PADDED=triton.next_power_of_2(launch.topk),
-        NUM_CHUNKS=e_pad // config.chunk,
-        CHUNK=config.chunk,
         BLOCK_T=config.block_t,
         NORMALIZATION_MODE=launch.normalization_mode,
         HAS_MULTIPLIER=launch.router_output_multiplier is not None,
         HAS_EPS=launch.router_score_division_eps is not None,
         USE_PDL=enable_pdl,
+        FAST_MATH=_fast_math(gating_output.device),
         num_warps=config.num_warps,
         **({"launch_pdl": True} if enable_pdl else {}),
+        **({"maxnreg": config.max_registers} if config.max_registers and not _INTERPRETED else {}),
     )
+    if config.algorithm == "scan":
+        _routing_kernel[(num_tiles,)](
+            *args, TOPK_PADDED=triton.next_power_of_2(launch.topk), NUM_CHUNKS=e_pad // config.chunk,
+            CHUNK=config.chunk, **common,
+        )
+    else:
+        grid = num_tiles
+        if config.programs_per_sm and gating_output.device.type == "cuda":
+            grid = min(num_tiles, config.programs_per_sm * _sm_count(gating_output.device))
+        num_slices = triton.cdiv(launch.num_experts, config.chunk)
+        _two_level_kernel[(grid,)](
+            *args, triton.cdiv(num_tiles, grid), WIDTH=config.chunk, NUM_SLICES=num_slices,
+            NUM_CHUNKS=e_pad // config.chunk, MASK_EXPERTS=num_slices * config.chunk != launch.num_experts,
+            PERSISTENT=grid < num_tiles, **common,
+        )
     return weights, ids

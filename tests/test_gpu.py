@@ -56,6 +56,80 @@ def test_compiled_kernel_matches_reference(T, E, K, dtype):
     assert not cmp.weight_over_tol.any()
 
 
+def _assert_best_first(ids, logits, bias, cmp):
+    """Reordered rows (same experts, another order) may differ from the reference only where
+    consecutive picks are within 16 float32 ulps (the kernel's exp/rcp are not torch's)."""
+    from kernel.reference import biased_scores, normalized_scores
+
+    rows = (cmp.row_class == RowClass.REORDERED).nonzero().flatten()
+    if rows.numel() == 0:
+        return
+    biased = biased_scores(normalized_scores(logits[rows]), bias)
+    picked = biased.gather(1, ids[rows].long())
+    tol = 16 * torch.finfo(torch.float32).eps * picked.abs()
+    assert (picked[:, :-1] >= picked[:, 1:] - tol[:, 1:]).all(), "a reordered row is not best-first"
+
+
+TWO_LEVEL = [
+    # (num_tokens, num_experts, topk, dtype, block_t, columns, programs_per_sm, crowd): the
+    # persistent grid (several tiles per program, ragged last round), ragged columns, and a
+    # bias that crowds picks into one column so that many tiles are redone by the scan
+    (65536, 256, 8, torch.bfloat16, 1, 32, 28, False),
+    (65536, 256, 8, torch.float32, 1, 32, 1, False),
+    (20001, 384, 8, torch.float32, 1, 64, 32, False),
+    (9000, 512, 16, torch.float16, 2, 32, 3, False),
+    (5000, 60, 4, torch.float32, 1, 32, 2, True),
+    (4097, 128, 1, torch.bfloat16, 1, 64, 5, False),
+    (30000, 256, 8, torch.float32, 1, 32, 28, True),
+]
+
+
+@pytest.mark.parametrize("T,E,K,dtype,block_t,columns,per_sm,crowd", TWO_LEVEL)
+def test_two_level_persistent_matches_reference(T, E, K, dtype, block_t, columns, per_sm, crowd):
+    from kernel import LaunchConfig, fused_musespark1x_routing
+
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    logits = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.05
+    if crowd:
+        bias[torch.arange(E, device="cuda") % columns == 7] += 0.5
+    pad = torch.rand(T, device="cuda", generator=g) < 0.05
+    config = LaunchConfig(block_t=block_t, chunk=columns, num_warps=1, algorithm="two_level", programs_per_sm=per_sm)
+    for use_pdl in (True, False):
+        w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad, config=config, use_pdl=use_pdl)
+        assert_routing_invariants(w, ids, E, K, 2.5, is_padding=pad)
+        classes, cmp = _classes(w, ids, logits, bias, K, 2.5, pad)
+        assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, classes
+        _assert_best_first(ids, logits, bias, cmp)
+        assert not cmp.weight_over_tol.any()
+
+
+def test_two_level_cuda_graph_sees_new_padding_and_bias():
+    from kernel import default_config, fused_musespark1x_routing
+
+    T, E, K = 40000, 256, 8
+    assert default_config(T, E, torch.float32).algorithm == "two_level"
+    logits = torch.randn((T, E), device="cuda")
+    bias = torch.zeros(E, device="cuda")
+    pad = torch.zeros(T, dtype=torch.bool, device="cuda")
+    w = torch.empty((T, K), device="cuda")
+    ids = torch.empty((T, K), dtype=torch.int32, device="cuda")
+    fused_musespark1x_routing(logits, bias, K, 2.5, topk_weights=w, topk_ids=ids, is_padding=pad)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_musespark1x_routing(logits, bias, K, 2.5, topk_weights=w, topk_ids=ids, is_padding=pad)
+    pad[::3] = True
+    bias[17] = 10.0
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (ids[~pad][:, 0] == 17).all()
+    classes, cmp = _classes(w, ids, logits, bias, K, 2.5, pad)
+    assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0
+    _assert_best_first(ids, logits, bias, cmp)
+    assert classes[RowClass.PADDED] == int(pad.sum())
+    assert not cmp.weight_over_tol.any()
+
+
 @pytest.mark.parametrize("variant", ["tiled", "seed"])
 def test_cuda_graph_sees_new_padding_and_bias(variant):
     import kernel

@@ -9,6 +9,7 @@ import torch
 from helpers import assert_routing_invariants
 from kernel import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
 from kernel.reference import biased_scores, normalized_scores
+from kernel.routing import LaunchConfig, default_config, padded_num_experts
 from routetool.compare import RowClass, compare_step, weight_tolerance
 
 SHAPES = [
@@ -53,12 +54,35 @@ def _check_against_reference(w, ids, logits, bias, topk, route_scale, rtol, is_p
     return ref_w, ref_ids
 
 
+def two_level(E, K, block_t=1, width=32, programs_per_sm=2):
+    """A two-level launch config that fits (E, K): ``width`` columns, at least K of them.
+
+    ``programs_per_sm=2`` makes the grid persistent on a GPU for all but tiny batches (the
+    interpreter always runs one program per tile).
+    """
+    chunk = max(min(width, padded_num_experts(E)), 1 << (K - 1).bit_length())
+    return LaunchConfig(block_t=block_t, chunk=chunk, num_warps=1, algorithm="two_level",
+                        programs_per_sm=programs_per_sm)
+
+
+def launch_configs(E, K):
+    """The default launch and two-level ones (one and two tokens per tile, 32 and 64 columns)."""
+    out = [("default", None), ("two_level", two_level(E, K)), ("two_level_bt2", two_level(E, K, block_t=2))]
+    if padded_num_experts(E) >= 64 and K <= 64:
+        out.append(("two_level_w64", two_level(E, K, width=64)))
+    return out
+
+
 @pytest.mark.parametrize("T,E,K", SHAPES)
 @pytest.mark.parametrize("dtype,rtol", DTYPES)
-def test_tiled_matches_reference(T, E, K, dtype, rtol, device):
+@pytest.mark.parametrize("launch", ["default", "two_level", "two_level_bt2", "two_level_w64"])
+def test_tiled_matches_reference(T, E, K, dtype, rtol, launch, device):
+    configs = dict(launch_configs(E, K))
+    if launch not in configs:
+        pytest.skip(f"{launch} does not fit E={E}")
     seed = hash((T, E, K, str(dtype))) % 2**31
     logits, bias = _inputs(T, E, dtype, device, seed)
-    w, ids = fused_musespark1x_routing(logits, bias, K, 2.5)
+    w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=configs[launch])
     assert_routing_invariants(w, ids, E, K, 2.5)
     _check_against_reference(w, ids, logits, bias, K, 2.5, rtol)
 
@@ -71,9 +95,10 @@ def test_parameters(norm, multiplier, eps, device):
     pad = torch.zeros(T, dtype=torch.bool, device=device)
     pad[[0, 5, 20]] = True
     kw = dict(router_output_multiplier=multiplier, router_score_normalization=norm, router_score_division_eps=eps)
-    w, ids = fused_musespark1x_routing(logits, bias, K, 1.7, is_padding=pad, **kw)
-    assert_routing_invariants(w, ids, E, K, 1.7, is_padding=pad, eps=eps)
-    _check_against_reference(w, ids, logits, bias, K, 1.7, 1e-5, is_padding=pad, **kw)
+    for _, config in launch_configs(E, K):
+        w, ids = fused_musespark1x_routing(logits, bias, K, 1.7, is_padding=pad, config=config, **kw)
+        assert_routing_invariants(w, ids, E, K, 1.7, is_padding=pad, eps=eps)
+        _check_against_reference(w, ids, logits, bias, K, 1.7, 1e-5, is_padding=pad, **kw)
     ws, ids_s = fused_musespark1x_routing_seed(logits, bias, K, 1.7, is_padding=pad, **kw)
     _check_against_reference(ws, ids_s, logits, bias, K, 1.7, 1e-5, is_padding=pad, **kw)
 
@@ -95,12 +120,12 @@ def test_ties_go_to_lowest_index(device):
     logits[2] = 0.0
     bias = torch.zeros(E)
     bias_row2 = torch.tensor([0, 0.5, 0, 0.5, 0, 0, 0.5, 0, 0, 0.5, 0.5, 0])
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, (_, config) in ((d, c) for d in (torch.float32, torch.bfloat16) for c in launch_configs(E, K)):
         x = logits.to(dtype).to(device)
-        w, ids = fused_musespark1x_routing(x, bias.to(device), K, 1.0)
+        w, ids = fused_musespark1x_routing(x, bias.to(device), K, 1.0, config=config)
         assert ids[0].tolist() == [0, 1, 2, 3]
         assert ids[1].tolist() == [1, 5, 2, 3]  # 3,3 then the lowest two of the 2's
-        w2, ids2 = fused_musespark1x_routing(x[2:3], bias_row2.to(device), K, 1.0)
+        w2, ids2 = fused_musespark1x_routing(x[2:3], bias_row2.to(device), K, 1.0, config=config)
         assert ids2[0].tolist() == [1, 3, 6, 9]
         assert torch.allclose(w2, torch.full_like(w2, 0.25))
         _, ref_ids = musespark1x_routing_reference(x, bias.to(device), K, 1.0)
@@ -119,11 +144,12 @@ def test_nonfinite_rows_follow_the_safe_rule(device):
     logits[4] = -1e4                         # every sigmoid underflows to 0
     logits[5, 0] = float("-inf")
     bias = torch.zeros(E)
-    for norm in ("sigmoid", "softmax"):
-        for eps in (None, 1e-6):
+    for norm, eps, (_, config) in ((n, e, c) for n in ("sigmoid", "softmax") for e in (None, 1e-6)
+                                   for c in launch_configs(E, K)):
+        if True:
             x = logits.to(device)
             w, ids = fused_musespark1x_routing(x, bias.to(device), K, 2.0, router_score_normalization=norm,
-                                               router_score_division_eps=eps)
+                                               router_score_division_eps=eps, config=config)
             ref_w, ref_ids = musespark1x_routing_reference(x, bias.to(device), K, 2.0,
                                                            router_score_normalization=norm,
                                                            router_score_division_eps=eps)
@@ -147,11 +173,11 @@ def test_caller_buffers_layouts_and_int64_ids(device):
     logits = wide[:, 3:3 + E]                             # a column slice: row stride E + 7
     logits_t = torch.randn((E, T), device=device).t()     # a transposed view: column stride T
     bias = torch.randn(2 * E, device=device)[::2] * 0.1   # a strided bias
-    for x in (logits, logits_t):
+    for x, (_, config) in ((x, c) for x in (logits, logits_t) for c in launch_configs(E, K)):
         ref_w, ref_ids = musespark1x_routing_reference(x, bias, K, 2.5)
         w_buf = torch.full((T + 5, K + 2), -7.0, device=device)
         id_buf = torch.full((T + 5, K + 2), -7, dtype=torch.int64, device=device)
-        w, ids = fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w_buf, topk_ids=id_buf)
+        w, ids = fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w_buf, topk_ids=id_buf, config=config)
         assert w.data_ptr() == w_buf.data_ptr() and ids.dtype == torch.int64
         assert torch.equal(ids.cpu(), ref_ids.long().cpu())
         assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
@@ -199,3 +225,60 @@ def test_launcher_errors(override, message, launcher):
 def test_seed_rejects_half_precision_gating():
     with pytest.raises(ValueError, match="tl.sigmoid/tl.exp"):
         fused_musespark1x_routing_seed(torch.zeros((2, 8), dtype=torch.bfloat16), torch.zeros(8), 2, 1.0)
+
+
+def test_two_level_redoes_tiles_where_a_column_holds_three_picks(device):
+    # Column 0 of 32 (experts 0, 32, 64, 96) holds the four best experts of row 0, so the
+    # per-column best two cannot prove the top-k: the tile must be redone by the scan.
+    # Row 1 puts the k-th pick's tie into one column; row 2 is random (no redo needed).
+    T, E, K = 3, 256, 8
+    logits, bias = _inputs(T, E, torch.float32, device, seed=11, bias_scale=0.01)
+    logits[0] = logits[0] * 0.5 - 3.0
+    logits[0, [0, 32, 64, 96]] = torch.tensor([3.0, 2.0, 1.0, 0.0], device=device)
+    logits[1] = 0.0
+    logits[1, [5, 37, 69]] = 4.0            # a 3-way tie in column 5 ...
+    logits[1, [1, 2, 3, 4, 6]] = 5.0        # ... behind five better experts: the tie decides picks 6-8
+    for block_t in (1, 2):
+        config = two_level(E, K, block_t=block_t)
+        w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=config)
+        assert_routing_invariants(w, ids, E, K, 2.5)
+        assert ids[0, :4].tolist() == [0, 32, 64, 96]
+        ref_w, ref_ids = musespark1x_routing_reference(logits, bias, K, 2.5)
+        assert torch.equal(ids.cpu(), ref_ids.cpu())
+        assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,E,K", [(7, 256, 8), (6, 100, 32), (5, 40, 8), (4, 33, 3)])
+def test_two_level_ragged_columns_and_many_picks(T, E, K, device):
+    # E not a multiple of the columns (masked last slice), topk up to the column count, and
+    # rows whose picks crowd into few columns (bias favouring one column).
+    logits, bias = _inputs(T, E, torch.float32, device, seed=E + K)
+    bias[torch.arange(E) % 32 == 3] += 0.6
+    for width in (32, 64):
+        config = two_level(E, K, width=width)
+        w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=config)
+        assert_routing_invariants(w, ids, E, K, 2.5)
+        _check_against_reference(w, ids, logits, bias, K, 2.5, 1e-5)
+
+
+def test_default_config_by_shape():
+    dec = default_config(64, 256, torch.float32)
+    assert dec.algorithm == "scan" and dec.block_t == 1
+    pre = default_config(65536, 256, torch.bfloat16)
+    assert pre.algorithm == "two_level" and pre.chunk == 32 and pre.programs_per_sm > 0
+    assert default_config(65536, 384, torch.float32).chunk == 64
+    assert default_config(65536, 512, torch.float32, topk=40).algorithm == "scan"   # topk above the columns
+    assert default_config(65536, 8, torch.float32, topk=8).chunk == 8
+    assert default_config(65536, 256, torch.float32, device_type="cpu").algorithm == "scan"
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(algorithm="bitonic"), "algorithm='bitonic'"),
+    (dict(algorithm="two_level", chunk=8), "needs topk <= chunk"),
+    (dict(algorithm="two_level", programs_per_sm=-1), "programs_per_sm=-1"),
+    (dict(max_registers=8), "max_registers=8"),
+])
+def test_two_level_config_errors(bad, message):
+    config = LaunchConfig(**{**dict(block_t=1, chunk=32, num_warps=1), **bad})
+    with pytest.raises(ValueError, match=message):
+        fused_musespark1x_routing(torch.zeros((2, 64)), torch.zeros(64), 16, 1.0, config=config)
