@@ -2,21 +2,8 @@
 # Short GPU session after a change of launch settings: the GPU-relevant tests and the full
 # shapes family in parallel, then the bench points and the replays. Results in $OUT/results.tgz.
 set -u
-OUT=${OUT:-out}
-R="$OUT/r"
-mkdir -p "$R"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-S="$OUT/summary.txt"
-DEADLINE=$((SECONDS + ${BUDGET_S:-230}))
-run() {
-  local name=$1 secs=$2; shift 2
-  local left=$((DEADLINE - SECONDS - 10))
-  if [ "$left" -lt 15 ]; then echo "$name: not run (time budget spent)" >> "$S"; return; fi
-  [ "$secs" -gt "$left" ] && secs=$left
-  local t0=$SECONDS
-  timeout "$secs" "$@" > "$R/$name.txt" 2>&1
-  echo "$name: exit $? ($((SECONDS - t0)) s)" >> "$S"
-}
+BUDGET_S=${BUDGET_S:-230}
+source "$(dirname "$0")/gpu_lib.sh"
 run pytest-gpu-relevant 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_bench.py \
   tests/test_kernel.py tests/test_hf_capture.py tests/test_recorder.py tests/test_sharded.py tests/test_cli_balance.py &
 run validate-full-tiled-shapes 150 python3 -m routetool validate --suite full --family shapes --kernel tiled \

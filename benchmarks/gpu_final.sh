@@ -3,25 +3,10 @@
 # compile-bound), then the timing runs one after another. Everything is packed into
 # $OUT/results.tgz plus $OUT/summary.txt (the device tool returns at most 8 files).
 set -u
-OUT=${OUT:-out}
-R="$OUT/r"
-mkdir -p "$R"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-S="$OUT/summary.txt"
-DEADLINE=$((SECONDS + ${BUDGET_S:-540}))
-run() {  # run NAME SECONDS CMD...: log to $R/NAME.txt, record the exit code; never past DEADLINE
-  local name=$1 secs=$2; shift 2
-  local left=$((DEADLINE - SECONDS - 10))
-  if [ "$left" -lt 15 ]; then echo "$name: not run (time budget spent)" >> "$S"; return; fi
-  [ "$secs" -gt "$left" ] && secs=$left
-  local t0=$SECONDS
-  timeout "$secs" "$@" > "$R/$name.txt" 2>&1
-  echo "$name: exit $? ($((SECONDS - t0)) s)" >> "$S"
-}
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >> "$S"
+BUDGET_S=${BUDGET_S:-540}
+source "$(dirname "$0")/gpu_lib.sh"
+versions
 # Phase A: compile-bound correctness, in parallel (the shapes family is the largest: its own process)
-REST="--family ties --family nonfinite --family bias --family layouts --family dtypes --family padding --family parameters"
 for k in tiled seed; do
   run "validate-full-$k-shapes" 200 python3 -m routetool validate --suite full --kernel $k --device cuda \
     --family shapes --json "$R/validate-full-$k-shapes.json" --junit "$R/validate-full-$k-shapes.xml" --no-progress &

@@ -1,6 +1,7 @@
 """Compile the tiled kernel for sm_90 without a GPU and print its layouts and register use.
 
 Usage: python benchmarks/inspect_kernel.py --experts 256 --dtype bf16 --block-t 16 --chunk 64 --warps 4
+       python benchmarks/inspect_kernel.py --algorithm two_level --experts 256 --dtype bf16 --block-t 1 --chunk 32 --warps 1
 Uses Triton's own compiler and its bundled ptxas; no device needed.
 """
 
@@ -14,7 +15,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernel.routing import _routing_kernel, padded_num_experts
+from kernel.routing import _routing_kernel, _two_level_kernel, padded_num_experts
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--experts", type=int, default=256)
@@ -24,25 +25,33 @@ ap.add_argument("--block-t", type=int, default=16)
 ap.add_argument("--chunk", type=int, default=64)
 ap.add_argument("--warps", type=int, default=4)
 ap.add_argument("--softmax", action="store_true")
+ap.add_argument("--algorithm", default="scan", choices=("scan", "two_level"))
+ap.add_argument("--persistent", type=int, default=1)
+ap.add_argument("--maxnreg", type=int, default=None)
 
 ap.add_argument("--dump", help="write ttgir/ptx/sass-relevant files to this folder")
 a = ap.parse_args()
 
-names = list(_routing_kernel.arg_names)
+fn = _routing_kernel if a.algorithm == "scan" else _two_level_kernel
+names = list(fn.arg_names)
 sig = {n: "i32" for n in names}
 sig.update(gating_output_ptr=f"*{a.dtype}", bias_ptr="*fp32", topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
            is_padding_ptr="*i1", router_output_multiplier="fp32", route_scale="fp32", division_eps="fp32")
 consts = dict(stride_gn=1, stride_bias=1, stride_wk=1, stride_ik=1, stride_pad=1, TOPK=a.topk,
               TOPK_PADDED=triton.next_power_of_2(a.topk), NUM_CHUNKS=padded_num_experts(a.experts) // a.chunk,
               CHUNK=a.chunk, BLOCK_T=a.block_t, NORMALIZATION_MODE=int(a.softmax), HAS_MULTIPLIER=False,
-              HAS_EPS=False, USE_PDL=True)
+              HAS_EPS=False, USE_PDL=True, FAST_MATH=True)
+if a.algorithm == "two_level":
+    consts.update(WIDTH=a.chunk, NUM_SLICES=-(-a.experts // a.chunk), PERSISTENT=bool(a.persistent),
+                  MASK_EXPERTS=a.experts % a.chunk != 0)
+    del consts["CHUNK"], consts["TOPK_PADDED"]
 for n in consts:
     sig[n] = "constexpr"
 div16 = [["tt.divisibility", 16]]
 attrs = {(names.index(n),): div16 for n in ("gating_output_ptr", "bias_ptr", "topk_weights_ptr", "topk_ids_ptr",
                                              "is_padding_ptr", "num_experts", "stride_gm", "stride_wm", "stride_im")}
-src = triton.compiler.ASTSource(fn=_routing_kernel, signature=sig, constexprs=consts, attrs=attrs)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps))
+src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps, **({"maxnreg": a.maxnreg} if a.maxnreg else {})))
 for line in k.asm["ttgir"].splitlines():
     if line.startswith("#blocked") or line.startswith("#linear"):
         print(line)
@@ -69,3 +78,4 @@ if a.dump:
     os.makedirs(a.dump, exist_ok=True)
     for key in ("ttgir", "ptx"):
         open(os.path.join(a.dump, f"routing.{key}"), "w").write(k.asm[key])
+    open(os.path.join(a.dump, "routing.sass"), "w").write(sass)

@@ -2,6 +2,7 @@
 
 Usage (GPU machine, repository root):
     python benchmarks/tune_tiled.py --out $OUT/tune.csv [--quick]
+    python benchmarks/tune_tiled.py --two-level --out $OUT/tune-two-level.csv   # scan vs two-level, by size
 
 Every config is checked against the reference (ids equal, weights close) before timing;
 inputs rotate over enough buffers to defeat the L2 cache at large sizes.
@@ -81,12 +82,34 @@ def configs(E, dtype, T, quick):
     return list(dict.fromkeys(out))
 
 
+PER_SM = (0, 16, 24, 28, 32)
+TWO_LEVEL_TOKENS = (65536, 16384, 4096, 1024, 256)
+MAX_REGISTERS = (0,)
+
+
+def two_level_configs(E, K):
+    """Two-level candidates (one warp per tile of one token; grid per SM or one program per tile) and the scan default."""
+    e_pad = padded_num_experts(E)
+    out = []
+    for chunk in (32, 64):
+        if K <= chunk <= e_pad:
+            for per_sm in PER_SM:
+                for regs in MAX_REGISTERS:
+                    out.append(LaunchConfig(block_t=1, chunk=chunk, num_warps=1, algorithm="two_level",
+                                            programs_per_sm=per_sm, max_registers=regs))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget-s", type=float, default=240, help="stop sweeping after this many seconds")
     ap.add_argument("--large-only", action="store_true", help="only num_tokens=65536")
+    ap.add_argument("--two-level", action="store_true", help="two-level configs against the scan defaults, by size")
+    ap.add_argument("--tokens", default=None, help="comma-separated num_tokens for --two-level")
+    ap.add_argument("--per-sm", default=None, help="comma-separated programs_per_sm for --two-level")
+    ap.add_argument("--max-registers", default=None, help="comma-separated max_registers for --two-level")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -97,6 +120,16 @@ def main():
     rows = []
     shapes = [(T, E, dt) for E, dt in ((256, torch.float32), (256, torch.bfloat16), (384, torch.float32))
               for T in ((65536,) if args.large_only else (64, 65536))]
+    global PER_SM, MAX_REGISTERS
+    if args.per_sm:
+        PER_SM = tuple(int(v) for v in args.per_sm.split(","))
+    if args.max_registers:
+        MAX_REGISTERS = tuple(int(v) for v in args.max_registers.split(","))
+    if args.two_level:
+        tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TWO_LEVEL_TOKENS
+        shapes = [(T, E, dt) for E, dt in ((256, torch.float32), (256, torch.bfloat16), (384, torch.float32),
+                                             (512, torch.float32), (128, torch.float32))
+                  for T in tokens]
     t0 = time.time()
     for T, E, dtype in shapes:
         if time.time() - t0 > args.budget_s:
@@ -105,8 +138,12 @@ def main():
         K = 8
         xs, bias = rotating_inputs(T, E, dtype)
         floor_us = (T * E * xs[0].element_size() + T * K * 8) / (copy_gbps * 1e3)
-        cands = [("tiled", cfg) for cfg in configs(E, dtype, T, args.quick)]
-        if dtype == torch.float32:
+        if args.two_level:
+            cands = [("tiled", default_config(1, E, dtype)), ("tiled", default_config(4096, E, dtype, topk=K + 100))]
+            cands += [("tiled", cfg) for cfg in two_level_configs(E, K)]
+        else:
+            cands = [("tiled", cfg) for cfg in configs(E, dtype, T, args.quick)]
+        if dtype == torch.float32 and not args.two_level:
             cands.append(("seed", None))
         best = None
         for name, cfg in cands:
@@ -116,8 +153,10 @@ def main():
             p10, p50, p90 = time_fn(fn, xs, bias, T, K, **kw) if ok else (float("nan"),) * 3
             row = dict(variant=name, num_tokens=T, num_experts=E, topk=K, dtype=str(dtype).removeprefix("torch."),
                        block_t=cfg.block_t if cfg else "", chunk=cfg.chunk if cfg else "",
-                       num_warps=cfg.num_warps if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
-                       floor_us=floor_us, is_default=cfg == default_config(T, E, dtype) if cfg else "")
+                       num_warps=cfg.num_warps if cfg else "", algorithm=cfg.algorithm if cfg else "",
+                       programs_per_sm=cfg.programs_per_sm if cfg else "",
+                       max_registers=cfg.max_registers if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
+                       floor_us=floor_us, is_default=cfg == default_config(T, E, dtype, topk=K) if cfg else "")
             rows.append(row)
             if ok and name == "tiled" and (best is None or p50 < best["p50_us"]):
                 best = row
@@ -125,7 +164,8 @@ def main():
             r["is_default"] is True for r in rows[-len(cands):]) else None
         seed = next((r for r in rows[-len(cands):] if r["variant"] == "seed"), None)
         print(f"T={T:>6} E={E} {str(dtype)[6:]:>8}: best {best['p50_us']:.2f}us "
-              f"(bt={best['block_t']} chunk={best['chunk']} w={best['num_warps']}), "
+              f"(bt={best['block_t']} chunk={best['chunk']} w={best['num_warps']} {best['algorithm']} "
+              f"per_sm={best['programs_per_sm']} regs={best['max_registers']}), "
               f"default {default['p50_us'] if default else float('nan'):.2f}us, "
               f"seed {seed['p50_us'] if seed else float('nan'):.2f}us, floor {floor_us:.2f}us  [{time.time() - t0:.0f}s]",
               flush=True)
