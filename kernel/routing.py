@@ -171,7 +171,10 @@ def _scan_select(
     # The bias is loaded through a pointer tile of the logits' shape so it gets their layout.
     bias_ptrs = tl.broadcast_to(bias_ptr + expert * stride_bias, logits.shape)
     bias = _prepare_bias(tl.load(bias_ptrs, mask=expert_ok, other=0.0), FAST_MATH)
-    logits = _prepare_logits(logits, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
+    # Experts past the end are -inf after the multiplier too (a negative one would make the
+    # -inf they were loaded as +inf, and softmax would give them all the mass).
+    logits = tl.where(expert_ok, _prepare_logits(logits, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE),
+                      -float("inf"))
     finite_max = tl.zeros_like(row_off).to(tl.float32)
     has_inf = finite_max != 0.0
     total = finite_max + 1.0
@@ -325,6 +328,17 @@ def _load_bias_slices(
 
 
 @triton.jit
+def _slice_logits(x, v, col, num_experts, router_output_multiplier,
+                  WIDTH: tl.constexpr, MASK_EXPERTS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr,
+                  NORMALIZATION_MODE: tl.constexpr):
+    """Prepared logits of slice ``v``; experts past the end are -inf after the multiplier too."""
+    x = _prepare_logits(x, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
+    if MASK_EXPERTS:
+        x = tl.where(v * WIDTH + col < num_experts, x, -float("inf"))
+    return x
+
+
+@triton.jit
 def _two_level_tile(
     tile, xs, bs,
     gating_output_ptr, bias_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens, num_experts,
@@ -353,11 +367,13 @@ def _two_level_tile(
     if NORMALIZATION_MODE == 1:
         run_max = tl.full([BLOCK_T, WIDTH], -float("inf"), tl.float32)
         for v in tl.static_range(NUM_SLICES):
-            run_max = tl.maximum(run_max, _prepare_logits(xs[v], router_output_multiplier, HAS_MULTIPLIER, 1))
+            run_max = tl.maximum(run_max, _slice_logits(xs[v], v, col, num_experts, router_output_multiplier,
+                                                        WIDTH, MASK_EXPERTS, HAS_MULTIPLIER, 1))
         finite_max, has_inf = _softmax_stats(tl.max(run_max, axis=1)[:, None])
         run_sum = tl.zeros([BLOCK_T, WIDTH], dtype=tl.float32)
         for v in tl.static_range(NUM_SLICES):
-            x = _prepare_logits(xs[v], router_output_multiplier, HAS_MULTIPLIER, 1)
+            x = _slice_logits(xs[v], v, col, num_experts, router_output_multiplier, WIDTH, MASK_EXPERTS,
+                              HAS_MULTIPLIER, 1)
             run_sum += _softmax_numerator(x, finite_max, has_inf)
         total = tl.sum(run_sum, axis=1)[:, None]
 
@@ -366,7 +382,8 @@ def _two_level_tile(
     # up, so of equal scores the lower expert stays ahead. Placeholders: -inf, slice
     # NUM_SLICES (an expert index above all real ones, so real experts win ties with it).
     for v in tl.static_range(NUM_SLICES):
-        x = _prepare_logits(xs[v], router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
+        x = _slice_logits(xs[v], v, col, num_experts, router_output_multiplier, WIDTH, MASK_EXPERTS, HAS_MULTIPLIER,
+                          NORMALIZATION_MODE)
         biased = _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bs[v]
         if MASK_EXPERTS:
             biased = tl.where(v * WIDTH + col < num_experts, biased, -float("inf"))
@@ -595,6 +612,48 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)
 
 
+MAX_TILE_ELEMENTS = 2**20
+"""Triton's largest tensor: ``block_t`` times the padded expert count may not exceed it."""
+
+
+def check_launch_config(config: LaunchConfig, num_experts: int, topk: int) -> None:
+    """Raise ``ValueError`` naming the field when ``config`` cannot run ``[*, num_experts]`` with ``topk``.
+
+    Checked: every field an int (``algorithm`` one of :data:`ALGORITHMS`); ``block_t``,
+    ``chunk`` and ``num_warps`` powers of two, ``num_warps`` <= 32 (1024 threads), ``chunk``
+    <= the padded expert count, ``block_t`` * padded experts <= :data:`MAX_TILE_ELEMENTS`;
+    for ``two_level`` ``topk`` <= ``chunk``; ``programs_per_sm`` >= 0; ``max_registers`` 0
+    or in [24, 255].
+    """
+    if not isinstance(config, LaunchConfig):
+        raise ValueError(f"config must be a kernel.LaunchConfig, got {type(config).__name__}")
+    e_pad = padded_num_experts(num_experts)
+    for name in ("block_t", "chunk", "num_warps", "programs_per_sm", "max_registers"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"launch config {name}={value!r} must be an int")
+    for name in ("block_t", "chunk", "num_warps"):
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"launch config {name}={value} must be a power of two")
+    if config.num_warps > 32:
+        raise ValueError(f"launch config num_warps={config.num_warps} exceeds 32 (1024 threads per program)")
+    if config.chunk > e_pad:
+        raise ValueError(f"launch config chunk={config.chunk} exceeds the padded expert count {e_pad}")
+    if config.block_t * e_pad > MAX_TILE_ELEMENTS:
+        raise ValueError(f"launch config block_t={config.block_t} times {e_pad} padded experts exceeds Triton's "
+                         f"largest tensor ({MAX_TILE_ELEMENTS} elements)")
+    if config.algorithm not in ALGORITHMS:
+        raise ValueError(f"launch config algorithm={config.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if config.algorithm == "two_level" and topk > config.chunk:
+        raise ValueError(f"the two_level algorithm needs topk <= chunk (columns), got topk={topk}, "
+                         f"chunk={config.chunk}")
+    if config.programs_per_sm < 0:
+        raise ValueError(f"launch config programs_per_sm={config.programs_per_sm} must be >= 0")
+    if config.max_registers and not 24 <= config.max_registers <= 255:
+        raise ValueError(f"launch config max_registers={config.max_registers} must be 0 or in [24, 255]")
+
+
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -660,26 +719,13 @@ def fused_musespark1x_routing(
         gating_output, bias, topk, route_scale, router_output_multiplier,
         router_score_normalization, router_score_division_eps, topk_weights, topk_ids, is_padding,
     )
-    if launch.num_tokens == 0:
-        return launch.topk_weights, launch.topk_ids
     e_pad = padded_num_experts(launch.num_experts)
     if config is None:
         config = default_config(launch.num_tokens, launch.num_experts, gating_output.dtype, gating_output.device.type,
                                 launch.topk)
-    for name, value in (("block_t", config.block_t), ("chunk", config.chunk), ("num_warps", config.num_warps)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"launch config {name}={value} must be a power of two")
-    if config.chunk > e_pad:
-        raise ValueError(f"launch config chunk={config.chunk} exceeds the padded expert count {e_pad}")
-    if config.algorithm not in ALGORITHMS:
-        raise ValueError(f"launch config algorithm={config.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    if config.algorithm == "two_level" and launch.topk > config.chunk:
-        raise ValueError(f"the two_level algorithm needs topk <= chunk (columns), got topk={launch.topk}, "
-                         f"chunk={config.chunk}")
-    if config.programs_per_sm < 0:
-        raise ValueError(f"launch config programs_per_sm={config.programs_per_sm} must be >= 0")
-    if config.max_registers and not 24 <= config.max_registers <= 255:
-        raise ValueError(f"launch config max_registers={config.max_registers} must be 0 or in [24, 255]")
+    check_launch_config(config, launch.num_experts, launch.topk)
+    if launch.num_tokens == 0:
+        return launch.topk_weights, launch.topk_ids
     enable_pdl = pdl_supported(gating_output.device) if use_pdl is None else bool(use_pdl)
     weights, ids = launch.topk_weights, launch.topk_ids
     num_tiles = triton.cdiv(launch.num_tokens, config.block_t)

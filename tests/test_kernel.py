@@ -88,8 +88,10 @@ def test_tiled_matches_reference(T, E, K, dtype, rtol, launch, device):
 
 
 @pytest.mark.parametrize("norm", ["sigmoid", "softmax"])
-@pytest.mark.parametrize("multiplier,eps", [(None, None), (0.7, None), (None, 1e-3), (1.3, 0.5)])
+@pytest.mark.parametrize("multiplier,eps", [(None, None), (0.7, None), (None, 1e-3), (1.3, 0.5), (-0.7, None)])
 def test_parameters(norm, multiplier, eps, device):
+    # E=96: the scan tile pads to 128 and 64 columns leave a ragged last slice, so padding
+    # experts meet the (negative) multiplier.
     T, E, K = 21, 96, 6
     logits, bias = _inputs(T, E, torch.float32, device, seed=7)
     pad = torch.zeros(T, dtype=torch.bool, device=device)
@@ -277,8 +279,16 @@ def test_default_config_by_shape():
     (dict(algorithm="two_level", chunk=8), "needs topk <= chunk"),
     (dict(algorithm="two_level", programs_per_sm=-1), "programs_per_sm=-1"),
     (dict(max_registers=8), "max_registers=8"),
+    (dict(num_warps=64), "num_warps=64 exceeds 32"),
+    (dict(block_t=2**15), "exceeds Triton's largest tensor"),
+    (dict(chunk=32.0), "chunk=32.0 must be an int"),
+    (dict(programs_per_sm=None), "programs_per_sm=None must be an int"),
+    (dict(programs_per_sm=1.5), "programs_per_sm=1.5 must be an int"),
+    (dict(block_t=0), "block_t=0 must be a power of two"),
 ])
-def test_two_level_config_errors(bad, message):
+@pytest.mark.parametrize("num_tokens", [2, 0])
+def test_launch_config_errors(bad, message, num_tokens):
+    # (an empty batch checks the config too)
     config = LaunchConfig(**{**dict(block_t=1, chunk=32, num_warps=1), **bad})
     with pytest.raises(ValueError, match=message):
-        fused_musespark1x_routing(torch.zeros((2, 64)), torch.zeros(64), 16, 1.0, config=config)
+        fused_musespark1x_routing(torch.zeros((num_tokens, 64)), torch.zeros(64), 16, 1.0, config=config)
