@@ -286,7 +286,7 @@ def _padding(suite: str) -> list[Case]:
 def _parameters(suite: str) -> list[Case]:
     cases = []
     for norm in ("sigmoid", "softmax"):
-        for mult in (None, 0.35, 2.0):
+        for mult in (None, 0.35, 2.0, -1.5):  # negative: padding experts must stay -inf after it
             for eps in (None, 1e-3):
                 for scale in (1.0, 2.5):
                     if suite == "quick" and (scale == 1.0 and mult is not None):
