@@ -87,14 +87,14 @@ TWO_LEVEL_TOKENS = (65536, 16384, 4096, 1024, 256)
 MAX_REGISTERS = (0,)
 
 
-def two_level_configs(E, K):
+def two_level_configs(E, K, per_sm_values=PER_SM, register_limits=MAX_REGISTERS):
     """Two-level candidates (one warp per tile of one token; grid per SM or one program per tile) and the scan default."""
     e_pad = padded_num_experts(E)
     out = []
     for chunk in (32, 64):
         if K <= chunk <= e_pad:
-            for per_sm in PER_SM:
-                for regs in MAX_REGISTERS:
+            for per_sm in per_sm_values:
+                for regs in register_limits:
                     out.append(LaunchConfig(block_t=1, chunk=chunk, num_warps=1, algorithm="two_level",
                                             programs_per_sm=per_sm, max_registers=regs))
     return out
@@ -120,11 +120,8 @@ def main():
     rows = []
     shapes = [(T, E, dt) for E, dt in ((256, torch.float32), (256, torch.bfloat16), (384, torch.float32))
               for T in ((65536,) if args.large_only else (64, 65536))]
-    global PER_SM, MAX_REGISTERS
-    if args.per_sm:
-        PER_SM = tuple(int(v) for v in args.per_sm.split(","))
-    if args.max_registers:
-        MAX_REGISTERS = tuple(int(v) for v in args.max_registers.split(","))
+    per_sm_values = tuple(int(v) for v in args.per_sm.split(",")) if args.per_sm else PER_SM
+    register_limits = tuple(int(v) for v in args.max_registers.split(",")) if args.max_registers else MAX_REGISTERS
     if args.two_level:
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TWO_LEVEL_TOKENS
         shapes = [(T, E, dt) for E, dt in ((256, torch.float32), (256, torch.bfloat16), (384, torch.float32),
@@ -140,7 +137,7 @@ def main():
         floor_us = (T * E * xs[0].element_size() + T * K * 8) / (copy_gbps * 1e3)
         if args.two_level:
             cands = [("tiled", default_config(1, E, dtype)), ("tiled", default_config(4096, E, dtype, topk=K + 100))]
-            cands += [("tiled", cfg) for cfg in two_level_configs(E, K)]
+            cands += [("tiled", cfg) for cfg in two_level_configs(E, K, per_sm_values, register_limits)]
         else:
             cands = [("tiled", cfg) for cfg in configs(E, dtype, T, args.quick)]
         if dtype == torch.float32 and not args.two_level:

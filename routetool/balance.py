@@ -194,6 +194,20 @@ class Source:
     bias_note: str = ""
     notes: list[str]
 
+    def _init_from_dump(self, imported: ImportedRouting | ImportedCounts, routing: str,
+                        layers: Sequence[int] | None, bias_note: str) -> None:
+        """The attributes an imported dump gives (no logits, so no bias effect)."""
+        self.imported = imported
+        self.path = imported.source
+        self.model = imported.model
+        self.routing = routing
+        self.num_experts = imported.num_experts
+        self.topk = imported.topk
+        self.layers = list(layers) if layers is not None else sorted(imported.layers)
+        self.bias_effect = False
+        self.bias_note = bias_note
+        self.notes = list(imported.notes)
+
     def step_sizes(self, layer: int) -> list[int]:
         """Rows (or assignments for counts) per step, known before reading (for windows)."""
         raise NotImplementedError
@@ -416,17 +430,9 @@ class ImportedSource(Source):
 
     def __init__(self, imported: ImportedRouting, layers: Sequence[int] | None = None,
                  decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS):
-        self.imported = imported
-        self.path = imported.source
-        self.model = imported.model
-        self.routing = f"imported ids ({imported.format})"
-        self.num_experts = imported.num_experts
-        self.topk = imported.topk
-        self.layers = list(layers) if layers is not None else sorted(imported.layers)
+        self._init_from_dump(imported, f"imported ids ({imported.format})", layers,
+                             "not available: an imported dump holds expert ids, not logits")
         self.decode_max_tokens = decode_max_tokens
-        self.bias_effect = False
-        self.bias_note = "not available: an imported dump holds expert ids, not logits"
-        self.notes = list(imported.notes)
 
     def step_sizes(self, layer: int) -> list[int]:
         o = self.imported.layers[layer].step_offsets
@@ -448,16 +454,8 @@ class CountsSource(Source):
     kind = "counts"
 
     def __init__(self, imported: ImportedCounts, layers: Sequence[int] | None = None):
-        self.imported = imported
-        self.path = imported.source
-        self.model = imported.model
-        self.routing = f"expert counts ({imported.format})"
-        self.num_experts = imported.num_experts
-        self.topk = imported.topk
-        self.layers = list(layers) if layers is not None else sorted(imported.layers)
-        self.bias_effect = False
-        self.bias_note = "not available: the input holds expert counts, not logits"
-        self.notes = list(imported.notes)
+        self._init_from_dump(imported, f"expert counts ({imported.format})", layers,
+                             "not available: the input holds expert counts, not logits")
 
     def step_sizes(self, layer: int) -> list[int]:
         return [int(v) for v in self.imported.layers[layer].sum(1).tolist()]

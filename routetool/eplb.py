@@ -529,12 +529,6 @@ def _first_line(exc: BaseException, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def max_rank_load(counts: torch.Tensor, placement: Placement, layer: int) -> float:
-    """Largest rank load (tokens) of ``counts`` ``[E]`` under ``placement`` for ``layer``."""
-    loads = counts.double().cpu() @ placement.share_matrix(layer)
-    return float(loads.max()) if loads.numel() else 0.0
-
-
 def finite_or_none(x: float) -> float | None:
     """``x`` as a float, or None when it is NaN/inf (e.g. balancedness of an empty step)."""
     x = float(x)

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from routetool.compare import ComparisonSummary
-from routetool.files import atomic_write, check_output_paths
+from routetool.files import atomic_write
 from routetool.load import LoadStats
 from routetool.replay import ReplayResult
 
@@ -232,19 +232,20 @@ def _summary_json(s: ComparisonSummary) -> dict:
     return d
 
 
-def _load_json(load: LoadStats | None) -> dict | None:
+def load_json(load: LoadStats | None, unit: str = "tokens") -> dict | None:
+    """Load statistics as JSON; ``unit`` names what the counts count (``tokens``, ``assignments``)."""
     if load is None:
         return None
     return {
         "num_experts": load.num_experts,
         "assignments": load.assignments,
-        "max_load_tokens": load.max_load,
-        "mean_load_tokens": load.mean_load,
+        f"max_load_{unit}": load.max_load,
+        f"mean_load_{unit}": load.mean_load,
         "imbalance_max_over_mean": load.imbalance,
         "cv": load.cv,
         "normalized_entropy": load.normalized_entropy,
         "gini": load.gini,
-        "hottest": [{"expert": e, "tokens": c} for e, c in load.hottest],
+        "hottest": [{"expert": e, unit: c} for e, c in load.hottest],
         "idle_experts": load.idle,
     }
 
@@ -286,12 +287,12 @@ def replay_json(result: ReplayResult) -> dict:
                 "min_boundary_margin": layer.min_margin,
                 "boundary_ties": layer.boundary_ties,
                 "comparisons": {name: _summary_json(s) for name, s in layer.comparisons().items()},
-                "load": _load_json(layer.load),
+                "load": load_json(layer.load),
                 "expert_counts_tokens": layer.expert_counts,
             }
             for layer in result.layers
         ],
-        "load_all_layers": {**(_load_json(result.total_load) or {}), "expert_counts_tokens": result.total_counts},
+        "load_all_layers": {**(load_json(result.total_load) or {}), "expert_counts_tokens": result.total_counts},
         "latency": {
             "measured": result.latency is not None,
             "note": result.latency_note,
@@ -310,17 +311,6 @@ def replay_json(result: ReplayResult) -> dict:
             ],
         },
     }
-
-
-def check_output_path(path: str | None, force: bool) -> None:
-    """Fail early (before any work) when ``path`` cannot be written or would overwrite.
-
-    See :func:`routetool.files.check_output_paths` (several outputs, inputs) for the rules.
-
-    Raises:
-        RouteToolError: as check_output_paths.
-    """
-    check_output_paths([path], force=force)
 
 
 def _clean(value):

@@ -14,8 +14,7 @@ from rich.text import Text
 from routetool.balance import BalanceResult, LayerBalance, Quantiles
 from routetool.eplb import placement_document
 from routetool.imports import ImportedCounts, ImportedRouting
-from routetool.load import LoadStats
-from routetool.report import fmt_float, histogram_renderable, table
+from routetool.report import fmt_float, histogram_renderable, load_json, table
 
 BALANCE_SCHEMA = "routetool.balance/1"
 _LEVELS = "▁▂▃▄▅▆▇█"
@@ -295,21 +294,6 @@ def _quantiles(q: Quantiles) -> dict:
     return asdict(q)
 
 
-def _load(load: LoadStats) -> dict:
-    return {
-        "num_experts": load.num_experts,
-        "assignments": load.assignments,
-        "max_load_assignments": load.max_load,
-        "mean_load_assignments": load.mean_load,
-        "imbalance_max_over_mean": load.imbalance,
-        "cv": load.cv,
-        "normalized_entropy": load.normalized_entropy,
-        "gini": load.gini,
-        "hottest": [{"expert": e, "assignments": c} for e, c in load.hottest],
-        "idle_experts": load.idle,
-    }
-
-
 def _layer(x: LayerBalance) -> dict:
     return {
         "layer": x.layer,
@@ -318,7 +302,7 @@ def _layer(x: LayerBalance) -> dict:
         "assignments": x.assignments,
         "uncounted_ids": x.uncounted,
         "expert_counts_assignments": x.counts,
-        "load": _load(x.load),
+        "load": load_json(x.load, "assignments"),
         "ranks": [
             {
                 "placement": r.placement,
@@ -355,8 +339,8 @@ def _layer(x: LayerBalance) -> dict:
         "bias_effect": None if x.bias is None else {
             "expert_counts_with_bias_assignments": x.bias.counts_with,
             "expert_counts_bias_zeroed_assignments": x.bias.counts_without,
-            "load_with_bias": _load(x.bias.load_with),
-            "load_bias_zeroed": _load(x.bias.load_without),
+            "load_with_bias": load_json(x.bias.load_with, "assignments"),
+            "load_bias_zeroed": load_json(x.bias.load_without, "assignments"),
             "balancedness_with_bias": x.bias.balancedness_with,
             "balancedness_bias_zeroed": x.bias.balancedness_without,
             "step_balancedness_mean_with_bias": x.bias.step_balancedness_with,
@@ -413,7 +397,7 @@ def balance_json(result: BalanceResult, include_placement: bool = True) -> dict:
         "capacity_factors": result.capacity_factors,
         "bias_effect_note": result.bias_note,
         "eplb_note": result.eplb_note,
-        "all_layers": {**_load(result.total_load), "expert_counts_assignments": result.total_counts},
+        "all_layers": {**load_json(result.total_load, "assignments"), "expert_counts_assignments": result.total_counts},
         "ep": [
             {"placement": s.placement, "num_ranks": s.num_ranks,
              "balancedness_over_layers": _quantiles(s.balancedness),
