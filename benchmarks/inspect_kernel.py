@@ -44,7 +44,7 @@ consts = dict(stride_gn=1, stride_bias=1, stride_wk=1, stride_ik=1, stride_pad=1
 if a.algorithm == "two_level":
     consts.update(WIDTH=a.chunk, NUM_SLICES=-(-a.experts // a.chunk), PERSISTENT=bool(a.persistent),
                   MASK_EXPERTS=a.experts % a.chunk != 0)
-    del consts["CHUNK"], consts["TOPK_PADDED"]
+    del consts["CHUNK"], consts["TOPK_PADDED"], consts["NUM_CHUNKS"]
 for n in consts:
     sig[n] = "constexpr"
 div16 = [["tt.divisibility", 16]]

@@ -3,6 +3,8 @@
 Usage (GPU machine, repository root):
     python benchmarks/tune_tiled.py --out $OUT/tune.csv [--quick]
     python benchmarks/tune_tiled.py --two-level --out $OUT/tune-two-level.csv   # scan vs two-level, by size
+    python benchmarks/tune_tiled.py --two-level --tokens 65536 --launches 1:32:0,2:18:56,4:10:48 \
+        --experts 256:fp32,256:bf16 --out $OUT/tune.csv
 
 Every config is checked against the reference (ids equal, weights close) before timing;
 inputs rotate over enough buffers to defeat the L2 cache at large sizes.
@@ -87,16 +89,19 @@ TWO_LEVEL_TOKENS = (65536, 16384, 4096, 1024, 256)
 MAX_REGISTERS = (0,)
 
 
-def two_level_configs(E, K, per_sm_values=PER_SM, register_limits=MAX_REGISTERS):
-    """Two-level candidates (one warp per tile of one token; grid per SM or one program per tile) and the scan default."""
+def two_level_configs(E, K, per_sm_values=PER_SM, register_limits=MAX_REGISTERS, launches=None):
+    """Two-level candidates, one token per warp: every ``per_sm`` x ``register_limits`` with one
+    warp per program, or the given ``launches`` (``(num_warps, programs_per_sm, max_registers)``
+    triples; a program of ``num_warps`` warps routes ``num_warps`` tokens per tile)."""
     e_pad = padded_num_experts(E)
+    if launches is None:
+        launches = [(1, per_sm, regs) for per_sm in per_sm_values for regs in register_limits]
     out = []
     for chunk in (32, 64):
         if K <= chunk <= e_pad:
-            for per_sm in per_sm_values:
-                for regs in register_limits:
-                    out.append(LaunchConfig(block_t=1, chunk=chunk, num_warps=1, algorithm="two_level",
-                                            programs_per_sm=per_sm, max_registers=regs))
+            for nw, per_sm, regs in launches:
+                out.append(LaunchConfig(block_t=nw, chunk=chunk, num_warps=nw, algorithm="two_level",
+                                        programs_per_sm=per_sm, max_registers=regs))
     return out
 
 
@@ -110,6 +115,10 @@ def main():
     ap.add_argument("--tokens", default=None, help="comma-separated num_tokens for --two-level")
     ap.add_argument("--per-sm", default=None, help="comma-separated programs_per_sm for --two-level")
     ap.add_argument("--max-registers", default=None, help="comma-separated max_registers for --two-level")
+    ap.add_argument("--launches", default=None,
+                    help="comma-separated num_warps:programs_per_sm:max_registers for --two-level "
+                         "(instead of --per-sm x --max-registers with one warp per program)")
+    ap.add_argument("--experts", default=None, help="comma-separated E:dtype shapes for --two-level, e.g. 256:fp32,384:fp32")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -124,9 +133,11 @@ def main():
     register_limits = tuple(int(v) for v in args.max_registers.split(",")) if args.max_registers else MAX_REGISTERS
     if args.two_level:
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TWO_LEVEL_TOKENS
-        shapes = [(T, E, dt) for E, dt in ((256, torch.float32), (256, torch.bfloat16), (384, torch.float32),
-                                             (512, torch.float32), (128, torch.float32))
-                  for T in tokens]
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        experts = ([(int(e), dtypes[d]) for e, d in (v.split(":") for v in args.experts.split(","))] if args.experts
+                   else [(256, torch.float32), (256, torch.bfloat16), (384, torch.float32), (512, torch.float32),
+                         (128, torch.float32)])
+        shapes = [(T, E, dt) for E, dt in experts for T in tokens]
     t0 = time.time()
     for T, E, dtype in shapes:
         if time.time() - t0 > args.budget_s:
@@ -137,7 +148,9 @@ def main():
         floor_us = (T * E * xs[0].element_size() + T * K * 8) / (copy_gbps * 1e3)
         if args.two_level:
             cands = [("tiled", default_config(1, E, dtype)), ("tiled", default_config(4096, E, dtype, topk=K + 100))]
-            cands += [("tiled", cfg) for cfg in two_level_configs(E, K, per_sm_values, register_limits)]
+            launches = ([tuple(int(p) for p in v.split(":")) for v in args.launches.split(",")] if args.launches
+                        else None)
+            cands += [("tiled", cfg) for cfg in two_level_configs(E, K, per_sm_values, register_limits, launches)]
         else:
             cands = [("tiled", cfg) for cfg in configs(E, dtype, T, args.quick)]
         if dtype == torch.float32 and not args.two_level:
@@ -146,7 +159,7 @@ def main():
         for name, cfg in cands:
             fn = fused_musespark1x_routing_seed if name == "seed" else fused_musespark1x_routing
             kw = {} if cfg is None else {"config": cfg}
-            ok = check(fn, xs[0][: min(T, 4096)], bias, K, **kw)
+            ok = check(fn, xs[0][: min(T, 16384)], bias, K, **kw)  # long enough for the persistent loop
             p10, p50, p90 = time_fn(fn, xs, bias, T, K, **kw) if ok else (float("nan"),) * 3
             row = dict(variant=name, num_tokens=T, num_experts=E, topk=K, dtype=str(dtype).removeprefix("torch."),
                        block_t=cfg.block_t if cfg else "", chunk=cfg.chunk if cfg else "",

@@ -207,15 +207,24 @@ def _write_outputs(
     HAS_MULTIPLIER: tl.constexpr,
     HAS_EPS: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    ROW_PER_WARP: tl.constexpr = False,
 ):
     """Weights of the picked experts, padding, and the stores; ``ids``/``slot`` broadcast against ``row``.
+
+    ``ROW_PER_WARP``: ``ids`` is ``(BLOCK_T, WIDTH)`` with one row per warp (two-level).
 
     The picked experts' logits are re-read (in cache) and only those ``TOPK`` scores are
     recomputed, renormalised by ``route_scale / (sum + eps)``; a zero denominator gives
     weights 0. Padded rows get id -1 and weight 0.
     """
     out_ok = row_ok & (slot < TOPK)
-    picked = tl.load(gating_output_ptr + row_off + ids * stride_gn, mask=out_ok, other=-float("inf"))
+    picked_ptrs = gating_output_ptr + row_off + ids * stride_gn
+    if ROW_PER_WARP:
+        # The picked experts are data, but a row's ids lie along its columns: the hint keeps
+        # the gather in the row-per-warp layout instead of converting it through shared
+        # memory. Their alignment is unknown, so the gather is not vectorised.
+        picked_ptrs = tl.max_contiguous(picked_ptrs, [1, ids.shape[1]])
+    picked = tl.load(picked_ptrs, mask=out_ok, other=-float("inf"))
     picked = _prepare_logits(picked, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
     picked_scores = tl.where(out_ok, _scores(picked, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
     denom = tl.sum(picked_scores, axis=-1, keep_dims=True)
@@ -339,15 +348,60 @@ def _slice_logits(x, v, col, num_experts, router_output_multiplier,
 
 
 @triton.jit
+def _slice_scan(
+    xs, bs, col, num_experts, router_output_multiplier, finite_max, has_inf, total,
+    TOPK: tl.constexpr,
+    WIDTH: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    MASK_EXPERTS: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Exact repeated argmax over the logits already in registers (the two-level kernel's redo).
+
+    ``xs``: the tile's ``NUM_SLICES`` raw ``(BLOCK_T, WIDTH)`` logit slices; ``bs``: the
+    prepared bias slices. Every round takes the largest key of the row, the lowest expert
+    holding it, and masks it out; the pick of round ``k`` goes to column ``k`` of the
+    returned ``(BLOCK_T, WIDTH)`` int32 ids. Works in the slices' own layout, so it needs
+    no shared memory and few registers beyond the ones the fast path holds anyway.
+    """
+    E_BIG: tl.constexpr = (NUM_SLICES + 1) * WIDTH
+    keys = ()
+    for v in tl.static_range(NUM_SLICES):
+        x = _slice_logits(xs[v], v, col, num_experts, router_output_multiplier, WIDTH, MASK_EXPERTS, HAS_MULTIPLIER,
+                          NORMALIZATION_MODE)
+        key = _ordered_key(_scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bs[v])
+        if MASK_EXPERTS:
+            key = tl.where(v * WIDTH + col < num_experts, key, _EMPTY_KEY)
+        keys = keys + (key,)
+    ids = tl.zeros(keys[0].shape, dtype=tl.int32)
+    for k in tl.static_range(TOPK):
+        lane_best = keys[0]
+        for v in tl.static_range(1, NUM_SLICES):
+            lane_best = tl.maximum(lane_best, keys[v])
+        best = tl.max(lane_best, axis=1)[:, None]
+        lane_first = tl.where(keys[NUM_SLICES - 1] == best, (NUM_SLICES - 1) * WIDTH + col, E_BIG)
+        for v in tl.static_range(NUM_SLICES - 2, -1, -1):  # lower slices last: they hold the lower experts
+            lane_first = tl.where(keys[v] == best, v * WIDTH + col, lane_first)
+        first = tl.min(lane_first, axis=1)[:, None]
+        masked = ()
+        for v in tl.static_range(NUM_SLICES):
+            masked = masked + (tl.where(v * WIDTH + col == first, _EMPTY_KEY, keys[v]),)
+        keys = masked
+        ids = tl.where(col == k, first, ids)
+    return ids
+
+
+@triton.jit
 def _two_level_tile(
     tile, xs, bs,
-    gating_output_ptr, bias_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens, num_experts,
-    stride_gm, stride_gn, stride_bias, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
+    gating_output_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens, num_experts,
+    stride_gm, stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
     router_output_multiplier, route_scale, division_eps,
     TOPK: tl.constexpr,
     WIDTH: tl.constexpr,
     NUM_SLICES: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
     MASK_EXPERTS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     NORMALIZATION_MODE: tl.constexpr,
@@ -425,31 +479,19 @@ def _two_level_tile(
         ids = tl.where(col == k, first, ids)
 
     # Exact unless some column's third-best score reaches the k-th pick's (impossible with
-    # at most two slices); then the tile is redone by the scan algorithm. Each branch
-    # writes its own outputs, so neither converts the other's layout.
-    unproven = 0
+    # at most two slices); then the tile is redone by repeated argmax over the logits still
+    # in registers (:func:`_slice_scan`), in the same layout, so both share the stores.
     if NUM_SLICES > 2:
         unproven = tl.max(tl.max(tl.where(row_ok & (_ordered_key(m3) >= kth), 1, 0), axis=1), axis=0)
-    if unproven > 0:
-        row3 = row[:, :, None]
-        row_off3 = row_off[:, :, None]
-        ids3, finite_max3, has_inf3, total3 = _scan_select(
-            gating_output_ptr, bias_ptr, row3, row_off3, row_ok[:, :, None], num_experts, stride_gn, stride_bias,
-            router_output_multiplier, TOPK, WIDTH, NUM_CHUNKS, WIDTH, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH,
-        )
-        _write_outputs(
-            gating_output_ptr, row3, row_off3, row_ok[:, :, None], ids3, tl.arange(0, WIDTH)[None, None, :],
-            finite_max3, has_inf3, total3, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm,
-            stride_wk, stride_im, stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK,
-            NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
-        )
-    else:
-        _write_outputs(
-            gating_output_ptr, row, row_off, row_ok, ids, col, finite_max, has_inf, total,
-            topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
-            stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, NORMALIZATION_MODE, HAS_MULTIPLIER,
-            HAS_EPS, FAST_MATH,
-        )
+        if unproven > 0:
+            ids = _slice_scan(xs, bs, col, num_experts, router_output_multiplier, finite_max, has_inf, total, TOPK,
+                              WIDTH, NUM_SLICES, MASK_EXPERTS, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH)
+    _write_outputs(
+        gating_output_ptr, row, row_off, row_ok, ids, col, finite_max, has_inf, total,
+        topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
+        stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, NORMALIZATION_MODE, HAS_MULTIPLIER,
+        HAS_EPS, FAST_MATH, ROW_PER_WARP=True,
+    )
 
 
 @triton.jit(do_not_specialize=["stride_wk", "stride_ik"])  # no vectorised store layout for the outputs
@@ -476,7 +518,6 @@ def _two_level_kernel(
     TOPK: tl.constexpr,
     WIDTH: tl.constexpr,  # columns per row (power of two, >= TOPK)
     NUM_SLICES: tl.constexpr,  # cdiv(num_experts, WIDTH)
-    NUM_CHUNKS: tl.constexpr,  # fallback tile: NUM_CHUNKS * WIDTH = padded experts
     MASK_EXPERTS: tl.constexpr,  # num_experts < NUM_SLICES * WIDTH
     BLOCK_T: tl.constexpr,
     NORMALIZATION_MODE: tl.constexpr,
@@ -517,20 +558,20 @@ def _two_level_kernel(
                               stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
             if tile < num_tiles:
                 _two_level_tile(
-                    tile, cur, bs, gating_output_ptr, bias_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr,
-                    num_tokens, num_experts, stride_gm, stride_gn, stride_bias, stride_wm, stride_wk, stride_im,
+                    tile, cur, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr,
+                    num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
                     stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
-                    NUM_SLICES, NUM_CHUNKS, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                    NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
                     FAST_MATH,
                 )
     else:  # (the interpreter cannot loop to a runtime bound)
         xs = _load_slices(gating_output_ptr, pid, num_tokens, num_experts, stride_gm, stride_gn, WIDTH, NUM_SLICES,
                           MASK_EXPERTS, BLOCK_T)
         _two_level_tile(
-            pid, xs, bs, gating_output_ptr, bias_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens,
-            num_experts, stride_gm, stride_gn, stride_bias, stride_wm, stride_wk, stride_im, stride_ik,
+            pid, xs, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens,
+            num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
             stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
-            NUM_SLICES, NUM_CHUNKS, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+            NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
         )
 
 
@@ -588,11 +629,11 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
       vectors), so every reduction of a selection round is a single warp-wide ``REDUX``
       on Hopper: the shortest dependency chain;
     * large batches (prefill): the two-level algorithm, one warp per token, 32 columns (64
-      above 256 experts); above :data:`PERSISTENT_FROM` tokens on a persistent grid of 28
-      programs per SM for 129-256 experts (as many as the kernel's 72 registers let
-      reside) and 32 otherwise; it touches each expert a constant number of times instead
-      of ``topk`` times. Scan with 8 tokens over 4 warps when ``topk`` >
-      :data:`TWO_LEVEL_MAX_TOPK`.
+      above 384 experts); above :data:`PERSISTENT_FROM` tokens on a persistent grid of 32
+      programs per SM (the most one-warp programs an SM holds; up to 256 experts the kernel
+      needs 64 registers, so all 32 reside), 28 for 257-384 experts (72 registers: 28
+      reside); it touches each expert a constant number of times instead of ``topk``
+      times. Scan with 8 tokens over 4 warps when ``topk`` > :data:`TWO_LEVEL_MAX_TOPK`.
 
     Under the Triton interpreter (CPU tensors) each program costs Python overhead, so
     programs take up to 128 rows of the scan algorithm instead.
@@ -606,8 +647,8 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     if num_tokens <= SMALL_BATCH:
         return LaunchConfig(block_t=1, chunk=chunk, num_warps=1)
     if topk <= TWO_LEVEL_MAX_TOPK:
-        width = max(min(e_pad, 64 if num_experts > 256 else 32), triton.next_power_of_2(topk))
-        per_sm = 0 if num_tokens <= PERSISTENT_FROM else 28 if 128 < num_experts <= 256 else 32
+        width = max(min(e_pad, 64 if num_experts > 384 else 32), triton.next_power_of_2(topk))
+        per_sm = 0 if num_tokens <= PERSISTENT_FROM else 28 if 256 < num_experts <= 384 else 32
         return LaunchConfig(block_t=1, chunk=width, num_warps=1, algorithm="two_level", programs_per_sm=per_sm)
     return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)
 
@@ -772,8 +813,7 @@ def fused_musespark1x_routing(
             grid = min(num_tiles, config.programs_per_sm * _sm_count(gating_output.device))
         num_slices = triton.cdiv(launch.num_experts, config.chunk)
         _two_level_kernel[(grid,)](
-            *args, triton.cdiv(num_tiles, grid), WIDTH=config.chunk, NUM_SLICES=num_slices,
-            NUM_CHUNKS=e_pad // config.chunk, MASK_EXPERTS=num_slices * config.chunk != launch.num_experts,
+            *args, triton.cdiv(num_tiles, grid), WIDTH=config.chunk, NUM_SLICES=num_slices, MASK_EXPERTS=num_slices * config.chunk != launch.num_experts,
             PERSISTENT=grid < num_tiles, **common,
         )
     return weights, ids

@@ -71,21 +71,28 @@ def _assert_best_first(ids, logits, bias, cmp):
 
 
 TWO_LEVEL = [
-    # (num_tokens, num_experts, topk, dtype, block_t, columns, programs_per_sm, crowd): the
-    # persistent grid (several tiles per program, ragged last round), ragged columns, and a
-    # bias that crowds picks into one column so that many tiles are redone by the scan
-    (65536, 256, 8, torch.bfloat16, 1, 32, 28, False),
-    (65536, 256, 8, torch.float32, 1, 32, 1, False),
-    (20001, 384, 8, torch.float32, 1, 64, 32, False),
-    (9000, 512, 16, torch.float16, 2, 32, 3, False),
-    (5000, 60, 4, torch.float32, 1, 32, 2, True),
-    (4097, 128, 1, torch.bfloat16, 1, 64, 5, False),
-    (30000, 256, 8, torch.float32, 1, 32, 28, True),
+    # (num_tokens, num_experts, topk, dtype, block_t, num_warps, columns, programs_per_sm,
+    # max_registers, crowd): the persistent grid (several tiles per program, ragged last
+    # round), ragged columns, one token per warp in programs of 2 and 4 warps (the redo vote
+    # spans the program), register limits, and a bias that crowds picks into one column so
+    # that many tiles are redone
+    (65536, 256, 8, torch.bfloat16, 1, 1, 32, 28, 0, False),
+    (65536, 256, 8, torch.float32, 1, 1, 32, 1, 0, False),
+    (65536, 256, 8, torch.float32, 2, 2, 32, 18, 56, False),
+    (65536, 256, 8, torch.bfloat16, 4, 4, 32, 10, 48, False),
+    (20001, 384, 8, torch.float32, 1, 1, 64, 32, 0, False),
+    (20001, 384, 8, torch.float32, 4, 4, 64, 9, 56, True),
+    (9000, 512, 16, torch.float16, 2, 1, 32, 3, 0, False),
+    (5000, 60, 4, torch.float32, 1, 1, 32, 2, 0, True),
+    (4097, 128, 1, torch.bfloat16, 1, 1, 64, 5, 0, False),
+    (30000, 256, 8, torch.float32, 1, 1, 32, 28, 0, True),
+    (30000, 256, 8, torch.float32, 2, 2, 32, 21, 48, True),
 ]
 
 
-@pytest.mark.parametrize("T,E,K,dtype,block_t,columns,per_sm,crowd", TWO_LEVEL)
-def test_two_level_persistent_matches_reference(T, E, K, dtype, block_t, columns, per_sm, crowd):
+@pytest.mark.parametrize("T,E,K,dtype,block_t,num_warps,columns,per_sm,max_registers,crowd", TWO_LEVEL)
+def test_two_level_persistent_matches_reference(T, E, K, dtype, block_t, num_warps, columns, per_sm, max_registers,
+                                                crowd):
     from kernel import LaunchConfig, fused_musespark1x_routing
 
     g = torch.Generator(device="cuda").manual_seed(T + E)
@@ -94,7 +101,8 @@ def test_two_level_persistent_matches_reference(T, E, K, dtype, block_t, columns
     if crowd:
         bias[torch.arange(E, device="cuda") % columns == 7] += 0.5
     pad = torch.rand(T, device="cuda", generator=g) < 0.05
-    config = LaunchConfig(block_t=block_t, chunk=columns, num_warps=1, algorithm="two_level", programs_per_sm=per_sm)
+    config = LaunchConfig(block_t=block_t, chunk=columns, num_warps=num_warps, algorithm="two_level",
+                          programs_per_sm=per_sm, max_registers=max_registers)
     for use_pdl in (True, False):
         w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad, config=config, use_pdl=use_pdl)
         assert_routing_invariants(w, ids, E, K, 2.5, is_padding=pad)

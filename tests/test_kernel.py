@@ -54,20 +54,21 @@ def _check_against_reference(w, ids, logits, bias, topk, route_scale, rtol, is_p
     return ref_w, ref_ids
 
 
-def two_level(E, K, block_t=1, width=32, programs_per_sm=2):
+def two_level(E, K, block_t=1, width=32, programs_per_sm=2, num_warps=1):
     """A two-level launch config that fits (E, K): ``width`` columns, at least K of them.
 
     ``programs_per_sm=2`` makes the grid persistent on a GPU for all but tiny batches (the
     interpreter always runs one program per tile).
     """
     chunk = max(min(width, padded_num_experts(E)), 1 << (K - 1).bit_length())
-    return LaunchConfig(block_t=block_t, chunk=chunk, num_warps=1, algorithm="two_level",
+    return LaunchConfig(block_t=block_t, chunk=chunk, num_warps=num_warps, algorithm="two_level",
                         programs_per_sm=programs_per_sm)
 
 
 def launch_configs(E, K):
-    """The default launch and two-level ones (one and two tokens per tile, 32 and 64 columns)."""
-    out = [("default", None), ("two_level", two_level(E, K)), ("two_level_bt2", two_level(E, K, block_t=2))]
+    """The default launch and two-level ones (one and two tokens per tile, one token per warp, 32 and 64 columns)."""
+    out = [("default", None), ("two_level", two_level(E, K)), ("two_level_bt2", two_level(E, K, block_t=2)),
+           ("two_level_4warps", two_level(E, K, block_t=4, num_warps=4))]
     if padded_num_experts(E) >= 64 and K <= 64:
         out.append(("two_level_w64", two_level(E, K, width=64)))
     return out
@@ -75,7 +76,7 @@ def launch_configs(E, K):
 
 @pytest.mark.parametrize("T,E,K", SHAPES)
 @pytest.mark.parametrize("dtype,rtol", DTYPES)
-@pytest.mark.parametrize("launch", ["default", "two_level", "two_level_bt2", "two_level_w64"])
+@pytest.mark.parametrize("launch", ["default", "two_level", "two_level_bt2", "two_level_4warps", "two_level_w64"])
 def test_tiled_matches_reference(T, E, K, dtype, rtol, launch, device):
     configs = dict(launch_configs(E, K))
     if launch not in configs:
@@ -232,19 +233,25 @@ def test_seed_rejects_half_precision_gating():
 def test_two_level_redoes_tiles_where_a_column_holds_three_picks(device):
     # Column 0 of 32 (experts 0, 32, 64, 96) holds the four best experts of row 0, so the
     # per-column best two cannot prove the top-k: the tile must be redone by the scan.
-    # Row 1 puts the k-th pick's tie into one column; row 2 is random (no redo needed).
-    T, E, K = 3, 256, 8
+    # Row 1 puts the k-th pick's tie into one column; row 2 is random (no redo needed); in
+    # row 3 all eight picks are equal keys of column 0 (equal logits, bias 0 there, far
+    # behind elsewhere), so the redo must order them by expert index.
+    T, E, K = 4, 256, 8
     logits, bias = _inputs(T, E, torch.float32, device, seed=11, bias_scale=0.01)
-    logits[0] = logits[0] * 0.5 - 3.0
+    logits[0] = logits[0].clamp(-2.0, 2.0) * 0.5 - 3.0
     logits[0, [0, 32, 64, 96]] = torch.tensor([3.0, 2.0, 1.0, 0.0], device=device)
     logits[1] = 0.0
     logits[1, [5, 37, 69]] = 4.0            # a 3-way tie in column 5 ...
     logits[1, [1, 2, 3, 4, 6]] = 5.0        # ... behind five better experts: the tie decides picks 6-8
-    for block_t in (1, 2):
-        config = two_level(E, K, block_t=block_t)
+    column0 = torch.arange(E, device=device) % 32 == 0
+    logits[3] = torch.where(column0, 0.0, -10.0)
+    bias[column0] = 0.0
+    for block_t, num_warps in ((1, 1), (2, 1), (2, 2), (4, 4)):
+        config = two_level(E, K, block_t=block_t, num_warps=num_warps)
         w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=config)
         assert_routing_invariants(w, ids, E, K, 2.5)
         assert ids[0, :4].tolist() == [0, 32, 64, 96]
+        assert ids[3].tolist() == list(range(0, E, 32))
         ref_w, ref_ids = musespark1x_routing_reference(logits, bias, K, 2.5)
         assert torch.equal(ids.cpu(), ref_ids.cpu())
         assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
@@ -268,7 +275,8 @@ def test_default_config_by_shape():
     assert dec.algorithm == "scan" and dec.block_t == 1
     pre = default_config(65536, 256, torch.bfloat16)
     assert pre.algorithm == "two_level" and pre.chunk == 32 and pre.programs_per_sm > 0
-    assert default_config(65536, 384, torch.float32).chunk == 64
+    assert default_config(65536, 384, torch.float32).chunk == 32
+    assert default_config(65536, 512, torch.float32).chunk == 64
     assert default_config(65536, 512, torch.float32, topk=40).algorithm == "scan"   # topk above the columns
     assert default_config(65536, 8, torch.float32, topk=8).chunk == 8
     assert default_config(65536, 256, torch.float32, device_type="cpu").algorithm == "scan"
