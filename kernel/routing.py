@@ -22,11 +22,12 @@ expert holding it, mask it out). Each round scans every expert of the row.
 **Two-level** (:func:`_two_level_kernel`; prefill batches): one warp per token, expert ``e``
 in column ``e % WIDTH`` of slice ``e // WIDTH``. Level 1 streams the slices once, keeping per
 column its best two (score, expert) in order and its third-best score. Level 2 merges the
-columns' pairs with ``topk`` rounds over one head per column. That is the exact top-k
-unless a column holds three of the picks, which the third-best scores detect; such tiles
-are redone by the scan. Each expert is touched a constant number of times instead of
-``topk`` times; a persistent grid loads each token's logits one token ahead.
-Measurements of both: benchmarks/NOTES.md.
+columns' pairs with ``topk`` rounds of one warp-wide max over the column heads. That is the
+exact top-k unless a column holds three of the picks (the third-best scores detect it) or
+two heads hold equal keys (more pops than ``topk``); such tiles are redone by repeated
+argmax over the logits still in registers. Each expert is touched a constant number of
+times instead of ``topk`` times; a persistent grid loads each token's logits one token
+ahead. Measurements of both: benchmarks/NOTES.md.
 
 Semantics are the seed's (see :mod:`kernel.reference`, which defines them, including the
 rule for non-finite input). Differences from the seed kernel, and why:
@@ -207,24 +208,15 @@ def _write_outputs(
     HAS_MULTIPLIER: tl.constexpr,
     HAS_EPS: tl.constexpr,
     FAST_MATH: tl.constexpr,
-    ROW_PER_WARP: tl.constexpr = False,
 ):
     """Weights of the picked experts, padding, and the stores; ``ids``/``slot`` broadcast against ``row``.
-
-    ``ROW_PER_WARP``: ``ids`` is ``(BLOCK_T, WIDTH)`` with one row per warp (two-level).
 
     The picked experts' logits are re-read (in cache) and only those ``TOPK`` scores are
     recomputed, renormalised by ``route_scale / (sum + eps)``; a zero denominator gives
     weights 0. Padded rows get id -1 and weight 0.
     """
     out_ok = row_ok & (slot < TOPK)
-    picked_ptrs = gating_output_ptr + row_off + ids * stride_gn
-    if ROW_PER_WARP:
-        # The picked experts are data, but a row's ids lie along its columns: the hint keeps
-        # the gather in the row-per-warp layout instead of converting it through shared
-        # memory. Their alignment is unknown, so the gather is not vectorised.
-        picked_ptrs = tl.max_contiguous(picked_ptrs, [1, ids.shape[1]])
-    picked = tl.load(picked_ptrs, mask=out_ok, other=-float("inf"))
+    picked = tl.load(gating_output_ptr + row_off + ids * stride_gn, mask=out_ok, other=-float("inf"))
     picked = _prepare_logits(picked, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
     picked_scores = tl.where(out_ok, _scores(picked, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
     denom = tl.sum(picked_scores, axis=-1, keep_dims=True)
@@ -348,6 +340,61 @@ def _slice_logits(x, v, col, num_experts, router_output_multiplier,
 
 
 @triton.jit
+def _write_picks(
+    gating_output_ptr, row, row_off, row_ok, rounds, pick_a, pick_b, finite_max, has_inf, total,
+    topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
+    stride_pad, router_output_multiplier, route_scale, division_eps,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Weights and stores of the two-level kernel, from each column's (at most two) picks.
+
+    ``rounds`` (``(BLOCK_T, WIDTH)`` int32) encodes the output slots of a column's picks:
+    0 none; ``a + 1`` one pick, expert ``pick_a`` in slot ``a``; ``(a + 1) * 64 + b + 1``
+    two picks, ``pick_a`` in slot ``a`` and ``pick_b`` in slot ``b``. The picked experts'
+    logits are re-read (in cache) and only those scores recomputed, renormalised by
+    ``route_scale / (sum + eps)``; a zero denominator gives weights 0. Padded rows get id -1
+    and weight 0.
+    """
+    two = rounds > 64
+    ok_a = row_ok & (rounds > 0)
+    ok_b = row_ok & two
+    slot_a = tl.where(two, rounds // 64, rounds) - 1
+    slot_b = rounds % 64 - 1
+    # The picks are data, but a row's picks lie along its columns: the hint keeps the gathers
+    # in the row-per-warp layout instead of converting them through shared memory. Their
+    # alignment is unknown, so nothing is vectorised.
+    ptr_a = tl.max_contiguous(gating_output_ptr + row_off + pick_a * stride_gn, [1, pick_a.shape[1]])
+    ptr_b = tl.max_contiguous(gating_output_ptr + row_off + pick_b * stride_gn, [1, pick_b.shape[1]])
+    x_a = _prepare_logits(tl.load(ptr_a, mask=ok_a, other=-float("inf")), router_output_multiplier, HAS_MULTIPLIER,
+                          NORMALIZATION_MODE)
+    x_b = _prepare_logits(tl.load(ptr_b, mask=ok_b, other=-float("inf")), router_output_multiplier, HAS_MULTIPLIER,
+                          NORMALIZATION_MODE)
+    score_a = tl.where(ok_a, _scores(x_a, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
+    score_b = tl.where(ok_b, _scores(x_b, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
+    denom = tl.sum(score_a + score_b, axis=1)[:, None]
+    if HAS_EPS:
+        denom = denom + division_eps
+    inv_sum_scaled = tl.where(denom > 0, route_scale / tl.where(denom > 0, denom, 1.0), 0.0)
+    id_a = pick_a
+    id_b = pick_b
+    w_a = score_a * inv_sum_scaled
+    w_b = score_b * inv_sum_scaled
+    if is_padding_ptr is not None:
+        padded = tl.load(is_padding_ptr + row * stride_pad, mask=row_ok, other=0) != 0
+        id_a = tl.where(padded, -1, id_a)
+        id_b = tl.where(padded, -1, id_b)
+        w_a = tl.where(padded, 0.0, w_a)
+        w_b = tl.where(padded, 0.0, w_b)
+    tl.store(topk_ids_ptr + row * stride_im + slot_a * stride_ik, id_a, mask=ok_a)
+    tl.store(topk_weights_ptr + row * stride_wm + slot_a * stride_wk, w_a, mask=ok_a)
+    tl.store(topk_ids_ptr + row * stride_im + slot_b * stride_ik, id_b, mask=ok_b)
+    tl.store(topk_weights_ptr + row * stride_wm + slot_b * stride_wk, w_b, mask=ok_b)
+
+
+@triton.jit
 def _slice_scan(
     xs, bs, col, num_experts, router_output_multiplier, finite_max, has_inf, total,
     TOPK: tl.constexpr,
@@ -410,7 +457,6 @@ def _two_level_tile(
     FAST_MATH: tl.constexpr,
 ):
     """Route the ``BLOCK_T`` tokens of ``tile`` from their logits ``xs`` and the bias ``bs`` (see :func:`_two_level_kernel`)."""
-    E_BIG: tl.constexpr = (NUM_SLICES + 1) * WIDTH  # above every expert and every placeholder
     col = tl.arange(0, WIDTH)[None, :]  # (1, WIDTH); also the output slot of the first TOPK columns
     row = tile * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (BLOCK_T, 1)
     row_ok = row < num_tokens
@@ -462,36 +508,46 @@ def _two_level_tile(
             j2 = tl.where(above1, j1, tl.where(above2, v, j2))
             j1 = tl.where(above1, v, j1)
 
-    # Level 2: merge the columns' sorted pairs; the pick of round k goes to output slot k.
+    # Level 2: merge the columns' sorted pairs with one reduction per round: every column whose
+    # head holds the round's largest key pops it (its second entry becomes the head). The
+    # column records the rounds it popped in, so the pick of round k goes to output slot k:
+    # ``rounds = rounds * 64 + k + 1`` per pop (a column pops at most twice when exact).
+    # Equal keys always meet as heads (everything above them pops first), so a tie shows as
+    # more than ``TOPK`` pops in all; like a third entry at or above the k-th pick, it sends
+    # the tile to the redo.
     k1 = _ordered_key(m1)
     k2 = _ordered_key(m2)
-    e1 = j1 * WIDTH + col
-    e2 = j2 * WIDTH + col
-    ids = tl.zeros([BLOCK_T, WIDTH], dtype=tl.int32)
+    rounds = tl.zeros([BLOCK_T, WIDTH], dtype=tl.int32)
     kth = tl.zeros([BLOCK_T, 1], dtype=tl.int32)
     for k in tl.static_range(TOPK):
         kth = tl.max(k1, axis=1)[:, None]
-        first = tl.min(tl.where(k1 == kth, e1, E_BIG), axis=1)[:, None]
-        popped = e1 == first
+        popped = k1 == kth
         k1 = tl.where(popped, k2, k1)
-        e1 = tl.where(popped, e2, e1)
         k2 = tl.where(popped, _EMPTY_KEY, k2)
-        ids = tl.where(col == k, first, ids)
-
-    # Exact unless some column's third-best score reaches the k-th pick's (impossible with
-    # at most two slices); then the tile is redone by repeated argmax over the logits still
-    # in registers (:func:`_slice_scan`), in the same layout, so both share the stores.
+        rounds = tl.where(popped, rounds * 64 + (k + 1), rounds)
+    pops = (rounds > 0).to(tl.int32) + (rounds > 64).to(tl.int32)
     if NUM_SLICES > 2:
-        unproven = tl.max(tl.max(tl.where(row_ok & (_ordered_key(m3) >= kth), 1, 0), axis=1), axis=0)
-        if unproven > 0:
-            ids = _slice_scan(xs, bs, col, num_experts, router_output_multiplier, finite_max, has_inf, total, TOPK,
-                              WIDTH, NUM_SLICES, MASK_EXPERTS, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH)
-    _write_outputs(
-        gating_output_ptr, row, row_off, row_ok, ids, col, finite_max, has_inf, total,
-        topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
-        stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, NORMALIZATION_MODE, HAS_MULTIPLIER,
-        HAS_EPS, FAST_MATH, ROW_PER_WARP=True,
-    )
+        pops += tl.where(_ordered_key(m3) >= kth, TOPK + 1, 0)
+    unproven = tl.sum(pops) - TOPK * BLOCK_T  # every round pops at least one column: > 0 iff some row is unproven
+    if unproven > 0:
+        # Exact repeated argmax over the logits still in registers, in the same layout; its
+        # pick k sits in column k. Each branch stores its own picks (with one shared store,
+        # LLVM's vectorizer hit an assertion for 512 experts in two-row tiles).
+        ids = _slice_scan(xs, bs, col, num_experts, router_output_multiplier, finite_max, has_inf, total, TOPK,
+                          WIDTH, NUM_SLICES, MASK_EXPERTS, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH)
+        _write_outputs(
+            gating_output_ptr, row, row_off, row_ok, ids, col, finite_max, has_inf, total, topk_weights_ptr,
+            topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
+            router_output_multiplier, route_scale, division_eps, TOPK, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+            FAST_MATH,
+        )
+    else:
+        _write_picks(
+            gating_output_ptr, row, row_off, row_ok, rounds, j1 * WIDTH + col, j2 * WIDTH + col, finite_max, has_inf,
+            total, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im,
+            stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, NORMALIZATION_MODE,
+            HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+        )
 
 
 @triton.jit(do_not_specialize=["stride_wk", "stride_ik"])  # no vectorised store layout for the outputs
@@ -537,9 +593,10 @@ def _two_level_kernel(
     Expert ``e`` of a row sits in column ``e % WIDTH`` of slice ``e // WIDTH``. Slices are
     streamed once; each column keeps its two best (score, expert) entries in order and the
     score of its third best. Merging the columns' sorted pairs with ``TOPK`` rounds of
-    (largest head key, lowest expert holding it, pop) gives the exact top-k whenever no
-    column holds three of them; the third-best scores prove that (all below the k-th pick),
-    and a tile where they do not is redone by the scan algorithm. Each expert is touched a
+    (largest head key, pop it) gives the exact top-k whenever no column holds three of
+    them and no two heads tie; the third-best scores (all below the k-th pick) and the pop
+    count (exactly ``TOPK``) prove that, and a tile where they do not is redone by repeated
+    argmax over its logits in registers (:func:`_slice_scan`). Each expert is touched a
     constant number of times instead of ``TOPK`` times.
     """
     if USE_PDL:
@@ -628,12 +685,12 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
       per program and one warp, 32 lanes per row (each holding ``16 / itemsize``-wide
       vectors), so every reduction of a selection round is a single warp-wide ``REDUX``
       on Hopper: the shortest dependency chain;
-    * large batches (prefill): the two-level algorithm, one warp per token, 32 columns (64
-      above 384 experts); above :data:`PERSISTENT_FROM` tokens on a persistent grid of 32
-      programs per SM (the most one-warp programs an SM holds; up to 256 experts the kernel
-      needs 64 registers, so all 32 reside), 28 for 257-384 experts (72 registers: 28
-      reside); it touches each expert a constant number of times instead of ``topk``
-      times. Scan with 8 tokens over 4 warps when ``topk`` > :data:`TWO_LEVEL_MAX_TOPK`.
+    * large batches (prefill): the two-level algorithm, one warp per token, 32 columns;
+      above :data:`PERSISTENT_FROM` tokens on a persistent grid of 32 programs per SM (the
+      most one-warp programs an SM holds; up to 256 experts the kernel needs at most 64
+      registers, so all 32 reside), 28 for 257-384 experts (72 registers: 28 reside); it
+      touches each expert a constant number of times instead of ``topk`` times. Scan with
+      8 tokens over 4 warps when ``topk`` > :data:`TWO_LEVEL_MAX_TOPK`.
 
     Under the Triton interpreter (CPU tensors) each program costs Python overhead, so
     programs take up to 128 rows of the scan algorithm instead.
@@ -647,7 +704,7 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     if num_tokens <= SMALL_BATCH:
         return LaunchConfig(block_t=1, chunk=chunk, num_warps=1)
     if topk <= TWO_LEVEL_MAX_TOPK:
-        width = max(min(e_pad, 64 if num_experts > 384 else 32), triton.next_power_of_2(topk))
+        width = max(min(e_pad, 32), triton.next_power_of_2(topk))
         per_sm = 0 if num_tokens <= PERSISTENT_FROM else 28 if 256 < num_experts <= 384 else 32
         return LaunchConfig(block_t=1, chunk=width, num_warps=1, algorithm="two_level", programs_per_sm=per_sm)
     return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)

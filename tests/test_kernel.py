@@ -257,6 +257,30 @@ def test_two_level_redoes_tiles_where_a_column_holds_three_picks(device):
         assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
+def test_two_level_ties_between_columns_go_to_the_lowest_expert(device):
+    # Equal keys in different columns: the one-reduction merge pops them together, which
+    # sends the tile to the redo; the ids must still follow the lowest-index rule exactly.
+    T, E, K = 5, 256, 8
+    logits, bias = _inputs(T, E, torch.float32, device, seed=5)
+    bias.zero_()
+    logits[0] = 0.0                                    # every key equal: experts 0..7
+    logits[1] = -4.0
+    logits[1, [200, 9, 70, 41]] = 2.0                  # a 4-way tie for the first picks, 4 columns
+    logits[1, [100, 3, 12, 33, 250]] = 1.0             # 5-way tie for the last four picks
+    logits[2] = logits[2].to(torch.bfloat16).float()   # bf16-rounded logits, no bias: many exact ties
+    logits[3] = torch.randint(-3, 4, (E,), device=device).float()  # seven values over 256 experts
+    expected = {0: list(range(8)), 1: [9, 41, 70, 200, 3, 12, 33, 100]}
+    for block_t, num_warps, width in ((1, 1, 32), (2, 1, 32), (4, 4, 32), (1, 1, 64)):
+        config = two_level(E, K, block_t=block_t, num_warps=num_warps, width=width)
+        w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=config)
+        assert_routing_invariants(w, ids, E, K, 2.5)
+        for row, want in expected.items():
+            assert ids[row].tolist() == want, (config, row)
+        ref_w, ref_ids = musespark1x_routing_reference(logits, bias, K, 2.5)
+        assert torch.equal(ids.cpu(), ref_ids.cpu()), config
+        assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("T,E,K", [(7, 256, 8), (6, 100, 32), (5, 40, 8), (4, 33, 3)])
 def test_two_level_ragged_columns_and_many_picks(T, E, K, device):
     # E not a multiple of the columns (masked last slice), topk up to the column count, and
@@ -276,7 +300,8 @@ def test_default_config_by_shape():
     pre = default_config(65536, 256, torch.bfloat16)
     assert pre.algorithm == "two_level" and pre.chunk == 32 and pre.programs_per_sm > 0
     assert default_config(65536, 384, torch.float32).chunk == 32
-    assert default_config(65536, 512, torch.float32).chunk == 64
+    assert default_config(65536, 512, torch.float32).chunk == 32
+    assert default_config(65536, 512, torch.float32, topk=20).chunk == 32
     assert default_config(65536, 512, torch.float32, topk=40).algorithm == "scan"   # topk above the columns
     assert default_config(65536, 8, torch.float32, topk=8).chunk == 8
     assert default_config(65536, 256, torch.float32, device_type="cpu").algorithm == "scan"
