@@ -525,7 +525,10 @@ def _two_level_tile(
         k1 = tl.where(popped, k2, k1)
         k2 = tl.where(popped, _EMPTY_KEY, k2)
         rounds = tl.where(popped, rounds * 64 + (k + 1), rounds)
-    pops = (rounds > 0).to(tl.int32) + (rounds > 64).to(tl.int32)
+    # A column pops a third time only once every head is empty (ties used up all the pairs),
+    # and the last round's key then is the empty key: such rows (whose ``rounds`` may have
+    # overflowed) are unproven too.
+    pops = (rounds > 0).to(tl.int32) + (rounds > 64).to(tl.int32) + tl.where(kth == _EMPTY_KEY, TOPK + 1, 0)
     if NUM_SLICES > 2:
         pops += tl.where(_ordered_key(m3) >= kth, TOPK + 1, 0)
     unproven = tl.sum(pops) - TOPK * BLOCK_T  # every round pops at least one column: > 0 iff some row is unproven

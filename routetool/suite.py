@@ -124,6 +124,20 @@ def _ties(suite: str) -> list[Case]:
             return CaseInput(gating_output=g.to(device), bias=b.to(device), topk=K)
         cases.append(Case("ties", name, "bf16 logits colliding exactly at the k-th boundary", build_bf16,
                           feature="bfloat16"))
+    # Prefill-sized batches, so that a GPU runs the kernel's large-batch algorithm on ties too
+    # (the tiled kernel's two-level merge sends tied rows to its redo).
+    for E, K in ((64, 8),) if suite == "quick" else ((64, 8), (256, 8)):
+        name = f"ties/prefill/E{E}-k{K}"
+
+        def build_prefill(device, E=E, K=K, name=name):
+            T = 4100
+            g = _randn(name, (T, E), scale=0.3)
+            g[0::4] = 0.0                                  # every logit equal
+            g[1::4, : E // 2] = 1.0                        # the first half equal, above the rest
+            g[2::4] = torch.randint(-3, 4, (len(range(2, T, 4)), E), generator=_gen(name + "/int")).float()
+            return CaseInput(gating_output=g.to(device), bias=torch.zeros(E, device=device), topk=K)
+        cases.append(Case("ties", name, "4100 rows (a prefill batch) of equal, half-equal and integer logits",
+                          build_prefill))
     return cases
 
 

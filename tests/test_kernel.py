@@ -281,6 +281,23 @@ def test_two_level_ties_between_columns_go_to_the_lowest_expert(device):
         assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("E,K", [(8, 8), (33, 32), (40, 8), (64, 8), (100, 20), (128, 32)])
+def test_two_level_all_keys_equal_with_few_slices(E, K, device):
+    # At most two slices per column: ties empty every column's pair before the k-th round,
+    # so columns pop a third time; the kernel must still see the row as unproven and redo it.
+    logits = torch.zeros((3, E), device=device)
+    logits[1] = 1.0
+    logits[2, : E // 2] = 2.0                        # ties in the first half only
+    bias = torch.zeros(E, device=device)
+    for width in (32, 64):
+        for block_t, num_warps in ((1, 1), (2, 2)):
+            config = two_level(E, K, block_t=block_t, num_warps=num_warps, width=width)
+            w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=config)
+            assert_routing_invariants(w, ids, E, K, 2.5)
+            _, ref_ids = musespark1x_routing_reference(logits, bias, K, 2.5)
+            assert torch.equal(ids.cpu(), ref_ids.cpu()), config
+
+
 @pytest.mark.parametrize("T,E,K", [(7, 256, 8), (6, 100, 32), (5, 40, 8), (4, 33, 3)])
 def test_two_level_ragged_columns_and_many_picks(T, E, K, device):
     # E not a multiple of the columns (masked last slice), topk up to the column count, and
