@@ -199,6 +199,24 @@ def _scan_select(
 
 
 @triton.jit
+def _picked_scores(ptrs, ok, router_output_multiplier, finite_max, has_inf, total,
+                   NORMALIZATION_MODE: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Unbiased scores of the picked experts whose logits ``ptrs`` point at (re-read, in cache); 0 where not ``ok``."""
+    x = _prepare_logits(tl.load(ptrs, mask=ok, other=-float("inf")), router_output_multiplier, HAS_MULTIPLIER,
+                        NORMALIZATION_MODE)
+    return tl.where(ok, _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
+
+
+@triton.jit
+def _renormalizer(score_sum, route_scale, division_eps, HAS_EPS: tl.constexpr):
+    """``route_scale / (sum + eps)``, or 0 for a zero denominator."""
+    denom = score_sum
+    if HAS_EPS:
+        denom = denom + division_eps
+    return tl.where(denom > 0, route_scale / tl.where(denom > 0, denom, 1.0), 0.0)
+
+
+@triton.jit
 def _write_outputs(
     gating_output_ptr, row, row_off, row_ok, ids, slot, finite_max, has_inf, total,
     topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
@@ -216,14 +234,10 @@ def _write_outputs(
     weights 0. Padded rows get id -1 and weight 0.
     """
     out_ok = row_ok & (slot < TOPK)
-    picked = tl.load(gating_output_ptr + row_off + ids * stride_gn, mask=out_ok, other=-float("inf"))
-    picked = _prepare_logits(picked, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
-    picked_scores = tl.where(out_ok, _scores(picked, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
-    denom = tl.sum(picked_scores, axis=-1, keep_dims=True)
-    if HAS_EPS:
-        denom = denom + division_eps
-    inv_sum_scaled = tl.where(denom > 0, route_scale / tl.where(denom > 0, denom, 1.0), 0.0)
-    weights = picked_scores * inv_sum_scaled
+    picked_scores = _picked_scores(gating_output_ptr + row_off + ids * stride_gn, out_ok, router_output_multiplier,
+                                   finite_max, has_inf, total, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH)
+    weights = picked_scores * _renormalizer(tl.sum(picked_scores, axis=-1, keep_dims=True), route_scale,
+                                            division_eps, HAS_EPS)
     if is_padding_ptr is not None:
         padded = tl.load(is_padding_ptr + row * stride_pad, mask=row_ok, other=0) != 0
         ids = tl.where(padded, -1, ids)
@@ -368,16 +382,11 @@ def _write_picks(
     # alignment is unknown, so nothing is vectorised.
     ptr_a = tl.max_contiguous(gating_output_ptr + row_off + pick_a * stride_gn, [1, pick_a.shape[1]])
     ptr_b = tl.max_contiguous(gating_output_ptr + row_off + pick_b * stride_gn, [1, pick_b.shape[1]])
-    x_a = _prepare_logits(tl.load(ptr_a, mask=ok_a, other=-float("inf")), router_output_multiplier, HAS_MULTIPLIER,
-                          NORMALIZATION_MODE)
-    x_b = _prepare_logits(tl.load(ptr_b, mask=ok_b, other=-float("inf")), router_output_multiplier, HAS_MULTIPLIER,
-                          NORMALIZATION_MODE)
-    score_a = tl.where(ok_a, _scores(x_a, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
-    score_b = tl.where(ok_b, _scores(x_b, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
-    denom = tl.sum(score_a + score_b, axis=1)[:, None]
-    if HAS_EPS:
-        denom = denom + division_eps
-    inv_sum_scaled = tl.where(denom > 0, route_scale / tl.where(denom > 0, denom, 1.0), 0.0)
+    score_a = _picked_scores(ptr_a, ok_a, router_output_multiplier, finite_max, has_inf, total, NORMALIZATION_MODE,
+                             HAS_MULTIPLIER, FAST_MATH)
+    score_b = _picked_scores(ptr_b, ok_b, router_output_multiplier, finite_max, has_inf, total, NORMALIZATION_MODE,
+                             HAS_MULTIPLIER, FAST_MATH)
+    inv_sum_scaled = _renormalizer(tl.sum(score_a + score_b, axis=1)[:, None], route_scale, division_eps, HAS_EPS)
     id_a = pick_a
     id_b = pick_b
     w_a = score_a * inv_sum_scaled
@@ -518,7 +527,6 @@ def _two_level_tile(
     k1 = _ordered_key(m1)
     k2 = _ordered_key(m2)
     rounds = tl.zeros([BLOCK_T, WIDTH], dtype=tl.int32)
-    kth = tl.zeros([BLOCK_T, 1], dtype=tl.int32)
     for k in tl.static_range(TOPK):
         kth = tl.max(k1, axis=1)[:, None]
         popped = k1 == kth
