@@ -25,3 +25,32 @@ versions() {  # GPU, driver, torch and triton versions into $S
 }
 # validate families other than "shapes" (the largest, run in a process of its own)
 REST="--family ties --family nonfinite --family bias --family layouts --family dtypes --family padding --family parameters"
+# pytest_shards NAME SECONDS N PATHS...   the tests under PATHS split into N pytest processes run
+#                                        in parallel (compiling kernels is CPU-bound); logs NAME-1.txt .. NAME-N.txt
+pytest_shards() {
+  local name=$1 secs=$2 n=$3; shift 3
+  python3 -m pytest -q -p no:cacheprovider --co "$@" 2>/dev/null | grep '::' > "$R/$name-ids.txt"
+  local i
+  for i in $(seq 1 "$n"); do
+    # spread by a hash of the test id, so that neighbouring (similarly heavy) parametrizations part
+    python3 -c "import sys, zlib; [print(l, end='') for l in open(sys.argv[1]) if zlib.crc32(l.encode()) % $n == $i - 1]" \
+      "$R/$name-ids.txt" > "$R/$name-ids-$i.txt"
+    run "$name-$i" "$secs" xargs -d '\n' -a "$R/$name-ids-$i.txt" python3 -m pytest -q -p no:cacheprovider &
+  done
+  wait
+}
+# validate_shapes SECONDS            validate --suite full, family shapes, on the tiled kernel
+validate_shapes() {
+  run validate-full-tiled-shapes "$1" python3 -m routetool validate --suite full --kernel tiled --device cuda \
+    --family shapes --json "$R/validate-full-tiled-shapes.json" --no-progress
+}
+# validate_rest_and_replays SECONDS  the other families of validate --suite full, then a replay of every bundled trace
+validate_rest_and_replays() {
+  run validate-full-tiled-rest "$1" python3 -m routetool validate --suite full --kernel tiled --device cuda $REST \
+    --json "$R/validate-full-tiled-rest.json" --no-progress
+  local t n
+  for t in traces/*.safetensors; do
+    n=$(basename "$t" .safetensors)
+    COLUMNS=110 run "replay-$n" 60 python3 -m routetool replay "$t" --device cuda --no-progress --json "$R/replay-$n.json"
+  done
+}

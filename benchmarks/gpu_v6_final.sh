@@ -10,14 +10,8 @@ versions
 COLUMNS=130 run bench 190 python3 -m routetool bench --tokens 1,64,4096,16384,65536 --experts 128,256,384,512 \
   --dtype fp32,bf16 --kernel tiled --kernel seed --rep-ms 8 --csv "$R/bench.csv" --json "$R/bench.json" --no-progress
 run pytest-gpu 280 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernel.py &
-run validate-full-tiled-shapes 280 python3 -m routetool validate --suite full --kernel tiled --device cuda \
-  --family shapes --json "$R/validate-full-tiled-shapes.json" --no-progress &
-{ run validate-full-tiled-rest 120 python3 -m routetool validate --suite full --kernel tiled --device cuda $REST \
-    --json "$R/validate-full-tiled-rest.json" --no-progress
-  for t in traces/*.safetensors; do
-    n=$(basename "$t" .safetensors)
-    COLUMNS=110 run "replay-$n" 60 python3 -m routetool replay "$t" --device cuda --no-progress --json "$R/replay-$n.json"
-  done; } &
+validate_shapes 280 &
+validate_rest_and_replays 120 &
 COLUMNS=130 run bench-compile 270 python3 -m routetool bench --tokens 64,65536 --experts 256 --dtype fp32 \
   --kernel torch-compile --kernel torch --kernel tiled --baseline torch --rep-ms 8 --csv "$R/bench-compile.csv" \
   --no-progress &

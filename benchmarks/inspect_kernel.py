@@ -28,6 +28,8 @@ ap.add_argument("--softmax", action="store_true")
 ap.add_argument("--algorithm", default="scan", choices=("scan", "two_level"))
 ap.add_argument("--persistent", type=int, default=1)
 ap.add_argument("--maxnreg", type=int, default=None)
+ap.add_argument("--tokens", type=int, default=1, help="num_tokens (specialised as a launch would: divisible by 16 or not)")
+ap.add_argument("--no-padding", action="store_true", help="is_padding=None (a constexpr, as a launch without it)")
 
 ap.add_argument("--dump", help="write ttgir/ptx/sass-relevant files to this folder")
 a = ap.parse_args()
@@ -45,11 +47,15 @@ if a.algorithm == "two_level":
     consts.update(WIDTH=a.chunk, NUM_SLICES=-(-a.experts // a.chunk), PERSISTENT=bool(a.persistent),
                   MASK_EXPERTS=a.experts % a.chunk != 0)
     del consts["CHUNK"], consts["TOPK_PADDED"], consts["NUM_CHUNKS"]
+if a.no_padding:
+    consts.update(is_padding_ptr=None, stride_pad=0)
 for n in consts:
     sig[n] = "constexpr"
 div16 = [["tt.divisibility", 16]]
+# as a launch specialises them: pointers 16-byte aligned, integers by their value (rows of topk outputs)
+values = dict(num_tokens=a.tokens, num_experts=a.experts, stride_gm=a.experts, stride_wm=a.topk, stride_im=a.topk)
 attrs = {(names.index(n),): div16 for n in ("gating_output_ptr", "bias_ptr", "topk_weights_ptr", "topk_ids_ptr",
-                                             "is_padding_ptr", "num_experts", "stride_gm", "stride_wm", "stride_im")}
+                                             "is_padding_ptr", *[n for n, v in values.items() if v % 16 == 0])}
 src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps, **({"maxnreg": a.maxnreg} if a.maxnreg else {})))
 for line in k.asm["ttgir"].splitlines():
