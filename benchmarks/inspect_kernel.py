@@ -15,7 +15,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernel.routing import _routing_kernel, _two_level_kernel, padded_num_experts
+from kernel.routing import PING_PONG_MAX_SLICES, _routing_kernel, _two_level_kernel, padded_num_experts
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--experts", type=int, default=256)
@@ -28,6 +28,8 @@ ap.add_argument("--softmax", action="store_true")
 ap.add_argument("--algorithm", default="scan", choices=("scan", "two_level"))
 ap.add_argument("--persistent", type=int, default=1)
 ap.add_argument("--maxnreg", type=int, default=None)
+ap.add_argument("--ping-pong", type=int, default=None, help="persistent loop over two tiles per iteration "
+                "(0/1; default: as a launch chooses)")
 ap.add_argument("--tokens", type=int, default=1, help="num_tokens (specialised as a launch would: divisible by 16 or not)")
 ap.add_argument("--no-padding", action="store_true", help="is_padding=None (a constexpr, as a launch without it)")
 
@@ -44,7 +46,10 @@ consts = dict(stride_gn=1, stride_bias=1, stride_wk=1, stride_ik=1, stride_pad=1
               CHUNK=a.chunk, BLOCK_T=a.block_t, NORMALIZATION_MODE=int(a.softmax), HAS_MULTIPLIER=False,
               HAS_EPS=False, USE_PDL=True, FAST_MATH=True)
 if a.algorithm == "two_level":
-    consts.update(WIDTH=a.chunk, NUM_SLICES=-(-a.experts // a.chunk), PERSISTENT=bool(a.persistent),
+    slices = -(-a.experts // a.chunk)
+    consts.update(WIDTH=a.chunk, NUM_SLICES=slices, PERSISTENT=bool(a.persistent),
+                  PING_PONG=bool(a.persistent) and (slices * a.block_t <= PING_PONG_MAX_SLICES * a.warps
+                                                    if a.ping_pong is None else bool(a.ping_pong)),
                   MASK_EXPERTS=a.experts % a.chunk != 0)
     del consts["CHUNK"], consts["TOPK_PADDED"], consts["NUM_CHUNKS"]
 if a.no_padding:

@@ -375,8 +375,8 @@ def _write_picks(
     two = rounds > 64
     ok_a = row_ok & (rounds > 0)
     ok_b = row_ok & two
-    slot_a = tl.where(two, rounds // 64, rounds) - 1
-    slot_b = rounds % 64 - 1
+    slot_a = tl.where(two, rounds >> 6, rounds) - 1  # (rounds >= 0: shifts and masks, no signed-division fixups)
+    slot_b = (rounds & 63) - 1
     # The picks are data, but a row's picks lie along its columns: the hint keeps the gathers
     # in the row-per-warp layout instead of converting them through shared memory. Their
     # alignment is unknown, so nothing is vectorised.
@@ -593,13 +593,17 @@ def _two_level_kernel(
     USE_PDL: tl.constexpr,
     FAST_MATH: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    PING_PONG: tl.constexpr,  # persistent loop over two tiles per iteration (see below)
 ):
     """Two-level algorithm over tiles of ``BLOCK_T`` tokens.
 
     Grid: one program per tile, or (``PERSISTENT``) fewer programs, program ``p`` taking
     tiles ``p, p + grid, ...`` (``tiles_per_program`` of them at most) and loading each
     tile's logits one tile ahead, so that the memory latency of the next tile overlaps the
-    work on this one.
+    work on this one. With ``PING_PONG`` the loop takes two tiles per iteration, alternating
+    between two register sets, so no logits are copied between iterations (chosen while a
+    thread holds at most :data:`PING_PONG_MAX_SLICES` logit slices: beyond that the second
+    set costs more registers, and resident programs, than the copies).
 
     Expert ``e`` of a row sits in column ``e % WIDTH`` of slice ``e // WIDTH``. Slices are
     streamed once; each column keeps its two best (score, expert) entries in order and the
@@ -619,19 +623,46 @@ def _two_level_kernel(
         num_tiles = tl.cdiv(num_tokens, BLOCK_T)
         xs = _load_slices(gating_output_ptr, pid, num_tokens, num_experts, stride_gm, stride_gn, WIDTH, NUM_SLICES,
                           MASK_EXPERTS, BLOCK_T)
-        for it in range(0, tiles_per_program):
-            tile = pid + it * tl.num_programs(0)
-            cur = xs
-            xs = _load_slices(gating_output_ptr, tile + tl.num_programs(0), num_tokens, num_experts, stride_gm,
-                              stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
-            if tile < num_tiles:
-                _two_level_tile(
-                    tile, cur, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr,
-                    num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
-                    stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
-                    NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
-                    FAST_MATH,
-                )
+        if PING_PONG:
+            # Two tiles per iteration, in two register sets: each set is refilled once its tile
+            # is done, so nothing is copied between iterations (twice the code, and the registers
+            # of two register sets of logits live at once).
+            for it in range(0, tiles_per_program, 2):
+                tile = pid + it * tl.num_programs(0)
+                ys = _load_slices(gating_output_ptr, tile + tl.num_programs(0), num_tokens, num_experts, stride_gm,
+                                  stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                if tile < num_tiles:
+                    _two_level_tile(
+                        tile, xs, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr,
+                        num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
+                        stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
+                        NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                        FAST_MATH,
+                    )
+                xs = _load_slices(gating_output_ptr, tile + 2 * tl.num_programs(0), num_tokens, num_experts,
+                                  stride_gm, stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                if tile + tl.num_programs(0) < num_tiles:
+                    _two_level_tile(
+                        tile + tl.num_programs(0), ys, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr,
+                        is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk,
+                        stride_im, stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK,
+                        WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                        FAST_MATH,
+                    )
+        else:
+            for it in range(0, tiles_per_program):
+                tile = pid + it * tl.num_programs(0)
+                cur = xs
+                xs = _load_slices(gating_output_ptr, tile + tl.num_programs(0), num_tokens, num_experts, stride_gm,
+                                  stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                if tile < num_tiles:
+                    _two_level_tile(
+                        tile, cur, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr,
+                        num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
+                        stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
+                        NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                        FAST_MATH,
+                    )
     else:  # (the interpreter cannot loop to a runtime bound)
         xs = _load_slices(gating_output_ptr, pid, num_tokens, num_experts, stride_gm, stride_gn, WIDTH, NUM_SLICES,
                           MASK_EXPERTS, BLOCK_T)
@@ -671,6 +702,12 @@ class LaunchConfig:
 
 
 ALGORITHMS = ("scan", "two_level")
+
+PING_PONG_MAX_SLICES = 8
+"""Most logit slices per thread for the two-level persistent loop's two register sets (256
+experts in 32 columns): up to 256 experts the kernel needs 61 registers either way, while at
+384 the second set takes it from 72 to 91 (``benchmarks/inspect_kernel.py``), so 28 programs
+per SM no longer reside."""
 
 
 def padded_num_experts(num_experts: int) -> int:
@@ -880,8 +917,10 @@ def fused_musespark1x_routing(
         if config.programs_per_sm and gating_output.device.type == "cuda":
             grid = min(num_tiles, config.programs_per_sm * _sm_count(gating_output.device))
         num_slices = triton.cdiv(launch.num_experts, config.chunk)
+        persistent = grid < num_tiles
         _two_level_kernel[(grid,)](
-            *args, triton.cdiv(num_tiles, grid), WIDTH=config.chunk, NUM_SLICES=num_slices, MASK_EXPERTS=num_slices * config.chunk != launch.num_experts,
-            PERSISTENT=grid < num_tiles, **common,
+            *args, triton.cdiv(num_tiles, grid), WIDTH=config.chunk, NUM_SLICES=num_slices,
+            MASK_EXPERTS=num_slices * config.chunk != launch.num_experts, PERSISTENT=persistent,
+            PING_PONG=persistent and num_slices * config.block_t <= PING_PONG_MAX_SLICES * config.num_warps, **common,
         )
     return weights, ids

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU session for kernel v6f (two tiles per persistent-loop iteration, in two register sets): the bench sweep
+# alone, then the GPU tests (6 shards), validate --suite full and replays of the bundled traces in parallel.
+# Results in $OUT/results.tgz and $OUT/summary.txt.
+set -u
+BUDGET_S=${BUDGET_S:-500}
+source "$(dirname "$0")/gpu_lib.sh"
+versions
+COLUMNS=130 run bench 150 python3 -m routetool bench --tokens 1,64,4096,16384,65536 --experts 128,256,384,512 \
+  --dtype fp32,bf16 --kernel tiled --kernel seed --rep-ms 8 --csv "$R/bench.csv" --json "$R/bench.json" --no-progress
+grep "tiled.*65,536" "$R/bench.txt" >> "$S"
+pytest_shards pytest-gpu 330 6 tests/test_gpu.py tests/test_kernel.py tests/test_bench.py &
+validate_shapes 380 &
+validate_rest_and_replays 150 &
+wait
+tar czf "$OUT/results.tgz" -C "$R" .
+cat "$S"
+for f in "$R"/pytest-gpu-?.txt; do tail -n 1 "$f"; done
+tail -n 2 "$R/validate-full-tiled-shapes.txt" "$R/validate-full-tiled-rest.txt"
