@@ -73,9 +73,10 @@ def _assert_best_first(ids, logits, bias, cmp):
 TWO_LEVEL = [
     # (num_tokens, num_experts, topk, dtype, block_t, num_warps, columns, programs_per_sm,
     # max_registers, crowd): the persistent grid (several tiles per program, ragged last
-    # round; two tiles per loop iteration up to 8 slices per thread, else one), ragged columns, one token per warp in programs of 2 and 4 warps (the redo vote
-    # spans the program), register limits, and a bias that crowds picks into one column so
-    # that many tiles are redone
+    # round; two tiles per loop iteration up to 8 slices per thread, else one), ragged
+    # columns, one token per warp in programs of 2 and 4 warps (the redo vote spans the
+    # program), register limits, and a bias that crowds picks into one column so that many
+    # tiles are redone
     (65536, 256, 8, torch.bfloat16, 1, 1, 32, 28, 0, False),
     (65536, 256, 8, torch.float32, 1, 1, 32, 1, 0, False),
     (65536, 256, 8, torch.float32, 2, 2, 32, 18, 56, False),
