@@ -223,8 +223,6 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
     check_output_paths([json_path], force=force, inputs=[trace])
     check_trace_file(trace)
     with open_trace(trace) as t:
-        # a sharded trace's shards are inputs too
-        check_output_paths([json_path], force=force, inputs=[trace, *getattr(t, "shard_paths", [])])
         with _progress(progress and scan) as bar:
             task = bar.add_task(f"scan {trace.name}", total=t.total_tokens)
             result = trace_info(t, scan=scan, progress=lambda n: bar.advance(task, n))

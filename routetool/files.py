@@ -69,7 +69,8 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
     Args:
         outputs: output paths (None entries are ignored; ``-`` means stdout when allowed).
         force: allow replacing existing files (never an input, never twice in one run).
-        inputs: the run's input paths; no output may be one of them.
+        inputs: the run's input paths (a sharded trace's index stands for its shard files
+            too); no output may be one of them.
         allow_stdout: whether ``-`` is accepted.
 
     Raises:
@@ -77,6 +78,10 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
             output that is an input; an existing file without ``force``; a directory; a
             missing or unwritable folder (probed by creating a temporary file).
     """
+    from routetool.sharded import listed_shard_files  # (sharded imports this module)
+
+    protected = [Path(i) for i in inputs if i is not None and str(i) != "-"]
+    protected += [shard for i in list(protected) for shard in listed_shard_files(i)]
     seen: list[Path] = []
     for out in outputs:
         if out is None:
@@ -90,8 +95,8 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
             if _same_file(p, other):
                 raise RouteToolError("is named for two outputs of one run", path=p, fix="give each output its own file")
         seen.append(p)
-        for inp in inputs:
-            if inp is not None and str(inp) != "-" and _same_file(p, Path(inp)):
+        for inp in protected:
+            if _same_file(p, inp):
                 raise RouteToolError("is this run's input; writing the output there would destroy it", path=p,
                                      fix="choose another output path")
         if p.is_dir():

@@ -75,6 +75,30 @@ def looks_like_index(path: str | os.PathLike) -> bool:
     return head.lstrip().startswith(b"{") and b"\x00" not in head
 
 
+def listed_shard_files(path: str | os.PathLike) -> list[Path]:
+    """The shard files an index lists (relative paths resolved against the index's folder).
+
+    Best effort, for protecting inputs: anything that is not a readable index (a safetensors
+    file, a missing or broken index) lists nothing; reading a trace reports such problems.
+    """
+    p = Path(path)
+    if not p.is_file() or not looks_like_index(p):
+        return []
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return []
+    shards = doc.get("shards") if isinstance(doc, dict) else None
+    if not isinstance(shards, list):
+        return []
+    out = []
+    for entry in shards:
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and entry["path"]:
+            q = Path(entry["path"])
+            out.append(q if q.is_absolute() else p.parent / q)
+    return out
+
+
 def write_index(
     path: str | os.PathLike,
     shards: list[Mapping[str, object]],

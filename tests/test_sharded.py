@@ -229,3 +229,25 @@ def test_non_regular_index_and_shards_are_refused(tmp_path):
     os.mkfifo(fifo_index)
     with pytest.raises(RouteToolError, match="fifo.json: is not a regular file"):
         read_index(fifo_index)
+
+
+@pytest.mark.parametrize("args", [
+    ["replay", "{index}", "--json", "{shard}", "--force"],
+    ["validate", "{index}", "--suite", "none", "--junit", "{shard}", "--force"],
+    ["balance", "{index}", "--json", "{shard}", "--force"],
+    ["balance", "{index}", "--eplb-out", "{shard}", "--force"],
+    ["info", "{index}", "--json", "{shard}", "--force"],
+])
+def test_outputs_never_replace_a_shard_of_the_input(tmp_path, args):
+    from click.testing import CliRunner
+
+    from routetool.cli import main
+
+    gen = torch.Generator().manual_seed(3)
+    index = _sharded(tmp_path, [{0: _layer(gen, [4])}, {0: _layer(gen, [2, 3])}])
+    shard = shard_path(index, 1)
+    before = shard.read_bytes()
+    res = CliRunner().invoke(main, [a.format(index=index, shard=shard) for a in args])
+    assert res.exit_code == 2, res.output
+    assert "is this run's input" in res.output and shard.name in res.output
+    assert shard.read_bytes() == before
