@@ -41,7 +41,7 @@ from routetool.eplb import (
     finite_or_none,
     rebalance_experts,
 )
-from routetool.errors import RouteToolError
+from routetool.errors import RouteToolError, first_line
 from routetool.imports import ImportedCounts, ImportedRouting
 from routetool.load import LoadStats, load_stats
 from routetool.trace import Trace
@@ -235,9 +235,7 @@ def duplicate_rows(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def _first_line(exc: BaseException, limit: int = 120) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    text = lines[0] if lines else ""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return first_line(exc, limit, with_type=False)
 
 
 def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating: torch.Tensor, bias: torch.Tensor,
@@ -260,7 +258,7 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
     except ValueError as exc:
         raise RouteToolError(f"{name} rejected the inputs of layer {layer}, step {step} "
                              f"({_first_line(exc)})", path=path, fix="choose another --kernel, or --reference") from None
-    except Exception as exc:  # noqa: BLE001 - a user kernel may fail in any way
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user kernel may fail in any way, sys.exit too
         raise RouteToolError(f"{name} failed on layer {layer}, step {step} ({type(exc).__name__}: {_first_line(exc)})",
                              path=path, fix="fix the kernel (check it with `routetool validate`), or use --reference") from None
     if not isinstance(ids, torch.Tensor):

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from routetool.errors import RouteToolError
+from routetool.errors import RouteToolError, first_line
 
 PLACEMENT_SCHEMA = "routetool.placement/1"
 POLICIES = ("auto", "hierarchical", "global")
@@ -524,9 +524,7 @@ def _short(value, limit: int = 40) -> str:
 
 
 def _first_line(exc: BaseException, limit: int = 120) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    text = lines[0] if lines else ""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return first_line(exc, limit, with_type=False)
 
 
 def finite_or_none(x: float) -> float | None:

@@ -47,3 +47,21 @@ class KernelError(RouteToolError):
     def __init__(self, message: str, *, failure_class: str, **kw):
         super().__init__(message, **kw)
         self.failure_class = failure_class
+
+
+def first_line(exc: BaseException, limit: int = 300, *, with_type: bool = True) -> str:
+    """One line describing ``exc``: its first non-empty line, shortened to ``limit`` characters.
+
+    Exceptions that the Triton interpreter wraps (``InterpreterError``, nested once per
+    interpreted call, each holding the ``repr`` of the one inside) are unwrapped to the
+    original exception. ``with_type``: prefix the exception's class name.
+    """
+    seen = set()
+    while type(exc).__name__ == "InterpreterError" and exc.__cause__ is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if with_type:
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -19,7 +19,7 @@ from routetool.compare import (
     compare_step,
     weight_tolerance,
 )
-from routetool.errors import KernelError, RouteToolError
+from routetool.errors import KernelError, RouteToolError, first_line
 from routetool.execution import Execution, RoutingFn
 from routetool.load import LoadStats, expert_counts, load_stats
 from routetool.timing import Latency, cuda_graph_latency, synchronize
@@ -188,8 +188,22 @@ def _nonfinite_rows(gating: torch.Tensor) -> torch.Tensor:
 
 
 def _first_line(exc: BaseException, limit: int = 300) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return first_line(exc, limit)
+
+
+def input_snapshot(**inputs: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Bit-exact copies of a kernel call's input tensors (None entries skipped), for :func:`modified_inputs`."""
+    return {name: t.detach().clone() for name, t in inputs.items() if t is not None}
+
+
+def modified_inputs(snapshot: dict[str, torch.Tensor], **inputs: torch.Tensor | None) -> list[str]:
+    """Names of the inputs whose bits differ from ``snapshot`` (a kernel wrote into them; NaN compares by bits)."""
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().contiguous()
+        return t.view(torch.uint8) if t.dtype != torch.bool else t
+
+    return [name for name, before in snapshot.items()
+            if inputs.get(name) is not None and not torch.equal(bits(before), bits(inputs[name]))]
 
 
 def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
@@ -203,17 +217,24 @@ def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: tor
     Raises:
         RouteToolError: the kernel rejected the input with ``ValueError`` (exit 2: bad usage,
             e.g. the seed and bf16 logits).
-        KernelError: the kernel raised anything else, or returned something other than two
-            ``[n, topk]`` tensors (float weights, integer ids) (exit 1).
+        KernelError: the kernel raised anything else (``SystemExit`` included), wrote into
+            its inputs (``modified_input``), or returned something other than two ``[n, topk]``
+            tensors (float weights, integer ids) (exit 1).
     """
+    before = input_snapshot(gating_output=gating, bias=bias, is_padding=pad)
     try:
         out = fn(gating, bias, topk_weights=None, topk_ids=None, is_padding=pad, **router.kernel_kwargs())
     except ValueError as exc:
         raise RouteToolError(f"kernel {name!r} rejected {where} ({_first_line(exc)})", path=path, tensor=tensor,
                              fix="choose another --kernel, or a trace the kernel supports") from None
-    except Exception as exc:  # noqa: BLE001 - whatever the kernel under test raises is reported
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - whatever the kernel under test raises is reported
         raise KernelError(f"kernel {name!r} crashed on {where} ({_first_line(exc)})", failure_class="crash",
                           path=path, tensor=tensor, fix="fix the kernel") from None
+    changed = modified_inputs(before, gating_output=gating, bias=bias, is_padding=pad)
+    if changed:
+        raise KernelError(f"kernel {name!r} wrote into its input {', '.join(changed)} on {where}",
+                          failure_class="modified_input", path=path, tensor=tensor,
+                          fix="a routing kernel may write only topk_weights and topk_ids")
     n, k = gating.shape[0], router.topk
     ok = isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
     if ok:

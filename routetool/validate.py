@@ -102,8 +102,22 @@ def rejection_documented(fn: RoutingFn, feature: str | None) -> bool:
     return bool(feature) and feature.lower() in doc
 
 
-def _call(fn: RoutingFn, inp: CaseInput):
-    return fn(inp.gating_output, inp.bias, topk_weights=inp.topk_weights, topk_ids=inp.topk_ids, **inp.kwargs())
+def _call(fn: RoutingFn, inp: CaseInput, check_inputs: bool = True):
+    """``fn`` on the case's inputs; a kernel that writes into them (or calls ``sys.exit``) is a
+    finding. ``check_inputs=False`` inside a CUDA-graph capture (the check synchronises)."""
+    from routetool.replay import input_snapshot, modified_inputs
+
+    inputs = dict(gating_output=inp.gating_output, bias=inp.bias, is_padding=inp.is_padding)
+    before = input_snapshot(**inputs) if check_inputs else {}
+    try:
+        out = fn(inp.gating_output, inp.bias, topk_weights=inp.topk_weights, topk_ids=inp.topk_ids, **inp.kwargs())
+    except SystemExit as exc:
+        raise KernelError(f"the kernel called sys.exit({exc.code!r})", failure_class="crash") from None
+    changed = modified_inputs(before, **inputs)
+    if changed:
+        raise KernelError(f"the kernel wrote into its input {', '.join(changed)}", failure_class="modified_input",
+                          fix="a routing kernel may write only topk_weights and topk_ids")
+    return out
 
 
 def _top_inputs(inp: CaseInput, scores: torch.Tensor, biased: torch.Tensor, row: int) -> list[dict]:
@@ -239,7 +253,7 @@ def _run_graph_case(case: Case, fn: RoutingFn, inp: CaseInput, tie_ulps: float) 
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        weights, ids = _call(fn, inp)
+        weights, ids = _call(fn, inp, check_inputs=False)
     graph.replay()
     torch.cuda.synchronize()
     classes, ties, rows = evaluate(inp, weights, ids, tie_ulps=tie_ulps)
@@ -276,6 +290,11 @@ def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float
         else:
             res.verdict, res.failure_classes = "fail", ["rejected_undocumented"]
             res.message = message
+        res.duration_s = time.perf_counter() - start
+        return res
+    except KernelError as exc:  # wrote into its inputs, or exited
+        res.verdict, res.failure_classes = "fail", [exc.failure_class]
+        res.message = str(exc)
         res.duration_s = time.perf_counter() - start
         return res
     except Exception as exc:  # noqa: BLE001 - a crash of the kernel under test is a finding

@@ -206,6 +206,21 @@ def crashes_on_one_expert(gating_output, *a, **k):
     return correct(gating_output, *a, **k)
 
 
+def zeroes_its_inputs(gating_output, bias, *a, **k):
+    # a correct answer computed first, then the inputs overwritten: a reference computed
+    # afterwards from the same tensors would agree with whatever the kernel returned
+    out = correct(gating_output, bias, *a, **k)
+    gating_output.zero_()
+    bias.zero_()
+    return out
+
+
+def exits(gating_output, *a, **k):
+    if gating_output.shape[1] == 1:
+        raise SystemExit(0)
+    return correct(gating_output, *a, **k)
+
+
 MUTANTS = {
     "biased_weights": (biased_weights, "weights_not_renormalized_unbiased"),
     "not_renormalized": (not_renormalized, "weight_sum"),
@@ -223,4 +238,6 @@ MUTANTS = {
     "stale_padding": (stale_padding, "stale_output"),
     "rejects_bf16": (rejects_bf16, "rejected_undocumented"),
     "crashes_on_one_expert": (crashes_on_one_expert, "crash"),
+    "zeroes_its_inputs": (zeroes_its_inputs, "modified_input"),
+    "exits": (exits, "crash"),
 }

@@ -305,8 +305,13 @@ def _crash(gating, bias, pad):
     raise RuntimeError("device-side assert\nsecond line")
 
 
+def _exit(gating, bias, pad):
+    raise SystemExit(3)
+
+
 @pytest.mark.parametrize("fn, words", [
     (_crash, r"kernel bad failed on layer 0, step 0 \(RuntimeError: device-side assert\)"),
+    (_exit, r"kernel bad failed on layer 0, step 0 \(SystemExit: 3\)"),
     (lambda g, b, p: torch.zeros(g.shape[0] - 1, 1, dtype=torch.int64),
      r"kernel bad returned topk_ids of shape \[1, 1\] on layer 0, step 0; expected \[2, 1\]"),
     (lambda g, b, p: torch.zeros(g.shape[0], 2, dtype=torch.int64), r"shape \[2, 2\] .*expected \[2, 1\]"),

@@ -211,6 +211,12 @@ def _kernels_file(tmp_path):
         "from kernel.reference import musespark1x_routing_reference as ref\n"
         "def raises(g, b, topk, route_scale, *a, **k):\n"
         "    raise RuntimeError('boom\\nsecond line')\n"
+        "def exits(g, b, topk, route_scale, *a, **k):\n"
+        "    raise SystemExit(0)\n"
+        "def zeroes_bias(g, b, topk, route_scale, *a, **k):\n"
+        "    w, ids = ref(g, b, topk, route_scale)\n"
+        "    b.zero_()\n"
+        "    return w, ids\n"
         "def short(gating_output, bias, topk, route_scale, router_output_multiplier=None,\n"
         "          router_score_normalization='sigmoid', router_score_division_eps=None, topk_weights=None,\n"
         "          topk_ids=None, *, is_padding=None):\n"
@@ -227,6 +233,8 @@ def _kernels_file(tmp_path):
 
 
 @pytest.mark.parametrize("fn,message", [("raises", "crashed on layer 1 step 0 (RuntimeError: boom)"),
+                                        ("exits", "crashed on layer 1 step 0 (SystemExit: 0)"),
+                                        ("zeroes_bias", "wrote into its input bias on layer 1 step 0"),
                                         ("short", "returned ((383, 8) float32, (383, 8) int32) on layer 1 step 0")])
 def test_failing_user_kernel_is_one_line_exit_1(tmp_path, fn, message):
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
@@ -235,7 +243,7 @@ def test_failing_user_kernel_is_one_line_exit_1(tmp_path, fn, message):
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 1 and len(lines) == 1 and message in lines[0], res.output
     res = _run("validate", trace, "--suite", "none", "--kernel", kernel, "--no-progress", "--device", DEVICE)
-    assert res.exit_code == 1 and ("crash" in res.output or "wrong_shape" in res.output)
+    assert res.exit_code == 1 and any(c in res.output for c in ("crash", "wrong_shape", "modified_input"))
 
 
 def test_kernel_with_the_full_signature_and_no_defaults(tmp_path):
@@ -259,3 +267,26 @@ def test_usage_errors_are_one_line_and_outputs_never_clobber_inputs(tmp_path):
     assert res.exit_code == 2 and "input" in res.output and copy.read_bytes() == trace.read_bytes()
     res = _run("validate", copy, "--suite", "none", "--json", tmp_path / "o", "--junit", tmp_path / "o")
     assert res.exit_code == 2 and "two outputs" in res.output
+
+
+def test_interpreter_wrapped_exceptions_are_unwrapped():
+    # the Triton interpreter re-raises a kernel's exception as InterpreterError(repr(e)), once per
+    # interpreted call; the one-line report names the original
+    from routetool.errors import first_line
+
+    class InterpreterError(Exception):
+        pass
+
+    try:
+        try:
+            try:
+                raise ValueError("All-NaN slice encountered\nmore")
+            except ValueError as e:
+                raise InterpreterError(repr(e)) from e
+        except InterpreterError as e:
+            raise InterpreterError(repr(e)) from e
+    except InterpreterError as e:
+        wrapped = e
+    assert first_line(wrapped) == "ValueError: All-NaN slice encountered"
+    assert first_line(wrapped, with_type=False) == "All-NaN slice encountered"
+    assert first_line(SystemExit(0)) == "SystemExit: 0" and first_line(RuntimeError()) == "RuntimeError"
