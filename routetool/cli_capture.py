@@ -33,7 +33,7 @@ def _parse_chunks(text: str) -> tuple[int, ...]:
     if text.strip().lower() in ("", "none", "0"):
         return ()
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        return tuple(int(x) for x in text.split(","))  # (an empty item, as in "8,,8", is an error)
     except ValueError:
         raise RouteToolError(f"--prefill {text!r}: expected token counts like 384,128 (or none)",
                              fix="e.g. --prefill 512,512,97") from None
@@ -124,7 +124,7 @@ def _std(ctx, param, value):
 @click.option("--eps", type=float, default=None, help="router_score_division_eps (default: none).")
 @click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bfloat16", show_default=True,
               help="dtype of the stored logits.")
-@click.option("--prefill", default="384,128", show_default=True, help="Prefill chunk sizes in tokens (or none).")
+@click.option("--prefill", default="384,128", show_default=True, help="Prefill chunk sizes in tokens (none or 0: no prefill).")
 @click.option("--decode-steps", type=click.IntRange(0, 1_000_000), default=16, show_default=True,
               help="Decode steps (0-1,000,000).")
 @click.option("--max-decode-batch", type=click.IntRange(1, 1 << 20), default=48, show_default=True,

@@ -14,7 +14,7 @@ is a deterministic function of the spec):
   (``-A * ln(rank_e)``, ranks a random permutation), ``hot:N:F`` (``ln F`` on N random
   experts), or ``imbalance:X[:S]``: a per-layer target max/mean tokens per expert without
   bias, running linearly from ``X (1 - S)`` on the first layer to ``X (1 + S)`` on the last
-  (S defaults to 0.4; ``S = 0`` gives every layer X), met on a calibration batch of 2048
+  (S defaults to 0.4; ``S = 0`` gives every layer X, and a single layer gets X), met on a calibration batch of 2048
   tokens by bisection: above the unskewed level, on the scale of Gaussian offsets (``a``
   stays 1.5); below it, with zero offsets, on the affinity ``a`` in [0, 1.5] (only when
   ``affinity`` is None, "auto"). A target below what ``a = 0`` gives (sampling noise) or
@@ -405,7 +405,7 @@ def _logits(offset: torch.Tensor, dirs: torch.Tensor, n: int, gen: torch.Generat
 
 
 def _layer_target(args: list[float], layer: int, num_layers: int) -> float:
-    frac = layer / max(1, num_layers - 1)
+    frac = layer / (num_layers - 1) if num_layers > 1 else 0.5  # a single layer gets X itself
     spread = args[1] if len(args) > 1 else 0.4
     return max(1.0, args[0] * ((1 - spread) + 2 * spread * frac))
 

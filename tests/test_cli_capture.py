@@ -110,6 +110,7 @@ def test_disk_full_leaves_the_existing_file_intact(tmp_path, monkeypatch):
     (["--padding", "fraction:2"], ["--padding 'fraction:2'", "[0, 1)"]),
     (["--topk", "60"], ["topk=60 must be in [1, num_experts=48]"]),
     (["--prefill", "64,x"], ["--prefill '64,x'"]),
+    (["--prefill", "8,,8"], ["--prefill '8,,8'", "expected token counts"]),
     (["--route-scale", "0"], ["route_scale=0.0 must be finite and > 0"]),
 ])
 def test_synth_bad_options_exit_2(tmp_path, args, fragments):

@@ -127,6 +127,8 @@ def test_skew_kinds():
         assert 2.4 < s.imbalance < 3.6
     spread = _imbalances("imbalance:3:0.5", num_layers=3)
     assert spread[0].imbalance < spread[2].imbalance  # 1.5 -> 4.5 across layers
+    (single,) = _imbalances("imbalance:3", num_layers=1)  # one layer gets X, not X (1 - S) = 1.8
+    assert 2.4 < single.imbalance < 3.6
 
 
 def test_hot_experts_take_the_load():
