@@ -942,6 +942,13 @@ def _layer_tables(node, names: tuple[str, ...], path: Path) -> Iterator[tuple[tu
         vals = list(node.values())
         if all(isinstance(v, (dict, list)) for v in vals):
             where = "/".join(names) or "top level"
+            lengths = {k: len(v) for k, v in node.items() if isinstance(v, list)}
+            if len(set(lengths.values())) > 1:  # a list holds one count per expert: its length is E
+                first = next(iter(lengths))
+                odd = next(k for k, n in lengths.items() if n != lengths[first])
+                raise RouteToolError(f"{where}: layer {odd} lists {lengths[odd]} expert counts, layer {first} "
+                                     f"{lengths[first]}", path=path,
+                                     fix="give every layer one count per expert (or {expert_id: count} maps)")
             yield names, {_layer_key(k, where, path): _counts_vector(v, "/".join(names + (str(k),)), path)
                           for k, v in node.items()}
             return

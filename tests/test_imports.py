@@ -454,6 +454,7 @@ def test_counts_json_bad_count(tmp_path):
     ('{"m":{"d":{"-1":{"0":5,"1":2}}}}', r"m/d: layer '-1' is not a layer index"),
     ('{"m":{"d":{"0":{}}}}', r"no \{layer: \{expert_id: count\}\} tables found"),
     ('{"m": [1, 2', r"line 1: not JSON"),
+    ('{"0":[5,3,0,2],"1":[1,2]}', r"top level: layer 1 lists 2 expert counts, layer 0 4"),
 ])
 def test_counts_json_bad_numbers_name_the_key(tmp_path, text, words):
     path = tmp_path / "c.json"
