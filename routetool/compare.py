@@ -100,6 +100,38 @@ class StepComparison:
     weight_over_tol: torch.Tensor | None
 
 
+def invalid_reasons(ids: torch.Tensor, weights: torch.Tensor | None, is_padding: torch.Tensor | None,
+                    num_experts: int) -> torch.Tensor:
+    """Which :data:`INVALID_REASONS` apply to each row of one routing output (no reference needed).
+
+    Args:
+        ids: ``[n, K]`` int expert ids. weights: ``[n, K]`` weights, or None (weight reasons
+            are then not checked). is_padding: ``[n]`` bool or None. num_experts: E.
+
+    Returns:
+        ``[n, len(INVALID_REASONS)]`` bool on ``ids``'s device.
+    """
+    n = ids.shape[0]
+    device = ids.device
+    ids = ids.to(torch.int64)
+    pad = is_padding.to(device) if is_padding is not None else torch.zeros(n, dtype=torch.bool, device=device)
+    in_range = (ids >= 0) & (ids < num_experts)
+    sorted_ids = ids.sort(dim=-1).values
+    reasons = torch.zeros((n, len(INVALID_REASONS)), dtype=torch.bool, device=device)
+    unpadded = ~pad
+    reasons[:, 0] = unpadded & (~in_range & (ids != -1)).any(-1)
+    reasons[:, 1] = unpadded & (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(-1) & in_range.all(-1)
+    reasons[:, 2] = unpadded & (ids == -1).any(-1)
+    if weights is not None:
+        w = weights.to(device=device, dtype=torch.float32)
+        reasons[:, 3] = unpadded & (~torch.isfinite(w)).any(-1)
+        reasons[:, 4] = unpadded & (w < 0).any(-1)
+        reasons[:, 5] = pad & ~((ids == -1).all(-1) & (w == 0).all(-1))
+    else:
+        reasons[:, 5] = pad & ~(ids == -1).all(-1)
+    return reasons
+
+
 def compare_step(
     test_ids: torch.Tensor,
     test_weights: torch.Tensor | None,
@@ -139,20 +171,8 @@ def compare_step(
     exp_ids = expected_ids.to(device=device, dtype=torch.int64)
     check_weights = test_weights is not None and expected_weights is not None and tolerance is not None
 
-    in_range = (ids >= 0) & (ids < E)
     sorted_ids = ids.sort(dim=-1).values
-    reasons = torch.zeros((n, len(INVALID_REASONS)), dtype=torch.bool, device=device)
-    unpadded = ~pad
-    reasons[:, 0] = unpadded & (~in_range & (ids != -1)).any(-1)
-    reasons[:, 1] = unpadded & (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(-1) & in_range.all(-1)
-    reasons[:, 2] = unpadded & (ids == -1).any(-1)
-    if test_weights is not None:
-        w = test_weights.to(device=device, dtype=torch.float32)
-        reasons[:, 3] = unpadded & (~torch.isfinite(w)).any(-1)
-        reasons[:, 4] = unpadded & (w < 0).any(-1)
-        reasons[:, 5] = pad & ~((ids == -1).all(-1) & (w == 0).all(-1))
-    else:
-        reasons[:, 5] = pad & ~(ids == -1).all(-1)
+    reasons = invalid_reasons(ids, test_weights, pad, E)
     invalid = reasons.any(-1)
 
     safe_ids = ids.clamp(0, E - 1)

@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 import torch
 
 from routetool.compare import (
+    INVALID_REASONS,
     ComparisonSummary,
     WeightTolerance,
     boundary_margins,
     coarser_dtype,
     compare_step,
+    invalid_reasons,
     weight_tolerance,
 )
 from routetool.errors import KernelError, RouteToolError, first_line
@@ -50,6 +52,10 @@ class LayerReplay:
         load: statistics of ``expert_counts``.
         ids_only: the layer has no logits (an imported routing dump): nothing was compared
             or timed, only the recorded ids' load counted.
+        recorded_invalid / recorded_invalid_rows: ids-only layers: rows of the recorded
+            outputs per invalid reason (:data:`routetool.compare.INVALID_REASONS`: ids out of
+            range or repeated, non-finite or negative weights), found without a reference, and
+            the rows with any of them; None / 0 elsewhere.
     """
 
     layer: int
@@ -67,10 +73,12 @@ class LayerReplay:
     expert_counts: list[int] = field(default_factory=list)
     load: LoadStats | None = None
     ids_only: bool = False
+    recorded_invalid: dict[str, int] | None = None
+    recorded_invalid_rows: int = 0
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.comparisons().values())
+        return all(c.ok for c in self.comparisons().values()) and not self.recorded_invalid_rows
 
     def comparisons(self) -> dict[str, ComparisonSummary]:
         out = {"kernel_vs_reference": self.kernel_vs_reference}
@@ -394,10 +402,15 @@ def _ids_only_layer(trace: Trace, res: LayerReplay, E: int, device: torch.device
     """A layer without logits: only the load of the recorded ids, nothing to compare or time."""
     res.ids_only = True
     counts = torch.zeros(E, dtype=torch.int64, device=device)
+    invalid = torch.zeros(len(INVALID_REASONS), dtype=torch.int64, device=device)
     for step in trace.steps(res.layer):
         ids = step.recorded_ids.to(device)
-        if step.is_padding is not None:
-            pad = step.is_padding.to(device)
+        weights = step.recorded_weights.to(device) if step.recorded_weights is not None else None
+        pad = step.is_padding.to(device) if step.is_padding is not None else None
+        reasons = invalid_reasons(ids, weights, pad, E)
+        invalid += reasons.sum(0)
+        res.recorded_invalid_rows += int(reasons.any(-1).sum())
+        if pad is not None:
             res.padded_rows += int(pad.sum())
             ids = ids[~pad]
         counts += expert_counts(ids, E)
@@ -405,6 +418,7 @@ def _ids_only_layer(trace: Trace, res: LayerReplay, E: int, device: torch.device
             progress(step.num_tokens)
     res.expert_counts = counts.tolist()
     res.load = load_stats(counts)
+    res.recorded_invalid = dict(zip(INVALID_REASONS, invalid.tolist()))
     return res
 
 

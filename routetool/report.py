@@ -143,6 +143,9 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
                         "mism", "inval"])
     for layer in result.layers:
         s = layer.kernel_vs_reference
+        if layer.ids_only:  # nothing compared: no logits
+            per_layer.add_row(str(layer.layer), f"{layer.num_tokens:,}", str(layer.num_steps), *["-"] * 7)
+            continue
         pad_ok = layer.padded_rows_ok == layer.padded_rows
         per_layer.add_row(
             str(layer.layer), f"{layer.num_tokens:,}", str(layer.num_steps),
@@ -172,6 +175,11 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
         findings.append(f"layer(s) {', '.join(map(str, ids_only))} hold no logits (an ids-only trace): the kernel/"
                         "reference comparison, k-th margins and latency are skipped there; their load comes from the "
                         "recorded ids (`routetool balance` analyses such traces in depth)")
+    bad_recorded = [layer for layer in result.layers if layer.recorded_invalid_rows]
+    for layer in bad_recorded:
+        why = ", ".join(f"{r}: {n:,}" for r, n in layer.recorded_invalid.items() if n)
+        console.print(Text(f"• layer {layer.layer}: {layer.recorded_invalid_rows:,} rows of the recorded outputs are "
+                           f"invalid ({why})", style="bold red"))
     nonfinite = sum(layer.nonfinite_rows for layer in result.layers)
     if nonfinite:
         findings.append(f"{nonfinite:,} rows have non-finite logits (NaN/inf); the reference routes them by the "
@@ -196,14 +204,19 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     else:
         console.print(Text(f"Latency: {result.latency_note}", style="dim"))
 
+    ids_only_layers = {layer.layer for layer in result.layers if layer.ids_only}
+    source = ("recorded ids" if len(ids_only_layers) == len(result.layers) else
+              "kernel ids; recorded ids on ids-only layers" if ids_only_layers else "kernel ids")
     if histogram_layer is None:
-        console.print(histogram_renderable(result.total_counts, "Expert load, all replayed layers (kernel ids)"))
+        console.print(histogram_renderable(result.total_counts, f"Expert load, all replayed layers ({source})"))
         tl = result.total_load
         console.print(Text(f"all layers: max/mean {fmt_float(tl.imbalance)}, CV {fmt_float(tl.cv)}, "
                            f"idle experts {len(tl.idle)}", style="dim"))
     else:
         layer = next(x for x in result.layers if x.layer == histogram_layer)
-        console.print(histogram_renderable(layer.expert_counts, f"Expert load, layer {layer.layer} (kernel ids)"))
+        console.print(histogram_renderable(
+            layer.expert_counts,
+            f"Expert load, layer {layer.layer} ({'recorded' if layer.ids_only else 'kernel'} ids)"))
         if layer.load:
             idle = ", ".join(map(str, layer.load.idle[:20])) + (" ..." if len(layer.load.idle) > 20 else "")
             console.print(Text(f"layer {layer.layer}: max/mean {fmt_float(layer.load.imbalance)}, CV "
@@ -217,7 +230,10 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
             ft.add_row(str(f.layer), str(f.step), str(f.row), f.row_class, ", ".join(f.reasons) or "-",
                        str(f.expected_ids), str(f.test_ids))
         console.print(ft)
-    if result.compared_rows == 0:
+    if result.compared_rows == 0 and not result.ok:
+        console.print(Text("FAIL: the replayed layers hold no logits, and some recorded outputs are invalid; exit code 1",
+                           style="bold red"))
+    elif result.compared_rows == 0:
         console.print(Text("NOTHING COMPARED: the replayed layers hold no logits", style="bold yellow"))
     elif result.ok:
         console.print(Text("PASS: no real mismatch, no invalid output, weights within tolerance", style="bold green"))
@@ -278,6 +294,8 @@ def replay_json(result: ReplayResult) -> dict:
             {
                 "layer": layer.layer,
                 "ids_only": layer.ids_only,
+                "recorded_invalid": layer.recorded_invalid,
+                "recorded_invalid_rows": layer.recorded_invalid_rows,
                 "num_tokens": layer.num_tokens,
                 "num_steps": layer.num_steps,
                 "padded_rows": layer.padded_rows,

@@ -173,7 +173,23 @@ def test_ids_only_trace_counts_load_and_says_what_is_skipped(tmp_path):
     layer = doc["layers"][0]
     assert layer["ids_only"] is True and layer["expert_counts_tokens"] == [1, 3, 1, 0, 0, 0, 0, 1]
     assert layer["comparisons"]["kernel_vs_reference"]["rows"] == 0 and layer["padded_rows"] == 1
+    assert layer["recorded_invalid_rows"] == 0
     assert "hold no logits" in res.stderr and "NOTHING COMPARED" in res.stderr
+    assert "(recorded ids)" in res.stderr
+
+
+def test_ids_only_trace_with_invalid_recorded_outputs_fails(tmp_path):
+    # recorded weights NaN or negative and a repeated id: found without logits or a reference
+    ids = torch.tensor([[0, 1], [1, 1], [2, 3], [1, 7]], dtype=torch.int32)
+    weights = torch.tensor([[0.5, 0.5], [0.5, 0.5], [float("nan"), 1.0], [-0.1, 1.1]])
+    path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids, topk_weights=weights)})
+    res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
+    assert res.exit_code == 1, res.output
+    layer = json.loads(res.stdout)["layers"][0]
+    assert layer["recorded_invalid_rows"] == 3
+    assert {k: v for k, v in layer["recorded_invalid"].items() if v} == {
+        "duplicate_id": 1, "nonfinite_weight": 1, "negative_weight": 1}
+    assert "3 rows of the recorded outputs are invalid" in res.stderr and "FAIL" in res.stderr
 
 
 def test_usage_errors_exit_2(tmp_path):
