@@ -101,7 +101,7 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
                                      fix="choose another output path")
         if p.is_dir():
             raise RouteToolError("is a directory", path=p, fix="name a file")
-        if p.exists() and not force:
+        if (p.exists() or p.is_symlink()) and not force:  # (a dangling link too)
             raise RouteToolError("already exists", path=p, fix="choose another path or pass --force to replace it")
         folder = p.parent if str(p.parent) else Path(".")
         if not folder.is_dir():

@@ -631,7 +631,8 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
                         weights = tuple(_csv_numbers(rec[c_w], float, "weight", where, header[c_w], f))
                     layer = _layer_index(rec[c_layer], where, header[c_layer], f) if c_layer is not None else 0
                     step = rec[c_step] if c_step is not None else None
-                    rows.append(_Row(layer, ids, weights, (file_no, step), f"{f.name} line {lineno}"))
+                    rows.append(_Row(layer, ids, weights, (file_no, step),
+                                     f"{f.name} line {lineno}" if f != path else where))  # (errors name path)
             except csv.Error as exc:
                 raise RouteToolError(f"malformed CSV ({one_line(exc)})", path=f, fix="fix the file") from None
     if len(files) > 1:
@@ -871,7 +872,8 @@ def _sglang_per_token(path: Path, records, maps, options, model, notes) -> Impor
             for t in range(ids.shape[1]):
                 row = [int(x) for x in logical[layer, t].tolist() if x >= 0]
                 if row:
-                    rows.append(_Row(layer, tuple(row), None, (fp,), f"{f.name} pass {fp} layer {layer} token {t}"))
+                    where = f"pass {fp} layer {layer} token {t}"
+                    rows.append(_Row(layer, tuple(row), None, (fp,), f"{f.name} {where}" if f != path else where))
     if mapped:
         notes.append("physical expert ids mapped to logical experts with last_physical_to_logical_map")
     read = len(rows)

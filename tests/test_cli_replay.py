@@ -306,3 +306,12 @@ def test_interpreter_wrapped_exceptions_are_unwrapped():
     assert first_line(wrapped) == "ValueError: All-NaN slice encountered"
     assert first_line(wrapped, with_type=False) == "All-NaN slice encountered"
     assert first_line(SystemExit(0)) == "SystemExit: 0" and first_line(RuntimeError()) == "RuntimeError"
+
+
+def test_a_dangling_link_as_output_needs_force(tmp_path):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    link = tmp_path / "out.json"
+    link.symlink_to(tmp_path / "nowhere.json")
+    res = _run("replay", trace, "--device", DEVICE, "--layers", "1", "--no-progress", "--no-latency", "--json", link)
+    assert res.exit_code == 2 and "already exists" in res.output
+    assert link.is_symlink()
