@@ -202,7 +202,8 @@ def _parse_skew(skew: str, router: RouterConfig | None = None) -> tuple[str, lis
             if args[0] > most:
                 raise RouteToolError(
                     f"--skew imbalance:{args[0]:g}: max/mean tokens per expert is at most experts/topk = {most:g} "
-                    "(every token on the same experts)", fix=f"choose X <= {most:g}")
+                    "(every token on the same experts)",
+                    fix=f"pass --skew imbalance:X with X <= {most:g} or --skew uniform (the default skew is imbalance:3)")
     return kind, args
 
 
