@@ -249,13 +249,25 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
     unknown = [d for d in dtype_list if d not in DTYPES]
     if unknown or not dtype_list:
         raise RouteToolError(f"--dtype {dtypes!r}", fix=f"use a comma-separated subset of {', '.join(DTYPES)}")
-    if not torch.cuda.is_available():
+    points = sum(1 for e in expert_list for k in topk_list if k <= e)
+    if not points:
+        raise RouteToolError(f"every --topk ({', '.join(map(str, topk_list))}) exceeds every expert count "
+                             f"({', '.join(map(str, expert_list))}): nothing to time",
+                             fix="choose topk <= num_experts")
+    # kernels resolved (names checked, modules imported) before the GPU check, so that a
+    # mistake in the options shows on any machine
+    has_cuda = torch.cuda.is_available()
+    select_execution("cuda" if has_cuda else "cpu")
+    specs = list(kernels) or ["tiled", "seed", "torch"]
+    bench_kernels = resolve_kernels(specs, pdl)
+    explicit = click.get_current_context().get_parameter_source("baseline") != click.core.ParameterSource.DEFAULT
+    if explicit and baseline not in {k.name for k in bench_kernels}:
+        raise RouteToolError(f"--baseline {baseline!r} is not among the timed kernels ({', '.join(specs)})",
+                             fix="name one of the --kernel values, or add it with --kernel")
+    if not has_cuda:
         raise RouteToolError("bench needs a CUDA GPU; this machine has none",
                              fix="run it on a GPU machine (replay and validate work on the CPU)")
-    select_execution("cuda")
-    bench_kernels = resolve_kernels(list(kernels) or ["tiled", "seed", "torch"], pdl)
-    total = len(bench_kernels) * len(token_list) * len(dtype_list) * sum(
-        1 for e in expert_list for k in topk_list if k <= e)
+    total = len(bench_kernels) * len(token_list) * len(dtype_list) * points
     with _progress(progress) as bar:
         task = bar.add_task("bench", total=total)
         result = run_bench(bench_kernels, token_list, expert_list, topk_list, dtype_list, baseline=baseline,

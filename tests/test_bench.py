@@ -23,6 +23,18 @@ def test_bench_bad_options_exit_2():
     assert CliRunner().invoke(main, ["bench", "--dtype", "fp8"]).exit_code == 2
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--kernel", "nosuch"], "unknown kernel 'nosuch'"),
+    (["--kernel", "./no_such_file.py:fn"], "no such file"),
+    (["--baseline", "nosuch"], "--baseline 'nosuch' is not among the timed kernels"),
+    (["--topk", "300", "--experts", "256"], "every --topk (300) exceeds every expert count (256)"),
+])
+def test_bench_option_mistakes_show_on_any_machine(args, words):
+    # checked before the GPU is looked for, so that a CPU-only machine reports them too
+    res = CliRunner().invoke(main, ["bench", "--tokens", "1", "--no-progress", *args])
+    assert res.exit_code == 2 and words in res.output, res.output
+
+
 @pytest.mark.gpu
 def test_bench_small_sweep(tmp_path):
     out, js = tmp_path / "b.csv", tmp_path / "b.json"
