@@ -222,13 +222,14 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
             console.print(Text(f"layer {layer.layer}: max/mean {fmt_float(layer.load.imbalance)}, CV "
                                f"{fmt_float(layer.load.cv)}, idle experts: {idle or 'none'}", style="dim"))
 
-    failures = [f for s in result.totals().values() for f in s.failures]
+    failures = [(name, f) for name, s in result.totals().items() for f in s.failures]
     if failures:
-        ft = table("First failing rows", ["layer", "step", "row", "class", "reasons", "expected ids", "got ids"],
-                    left=("class", "reasons", "expected ids", "got ids"))
-        for f in failures[:10]:
-            ft.add_row(str(f.layer), str(f.step), str(f.row), f.row_class, ", ".join(f.reasons) or "-",
-                       str(f.expected_ids), str(f.test_ids))
+        ft = table("First failing rows",
+                   ["comparison", "layer", "step", "row", "class", "reasons", "expected ids", "got ids"],
+                   left=("comparison", "class", "reasons", "expected ids", "got ids"))
+        for name, f in failures[:10]:
+            ft.add_row(_NAMES.get(name, name), str(f.layer), str(f.step), str(f.row), f.row_class,
+                       ", ".join(f.reasons) or "-", str(f.expected_ids), str(f.test_ids))
         console.print(ft)
     if result.compared_rows == 0 and not result.ok:
         console.print(Text("FAIL: the replayed layers hold no logits, and some recorded outputs are invalid; exit code 1",

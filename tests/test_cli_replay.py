@@ -105,6 +105,7 @@ def test_wrong_kernel_exits_1_and_names_rows(tmp_path):
     res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--no-progress", "--json", tmp_path / "r.json")
     assert res.exit_code == 1, res.output
     assert "FAIL" in res.output and "First failing rows" in res.output
+    assert "comparison" in res.output.split("First failing rows")[1]  # which comparison each row failed
     doc = json.loads((tmp_path / "r.json").read_text())
     k = doc["totals"]["kernel_vs_reference"]
     assert k["mismatch"] + k["invalid"] > 0 and doc["verdict"] == "fail"
