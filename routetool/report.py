@@ -364,7 +364,10 @@ def render_validate(result, console: Console, show_failures: int = 15) -> None:
                         f"ties within {result.tie_ulps:g} float32 ulps", title="routetool validate", expand=False))
     tbl = table("Verdicts by family", ["family", "cases", "pass", "pass (ties)", "tie rows", "rejected",
                                           "skipped", "fail", "failure classes"], left=("family", "failure classes"))
-    for family, counts in result.families().items():
+    families = result.families()
+    tbl.columns[0].no_wrap = True  # family names whole, even at 80 columns
+    tbl.columns[0].min_width = max((len(f) for f in families), default=6)
+    for family, counts in families.items():
         classes = sorted({c for case in result.cases if case.family == family for c in case.failure_classes})
         total = sum(counts[v] for v in ("pass", "pass_tie", "rejected", "fail", "skipped"))
         tbl.add_row(family, str(total), _count(counts["pass"]), _count(counts["pass_tie"]),
