@@ -275,11 +275,14 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
             console.print(rank_bars(r.assignments, f"Rank load, layer {x.layer} ({r.placement})", r.tokens_received))
     if result.eplb is not None and len(shown) > 1:
         lines = []
+        # two bars per line, each up to 25 cells: narrower on a narrow terminal so that a
+        # layer stays on one line (labels, values and the panel's border take 37 cells)
+        width = max(8, min(25, (console.width - 37) // 2))
         for y in result.eplb.layers[:_MAX_LAYER_ROWS]:
             line = Text(f"L{y.layer:<4} before ")
-            line.append_text(_bar(y.balancedness_before or 0.0, 1.0, 25, "yellow"))
+            line.append_text(_bar(y.balancedness_before or 0.0, 1.0, width, "yellow"))
             line.append(f" {_f(y.balancedness_before)}  after ")
-            line.append_text(_bar(y.balancedness_after or 0.0, 1.0, 25, "green"))
+            line.append_text(_bar(y.balancedness_after or 0.0, 1.0, width, "green"))
             line.append(f" {_f(y.balancedness_after)}")
             lines.append(line)
         console.print(Panel(Group(*lines), title="Balancedness per layer, before / after EPLB (1.0 = even)",
