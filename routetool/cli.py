@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from routetool import __version__
 from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, RouteToolError
-from routetool.execution import DEVICE_CHOICES
+from routetool.execution import DEVICE_CHOICES, kernel_source
 
 
 class _Group(click.Group):
@@ -27,6 +27,10 @@ class _Group(click.Group):
         except RouteToolError as exc:
             click.echo(f"routetool: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
+        except OSError as exc:  # a path the checks let through (e.g. a file name over the system's limit)
+            where = f"{exc.filename}: " if exc.filename is not None else ""
+            click.echo(f"routetool: error: {where}{exc.strerror or exc} (check the path)", err=True)
+            ctx.exit(EXIT_USAGE)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
@@ -108,7 +112,7 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     from routetool.replay import parse_layers, replay_trace
     from routetool.trace import open_trace
 
-    check_output_paths([json_path], force=force, inputs=[trace])
+    check_output_paths([json_path], force=force, inputs=[trace, kernel_source(kernel_spec)])
     execution = select_execution(device)
     name, fn = load_kernel(kernel_spec)
     with open_trace(trace) as t:
@@ -163,7 +167,7 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
 
     if json_path == "-" and junit_path == "-":
         raise RouteToolError("--json - and --junit - both want stdout", fix="write one of them to a file")
-    check_output_paths([json_path, junit_path], force=force, inputs=traces)
+    check_output_paths([json_path, junit_path], force=force, inputs=[*traces, kernel_source(kernel_spec)])
     if suite == "none" and not traces:
         raise RouteToolError("nothing to validate: --suite none and no trace given", fix="give a trace or a suite")
     try:
@@ -234,7 +238,7 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
 
     if csv_path == "-" and json_path == "-":
         raise RouteToolError("--csv - and --json - both want stdout", fix="write one of them to a file")
-    check_output_paths([csv_path, json_path], force=force, inputs=[trace_path])
+    check_output_paths([csv_path, json_path], force=force, inputs=[trace_path, *map(kernel_source, kernels)])
     token_list = _int_list(tokens, "--tokens")
     expert_list = _int_list(experts, "--experts") if experts else None
     topk_list = _int_list(topks, "--topk") if topks else None

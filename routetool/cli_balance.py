@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from routetool.errors import EXIT_OK, RouteToolError
-from routetool.execution import DEVICE_CHOICES
+from routetool.execution import DEVICE_CHOICES, kernel_source
 from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS
 
 _CTX = {"help_option_names": ["-h", "--help"]}
@@ -195,7 +195,8 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     if eplb_out == "-" and json_path == "-":
         raise RouteToolError("--json - and --eplb-out - both want stdout", fix="write one of them to a file")
     # every output is checked before any work: never one file twice, never an input
-    check_output_paths([json_path, eplb_out], force=force, inputs=[source, placement_path])
+    check_output_paths([json_path, eplb_out], force=force,
+                       inputs=[source, placement_path, kernel_source(kernel_spec) if kernel_spec else None])
     if eplb_out and not eplb:
         raise RouteToolError("--eplb-out needs the EPLB what-if", fix="drop --no-eplb")
     if plot_dir is not None:

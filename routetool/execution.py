@@ -83,6 +83,14 @@ def select_execution(choice: str) -> Execution:
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+def kernel_source(spec: str | None) -> str | None:
+    """The ``.py`` file a ``--kernel path.py:function`` names (an input of the run), else None."""
+    if not spec or ":" not in spec:
+        return None
+    module_name = spec.rpartition(":")[0]
+    return module_name if module_name.endswith(".py") or os.sep in module_name else None
+
+
 def load_kernel(spec: str) -> tuple[str, RoutingFn]:
     """Resolve a kernel: a variant name of :data:`kernel.VARIANTS` or ``module:function``.
 
@@ -118,7 +126,7 @@ def load_kernel(spec: str) -> tuple[str, RoutingFn]:
             module = importlib.import_module(module_name)
     except RouteToolError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module's
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the user's module's
         raise RouteToolError(f"cannot import ({type(exc).__name__}: {exc})", path=module_name,
                              fix="check the module and its dependencies") from None
     fn = getattr(module, func_name, None)

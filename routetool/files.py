@@ -70,7 +70,7 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
         outputs: output paths (None entries are ignored; ``-`` means stdout when allowed).
         force: allow replacing existing files (never an input, never twice in one run).
         inputs: the run's input paths (a sharded trace's index stands for its shard files
-            too); no output may be one of them.
+            too, a folder for every file in it); no output may be one of them.
         allow_stdout: whether ``-`` is accepted.
 
     Raises:
@@ -96,11 +96,17 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
                 raise RouteToolError("is named for two outputs of one run", path=p, fix="give each output its own file")
         seen.append(p)
         for inp in protected:
+            if inp.is_dir() and (p.exists() or p.is_symlink()) and _same_file(p.parent, inp):
+                raise RouteToolError("is a file in this run's input folder; writing the output there would replace "
+                                     "it", path=p, fix="choose another output path")
             if _same_file(p, inp):
                 raise RouteToolError("is this run's input; writing the output there would destroy it", path=p,
                                      fix="choose another output path")
         if p.is_dir():
             raise RouteToolError("is a directory", path=p, fix="name a file")
+        if p.exists() and not p.is_file():  # a FIFO, device or socket (or a link to one): never replaced
+            raise RouteToolError("is not a regular file (a FIFO, device or socket)", path=p,
+                                 fix="name a regular file, or - for stdout")
         if (p.exists() or p.is_symlink()) and not force:  # (a dangling link too)
             raise RouteToolError("already exists", path=p, fix="choose another path or pass --force to replace it")
         folder = p.parent if str(p.parent) else Path(".")

@@ -70,8 +70,13 @@ def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
                 folder.rmdir()
             except OSError:
                 pass
+    for name in FIGURES:
+        f = folder / name
+        if f.is_dir() or (f.exists() and not f.is_file()):
+            raise RouteToolError(f"holds {name}, which is not a regular file", path=folder,
+                                 fix="choose another folder for --plot")
     if not force:
-        existing = [name for name in FIGURES if (folder / name).exists()]
+        existing = [name for name in FIGURES if (folder / name).exists() or (folder / name).is_symlink()]
         if existing:
             raise RouteToolError(f"already holds {', '.join(existing)}", path=folder,
                                  fix="choose another folder or pass --force to replace them")

@@ -179,6 +179,11 @@ def test_plots_written_and_protected(tmp_path):
     assert all((plots / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
     res = run("balance", trace, "--ep-size", "2", "--plot", plots, "--no-progress")
     assert res.exit_code == 2 and "pass --force" in res.output
+    other = tmp_path / "figs2"
+    other.mkdir()
+    (other / "rank_load.png").symlink_to(tmp_path / "gone.png")  # a dangling link counts as a file there
+    res = run("balance", trace, "--ep-size", "2", "--plot", other, "--no-progress")
+    assert res.exit_code == 2 and "rank_load.png" in res.output and (other / "rank_load.png").is_symlink()
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """`routetool replay` through click's CliRunner, on the bundled traces and on broken input."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -316,3 +317,37 @@ def test_a_dangling_link_as_output_needs_force(tmp_path):
     res = _run("replay", trace, "--device", DEVICE, "--layers", "1", "--no-progress", "--no-latency", "--json", link)
     assert res.exit_code == 2 and "already exists" in res.output
     assert link.is_symlink()
+
+
+def test_outputs_never_replace_the_kernel_file_a_fifo_or_a_file_of_an_input_folder(tmp_path):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    kernel_file = tmp_path / "k.py"
+    kernel_file.write_text("from kernel import fused_musespark1x_routing as fn\n")
+    before = kernel_file.read_bytes()
+    res = _run("replay", trace, "--device", DEVICE, "--layers", "1", "--no-progress", "--no-latency",
+               "--kernel", f"{kernel_file}:fn", "--json", kernel_file, "--force")
+    assert res.exit_code == 2 and "is this run's input" in res.output and kernel_file.read_bytes() == before
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    res = _run("info", trace, "--json", fifo, "--force")
+    assert res.exit_code == 2 and "not a regular file" in res.output and fifo.is_fifo()
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    (folder / "a.csv").write_text('Batch Number,Layer ID,Activated Expert IDs\n0,0,"[1, 2]"\n')
+    res = _run("import", folder, "-o", folder / "a.csv", "--force")
+    assert res.exit_code == 2 and "in this run's input folder" in res.output
+    assert (folder / "a.csv").read_text().startswith("Batch Number")
+
+
+def test_a_kernel_module_that_exits_on_import_is_one_line_exit_2(tmp_path):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    kernel_file = tmp_path / "k.py"
+    kernel_file.write_text("raise SystemExit(0)\n")
+    res = _run("replay", trace, "--device", DEVICE, "--no-progress", "--kernel", f"{kernel_file}:fn")
+    assert res.exit_code == 2 and "cannot import (SystemExit: 0)" in res.output
+
+
+def test_a_file_name_over_the_system_limit_is_one_line_exit_2(tmp_path):
+    res = _run("info", tmp_path / ("a" * 300 + ".safetensors"))
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("routetool: error: "), res.output
