@@ -389,7 +389,9 @@ def render_validate(result, console: Console, show_failures: int = 15) -> None:
             ft.add_row(c.name, ", ".join(c.failure_classes), detail)
         console.print(ft)
     n = len(result.cases)
-    if result.ok:
+    if result.ok and all(c.verdict == "skipped" for c in result.cases):
+        console.print(Text(f"NOTHING VALIDATED: all {n} cases were skipped (see above)", style="bold yellow"))
+    elif result.ok:
         console.print(Text(f"PASS: {n} cases, nothing failed", style="bold green"))
     else:
         console.print(Text(f"FAIL: {len(failed)} of {n} cases failed; exit code 1", style="bold red"))

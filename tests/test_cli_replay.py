@@ -351,3 +351,10 @@ def test_a_file_name_over_the_system_limit_is_one_line_exit_2(tmp_path):
     res = _run("info", tmp_path / ("a" * 300 + ".safetensors"))
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("routetool: error: "), res.output
+
+
+def test_validate_of_an_ids_only_trace_says_nothing_was_validated(tmp_path):
+    ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
+    path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids)})
+    res = _run("validate", path, "--suite", "none", "--device", DEVICE, "--no-progress")
+    assert res.exit_code == 0 and "NOTHING VALIDATED" in res.output and "PASS" not in res.output, res.output
