@@ -175,7 +175,15 @@ def parse_layers(spec: str | None, available: Sequence[int], path: object = None
                 lo, hi = part.split("-", 1) if not part.startswith("-") else (part, "")
                 if int(hi) < int(lo):
                     raise RouteToolError(f"--layers {spec!r}: the range {part!r} is empty", fix="write low-high, e.g. 1-3")
-                chosen.extend(range(int(lo), int(hi) + 1))
+                # only the trace's layers inside the range: a huge range never becomes a huge list
+                lo_i, hi_i = int(lo), int(hi)
+                inside = [layer for layer in available if lo_i <= layer <= hi_i]
+                if len(inside) != hi_i - lo_i + 1:
+                    absent = next(layer for layer in range(lo_i, hi_i + 1) if layer not in set(available))
+                    raise RouteToolError(
+                        f"--layers: the trace has no layer {absent} (in the range {part!r})", path=path,
+                        fix=f"choose among {_layer_list(available)}")
+                chosen.extend(inside)
             else:
                 chosen.append(int(part))
         except RouteToolError:
@@ -184,11 +192,14 @@ def parse_layers(spec: str | None, available: Sequence[int], path: object = None
             raise RouteToolError(f"--layers {spec!r}: cannot parse {part!r}", fix="use e.g. 0,2,5-7 or all") from None
     missing = sorted(set(chosen) - set(available))
     if missing:
-        raise RouteToolError(
-            f"--layers: the trace has no layer {', '.join(map(str, missing))}",
-            path=path, fix=f"choose among {', '.join(map(str, available))}",
-        )
+        shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise RouteToolError(f"--layers: the trace has no layer {shown}", path=path,
+                             fix=f"choose among {_layer_list(available)}")
     return sorted(set(chosen))
+
+
+def _layer_list(available: Sequence[int]) -> str:
+    return ", ".join(map(str, available[:20])) + (" ..." if len(available) > 20 else "")
 
 
 def _nonfinite_rows(gating: torch.Tensor) -> torch.Tensor:

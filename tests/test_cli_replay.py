@@ -358,3 +358,15 @@ def test_validate_of_an_ids_only_trace_says_nothing_was_validated(tmp_path):
     path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids)})
     res = _run("validate", path, "--suite", "none", "--device", DEVICE, "--no-progress")
     assert res.exit_code == 0 and "NOTHING VALIDATED" in res.output and "PASS" not in res.output, res.output
+
+
+def test_a_huge_layers_range_is_one_line(tmp_path):
+    # a range used to be expanded into a list first (MemoryError, or a 189 MB message)
+    from routetool.errors import RouteToolError
+    from routetool.replay import parse_layers
+
+    with pytest.raises(RouteToolError, match=r"no layer 0 \(in the range '0-99999999999'\)"):
+        parse_layers("0-99999999999", [1, 2, 3])
+    assert parse_layers("2-3,1", [1, 2, 3]) == [1, 2, 3]
+    with pytest.raises(RouteToolError, match="no layer 4, 5, 6, 7, 8, 9, 10, 11, 12, 13 and 2 more"):
+        parse_layers(",".join(map(str, range(1, 16))), [1, 2, 3])
