@@ -70,13 +70,14 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
         outputs: output paths (None entries are ignored; ``-`` means stdout when allowed).
         force: allow replacing existing files (never an input, never twice in one run).
         inputs: the run's input paths (a sharded trace's index stands for its shard files
-            too, a folder for every file in it); no output may be one of them.
+            too, a folder for the files directly in it); no output may be one of them.
         allow_stdout: whether ``-`` is accepted.
 
     Raises:
         RouteToolError: ``-`` where a file is needed; two outputs naming the same file; an
-            output that is an input; an existing file without ``force``; a directory; a
-            missing or unwritable folder (probed by creating a temporary file).
+            output that is an input or an existing file of an input folder; an existing file
+            (or link) without ``force``; a directory; a FIFO, device or socket; a missing or
+            unwritable folder (probed by creating a temporary file).
     """
     from routetool.sharded import listed_shard_files  # (sharded imports this module)
 
