@@ -54,3 +54,8 @@ validate_rest_and_replays() {
     COLUMNS=110 run "replay-$n" 60 python3 -m routetool replay "$t" --device cuda --no-progress --json "$R/replay-$n.json"
   done
 }
+# bench_sweep SECONDS   the README's bench sweep (tiled vs seed, 1..65536 tokens, 128..512 experts, fp32/bf16)
+bench_sweep() {
+  COLUMNS=130 run bench "$1" python3 -m routetool bench --tokens 1,64,4096,16384,65536 --experts 128,256,384,512 \
+    --dtype fp32,bf16 --kernel tiled --kernel seed --rep-ms 8 --csv "$R/bench.csv" --json "$R/bench.json" --no-progress
+}

@@ -7,8 +7,7 @@ set -u
 BUDGET_S=${BUDGET_S:-570}
 source "$(dirname "$0")/gpu_lib.sh"
 versions
-COLUMNS=130 run bench 190 python3 -m routetool bench --tokens 1,64,4096,16384,65536 --experts 128,256,384,512 \
-  --dtype fp32,bf16 --kernel tiled --kernel seed --rep-ms 8 --csv "$R/bench.csv" --json "$R/bench.json" --no-progress
+bench_sweep 190
 run pytest-gpu 280 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernel.py &
 validate_shapes 280 &
 validate_rest_and_replays 120 &

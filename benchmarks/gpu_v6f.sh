@@ -6,8 +6,7 @@ set -u
 BUDGET_S=${BUDGET_S:-500}
 source "$(dirname "$0")/gpu_lib.sh"
 versions
-COLUMNS=130 run bench 150 python3 -m routetool bench --tokens 1,64,4096,16384,65536 --experts 128,256,384,512 \
-  --dtype fp32,bf16 --kernel tiled --kernel seed --rep-ms 8 --csv "$R/bench.csv" --json "$R/bench.json" --no-progress
+bench_sweep 150
 grep "tiled.*65,536" "$R/bench.txt" >> "$S"
 pytest_shards pytest-gpu 330 6 tests/test_gpu.py tests/test_kernel.py tests/test_bench.py &
 validate_shapes 380 &

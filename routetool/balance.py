@@ -234,10 +234,6 @@ def duplicate_rows(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return same.any(dim=1).sum()
 
 
-def _first_line(exc: BaseException, limit: int = 120) -> str:
-    return first_line(exc, limit, with_type=False)
-
-
 def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating: torch.Tensor, bias: torch.Tensor,
                pad: torch.Tensor | None, topk: int) -> torch.Tensor:
     """Run a routing function on one step and check what it returns.
@@ -257,9 +253,9 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
         raise
     except ValueError as exc:
         raise RouteToolError(f"{name} rejected the inputs of layer {layer}, step {step} "
-                             f"({_first_line(exc)})", path=path, fix="choose another --kernel, or --reference") from None
+                             f"({first_line(exc, 120, with_type=False)})", path=path, fix="choose another --kernel, or --reference") from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user kernel may fail in any way, sys.exit too
-        raise RouteToolError(f"{name} failed on layer {layer}, step {step} ({type(exc).__name__}: {_first_line(exc)})",
+        raise RouteToolError(f"{name} failed on layer {layer}, step {step} ({first_line(exc, 120)})",
                              path=path, fix="fix the kernel (check it with `routetool validate`), or use --reference") from None
     if not isinstance(ids, torch.Tensor):
         raise RouteToolError(f"{name} returned {type(ids).__name__} for the topk_ids of layer {layer}, step {step}; "

@@ -430,7 +430,7 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     except FileNotFoundError:
         raise RouteToolError("no such file", path=path, fix="check the --placement path") from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise RouteToolError(f"not a readable JSON file ({_first_line(exc)})", path=path,
+        raise RouteToolError(f"not a readable JSON file ({first_line(exc, 120, with_type=False)})", path=path,
                              fix="pass a placement written by `routetool balance --eplb-out`") from None
     if not isinstance(doc, dict) or "physical_to_logical_map" not in doc:
         raise RouteToolError("has no physical_to_logical_map", path=path,
@@ -521,10 +521,6 @@ def _is_int(value) -> bool:
 def _short(value, limit: int = 40) -> str:
     text = json.dumps(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _first_line(exc: BaseException, limit: int = 120) -> str:
-    return first_line(exc, limit, with_type=False)
 
 
 def finite_or_none(x: float) -> float | None:
