@@ -54,6 +54,9 @@ if a.algorithm == "two_level":
     del consts["CHUNK"], consts["TOPK_PADDED"], consts["NUM_CHUNKS"]
 if a.no_padding:
     consts.update(is_padding_ptr=None, stride_pad=0)
+for n in fn.do_not_specialize:  # passed as runtime integers by a launch, not as the constant 1
+    if consts.get(n) == 1:
+        del consts[n]
 for n in consts:
     sig[n] = "constexpr"
 div16 = [["tt.divisibility", 16]]
