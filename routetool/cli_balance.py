@@ -239,7 +239,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                 else:
                     name, fn = load_kernel(kernel_spec)
                     where = "Triton interpreter" if execution.interpreted else execution.device_name
-                    route_fn, route_name = route_fn_from(fn, trace.meta.router), f"kernel {name} ({where})"
+                    route_fn, route_name = route_fn_from(fn, trace.meta.router, kernel=True), f"kernel {name} ({where})"
                 if bias_wanted:
                     nobias_fn, nobias_name = route_fn, route_name
             else:
