@@ -107,6 +107,9 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
     (["--ep-size", "2", "--redundant", "1"], "multiple of the 2 GPUs"),
     (["--reference", "--recorded"], "exclude each other"),
     (["--reference"], "ids-only trace"),
+    # an explicit --kernel on an ids-only trace was ignored (the recorded ids were used)
+    (["--kernel", "seed"], "layers.0.gating_output: holds no gating_output (an ids-only trace): cannot route with "
+                           "the kernel (drop --reference/--kernel"),
     (["--layers", "9"], "no layer 9"),
     (["--layer", "3"], "not among the analysed layers"),
     (["--capacity-factor", "0"], "factors must be > 0"),
@@ -497,6 +500,33 @@ def test_kernel_is_called_as_replay_calls_it(tmp_path):
     assert k["routing"].startswith(f"kernel {mod}:no_defaults")
     assert k["layers"][0]["expert_counts_assignments"] == r["layers"][0]["expert_counts_assignments"]
     assert sum(k["layers"][0]["expert_counts_assignments"]) == 24 * 2
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--reference", "--kernel", "seed"],
+     "--kernel and --reference exclude each other: each chooses what routes the logits (pass one of them)"),
+    (["--kernel", "tiled", "--recorded"],  # even naming the default kernel
+     "--kernel and --recorded exclude each other: --recorded takes the trace's topk_ids, and the reference routes "
+     "its bias effect (pass one of them)"),
+])
+def test_kernel_excludes_reference_and_recorded(tmp_path, args, line):
+    # --kernel was ignored silently: the reference (or the recorded ids) routed, exit 0
+    trace = tmp_path / "t.safetensors"
+    g = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
+    make_trace(trace, {0: LayerArrays(gating_output=g, topk_ids=g.topk(2).indices.int(),
+                                      step_offsets=torch.tensor([0, 16, 24]))})
+    res = run("balance", trace, *args, "--ep-size", "2", "--no-progress")
+    _one_line_error(res)
+    assert res.output.strip() == f"routetool: error: {line}"
+
+
+def test_kernel_on_a_dump_is_refused(tmp_path):
+    # a dump holds expert ids already: --kernel was ignored silently
+    q = tmp_path / "q.jsonl"
+    write_qwen_like(q)
+    res = run("balance", q, "--num-experts", "16", "--kernel", "seed", "--ep-size", "4", "--no-progress")
+    _one_line_error(res)
+    assert res.output.strip() == f"routetool: error: {q}: --kernel applies to traces; a dump holds ids already (drop --kernel)"
 
 
 def test_window_tokens_exclude_padding_through_the_cli(tmp_path):
