@@ -108,8 +108,8 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
     (["--reference", "--recorded"], "exclude each other"),
     (["--reference"], "ids-only trace"),
     # an explicit --kernel on an ids-only trace was ignored (the recorded ids were used)
-    (["--kernel", "seed"], "layers.0.gating_output: holds no gating_output (an ids-only trace): cannot route with "
-                           "the kernel (drop --reference/--kernel"),
+    (["--kernel", "seed"], ("layers.0.gating_output: holds no gating_output (an ids-only trace): cannot route with "
+                            "the kernel (drop --reference/--kernel")),
     (["--layers", "9"], "no layer 9"),
     (["--layer", "3"], "not among the analysed layers"),
     (["--capacity-factor", "0"], "factors must be > 0"),
@@ -506,8 +506,8 @@ def test_kernel_is_called_as_replay_calls_it(tmp_path):
     (["--reference", "--kernel", "seed"],
      "--kernel and --reference exclude each other: each chooses what routes the logits (pass one of them)"),
     (["--kernel", "tiled", "--recorded"],  # even naming the default kernel
-     "--kernel and --recorded exclude each other: --recorded takes the trace's topk_ids, and the reference routes "
-     "its bias effect (pass one of them)"),
+     ("--kernel and --recorded exclude each other: --recorded takes the trace's topk_ids, and the reference routes "
+      "its bias effect (pass one of them)")),
 ])
 def test_kernel_excludes_reference_and_recorded(tmp_path, args, line):
     # --kernel was ignored silently: the reference (or the recorded ids) routed, exit 0
