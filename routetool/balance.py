@@ -44,6 +44,7 @@ from routetool.eplb import (
 from routetool.errors import RouteToolError, first_line
 from routetool.imports import ImportedCounts, ImportedRouting
 from routetool.load import LoadStats, load_stats
+from routetool.replay import call_kernel, input_snapshot, modified_inputs
 from routetool.trace import Trace
 
 PHASES = ("prefill", "decode")
@@ -242,11 +243,13 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
         ``[n, topk]`` integer ids on ``gating``'s device.
 
     Raises:
-        RouteToolError: the function raised (any exception), or returned something other than
-            an integer tensor of shape ``[n, topk]``; the message names the function, the layer
-            and the step.
+        RouteToolError: the function raised (any exception), wrote into its inputs (compared
+            bit for bit before and after the call, as replay and validate do), or returned
+            something other than an integer tensor of shape ``[n, topk]``; the message names
+            the function, the layer and the step.
     """
     n = int(gating.shape[0])
+    before = input_snapshot(gating_output=gating, bias=bias, is_padding=pad)
     try:
         ids = fn(gating, bias, pad)
     except RouteToolError:
@@ -257,6 +260,11 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user kernel may fail in any way, sys.exit too
         raise RouteToolError(f"{name} failed on layer {layer}, step {step} ({first_line(exc, 120)})",
                              path=path, fix="fix the kernel (check it with `routetool validate`), or use --reference") from None
+    changed = modified_inputs(before, gating_output=gating, bias=bias, is_padding=pad)
+    if changed:
+        raise RouteToolError(f"{name} wrote into its input {', '.join(changed)} on layer {layer}, step {step}",
+                             path=path, fix="a routing kernel may write only topk_weights and topk_ids: fix the kernel "
+                                            "(check it with `routetool validate`), or use --reference")
     if not isinstance(ids, torch.Tensor):
         raise RouteToolError(f"{name} returned {type(ids).__name__} for the topk_ids of layer {layer}, step {step}; "
                              "expected a tensor", path=path, fix="return (topk_weights, topk_ids) as the seed kernel does")
@@ -1085,16 +1093,20 @@ def default_ep_sizes(num_experts: int) -> list[int]:
     return [1]
 
 
-def route_fn_from(fn, router) -> RouteFn:
-    """Wrap a routing function with the seed's signature (kernel or reference) into a
-    :data:`RouteFn` returning only the ids, with the trace's router parameters.
+def route_fn_from(fn, router, *, kernel: bool = False) -> RouteFn:
+    """Wrap a routing function with the seed's signature into a :data:`RouteFn` returning only
+    the ids, with the trace's router parameters.
 
-    Exceptions propagate; :func:`call_route` (used by :class:`TraceSource`) turns them, and
-    wrong shapes, into one-line errors naming the function, the layer and the step."""
+    ``kernel``: ``fn`` is a kernel (a variant or a ``--kernel module:function``), called as
+    replay calls kernels (:func:`routetool.replay.call_kernel`: ``topk_weights=None`` and
+    ``topk_ids=None`` passed too); otherwise the PyTorch reference, which takes no output
+    buffers. Exceptions propagate; :func:`call_route` (used by :class:`TraceSource`) turns them,
+    written inputs and wrong shapes into one-line errors naming the function, the layer and
+    the step."""
     kwargs = router.kernel_kwargs()
 
     def route(gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
-        out = fn(gating, bias, is_padding=pad, **kwargs)
+        out = call_kernel(fn, gating, bias, pad, router) if kernel else fn(gating, bias, is_padding=pad, **kwargs)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError(f"returned {type(out).__name__}, expected (topk_weights, topk_ids)")
         return out[1]

@@ -25,6 +25,9 @@ from routetool.timing import Latency, cuda_graph_latency
 
 TORCH_KERNELS = ("torch", "torch-compile")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_TOKENS = 2**24
+"""Most tokens of one bench point (16,777,216): 2^24 tokens of fp32 logits at 512 experts are
+already 32 GiB, and engines route far fewer tokens per call."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,28 @@ def resolve_kernels(specs: Sequence[str], pdl: str) -> list[BenchKernel]:
     return out
 
 
+def point_bytes(num_tokens: int, num_experts: int, topk: int, dtype: torch.dtype) -> int:
+    """Bytes a routing call must move, and the size of one set of its inputs and outputs:
+    logits ``[T, E]`` (``dtype``), bias ``[E]`` float32, ids and weights ``[T, K]`` 4 bytes each."""
+    return num_tokens * num_experts * dtype.itemsize + num_experts * 4 + num_tokens * topk * (4 + 4)
+
+
+def check_fits(tokens: Sequence[int], experts: Sequence[int], topks: Sequence[int], dtypes: Sequence[str],
+               free_bytes: int, gpu_name: str = "the GPU") -> None:
+    """Refuse a sweep whose largest point's inputs and outputs do not fit in ``free_bytes``
+    (the GPU memory free before the sweep), before any work.
+
+    Raises:
+        RouteToolError: naming the point, the bytes it needs and the bytes free.
+    """
+    need, T, E, K, dname = max((point_bytes(T, E, K, DTYPES[d]), T, E, K, d)
+                               for d in dtypes for E in experts for K in topks if K <= E for T in tokens)
+    if need > free_bytes:
+        raise RouteToolError(f"{T:,} tokens x {E:,} experts ({dname}, topk {K}) need {need / 2**30:,.1f} GiB of "
+                             f"inputs and outputs; {gpu_name} has {free_bytes / 2**30:,.1f} GiB free",
+                             fix="lower --tokens or --experts, or free GPU memory")
+
+
 def _input_sets(T: int, E: int, K: int, dtype: torch.dtype, l2_bytes: int, seed: int) -> list[CaseInput]:
     one = T * E * dtype.itemsize
     n = max(1, min(16, -(-2 * l2_bytes // max(one, 1)))) if one < 2 * l2_bytes else 1
@@ -198,7 +223,7 @@ def run_bench(
                     continue
                 for T in tokens:
                     sets = _input_sets(T, E, K, dtype, l2, seed=T * 7919 + E * 31 + K)
-                    bytes_moved = T * E * dtype.itemsize + E * 4 + T * K * (4 + 4)
+                    bytes_moved = point_bytes(T, E, K, dtype)
                     point_rows = []
                     for bk in kernels:
                         row = BenchRow(kernel=bk.name, pdl=bk.pdl, num_tokens=T, num_experts=E, topk=K, dtype=dname,
@@ -236,13 +261,21 @@ def run_bench(
 
 
 def trace_step_shapes(path):
-    """Distinct step sizes (tokens per forward step) of a trace, ascending, and its router config.
+    """Distinct step sizes (tokens per forward step) of a trace's layers with gating logits,
+    ascending, and its router config.
 
     Raises:
-        RouteToolError: the trace cannot be read.
+        RouteToolError: the trace cannot be read, or no layer holds gating_output (an ids-only
+            trace, e.g. from ``routetool import``: its shapes and router settings are not those
+            of a captured router call).
     """
     from routetool.trace import open_trace
 
     with open_trace(path) as t:
-        sizes = {b - a for layer in t.layers for a, b in zip(t.info(layer).step_offsets, t.info(layer).step_offsets[1:])}
+        layers = [x for x in t.layers if t.info(x).has_logits]
+        if not layers:
+            raise RouteToolError("holds no gating_output in any layer (an ids-only trace): bench takes step shapes "
+                                 "from traces with logits", path=t.display_path,
+                                 fix="give a trace with logits, or the shapes with --tokens/--experts/--topk")
+        sizes = {b - a for layer in layers for a, b in zip(t.info(layer).step_offsets, t.info(layer).step_offsets[1:])}
         return sorted(sizes), t.meta.router

@@ -192,18 +192,21 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
 
 
 def _int_list(text: str, name: str) -> list[int]:
+    items = text.split(",")
+    if len(items) > 1 and any(not v.strip() for v in items):
+        raise RouteToolError(f"{name} {text!r} has an empty item", fix="separate the values with single commas, e.g. 1,64,4096")
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in items]
     except ValueError:
         raise RouteToolError(f"{name} {text!r} is not a comma-separated list of integers", fix="e.g. 1,64,4096") from None
-    if not values or any(v < 1 for v in values):
+    if any(v < 1 for v in values):
         raise RouteToolError(f"{name} {text!r} needs positive integers", fix="e.g. 1,64,4096")
     return values
 
 
 @main.command()
 @click.option("--tokens", default="1,8,64,256,1024,4096,16384,65536", show_default=True,
-              help="Comma-separated num_tokens to sweep.")
+              help="Comma-separated num_tokens to sweep (each at most 16777216, 2^24).")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path), default=None,
               help="Also sweep the step shapes of this trace (and use its num_experts/topk unless given).")
 @click.option("--experts", default=None, help="Comma-separated num_experts [default: 128,256,384,512].")
@@ -215,7 +218,8 @@ def _int_list(text: str, name: str) -> list[int]:
 @click.option("--pdl", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
               help="Programmatic dependent launch for the project's variants.")
 @click.option("--graph/--no-graph", default=True, show_default=True, help="Time under CUDA-graph replay.")
-@click.option("--rep-ms", type=click.FloatRange(min=1), default=20.0, show_default=True, help="Timing budget per point.")
+@click.option("--rep-ms", type=click.FloatRange(min=1, max=60_000), default=20.0, show_default=True, callback=_finite,
+              help="Timing budget per point and kernel, in milliseconds (1-60000).")
 @click.option("--csv", "csv_path", default=None, metavar="PATH", help="Write the long-format CSV ('-' = stdout).")
 @click.option("--json", "json_path", default=None, metavar="PATH", help="Write the results as JSON ('-' = stdout).")
 @click.option("--force", is_flag=True, help="Replace existing output files.")
@@ -231,7 +235,7 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
     """
     import torch
 
-    from routetool.bench import DTYPES, resolve_kernels, run_bench, trace_step_shapes
+    from routetool.bench import DTYPES, MAX_TOKENS, check_fits, resolve_kernels, run_bench, trace_step_shapes
     from routetool.execution import select_execution
     from routetool.files import check_output_paths
     from routetool.report import bench_csv, bench_json, render_bench, write_json, write_text
@@ -240,6 +244,10 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
         raise RouteToolError("--csv - and --json - both want stdout", fix="write one of them to a file")
     check_output_paths([csv_path, json_path], force=force, inputs=[trace_path, *map(kernel_source, kernels)])
     token_list = _int_list(tokens, "--tokens")
+    if max(token_list) > MAX_TOKENS:
+        raise RouteToolError(f"--tokens {tokens!r}: {max(token_list)} tokens per point is above bench's limit of "
+                             f"{MAX_TOKENS} (2^24)",
+                             fix="choose at most 16777216 tokens; 2^24 tokens of fp32 logits at 512 experts are 32 GiB")
     expert_list = _int_list(experts, "--experts") if experts else None
     topk_list = _int_list(topks, "--topk") if topks else None
     if trace_path is not None:
@@ -271,6 +279,8 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
     if not has_cuda:
         raise RouteToolError("bench needs a CUDA GPU; this machine has none",
                              fix="run it on a GPU machine (replay and validate work on the CPU)")
+    check_fits(token_list, expert_list, topk_list, dtype_list, torch.cuda.mem_get_info()[0],
+               f"the GPU ({torch.cuda.get_device_name()})")
     total = len(bench_kernels) * len(token_list) * len(dtype_list) * points
     with _progress(progress) as bar:
         task = bar.add_task("bench", total=total)

@@ -130,8 +130,9 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
               help="Where routing and statistics run (auto: cuda if present).")
 @click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
-              help="Kernel that routes a trace's logits (variant or module:function).")
-@click.option("--reference", is_flag=True, help="Route a trace's logits with the PyTorch reference instead.")
+              help="Kernel that routes a trace's logits (variant or module:function); given explicitly, every "
+                   "layer needs logits. Excludes --reference and --recorded.")
+@click.option("--reference", is_flag=True, help="Route a trace's logits with the PyTorch reference instead of a kernel.")
 @click.option("--recorded", is_flag=True, help="Use the trace's recorded topk_ids instead of routing the logits.")
 @click.option("--layers", "layers_spec", default="all", show_default=True, help="Layers, e.g. 0,2,5-7.")
 @click.option("--layer", "focus_layer", type=int, default=None,
@@ -192,6 +193,14 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
 
     if reference and recorded:
         raise RouteToolError("--reference and --recorded exclude each other", fix="pass one of them")
+    kernel_given = click.get_current_context().get_parameter_source("kernel_spec") not in (
+        None, click.core.ParameterSource.DEFAULT, click.core.ParameterSource.DEFAULT_MAP)
+    if kernel_given and reference:
+        raise RouteToolError("--kernel and --reference exclude each other: each chooses what routes the logits",
+                             fix="pass one of them")
+    if kernel_given and recorded:
+        raise RouteToolError("--kernel and --recorded exclude each other: --recorded takes the trace's topk_ids, and "
+                             "the reference routes its bias effect", fix="pass one of them")
     if eplb_out == "-" and json_path == "-":
         raise RouteToolError("--json - and --eplb-out - both want stdout", fix="write one of them to a file")
     # every output is checked before any work: never one file twice, never an input
@@ -210,9 +219,10 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     resolved_format = resolve_format(source, fmt)
     if resolved_format == "trace":
         _reject_dump_options(source)
-    if resolved_format != "trace" and (reference or recorded):
-        raise RouteToolError("--reference/--recorded apply to traces; a dump holds ids already", path=source,
-                             fix="drop the flag")
+    if resolved_format != "trace" and (reference or recorded or kernel_given):
+        flag = "--kernel" if kernel_given else "--reference/--recorded"
+        raise RouteToolError(f"{flag} {'applies' if kernel_given else 'apply'} to traces; a dump holds ids already",
+                             path=source, fix=f"drop {flag if kernel_given else 'the flag'}")
 
     trace = None
     try:
@@ -239,12 +249,13 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                 else:
                     name, fn = load_kernel(kernel_spec)
                     where = "Triton interpreter" if execution.interpreted else execution.device_name
-                    route_fn, route_name = route_fn_from(fn, trace.meta.router), f"kernel {name} ({where})"
+                    route_fn, route_name = route_fn_from(fn, trace.meta.router, kernel=True), f"kernel {name} ({where})"
                 if bias_wanted:
                     nobias_fn, nobias_name = route_fn, route_name
             else:
                 stats_device = _stats_device(device)
-            routing = "recorded" if recorded else ("reference" if reference else "auto")
+            # an explicit --kernel, like --reference, routes every layer (an ids-only layer is refused)
+            routing = "recorded" if recorded else "reference" if reference else "kernel" if kernel_given else "auto"
             src = TraceSource(trace, layers, routing=routing, route_fn=route_fn, route_name=route_name,
                               nobias_fn=nobias_fn, nobias_name=nobias_name, bias_effect=bias_effect,
                               decode_max_tokens=decode_max_tokens)

@@ -225,6 +225,15 @@ def modified_inputs(snapshot: dict[str, torch.Tensor], **inputs: torch.Tensor | 
             if inputs.get(name) is not None and not torch.equal(bits(before), bits(inputs[name]))]
 
 
+def call_kernel(fn: RoutingFn, gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
+                router: RouterConfig):
+    """Call a routing kernel with the seed's signature as every command calls one (README,
+    ``--kernel``): the logits and the bias by position; ``topk_weights=None`` and
+    ``topk_ids=None`` (the kernel allocates its outputs), ``is_padding`` and the router
+    parameters by keyword. Returns what ``fn`` returns; exceptions propagate."""
+    return fn(gating, bias, topk_weights=None, topk_ids=None, is_padding=pad, **router.kernel_kwargs())
+
+
 def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
                        router: RouterConfig, *, where: str, path: object = None,
                        tensor: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +251,7 @@ def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: tor
     """
     before = input_snapshot(gating_output=gating, bias=bias, is_padding=pad)
     try:
-        out = fn(gating, bias, topk_weights=None, topk_ids=None, is_padding=pad, **router.kernel_kwargs())
+        out = call_kernel(fn, gating, bias, pad, router)
     except ValueError as exc:
         raise RouteToolError(f"kernel {name!r} rejected {where} ({_first_line(exc)})", path=path, tensor=tensor,
                              fix="choose another --kernel, or a trace the kernel supports") from None

@@ -309,6 +309,11 @@ def _exit(gating, bias, pad):
     raise SystemExit(3)
 
 
+def _scribble(gating, bias, pad):
+    gating[0] = float("nan")  # NaN bits differ from the logits' bits
+    return torch.zeros(gating.shape[0], 1, dtype=torch.int64)
+
+
 @pytest.mark.parametrize("fn, words", [
     (_crash, r"kernel bad failed on layer 0, step 0 \(RuntimeError: device-side assert\)"),
     (_exit, r"kernel bad failed on layer 0, step 0 \(SystemExit: 3\)"),
@@ -317,6 +322,7 @@ def _exit(gating, bias, pad):
     (lambda g, b, p: torch.zeros(g.shape[0], 2, dtype=torch.int64), r"shape \[2, 2\] .*expected \[2, 1\]"),
     (lambda g, b, p: torch.zeros(g.shape[0], 1), "returned topk_ids of dtype torch.float32"),
     (lambda g, b, p: None, "returned NoneType for the topk_ids of layer 0, step 0"),
+    (_scribble, r"kernel bad wrote into its input gating_output on layer 0, step 0 \(a routing kernel may write only"),
 ])
 def test_misbehaving_routing_function_is_one_line(tmp_path, fn, words):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load

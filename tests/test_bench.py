@@ -1,15 +1,21 @@
-"""`routetool bench`: refuses without a GPU; on a GPU, a small sweep with correctness first."""
+"""`routetool bench`: option mistakes refused on any machine, refuses without a GPU; on a GPU, a small
+sweep with correctness first."""
 
 import csv
 import io
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import mutants
 from conftest import HAS_CUDA
+from helpers import make_trace
+from routetool.bench import check_fits, point_bytes, trace_step_shapes
 from routetool.cli import main
+from routetool.errors import RouteToolError
+from routetool.trace import LayerArrays
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only refusal")
@@ -35,6 +41,60 @@ def test_bench_option_mistakes_show_on_any_machine(args, words):
     assert res.exit_code == 2 and words in res.output, res.output
 
 
+@pytest.mark.parametrize("args, words", [
+    # all but --rep-ms 0 reached the GPU check (a CPU machine said only "no CUDA"); nan and inf went on to time
+    (["--rep-ms", "nan"], "'--rep-ms': must be a number, not nan"),
+    (["--rep-ms", "inf"], "'--rep-ms': inf is not in the range 1<=x<=60000"),
+    (["--rep-ms", "0"], "'--rep-ms': 0.0 is not in the range"),
+    (["--tokens", "1,,2"], "--tokens '1,,2' has an empty item"),      # was read as 1,2
+    (["--tokens", "64,"], "--tokens '64,' has an empty item"),
+    (["--experts", "256,,512"], "--experts '256,,512' has an empty item"),
+    (["--tokens", str(10**12)], f"--tokens '{10**12}': {10**12} tokens per point is above bench's limit of 16777216"),
+    (["--tokens", f"1,{2**24 + 1}"], "above bench's limit of 16777216 (2^24)"),
+])
+def test_bench_value_mistakes_show_on_any_machine(args, words):
+    res = CliRunner().invoke(main, ["bench", "--no-progress", *args])
+    assert res.exit_code == 2 and words in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only refusal")
+def test_bench_at_the_token_limit_goes_on_to_the_gpu_check():
+    res = CliRunner().invoke(main, ["bench", "--tokens", str(2**24), "--no-progress"])
+    assert res.exit_code == 2 and "needs a CUDA GPU" in res.output, res.output
+
+
+def test_bench_refuses_an_ids_only_trace(tmp_path):
+    # its step shapes and router settings come from an import, not from a router call
+    path = tmp_path / "ids.safetensors"
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    make_trace(path, {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 2, 3]))})
+    res = CliRunner().invoke(main, ["bench", "--trace", str(path), "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == (f"routetool: error: {path}: holds no gating_output in any layer (an ids-only trace): "
+                                  "bench takes step shapes from traces with logits (give a trace with logits, or the "
+                                  "shapes with --tokens/--experts/--topk)")
+
+
+def test_bench_takes_step_shapes_from_layers_with_logits(tmp_path):
+    path = tmp_path / "mixed.safetensors"
+    g = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[0, 1]] * 7, dtype=torch.int32)
+    make_trace(path, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 3, 5])),
+                      1: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 7]))})
+    shapes, router = trace_step_shapes(path)
+    assert shapes == [2, 3] and router.num_experts == 8
+
+
+def test_point_bytes_and_the_gpu_memory_check():
+    # logits T*E*itemsize + bias E*4 + ids and weights T*K*8
+    assert point_bytes(4096, 256, 8, torch.bfloat16) == 4096 * 256 * 2 + 256 * 4 + 4096 * 8 * 8
+    check_fits([1, 2**24], [512], [8], ["fp32", "bf16"], free_bytes=34 * 2**30)  # 33 GiB + 2 KiB
+    with pytest.raises(RouteToolError, match=r"^16,777,216 tokens x 512 experts \(fp32, topk 8\) need 33.0 GiB of inputs "
+                                             r"and outputs; the GPU \(H\) has 32.0 GiB free \(lower --tokens"):
+        check_fits([1, 2**24], [256, 512], [8, 600], ["bf16", "fp32"], free_bytes=32 * 2**30, gpu_name="the GPU (H)")
+
+
 @pytest.mark.gpu
 def test_bench_small_sweep(tmp_path):
     out, js = tmp_path / "b.csv", tmp_path / "b.json"
@@ -52,3 +112,13 @@ def test_bench_small_sweep(tmp_path):
     assert float(by[("tiled", "True", "1", "fp32")]["speedup_vs_baseline"]) > 0
     doc = json.loads(js.read_text())
     assert doc["schema"] == "routetool.bench/1" and doc["copy_bandwidth_gbps"] > 1000
+
+
+@pytest.mark.gpu
+def test_bench_refuses_a_point_larger_than_the_free_gpu_memory():
+    # 2^24 tokens x 2^20 experts of fp32 logits: 64 TiB, refused before the sweep allocates anything
+    res = CliRunner().invoke(main, ["bench", "--tokens", str(2**24), "--experts", str(2**20), "--dtype", "fp32",
+                                    "--kernel", "torch", "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert "16,777,216 tokens x 1,048,576 experts (fp32, topk 8) need 65,537.0 GiB" in res.output
+    assert "GiB free (lower --tokens or --experts" in res.output and len(res.output.strip().splitlines()) == 1

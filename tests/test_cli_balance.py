@@ -107,6 +107,9 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
     (["--ep-size", "2", "--redundant", "1"], "multiple of the 2 GPUs"),
     (["--reference", "--recorded"], "exclude each other"),
     (["--reference"], "ids-only trace"),
+    # an explicit --kernel on an ids-only trace was ignored (the recorded ids were used)
+    (["--kernel", "seed"], ("layers.0.gating_output: holds no gating_output (an ids-only trace): cannot route with "
+                            "the kernel (drop --reference/--kernel")),
     (["--layers", "9"], "no layer 9"),
     (["--layer", "3"], "not among the analysed layers"),
     (["--capacity-factor", "0"], "factors must be > 0"),
@@ -439,15 +442,34 @@ from kernel.reference import musespark1x_routing_reference as ref
 def boom(gating_output, bias, *args, **kwargs):
     raise RuntimeError("illegal memory access\\nwith a second line")
 
-def short(gating_output, bias, *args, **kwargs):
+def short(gating_output, bias, *args, topk_weights=None, topk_ids=None, **kwargs):
     w, i = ref(gating_output, bias, *args, **kwargs)
     return w[:-1], i[:-1]
+
+def scribble_logits(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    out = ref(gating_output, bias, topk, route_scale, **kwargs)
+    gating_output.mul_(2.0)
+    return out
+
+def scribble_bias(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    bias.add_(1.0)
+    return ref(gating_output, bias, topk, route_scale, **kwargs)
+
+def no_defaults(gating_output, bias, topk, route_scale, router_output_multiplier, router_score_normalization,
+                router_score_division_eps, topk_weights, topk_ids, *, is_padding):
+    assert topk_weights is None and topk_ids is None
+    return ref(gating_output, bias, topk, route_scale, router_output_multiplier, router_score_normalization,
+               router_score_division_eps, is_padding=is_padding)
 '''
 
 
 @pytest.mark.parametrize("fn, words", [
     ("boom", ["failed on layer 0, step 0 (RuntimeError: illegal memory access)"]),
     ("short", ["returned topk_ids of shape [15, 2] on layer 0, step 0; expected [16, 2]"]),
+    # writes into the inputs went unnoticed (replay and validate report them)
+    ("scribble_logits", ["wrote into its input gating_output on layer 0, step 0",
+                         "(a routing kernel may write only topk_weights and topk_ids: fix the kernel"]),
+    ("scribble_bias", ["wrote into its input bias on layer 0, step 0"]),
 ])
 def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load
@@ -460,6 +482,51 @@ def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words
     # cannot switch to the CPU interpreter once the project's kernels were compiled)
     res = run("balance", trace, "--kernel", f"{mod}:{fn}", "--ep-size", "2", "--no-progress")
     _one_line_error(res, f"kernel {mod}:{fn}", *words)
+
+
+def test_kernel_is_called_as_replay_calls_it(tmp_path):
+    # topk_weights/topk_ids were not passed, so a kernel without defaults for them failed
+    mod = tmp_path / "kernels.py"
+    mod.write_text(KERNELS)
+    trace = tmp_path / "t.safetensors"
+    g = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
+    make_trace(trace, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 24]))})
+    outs = {}
+    for name, args in (("kernel", ["--kernel", f"{mod}:no_defaults"]), ("reference", ["--reference"])):
+        outs[name] = tmp_path / f"{name}.json"
+        res = run("balance", trace, *args, "--ep-size", "2", "--json", outs[name], "--no-progress")
+        assert res.exit_code == 0, res.output
+    k, r = (json.loads(outs[x].read_text()) for x in ("kernel", "reference"))
+    assert k["routing"].startswith(f"kernel {mod}:no_defaults")
+    assert k["layers"][0]["expert_counts_assignments"] == r["layers"][0]["expert_counts_assignments"]
+    assert sum(k["layers"][0]["expert_counts_assignments"]) == 24 * 2
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--reference", "--kernel", "seed"],
+     "--kernel and --reference exclude each other: each chooses what routes the logits (pass one of them)"),
+    (["--kernel", "tiled", "--recorded"],  # even naming the default kernel
+     ("--kernel and --recorded exclude each other: --recorded takes the trace's topk_ids, and the reference routes "
+      "its bias effect (pass one of them)")),
+])
+def test_kernel_excludes_reference_and_recorded(tmp_path, args, line):
+    # --kernel was ignored silently: the reference (or the recorded ids) routed, exit 0
+    trace = tmp_path / "t.safetensors"
+    g = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
+    make_trace(trace, {0: LayerArrays(gating_output=g, topk_ids=g.topk(2).indices.int(),
+                                      step_offsets=torch.tensor([0, 16, 24]))})
+    res = run("balance", trace, *args, "--ep-size", "2", "--no-progress")
+    _one_line_error(res)
+    assert res.output.strip() == f"routetool: error: {line}"
+
+
+def test_kernel_on_a_dump_is_refused(tmp_path):
+    # a dump holds expert ids already: --kernel was ignored silently
+    q = tmp_path / "q.jsonl"
+    write_qwen_like(q)
+    res = run("balance", q, "--num-experts", "16", "--kernel", "seed", "--ep-size", "4", "--no-progress")
+    _one_line_error(res)
+    assert res.output.strip() == f"routetool: error: {q}: --kernel applies to traces; a dump holds ids already (drop --kernel)"
 
 
 def test_window_tokens_exclude_padding_through_the_cli(tmp_path):
