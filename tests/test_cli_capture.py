@@ -194,6 +194,21 @@ def test_info_bad_input_exit_2(tmp_path, make, fragments):
     _one_line_error(_run("info", make(tmp_path)), *fragments)
 
 
+def test_info_refuses_an_index_whose_complete_is_not_a_boolean(tmp_path):
+    # "complete": "yes" used to be shown as a complete recording
+    from helpers import make_trace
+    from routetool.sharded import shard_path, write_index
+    from routetool.trace import LayerArrays, RouterConfig
+
+    index = tmp_path / "run.json"
+    shard = make_trace(shard_path(index, 0), {0: LayerArrays(gating_output=torch.zeros(3, 4))},
+                       router=RouterConfig(num_experts=4, topk=2))
+    write_index(index, [{"path": shard.name}], complete=True, stopped_by="exit")
+    index.write_text(index.read_text().replace('"complete": true', '"complete": "yes"'))
+    _one_line_error(_run("info", index), f'{index}: index.complete: "complete" is "yes", not a JSON boolean',
+                    'write "complete": true')
+
+
 def _raw_trace(path, tensors, **meta_overrides):
     """A trace file written around routetool's writer (names and metadata exactly as given)."""
     from safetensors.torch import save_file

@@ -237,6 +237,25 @@ def test_a_shard_with_loose_layer_names_or_numbers_is_refused(tmp_path, tensors,
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("value", ["yes", "false", 1, None])
+def test_complete_must_be_a_json_boolean(tmp_path, value):
+    # "complete": "yes" (or "false", a truthy string) was shown by info as a complete recording
+    shard = _one_shard(tmp_path)
+    index = tmp_path / "run.json"
+    write_index(index, [{"path": shard.name}], complete=True, stopped_by="exit")
+    doc = json.loads(index.read_text())
+    doc["complete"] = value
+    index.write_text(json.dumps(doc))
+    with pytest.raises(RouteToolError) as info:
+        open_trace(index)
+    assert str(info.value) == (f"{index}: index.complete: \"complete\" is {json.dumps(value)}, not a JSON boolean "
+                               "(write \"complete\": true (the recording ended normally) or false, without quotes)")
+    doc["complete"] = False
+    index.write_text(json.dumps(doc))
+    with open_trace(index) as t:
+        assert t.index["complete"] is False
+
+
 def test_shards_must_be_a_list(tmp_path):
     index = tmp_path / "run.json"
     index.write_text(json.dumps({"format": "routetool-trace-index", "version": "1", "shards": "x"}))
