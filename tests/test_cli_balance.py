@@ -110,6 +110,18 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
     (["--layers", "9"], "no layer 9"),
     (["--layer", "3"], "not among the analysed layers"),
     (["--capacity-factor", "0"], "factors must be > 0"),
+    # an empty item was dropped silently (8,,16 ran as 8,16), unlike synth's --prefill 8,,8
+    (["--ep-size", "2,,4"], "--ep-size '2,,4' has an empty item (separate the values with single commas, e.g. "
+                            "--ep-size 8,16)"),
+    (["--ep-size", "2,"], "--ep-size '2,' has an empty item"),
+    (["--ep-size", ",2"], "--ep-size ',2' has an empty item"),
+    (["--capacity-factor", "1.0,,2"], "--capacity-factor '1.0,,2' has an empty item (separate the values with "
+                                      "single commas, e.g. --capacity-factor 1.0,1.25,2)"),
+    # int()/float() read "1_6" as 16 and "1_5" as 15
+    (["--ep-size", "1_2"], "--ep-size '1_2' is not a list of integers"),
+    (["--capacity-factor", "1_5"], "--capacity-factor '1_5' is not a list of numbers"),
+    (["--layers", "0_0"], "--layers '0_0': cannot parse '0_0'"),
+    (["--layers", "0,,0"], "--layers '0,,0': cannot parse ''"),
 ])
 def test_bad_usage_is_one_line_exit_2(tmp_path, args, words):
     trace = tmp_path / "ids.safetensors"
