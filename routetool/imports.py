@@ -36,9 +36,12 @@ row width (every row must have the same).
 
 Numbers are checked, not coerced: expert ids and layers must be integers (``3`` or ``3.0``,
 never ``1.5``, ``true`` or NaN), ids in ``[0, E)`` with E at most :data:`MAX_EXPERTS`, layers
-in ``[0, MAX_LAYERS)``, counts finite non-negative integers. Every failure, including text
-that is not UTF-8, is a :class:`RouteToolError` of one line naming the file and the line, key
-or tensor element.
+in ``[0, MAX_LAYERS)``, counts finite non-negative integers. In JSON, numbers are JSON numbers
+(``"3"`` is an error, not 3); integers written as text (CSV cells, counts-JSON keys) are ASCII
+digits (``int()`` would also read ``1_0`` and other scripts' digits). Nothing is said two ways
+and silently resolved: a JSON key given twice in one object, or one layer or expert spelled
+two ways (``"0"`` and ``"00"``), is an error. Every failure, including text that is not UTF-8,
+is a :class:`RouteToolError` of one line naming the file and the line, key or tensor element.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
+from routetool.numtext import parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
 FORMATS = ("auto", "trace", "jsonl", "csv", "sglang", "counts-json")
@@ -71,7 +75,7 @@ _CSV_IDS = ("activated_expert_ids", "topk_ids", "expert_ids", "experts", "select
 _CSV_WEIGHTS = ("topk_weights", "weights", "gating_probs", "routing_weights", "expert_weights")
 _CSV_LAYER = ("layer_id", "layer", "layer_idx")
 _CSV_STEP = ("batch_number", "step", "batch", "forward_pass_id", "step_id")
-_INT_TEXT = re.compile(r"\s*[-+]?\d+\s*")
+_INT_TEXT = re.compile(r"\s*[-+]?[0-9]+\s*")  # ASCII digits: int() also reads "1_0" and other scripts' digits
 _CSV_SPLIT = re.compile(r"[\s,;\[\]()]+")
 
 MAX_EXPERTS = 1 << 20
@@ -89,8 +93,9 @@ def one_line(text: object, limit: int = 160) -> str:
     return first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
 
 
-def _as_int(value) -> int | None:
-    """``value`` as an int when it is an integer (int, integral float, integer text); else None.
+def _as_int(value, *, text: bool = True) -> int | None:
+    """``value`` as an int when it is an integer (int, integral float, and with ``text`` integer
+    text in ASCII digits); else None.
 
     Booleans, fractions, NaN/inf and other types are not integers.
     """
@@ -100,18 +105,58 @@ def _as_int(value) -> int | None:
         return value
     if isinstance(value, float):
         return int(value) if math.isfinite(value) and value.is_integer() else None
-    if isinstance(value, str) and _INT_TEXT.fullmatch(value):
+    if text and isinstance(value, str) and _INT_TEXT.fullmatch(value):
         return int(value)
     return None
 
 
-def _layer_index(value, where: str, key: str, path: Path) -> int:
-    layer = _as_int(value)
+def _json_string_number(value) -> bool:
+    """A JSON string holding what looks like a number (``"3"``): a number written as text."""
+    return isinstance(value, str) and _as_int(value) is not None
+
+
+def _layer_index(value, where: str, key: str, path: Path, spellings: dict[int, tuple[str, str]] | None = None,
+                 *, text: bool = True, label: str | None = None) -> int:
+    """The layer ``value`` names (in ``[0, MAX_LAYERS)``).
+
+    ``text``: integer text is a layer (CSV cells); without it a string is an error (JSON numbers).
+    ``spellings``: layer -> (text, where) of its first spelling: another spelling of the same
+    layer (``"00"`` after ``"0"``) is an error, never the same layer under two names. ``label``:
+    where this row is, as recorded there (default ``where``).
+    """
+    if not text and _json_string_number(value):
+        raise RouteToolError(f"{where}: {key}={_short(value)} is a string, not a JSON number", path=path,
+                             fix=f"write the layer as a number: \"{key}\": {_as_int(value)}, without quotes")
+    layer = _as_int(value, text=text)
     if layer is None or not 0 <= layer < MAX_LAYERS:
         shown = repr(value) if isinstance(value, str) else _short(value)
         raise RouteToolError(f"{where}: {key}={shown} is not a layer index (an integer in [0, {MAX_LAYERS:,}))",
                              path=path, fix="fix the row")
+    if spellings is not None and isinstance(value, str):
+        spelled = value.strip()
+        first = spellings.setdefault(layer, (spelled, label or where))
+        if first[0] != spelled:
+            raise RouteToolError(f"{where}: {key}={spelled!r} and {first[0]!r} ({first[1]}) name the same layer {layer}",
+                                 path=path, fix=f"spell each layer one way in the whole dump (e.g. {layer})")
     return layer
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object with a key twice (json.loads keeps the last value silently)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook`` for json.loads: a key given twice in one object is an error."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 @dataclass
@@ -412,7 +457,10 @@ def _json_ids(value, where: str, key: str, path: Path) -> tuple[int, ...]:
                              path=path, fix="fix the row")
     out = []
     for x in value:
-        v = _as_int(x)
+        if _json_string_number(x):
+            raise RouteToolError(f"{where}: expert id {_short(x)} in {key} is a string, not a JSON number", path=path,
+                                 fix=f"write expert ids as numbers ({_as_int(x)}, without quotes); fix the dump's writer")
+        v = _as_int(x, text=False)
         if v is None:
             raise RouteToolError(f"{where}: expert id {_short(x)} in {key} is not an integer", path=path,
                                  fix="expert ids are integers; fix the row")
@@ -456,7 +504,10 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
             if not line:
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=_unique_keys)
+            except _DuplicateKey as exc:
+                raise RouteToolError(f"{where}: the key {exc.key!r} appears twice in one object (JSON keeps only the "
+                                     "last value)", path=path, fix="write each key once per row") from None
             except json.JSONDecodeError as exc:
                 raise RouteToolError(f"{where}: not JSON ({exc.msg})", path=path,
                                      fix="one JSON object per line (JSON Lines)") from None
@@ -476,7 +527,7 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
             w_key = _first_key(obj, _WEIGHT_KEYS)
             weights = obj.get(w_key) if w_key else None
             layer_key = _first_key(obj, _LAYER_KEYS)
-            layer = _layer_index(obj[layer_key], where, layer_key, path) if layer_key else 0
+            layer = _layer_index(obj[layer_key], where, layer_key, path, text=False) if layer_key else 0
             if not isinstance(ids, list):
                 raise RouteToolError(f"{where}: {id_key} is {_short(ids)}, not a list of expert ids", path=path,
                                      fix="fix the row")
@@ -496,7 +547,10 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
             tok_key = _first_key(obj, _TOKEN_KEYS)
             tok = None
             if tok_key is not None and obj[tok_key] is not None:
-                tok = _as_int(obj[tok_key])
+                tok = _as_int(obj[tok_key], text=False)
+                if _json_string_number(obj[tok_key]):
+                    raise RouteToolError(f"{where}: {tok_key}={_short(obj[tok_key])} is a string, not a JSON number",
+                                         path=path, fix=f"write {tok_key} as a number, without quotes")
                 if tok is None:
                     raise RouteToolError(f"{where}: {tok_key}={_short(obj[tok_key])} is not an integer", path=path,
                                          fix="fix the row")
@@ -522,7 +576,10 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
 def _meta_int(meta: dict, path: Path, *keys: str) -> int | None:
     for k in keys:
         if k in meta and meta[k] is not None:
-            value = _as_int(meta[k])
+            if _json_string_number(meta[k]):
+                raise RouteToolError(f"meta row: {k}={_short(meta[k])} is a string, not a JSON number", path=path,
+                                     fix=f"write {k} as a number ({_as_int(meta[k])}, without quotes)")
+            value = _as_int(meta[k], text=False)
             if value is None or not 1 <= value <= MAX_EXPERTS:
                 raise RouteToolError(f"meta row: {k}={_short(meta[k])} is not an integer in [1, {MAX_EXPERTS:,}]",
                                      path=path, fix="fix the meta row, or pass the value as an option")
@@ -591,6 +648,7 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
         if path.is_dir() else [path]
     rows: list[_Row] = []
     notes: list[str] = []
+    spellings: dict[int, tuple[str, str]] = {}  # layer -> its first spelling ("0" and "00" are one layer)
     for file_no, f in enumerate(files):
         try:
             fh = open(f, "rb")
@@ -629,7 +687,9 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
                     weights = None
                     if c_w is not None and rec[c_w].strip():
                         weights = tuple(_csv_numbers(rec[c_w], float, "weight", where, header[c_w], f))
-                    layer = _layer_index(rec[c_layer], where, header[c_layer], f) if c_layer is not None else 0
+                    layer = _layer_index(rec[c_layer], where, header[c_layer], f, spellings,
+                                         label=f"{f.name} {where}" if f != path else where) \
+                        if c_layer is not None else 0
                     step = rec[c_step] if c_step is not None else None
                     rows.append(_Row(layer, ids, weights, (file_no, step),
                                      f"{f.name} line {lineno}" if f != path else where))  # (errors name path)
@@ -893,14 +953,38 @@ def _sglang_per_token(path: Path, records, maps, options, model, notes) -> Impor
 # ---------------------------------------------------------------------------------------
 # counts JSON
 def _is_int(s) -> bool:
+    """A key that is an integer in plain ASCII decimal (``"7"``, ``"-1"``, ``"07"``)."""
+    return parse_int(s) is not None
+
+
+def _loose_int(s) -> bool:
+    """A key Python's int() reads but that is not plain ASCII decimal (``"1_0"``, ``" 1"``, Arabic-Indic digits)."""
     try:
         int(s)
-        return True
     except (TypeError, ValueError):
         return False
+    return not _is_int(s)
+
+
+def _check_keys(node: dict, where: str, path: Path, what: str) -> None:
+    """Integer keys of one object: plain ASCII decimal, and one spelling per number (``"0"`` and
+    ``"00"`` in one object would be one layer or expert, the later value silently replacing the other)."""
+    seen: dict[int, str] = {}
+    for k in node:
+        if _loose_int(k):
+            raise RouteToolError(f"{where}: key {k!r} is not a plain decimal {what} (ASCII digits 0-9 only)", path=path,
+                                 fix="write the key in ASCII digits without underscores or spaces")
+        if _is_int(k):
+            n = int(k)
+            if n in seen:
+                raise RouteToolError(f"{where}: keys {seen[n]!r} and {k!r} name the same {what} {n}", path=path,
+                                     fix=f"keep one key per {what} (e.g. {n}), with all of its counts")
+            seen[n] = k
 
 
 def _counts_vector(value, where: str, path: Path) -> dict[int, int]:
+    if isinstance(value, dict):
+        _check_keys(value, where, path, "expert")
     if isinstance(value, list):
         if len(value) > MAX_EXPERTS:
             raise RouteToolError(f"{where}: {len(value):,} counts (at most {MAX_EXPERTS:,} experts)", path=path,
@@ -940,6 +1024,9 @@ def _layer_key(k: str, where: str, path: Path) -> int:
 
 
 def _layer_tables(node, names: tuple[str, ...], path: Path) -> Iterator[tuple[tuple[str, ...], dict]]:
+    if isinstance(node, dict):
+        _check_keys(node, "/".join(names) or "top level", path,
+                    "expert" if all(isinstance(v, (int, float)) for v in node.values()) else "layer")
     if isinstance(node, dict) and node and all(_is_int(k) for k in node):
         vals = list(node.values())
         if all(isinstance(v, (dict, list)) for v in vals):
@@ -978,7 +1065,10 @@ def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
         raise RouteToolError(f"line {line}: not UTF-8 text (byte {exc.start + 1} of the file is {data[exc.start]:#04x})",
                              path=path, fix="save it as UTF-8 JSON, or check --format") from None
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise RouteToolError(f"the key {exc.key!r} appears twice in one object (JSON keeps only the last value)",
+                             path=path, fix="write each key once per object, with all of its counts") from None
     except json.JSONDecodeError as exc:
         raise RouteToolError(f"line {exc.lineno}: not JSON ({exc.msg})", path=path, fix="fix the file") from None
     except (ValueError, RecursionError) as exc:

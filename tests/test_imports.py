@@ -177,12 +177,36 @@ def test_jsonl_bad_input_names_file_and_line(tmp_path, lines, options, words):
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
-def test_jsonl_integral_floats_and_integer_text_are_integers(tmp_path):
-    # 3.0 and "2" are the integers 3 and 2 (some writers emit floats); the layer likewise
+def test_jsonl_integral_floats_are_integers(tmp_path):
+    # 3.0 is the integer 3 (some writers emit floats); the layer likewise
     path = tmp_path / "f.jsonl"
-    path.write_text('{"topk_ids": [3.0, "2"], "layer": 2.0}\n')
+    path.write_text('{"topk_ids": [3.0, 2], "layer": 2.0}\n')
     r = read_dump(path, ImportOptions(num_experts=4))
     assert r.layers[2].topk_ids.tolist() == [[3, 2]]
+
+
+@pytest.mark.parametrize("line, words", [
+    # numbers written as JSON strings used to be read as numbers, silently
+    ('{"topk_ids": ["3", 1]}', 'line 1: expert id "3" in topk_ids is a string, not a JSON number (write expert ids '
+                               'as numbers (3, without quotes); fix the dump\'s writer)'),
+    ('{"topk_ids": [[1, 2], [3, "0"]]}', 'line 1: expert id "0" in topk_ids is a string, not a JSON number'),
+    ('{"topk_ids": [1, 2], "layer": "0"}', 'line 1: layer="0" is a string, not a JSON number (write the layer as a '
+                                           'number: "layer": 0, without quotes)'),
+    ('{"topk_ids": [1, 2], "token_idx": "4"}', 'line 1: token_idx="4" is a string, not a JSON number'),
+    ('{"type": "meta", "top_k": "2"}', 'meta row: top_k="2" is a string, not a JSON number'),
+    # int() reads other scripts' digits: this was layer 3
+    ('{"topk_ids": [1, 2], "layer": "\u0663"}', "line 1: layer='\u0663' is not a layer index"),
+    # json.loads keeps the last of two equal keys: the ids [1, 2] were dropped silently
+    ('{"topk_ids": [1, 2], "topk_ids": [3, 4]}', "line 1: the key 'topk_ids' appears twice in one object (JSON keeps "
+                                                 "only the last value) (write each key once per row)"),
+])
+def test_jsonl_numbers_are_json_numbers_and_keys_unique(tmp_path, line, words):
+    path = tmp_path / "s.jsonl"
+    path.write_text(line + "\n" + '{"topk_ids": [0, 1]}\n')
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}: ") and words in text and "\n" not in text, text
 
 
 def test_jsonl_not_utf8_names_the_line(tmp_path):
@@ -277,6 +301,31 @@ def test_csv_wrong_numbers(tmp_path, body, words):
     with pytest.raises(RouteToolError, match=words) as info:
         read_dump(path)
     assert str(info.value).count("x.csv") == 1
+
+
+@pytest.mark.parametrize("body, words", [
+    # "0" and "00" were one layer under two names
+    ('0,0,x,"[1, 2]"\n00,0,y,"[1, 3]"\n', "x.csv: line 3: Layer ID='00' and '0' (line 2) name the same layer 0 "
+                                          "(spell each layer one way in the whole dump (e.g. 0))"),
+    # int() reads Arabic-Indic and fullwidth digits: these were layer 3 and expert 2
+    ('\u0663,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='\u0663' is not a layer index"),
+    ('1,0,x,"[1, \uff12]"\n', "x.csv: line 2: expert id '\uff12' in 'Activated Expert IDs' is not an integer"),
+    ('1,0,x,"[1, 2_0]"\n', "x.csv: line 2: expert id '2_0' in 'Activated Expert IDs' is not an integer"),
+])
+def test_csv_layers_and_ids_are_plain_and_spelled_once(tmp_path, body, words):
+    path = tmp_path / "x.csv"
+    path.write_text(DS_HEADER + body)
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_csv_folder_layer_spelled_two_ways_names_both_files(tmp_path):
+    (tmp_path / "a.csv").write_text(DS_HEADER + '1,0,x,"[1, 2]"\n')
+    (tmp_path / "b.csv").write_text(DS_HEADER + '01,0,x,"[1, 3]"\n')
+    with pytest.raises(RouteToolError, match=r"b.csv: line 2: Layer ID='01' and '1' \(a.csv line 2\) name the same "
+                                             r"layer 1"):
+        read_dump(tmp_path)
 
 
 def test_csv_folder_names_the_file_of_a_bad_row(tmp_path):
@@ -462,6 +511,15 @@ def test_counts_json_bad_count(tmp_path):
     ('{"m":{"d":{"0":{}}}}', r"no \{layer: \{expert_id: count\}\} tables found"),
     ('{"m": [1, 2', r"line 1: not JSON"),
     ('{"0":[5,3,0,2],"1":[1,2]}', r"top level: layer 1 lists 2 expert counts, layer 0 4"),
+    # two spellings of one layer or expert: the later one's counts silently replaced the earlier's
+    ('{"0":[5,3],"00":[1,2]}', r"top level: keys '0' and '00' name the same layer 0 \(keep one key per layer "
+                               r"\(e.g. 0\), with all of its counts\)"),
+    ('{"m":{"7":{"1":5,"01":3}}}', r"m/7: keys '1' and '01' name the same expert 1"),
+    ('{"m":{"1":5,"01":3}}', r"m: keys '1' and '01' name the same expert 1"),
+    ('{"0":[5,3],"0":[1,2]}', r"the key '0' appears twice in one object \(JSON keeps only the last value\)"),
+    # int() reads "1_0" as 10 and other scripts' digits as digits
+    ('{"1_0":[5,3]}', r"top level: key '1_0' is not a plain decimal layer \(ASCII digits 0-9 only\)"),
+    ('{"m":{"0":{"\u0663":5}}}', r"m/0: key '\u0663' is not a plain decimal expert"),
 ])
 def test_counts_json_bad_numbers_name_the_key(tmp_path, text, words):
     path = tmp_path / "c.json"
