@@ -39,8 +39,9 @@ never ``1.5``, ``true`` or NaN), ids in ``[0, E)`` with E at most :data:`MAX_EXP
 in ``[0, MAX_LAYERS)``, counts finite non-negative integers. In JSON, numbers are JSON numbers
 (``"3"`` is an error, not 3); integers written as text (CSV cells, counts-JSON keys) are ASCII
 digits (``int()`` would also read ``1_0`` and other scripts' digits). Nothing is said two ways
-and silently resolved: a JSON key given twice in one object, or one layer or expert spelled
-two ways (``"0"`` and ``"00"``), is an error. Every failure, including text that is not UTF-8,
+and silently resolved: a JSON key given twice in one object, two names of one field in a row
+or a CSV header (``topk_ids`` and ``experts``: the names above are alternatives), meta rows that
+disagree, or one layer or expert spelled two ways (``"0"`` and ``"00"``), is an error. Every failure, including text that is not UTF-8,
 is a :class:`RouteToolError` of one line naming the file and the line, key or tensor element.
 """
 
@@ -70,6 +71,7 @@ _LAYER_KEYS = ("layer", "layer_id", "layer_idx")
 _STEP_KEYS = ("step", "forward_pass_id", "batch", "batch_number", "step_id")
 _REQUEST_KEYS = ("req_id", "request_id", "problem_id", "seq_id")
 _TOKEN_KEYS = ("token_idx", "token_index", "position")
+_META_NUMBERS = ("num_experts", "n_experts", "top_k", "topk", "num_experts_per_tok")
 
 _CSV_IDS = ("activated_expert_ids", "topk_ids", "expert_ids", "experts", "selected_experts", "ids")
 _CSV_WEIGHTS = ("topk_weights", "weights", "gating_probs", "routing_weights", "expert_weights")
@@ -443,11 +445,14 @@ def _finish(result: ImportedRouting, rows_read: int, skipped: int, dropped: int,
 
 # ---------------------------------------------------------------------------------------
 # JSONL
-def _first_key(obj: dict, keys: Iterable[str]):
-    for k in keys:
-        if k in obj:
-            return k
-    return None
+def _one_key(obj: dict, keys: Iterable[str], field: str, where: str, path: Path):
+    """The one key of ``obj`` among ``keys`` (names of one field), or None; two of them in one
+    row (``topk_ids`` and ``experts``) are an error, never one picked silently."""
+    found = [k for k in keys if k in obj]
+    if len(found) > 1:
+        raise RouteToolError(f"{where}: the keys {found[0]!r} and {found[1]!r} both give the {field}", path=path,
+                             fix=f"keep one of them (the reader takes the {field} from one key)")
+    return found[0] if found else None
 
 
 def _json_ids(value, where: str, key: str, path: Path) -> tuple[int, ...]:
@@ -517,16 +522,21 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
             if not isinstance(obj, dict):
                 raise RouteToolError(f"{where}: not a JSON object", path=path, fix="one JSON object per line")
             if obj.get("type") == "meta":
+                for k in _META_NUMBERS:
+                    if obj.get(k) is not None and meta.get(k) is not None and obj[k] != meta[k]:
+                        raise RouteToolError(f"{where}: meta row says {k}={_short(obj[k])} but an earlier meta row "
+                                             f"said {_short(meta[k])}", path=path,
+                                             fix="read dumps of one model at a time, or pass the value as an option")
                 meta.update(obj)
                 continue
-            id_key = _first_key(obj, _ID_KEYS)
+            id_key = _one_key(obj, _ID_KEYS, "expert ids", where, path)
             if id_key is None:
                 ignored += 1
                 continue
             ids = obj[id_key]
-            w_key = _first_key(obj, _WEIGHT_KEYS)
+            w_key = _one_key(obj, _WEIGHT_KEYS, "weights", where, path)
             weights = obj.get(w_key) if w_key else None
-            layer_key = _first_key(obj, _LAYER_KEYS)
+            layer_key = _one_key(obj, _LAYER_KEYS, "layer", where, path)
             layer = _layer_index(obj[layer_key], where, layer_key, path, text=False) if layer_key else 0
             if not isinstance(ids, list):
                 raise RouteToolError(f"{where}: {id_key} is {_short(ids)}, not a list of expert ids", path=path,
@@ -542,9 +552,9 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
                     weight_rows = [_json_weights(w, where, w_key, path) for w in weights]
                 else:
                     weight_rows = [_json_weights(weights, where, w_key, path)]
-            step_key_name = _first_key(obj, _STEP_KEYS)
+            step_key_name = _one_key(obj, _STEP_KEYS, "step", where, path)
             req = tuple(obj.get(k) for k in _REQUEST_KEYS)
-            tok_key = _first_key(obj, _TOKEN_KEYS)
+            tok_key = _one_key(obj, _TOKEN_KEYS, "token index", where, path)
             tok = None
             if tok_key is not None and obj[tok_key] is not None:
                 tok = _as_int(obj[tok_key], text=False)
@@ -574,6 +584,11 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
 
 
 def _meta_int(meta: dict, path: Path, *keys: str) -> int | None:
+    given = [k for k in keys if meta.get(k) is not None]  # e.g. top_k and num_experts_per_tok
+    for k in given[1:]:
+        if meta[k] != meta[given[0]]:
+            raise RouteToolError(f"meta row: {given[0]}={_short(meta[given[0]])} and {k}={_short(meta[k])} disagree",
+                                 path=path, fix="fix the meta row, or pass the value as an option")
     for k in keys:
         if k in meta and meta[k] is not None:
             if _json_string_number(meta[k]):
@@ -664,13 +679,16 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
                 raise RouteToolError(f"not a CSV file ({one_line(exc)})", path=f, fix="pass a CSV with a header row") from None
             names = [_norm(h) for h in header]
 
-            def col(candidates, names=names):
-                for c in candidates:
-                    if c in names:
-                        return names.index(c)
-                return None
+            def col(candidates, field, names=names, header=header, f=f):
+                hits = [i for i, n in enumerate(names) if n in candidates]
+                if len(hits) > 1:  # two columns for one field: never pick one silently
+                    raise RouteToolError(f"line 1: the columns {header[hits[0]]!r} and {header[hits[1]]!r} both give "
+                                         f"the {field}", path=f,
+                                         fix="keep one of them (rename or drop the other column)")
+                return hits[0] if hits else None
 
-            c_ids, c_w, c_layer, c_step = col(_CSV_IDS), col(_CSV_WEIGHTS), col(_CSV_LAYER), col(_CSV_STEP)
+            c_ids, c_w = col(_CSV_IDS, "expert ids"), col(_CSV_WEIGHTS, "weights")
+            c_layer, c_step = col(_CSV_LAYER, "layer"), col(_CSV_STEP, "step")
             if c_ids is None:
                 raise RouteToolError(f"no expert-id column in the header {header}", path=f,
                                      fix="name it 'Activated Expert IDs', 'topk_ids' or 'expert_ids'")

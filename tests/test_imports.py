@@ -209,6 +209,31 @@ def test_jsonl_numbers_are_json_numbers_and_keys_unique(tmp_path, line, words):
     assert text.startswith(f"{path}: ") and words in text and "\n" not in text, text
 
 
+@pytest.mark.parametrize("lines, words", [
+    # two keys for one field: the first in the reader's list of names used to win silently
+    (['{"topk_ids": [1, 2], "experts": [3, 4]}'],
+     "line 1: the keys 'topk_ids' and 'experts' both give the expert ids (keep one of them (the reader takes the "
+     "expert ids from one key))"),
+    (['{"topk_ids": [1, 2], "topk_weights": [0.5, 0.5], "probs": [0.9, 0.1]}'],
+     "line 1: the keys 'topk_weights' and 'probs' both give the weights"),
+    (['{"topk_ids": [1, 2], "layer": 0, "layer_id": 1}'], "line 1: the keys 'layer' and 'layer_id' both give the layer"),
+    (['{"topk_ids": [1, 2], "step": 0, "batch": 3}'], "line 1: the keys 'step' and 'batch' both give the step"),
+    (['{"topk_ids": [1, 2], "token_idx": 0, "position": 7}'],
+     "line 1: the keys 'token_idx' and 'position' both give the token index"),
+    (['{"type": "meta", "top_k": 2, "num_experts_per_tok": 4}', '{"topk_ids": [1, 2]}'],
+     "meta row: top_k=2 and num_experts_per_tok=4 disagree"),
+    (['{"type": "meta", "num_experts": 8}', '{"type": "meta", "num_experts": 16}', '{"topk_ids": [1, 2]}'],
+     "line 2: meta row says num_experts=16 but an earlier meta row said 8"),
+])
+def test_jsonl_two_keys_for_one_field_are_refused(tmp_path, lines, words):
+    path = tmp_path / "k.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}: ") and words in text and "\n" not in text, text
+
+
 def test_jsonl_not_utf8_names_the_line(tmp_path):
     path = tmp_path / "bin.jsonl"
     path.write_bytes(b'{"topk_ids": [1, 2]}\n\xff\xfe{"topk_ids": [1, 2]}\n')
@@ -315,6 +340,24 @@ def test_csv_wrong_numbers(tmp_path, body, words):
 def test_csv_layers_and_ids_are_plain_and_spelled_once(tmp_path, body, words):
     path = tmp_path / "x.csv"
     path.write_text(DS_HEADER + body)
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("header, words", [
+    # the first column in the reader's list of names used to win silently
+    ("Layer ID,Batch Number,topk_ids,Activated Expert IDs\n",
+     "x.csv: line 1: the columns 'topk_ids' and 'Activated Expert IDs' both give the expert ids (keep one of them "
+     "(rename or drop the other column))"),
+    ("layer,Layer ID,Batch Number,Activated Expert IDs\n", "the columns 'layer' and 'Layer ID' both give the layer"),
+    ("Layer ID,Batch Number,step,Activated Expert IDs\n", "the columns 'Batch Number' and 'step' both give the step"),
+    ("Layer ID,topk_ids,Activated Expert IDs,weights\n", "the columns 'topk_ids' and 'Activated Expert IDs' both"),
+    ("Layer ID,Batch Number,topk_ids,topk_ids\n", "the columns 'topk_ids' and 'topk_ids' both give the expert ids"),
+])
+def test_csv_two_columns_for_one_field_are_refused(tmp_path, header, words):
+    path = tmp_path / "x.csv"
+    path.write_text(header + '1,0,"[1, 2]","[3, 4]"\n')
     with pytest.raises(RouteToolError) as info:
         read_dump(path)
     assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
