@@ -10,7 +10,7 @@ Readers (format names as ``--format`` takes them; ``auto`` picks by extension/co
   other non-route rows are skipped. Steps: a new step starts, per layer, where ``step`` /
   ``forward_pass_id`` / ``batch`` changes, else where ``req_id`` / ``request_id`` /
   ``problem_id`` changes or ``token_idx`` does not increase.
-* ``csv``: a header row; ids as a list (``"[8, 26, 56]"``) in ``Activated Expert IDs`` /
+* ``csv``: a header row; ids as a list (``"[8, 26, 56]"``, brackets closed) in ``Activated Expert IDs`` /
   ``topk_ids`` / ``expert_ids`` / ``experts``; optional ``Layer ID`` / ``layer``, step
   ``Batch Number`` / ``step`` / ``batch``, weights ``topk_weights`` / ``weights``. A folder of
   CSV files is read file by file (natural order); a step never spans two files.
@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.numtext import parse_int
+from routetool.numtext import parse_float, parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
 FORMATS = ("auto", "trace", "jsonl", "csv", "sglang", "counts-json")
@@ -637,10 +637,23 @@ def _utf8_lines(fh, path: Path) -> Iterator[str]:
                                  fix="save the dump as UTF-8 text, or check --format") from None
 
 
+_CLOSING = {"[": "]", "(": ")"}
+
+
 def _csv_numbers(text: str, kind, what: str, where: str, column: str, path: Path) -> list:
-    """Numbers of a list field such as ``"[8, 26, 56]"`` (brackets, commas, spaces separate)."""
+    """Numbers of a list field such as ``"[8, 26, 56]"`` (commas, semicolons, spaces separate).
+
+    The list is bare (``8 26 56``) or in one pair of brackets (``[...]`` or ``(...)``); a list
+    opened and not closed (``"[1, 2"``: a cell cut short, or a quote that swallowed the next
+    line), closed and not opened, or with brackets inside, is an error.
+    """
     out = []
-    for tok in _CSV_SPLIT.split(text.strip()):
+    body = text.strip()
+    if "\n" in body or "\r" in body:  # a quote opened in this cell ran on into the next line(s)
+        raise RouteToolError(f"{where}: the {column!r} cell runs over {body.count(chr(10)) + 1} lines (its quote is not "
+                             f"closed where the line ends)", path=path,
+                             fix="close the quote of the cell; a dump cut short has lost rows, so re-export it")
+    for tok in _CSV_SPLIT.split(body):
         if not tok:
             continue
         if kind is int:
@@ -649,11 +662,24 @@ def _csv_numbers(text: str, kind, what: str, where: str, column: str, path: Path
                                      fix="expert ids are integers; fix the row")
             out.append(int(tok))
         else:
-            try:
-                out.append(float(tok))
-            except ValueError:
+            value = parse_float(tok, special=True)
+            if value is None:
                 raise RouteToolError(f"{where}: {what} {tok!r} in {column!r} is not a number", path=path,
-                                     fix="fix the row") from None
+                                     fix="fix the row")
+            out.append(value)
+    shown = " ".join(body.split())
+    shown = repr(shown if len(shown) <= 40 else shown[:37] + "...")
+    inner = body
+    if body[:1] in _CLOSING:
+        if not body.endswith(_CLOSING[body[0]]):
+            raise RouteToolError(f"{where}: the list {shown} in {column!r} is not closed (it opens with {body[0]!r} "
+                                 f"but does not end with {_CLOSING[body[0]]!r})", path=path,
+                                 fix="close the list, e.g. \"[1, 2, 3]\"; a cell cut short has lost ids, so "
+                                     "re-export the dump")
+        inner = body[1:-1]
+    if re.search(r"[\[\]()]", inner):
+        raise RouteToolError(f"{where}: the list {shown} in {column!r} has unbalanced or nested brackets", path=path,
+                             fix="write one flat list per cell, e.g. \"[1, 2, 3]\"")
     return out
 
 

@@ -2,6 +2,7 @@
 (and on the real ones when present)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -318,6 +319,16 @@ def test_deepseek_like_csv_folder(tmp_path):
     ('1e30,0,x,"[1, 2]"\n', "line 2: Layer ID='1e30' is not a layer index"),
     ('1,0,x,"[]"\n', r"x.csv: line 2: no expert ids"),  # the file named once
     ('1,0,x,"[1, 99999999999999999999999]"\n', "line 2: expert id 99999999999999999999999 is out of range"),
+    # an unclosed list was read as if closed: a cell cut short (its ids lost) passed silently
+    ('1,0,x,"[1, 2"\n', re.escape("x.csv: line 2: the list '[1, 2' in 'Activated Expert IDs' is not closed (it opens with '[' "
+                        "but does not end with ']') (close the list, e.g. \"[1, 2, 3]\"; a cell cut short has lost "
+                        "ids, so re-export the dump)")),
+    ('1,0,x,"(1, 2]"\n', re.escape("line 2: the list '(1, 2]' in 'Activated Expert IDs' is not closed")),
+    ('1,0,x,"1, 2]"\n', re.escape("line 2: the list '1, 2]' in 'Activated Expert IDs' has unbalanced or nested")),
+    ('1,0,x,"[[1, 2]]"\n', re.escape("line 2: the list '[[1, 2]]' in 'Activated Expert IDs' has unbalanced or")),
+    # an unclosed quote runs on: the cell holds the next line too
+    ('1,0,x,"[1, 2\n1,1,y,[3, 4]\n', re.escape("line 3: the 'Activated Expert IDs' cell runs over 2 lines (its quote "
+                                                "is not closed where the line ends)")),
 ])
 def test_csv_wrong_numbers(tmp_path, body, words):
     # "[1.5, 2]" used to be read as the ids 1, 5, 2
@@ -369,6 +380,16 @@ def test_csv_folder_layer_spelled_two_ways_names_both_files(tmp_path):
     with pytest.raises(RouteToolError, match=r"b.csv: line 2: Layer ID='01' and '1' \(a.csv line 2\) name the same "
                                              r"layer 1"):
         read_dump(tmp_path)
+
+
+def test_csv_weights_are_plain_decimals(tmp_path):
+    # float("0_5") is 5.0
+    path = tmp_path / "w.csv"
+    path.write_text('layer,topk_ids,topk_weights\n0,"[1, 2]","[0_5, 0.5]"\n')
+    with pytest.raises(RouteToolError, match=r"w.csv: line 2: weight '0_5' in 'topk_weights' is not a number"):
+        read_dump(path)
+    path.write_text('layer,topk_ids,topk_weights\n0,"[1, 2]","[0.5, 1e-1]"\n')
+    assert read_dump(path).layers[0].topk_weights[0].tolist() == pytest.approx([0.5, 0.1])
 
 
 def test_csv_folder_names_the_file_of_a_bad_row(tmp_path):
