@@ -22,8 +22,9 @@ Readers (format names as ``--format`` takes them; ``auto`` picks by extension/co
   ``[steps, layers, experts]``) give counts. A folder of ``.pt`` files (one per rank) is
   merged by ``forward_pass_id``.
 * ``counts-json``: tokens per expert per layer, nested under names, e.g.
-  ``{model: {domain: {layer: {expert_id: count}}}}`` (or ``{layer: [counts]}``). The named
-  tables chosen with ``select`` become the steps (one per domain, say).
+  ``{model: {domain: {layer: {expert_id: count}}}}`` (or ``{layer: [counts]}``; one form per
+  table, never both). The named tables chosen with ``select`` become the steps (one per
+  domain, say). ``topk`` above the number of experts inferred from the counts is an error.
 
 Filters for warm-up and dummy rows (engines profile and capture CUDA graphs on dummy
 batches whose rows are all identical): ``skip_rows`` drops the first N token rows of the
@@ -1075,6 +1076,12 @@ def _layer_tables(node, names: tuple[str, ...], path: Path) -> Iterator[tuple[tu
         vals = list(node.values())
         if all(isinstance(v, (dict, list)) for v in vals):
             where = "/".join(names) or "top level"
+            as_list = [k for k, v in node.items() if isinstance(v, list)]
+            as_map = [k for k, v in node.items() if isinstance(v, dict)]
+            if as_list and as_map:  # a map's experts beyond its largest id used to be padded with zeros
+                raise RouteToolError(f"{where}: layer {as_list[0]} is a list of counts but layer {as_map[0]} a "
+                                     "{expert_id: count} map: one table must use one form", path=path,
+                                     fix="give every layer a list of one count per expert, or every layer a map")
             lengths = {k: len(v) for k, v in node.items() if isinstance(v, list)}
             if len(set(lengths.values())) > 1:  # a list holds one count per expert: its length is E
                 first = next(iter(lengths))
@@ -1228,7 +1235,8 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
     Raises:
         RouteToolError: unknown format, a trace, malformed rows (naming the file and line),
             numbers that are not what they must be (non-integer or out-of-range ids and layers,
-            negative or non-finite counts), E/K contradictions. Any other parse failure of the
+            negative or non-finite counts), E/K contradictions (``topk`` above the expert
+            count a counts file holds included). Any other parse failure of the
             file is reported in one line as well, never as a traceback.
     """
     options = options or ImportOptions()
@@ -1243,7 +1251,7 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
     if fmt not in readers:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
     try:
-        return readers[fmt](path, options)
+        result = readers[fmt](path, options)
     except RouteToolError:
         raise
     except OSError as exc:
@@ -1254,6 +1262,13 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
         how = f"--format {fmt}" if explicit else f"{fmt} (detected)"
         raise RouteToolError(f"cannot read as {how} ({type(exc).__name__}: {one_line(exc, 100)})", path=path,
                              fix="check the file, or pass its --format") from None
+    if isinstance(result, ImportedCounts) and result.topk is not None and result.topk > result.num_experts:
+        # (with --num-experts, check_import_options refused this already: here E comes from the file)
+        how = "inferred from the counts (largest expert id + 1)" if fmt == "counts-json" else "of the dump's counts"
+        raise RouteToolError(f"--topk {result.topk} is more than the {result.num_experts} experts {how}", path=path,
+                             fix=f"pass the model's --topk (at most {result.num_experts}), or --num-experts if the "
+                                 "model has experts the file never names")
+    return result
 
 
 def write_imported_trace(imported: ImportedRouting, out: str | Path, *, force: bool = False) -> Path:

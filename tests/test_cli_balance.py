@@ -309,6 +309,15 @@ def test_bad_dump_files_are_one_line(tmp_path, command, name, content, words):
     assert not (tmp_path / "x.safetensors").exists()
 
 
+def test_balance_counts_topk_above_the_inferred_experts_is_one_line(tmp_path):
+    # used to report tokens = assignments / 9 for a file of 8 experts
+    counts = tmp_path / "c.json"
+    counts.write_text(json.dumps({"0": list(range(1, 9))}))
+    _one_line_error(run("balance", counts, "--topk", "9", "--no-progress"),
+                    f"{counts}: --topk 9 is more than the 8 experts inferred from the counts", "at most 8")
+    assert run("balance", counts, "--topk", "2", "--ep-size", "2", "--no-progress").exit_code == 0
+
+
 def test_negative_sglang_count_is_rejected(tmp_path):
     # used to report Gini 1.67 and entropy -0.24
     pt = tmp_path / "stat.pt"

@@ -557,6 +557,19 @@ def test_counts_json_list_form(tmp_path):
     assert r.layers[5].tolist() == [[0, 0, 9]] and r.topk == 1
 
 
+def test_counts_json_topk_above_the_inferred_experts(tmp_path):
+    # --topk 4 with 3 experts used to be accepted (tokens = assignments / 4)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"0": [1, 2, 3], "5": [0, 0, 9]}))
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path, ImportOptions(topk=4))
+    assert str(info.value) == (f"{path}: --topk 4 is more than the 3 experts inferred from the counts (largest expert "
+                               "id + 1) (pass the model's --topk (at most 3), or --num-experts if the model has experts "
+                               "the file never names)")
+    assert read_dump(path, ImportOptions(topk=3)).topk == 3
+    assert read_dump(path, ImportOptions(topk=4, num_experts=8)).num_experts == 8
+
+
 def test_counts_json_bad_count(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"0": {"0": -1, "1": 2}}))
@@ -575,6 +588,11 @@ def test_counts_json_bad_count(tmp_path):
     ('{"m":{"d":{"0":{}}}}', r"no \{layer: \{expert_id: count\}\} tables found"),
     ('{"m": [1, 2', r"line 1: not JSON"),
     ('{"0":[5,3,0,2],"1":[1,2]}', r"top level: layer 1 lists 2 expert counts, layer 0 4"),
+    # a map beside lists: its experts 1-3 used to be padded with zeros
+    ('{"0":[5,3,0,2],"1":{"0":1}}', r"top level: layer 0 is a list of counts but layer 1 a \{expert_id: count\} map: "
+                                   r"one table must use one form \(give every layer a list of one count per expert, "
+                                   r"or every layer a map\)"),
+    ('{"m":{"d":{"3":{"0":1,"1":2},"7":[1,2,3,4]}}}', r"m/d: layer 7 is a list of counts but layer 3 a"),
     # two spellings of one layer or expert: the later one's counts silently replaced the earlier's
     ('{"0":[5,3],"00":[1,2]}', r"top level: keys '0' and '00' name the same layer 0 \(keep one key per layer "
                                r"\(e.g. 0\), with all of its counts\)"),
