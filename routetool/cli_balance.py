@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from routetool.errors import EXIT_OK, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source
 from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS
+from routetool.numtext import parse_float, parse_int, split_items
 
 _CTX = {"help_option_names": ["-h", "--help"]}
 
@@ -29,14 +30,23 @@ def _progress(enabled: bool) -> Progress:
     )
 
 
+def _items(option: str, spec: str, example: str) -> list[str]:
+    """The comma-separated items of an option; an empty item (``8,,16``, ``8,``) is an error, as
+    for synth's ``--prefill``: a list with a hole is a typo, never a shorter list."""
+    items = split_items(spec)
+    if items is None:
+        raise RouteToolError(f"{option} {spec!r} has an empty item", fix=f"separate the values with single commas, e.g. "
+                                                                          f"{option} {example}")
+    return items
+
+
 def _int_list(option: str, spec: str | None) -> list[int] | None:
     if spec is None or spec.strip().lower() in ("", "auto"):
         return None
-    try:
-        values = [int(v) for v in spec.split(",") if v.strip()]
-    except ValueError:
-        raise RouteToolError(f"{option} {spec!r} is not a list of integers", fix=f"use e.g. {option} 8,16") from None
-    if not values or any(v < 1 for v in values):
+    values = [parse_int(v) for v in _items(option, spec, "8,16")]
+    if any(v is None for v in values):
+        raise RouteToolError(f"{option} {spec!r} is not a list of integers", fix=f"use e.g. {option} 8,16")
+    if any(v < 1 for v in values):
         raise RouteToolError(f"{option} {spec!r}: values must be >= 1", fix=f"use e.g. {option} 8,16")
     return values
 
@@ -44,10 +54,9 @@ def _int_list(option: str, spec: str | None) -> list[int] | None:
 def _float_list(option: str, spec: str) -> list[float]:
     if spec.strip().lower() in ("", "none"):
         return []
-    try:
-        values = [float(v) for v in spec.split(",") if v.strip()]
-    except ValueError:
-        raise RouteToolError(f"{option} {spec!r} is not a list of numbers", fix=f"use e.g. {option} 1.0,1.25,2") from None
+    values = [parse_float(v) for v in _items(option, spec, "1.0,1.25,2")]
+    if any(v is None for v in values):
+        raise RouteToolError(f"{option} {spec!r} is not a list of numbers", fix=f"use e.g. {option} 1.0,1.25,2")
     if any(not v > 0 for v in values):
         raise RouteToolError(f"{option} {spec!r}: factors must be > 0", fix=f"use e.g. {option} 1.0,1.25,2")
     return values

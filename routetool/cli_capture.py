@@ -18,6 +18,7 @@ import click
 from rich.console import Console
 
 from routetool.errors import RouteToolError
+from routetool.numtext import parse_int, split_items
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
            "bf16": "bfloat16", "fp16": "float16"}
@@ -32,11 +33,12 @@ def _torch_dtype(name: str):
 def _parse_chunks(text: str) -> tuple[int, ...]:
     if text.strip().lower() in ("", "none", "0"):
         return ()
-    try:
-        return tuple(int(x) for x in text.split(","))  # (an empty item, as in "8,,8", is an error)
-    except ValueError:
+    items = split_items(text)  # None for an empty item, as in "8,,8": an error, as in balance's lists
+    values = [parse_int(x) for x in items] if items is not None else [None]
+    if any(v is None for v in values):
         raise RouteToolError(f"--prefill {text!r}: expected token counts like 384,128 (or none)",
-                             fix="e.g. --prefill 512,512,97") from None
+                             fix="e.g. --prefill 512,512,97")
+    return tuple(values)
 
 
 def _parse_overrides(items: tuple[str, ...]) -> dict:

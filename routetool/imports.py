@@ -10,7 +10,7 @@ Readers (format names as ``--format`` takes them; ``auto`` picks by extension/co
   other non-route rows are skipped. Steps: a new step starts, per layer, where ``step`` /
   ``forward_pass_id`` / ``batch`` changes, else where ``req_id`` / ``request_id`` /
   ``problem_id`` changes or ``token_idx`` does not increase.
-* ``csv``: a header row; ids as a list (``"[8, 26, 56]"``) in ``Activated Expert IDs`` /
+* ``csv``: a header row; ids as a list (``"[8, 26, 56]"``, brackets closed) in ``Activated Expert IDs`` /
   ``topk_ids`` / ``expert_ids`` / ``experts``; optional ``Layer ID`` / ``layer``, step
   ``Batch Number`` / ``step`` / ``batch``, weights ``topk_weights`` / ``weights``. A folder of
   CSV files is read file by file (natural order); a step never spans two files.
@@ -22,8 +22,9 @@ Readers (format names as ``--format`` takes them; ``auto`` picks by extension/co
   ``[steps, layers, experts]``) give counts. A folder of ``.pt`` files (one per rank) is
   merged by ``forward_pass_id``.
 * ``counts-json``: tokens per expert per layer, nested under names, e.g.
-  ``{model: {domain: {layer: {expert_id: count}}}}`` (or ``{layer: [counts]}``). The named
-  tables chosen with ``select`` become the steps (one per domain, say).
+  ``{model: {domain: {layer: {expert_id: count}}}}`` (or ``{layer: [counts]}``; one form per
+  table, never both). The named tables chosen with ``select`` become the steps (one per
+  domain, say). ``topk`` above the number of experts inferred from the counts is an error.
 
 Filters for warm-up and dummy rows (engines profile and capture CUDA graphs on dummy
 batches whose rows are all identical): ``skip_rows`` drops the first N token rows of the
@@ -36,9 +37,13 @@ row width (every row must have the same).
 
 Numbers are checked, not coerced: expert ids and layers must be integers (``3`` or ``3.0``,
 never ``1.5``, ``true`` or NaN), ids in ``[0, E)`` with E at most :data:`MAX_EXPERTS`, layers
-in ``[0, MAX_LAYERS)``, counts finite non-negative integers. Every failure, including text
-that is not UTF-8, is a :class:`RouteToolError` of one line naming the file and the line, key
-or tensor element.
+in ``[0, MAX_LAYERS)``, counts finite non-negative integers. In JSON, numbers are JSON numbers
+(``"3"`` is an error, not 3); integers written as text (CSV cells, counts-JSON keys) are ASCII
+digits (``int()`` would also read ``1_0`` and other scripts' digits). Nothing is said two ways
+and silently resolved: a JSON key given twice in one object, two names of one field in a row
+or a CSV header (``topk_ids`` and ``experts``: the names above are alternatives), meta rows that
+disagree, or one layer or expert spelled two ways (``"0"`` and ``"00"``), is an error. Every failure, including text that is not UTF-8,
+is a :class:`RouteToolError` of one line naming the file and the line, key or tensor element.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
+from routetool.numtext import parse_float, parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
 FORMATS = ("auto", "trace", "jsonl", "csv", "sglang", "counts-json")
@@ -66,12 +72,13 @@ _LAYER_KEYS = ("layer", "layer_id", "layer_idx")
 _STEP_KEYS = ("step", "forward_pass_id", "batch", "batch_number", "step_id")
 _REQUEST_KEYS = ("req_id", "request_id", "problem_id", "seq_id")
 _TOKEN_KEYS = ("token_idx", "token_index", "position")
+_META_NUMBERS = ("num_experts", "n_experts", "top_k", "topk", "num_experts_per_tok")
 
 _CSV_IDS = ("activated_expert_ids", "topk_ids", "expert_ids", "experts", "selected_experts", "ids")
 _CSV_WEIGHTS = ("topk_weights", "weights", "gating_probs", "routing_weights", "expert_weights")
 _CSV_LAYER = ("layer_id", "layer", "layer_idx")
 _CSV_STEP = ("batch_number", "step", "batch", "forward_pass_id", "step_id")
-_INT_TEXT = re.compile(r"\s*[-+]?\d+\s*")
+_INT_TEXT = re.compile(r"\s*[-+]?[0-9]+\s*")  # ASCII digits: int() also reads "1_0" and other scripts' digits
 _CSV_SPLIT = re.compile(r"[\s,;\[\]()]+")
 
 MAX_EXPERTS = 1 << 20
@@ -89,8 +96,9 @@ def one_line(text: object, limit: int = 160) -> str:
     return first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
 
 
-def _as_int(value) -> int | None:
-    """``value`` as an int when it is an integer (int, integral float, integer text); else None.
+def _as_int(value, *, text: bool = True) -> int | None:
+    """``value`` as an int when it is an integer (int, integral float, and with ``text`` integer
+    text in ASCII digits); else None.
 
     Booleans, fractions, NaN/inf and other types are not integers.
     """
@@ -100,18 +108,58 @@ def _as_int(value) -> int | None:
         return value
     if isinstance(value, float):
         return int(value) if math.isfinite(value) and value.is_integer() else None
-    if isinstance(value, str) and _INT_TEXT.fullmatch(value):
+    if text and isinstance(value, str) and _INT_TEXT.fullmatch(value):
         return int(value)
     return None
 
 
-def _layer_index(value, where: str, key: str, path: Path) -> int:
-    layer = _as_int(value)
+def _json_string_number(value) -> bool:
+    """A JSON string holding what looks like a number (``"3"``): a number written as text."""
+    return isinstance(value, str) and _as_int(value) is not None
+
+
+def _layer_index(value, where: str, key: str, path: Path, spellings: dict[int, tuple[str, str]] | None = None,
+                 *, text: bool = True, label: str | None = None) -> int:
+    """The layer ``value`` names (in ``[0, MAX_LAYERS)``).
+
+    ``text``: integer text is a layer (CSV cells); without it a string is an error (JSON numbers).
+    ``spellings``: layer -> (text, where) of its first spelling: another spelling of the same
+    layer (``"00"`` after ``"0"``) is an error, never the same layer under two names. ``label``:
+    where this row is, as recorded there (default ``where``).
+    """
+    if not text and _json_string_number(value):
+        raise RouteToolError(f"{where}: {key}={_short(value)} is a string, not a JSON number", path=path,
+                             fix=f"write the layer as a number: \"{key}\": {_as_int(value)}, without quotes")
+    layer = _as_int(value, text=text)
     if layer is None or not 0 <= layer < MAX_LAYERS:
         shown = repr(value) if isinstance(value, str) else _short(value)
         raise RouteToolError(f"{where}: {key}={shown} is not a layer index (an integer in [0, {MAX_LAYERS:,}))",
                              path=path, fix="fix the row")
+    if spellings is not None and isinstance(value, str):
+        spelled = value.strip()
+        first = spellings.setdefault(layer, (spelled, label or where))
+        if first[0] != spelled:
+            raise RouteToolError(f"{where}: {key}={spelled!r} and {first[0]!r} ({first[1]}) name the same layer {layer}",
+                                 path=path, fix=f"spell each layer one way in the whole dump (e.g. {layer})")
     return layer
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object with a key twice (json.loads keeps the last value silently)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook`` for json.loads: a key given twice in one object is an error."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 @dataclass
@@ -398,11 +446,14 @@ def _finish(result: ImportedRouting, rows_read: int, skipped: int, dropped: int,
 
 # ---------------------------------------------------------------------------------------
 # JSONL
-def _first_key(obj: dict, keys: Iterable[str]):
-    for k in keys:
-        if k in obj:
-            return k
-    return None
+def _one_key(obj: dict, keys: Iterable[str], field: str, where: str, path: Path):
+    """The one key of ``obj`` among ``keys`` (names of one field), or None; two of them in one
+    row (``topk_ids`` and ``experts``) are an error, never one picked silently."""
+    found = [k for k in keys if k in obj]
+    if len(found) > 1:
+        raise RouteToolError(f"{where}: the keys {found[0]!r} and {found[1]!r} both give the {field}", path=path,
+                             fix=f"keep one of them (the reader takes the {field} from one key)")
+    return found[0] if found else None
 
 
 def _json_ids(value, where: str, key: str, path: Path) -> tuple[int, ...]:
@@ -412,7 +463,10 @@ def _json_ids(value, where: str, key: str, path: Path) -> tuple[int, ...]:
                              path=path, fix="fix the row")
     out = []
     for x in value:
-        v = _as_int(x)
+        if _json_string_number(x):
+            raise RouteToolError(f"{where}: expert id {_short(x)} in {key} is a string, not a JSON number", path=path,
+                                 fix=f"write expert ids as numbers ({_as_int(x)}, without quotes); fix the dump's writer")
+        v = _as_int(x, text=False)
         if v is None:
             raise RouteToolError(f"{where}: expert id {_short(x)} in {key} is not an integer", path=path,
                                  fix="expert ids are integers; fix the row")
@@ -456,7 +510,10 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
             if not line:
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=_unique_keys)
+            except _DuplicateKey as exc:
+                raise RouteToolError(f"{where}: the key {exc.key!r} appears twice in one object (JSON keeps only the "
+                                     "last value)", path=path, fix="write each key once per row") from None
             except json.JSONDecodeError as exc:
                 raise RouteToolError(f"{where}: not JSON ({exc.msg})", path=path,
                                      fix="one JSON object per line (JSON Lines)") from None
@@ -466,17 +523,22 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
             if not isinstance(obj, dict):
                 raise RouteToolError(f"{where}: not a JSON object", path=path, fix="one JSON object per line")
             if obj.get("type") == "meta":
+                for k in _META_NUMBERS:
+                    if obj.get(k) is not None and meta.get(k) is not None and obj[k] != meta[k]:
+                        raise RouteToolError(f"{where}: meta row says {k}={_short(obj[k])} but an earlier meta row "
+                                             f"said {_short(meta[k])}", path=path,
+                                             fix="read dumps of one model at a time, or pass the value as an option")
                 meta.update(obj)
                 continue
-            id_key = _first_key(obj, _ID_KEYS)
+            id_key = _one_key(obj, _ID_KEYS, "expert ids", where, path)
             if id_key is None:
                 ignored += 1
                 continue
             ids = obj[id_key]
-            w_key = _first_key(obj, _WEIGHT_KEYS)
+            w_key = _one_key(obj, _WEIGHT_KEYS, "weights", where, path)
             weights = obj.get(w_key) if w_key else None
-            layer_key = _first_key(obj, _LAYER_KEYS)
-            layer = _layer_index(obj[layer_key], where, layer_key, path) if layer_key else 0
+            layer_key = _one_key(obj, _LAYER_KEYS, "layer", where, path)
+            layer = _layer_index(obj[layer_key], where, layer_key, path, text=False) if layer_key else 0
             if not isinstance(ids, list):
                 raise RouteToolError(f"{where}: {id_key} is {_short(ids)}, not a list of expert ids", path=path,
                                      fix="fix the row")
@@ -491,12 +553,15 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
                     weight_rows = [_json_weights(w, where, w_key, path) for w in weights]
                 else:
                     weight_rows = [_json_weights(weights, where, w_key, path)]
-            step_key_name = _first_key(obj, _STEP_KEYS)
+            step_key_name = _one_key(obj, _STEP_KEYS, "step", where, path)
             req = tuple(obj.get(k) for k in _REQUEST_KEYS)
-            tok_key = _first_key(obj, _TOKEN_KEYS)
+            tok_key = _one_key(obj, _TOKEN_KEYS, "token index", where, path)
             tok = None
             if tok_key is not None and obj[tok_key] is not None:
-                tok = _as_int(obj[tok_key])
+                tok = _as_int(obj[tok_key], text=False)
+                if _json_string_number(obj[tok_key]):
+                    raise RouteToolError(f"{where}: {tok_key}={_short(obj[tok_key])} is a string, not a JSON number",
+                                         path=path, fix=f"write {tok_key} as a number, without quotes")
                 if tok is None:
                     raise RouteToolError(f"{where}: {tok_key}={_short(obj[tok_key])} is not an integer", path=path,
                                          fix="fix the row")
@@ -520,9 +585,17 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
 
 
 def _meta_int(meta: dict, path: Path, *keys: str) -> int | None:
+    given = [k for k in keys if meta.get(k) is not None]  # e.g. top_k and num_experts_per_tok
+    for k in given[1:]:
+        if meta[k] != meta[given[0]]:
+            raise RouteToolError(f"meta row: {given[0]}={_short(meta[given[0]])} and {k}={_short(meta[k])} disagree",
+                                 path=path, fix="fix the meta row, or pass the value as an option")
     for k in keys:
         if k in meta and meta[k] is not None:
-            value = _as_int(meta[k])
+            if _json_string_number(meta[k]):
+                raise RouteToolError(f"meta row: {k}={_short(meta[k])} is a string, not a JSON number", path=path,
+                                     fix=f"write {k} as a number ({_as_int(meta[k])}, without quotes)")
+            value = _as_int(meta[k], text=False)
             if value is None or not 1 <= value <= MAX_EXPERTS:
                 raise RouteToolError(f"meta row: {k}={_short(meta[k])} is not an integer in [1, {MAX_EXPERTS:,}]",
                                      path=path, fix="fix the meta row, or pass the value as an option")
@@ -565,10 +638,23 @@ def _utf8_lines(fh, path: Path) -> Iterator[str]:
                                  fix="save the dump as UTF-8 text, or check --format") from None
 
 
+_CLOSING = {"[": "]", "(": ")"}
+
+
 def _csv_numbers(text: str, kind, what: str, where: str, column: str, path: Path) -> list:
-    """Numbers of a list field such as ``"[8, 26, 56]"`` (brackets, commas, spaces separate)."""
+    """Numbers of a list field such as ``"[8, 26, 56]"`` (commas, semicolons, spaces separate).
+
+    The list is bare (``8 26 56``) or in one pair of brackets (``[...]`` or ``(...)``); a list
+    opened and not closed (``"[1, 2"``: a cell cut short, or a quote that swallowed the next
+    line), closed and not opened, or with brackets inside, is an error.
+    """
     out = []
-    for tok in _CSV_SPLIT.split(text.strip()):
+    body = text.strip()
+    if "\n" in body or "\r" in body:  # a quote opened in this cell ran on into the next line(s)
+        raise RouteToolError(f"{where}: the {column!r} cell runs over {body.count(chr(10)) + 1} lines (its quote is not "
+                             f"closed where the line ends)", path=path,
+                             fix="close the quote of the cell; a dump cut short has lost rows, so re-export it")
+    for tok in _CSV_SPLIT.split(body):
         if not tok:
             continue
         if kind is int:
@@ -577,11 +663,24 @@ def _csv_numbers(text: str, kind, what: str, where: str, column: str, path: Path
                                      fix="expert ids are integers; fix the row")
             out.append(int(tok))
         else:
-            try:
-                out.append(float(tok))
-            except ValueError:
+            value = parse_float(tok, special=True)
+            if value is None:
                 raise RouteToolError(f"{where}: {what} {tok!r} in {column!r} is not a number", path=path,
-                                     fix="fix the row") from None
+                                     fix="fix the row")
+            out.append(value)
+    shown = " ".join(body.split())
+    shown = repr(shown if len(shown) <= 40 else shown[:37] + "...")
+    inner = body
+    if body[:1] in _CLOSING:
+        if not body.endswith(_CLOSING[body[0]]):
+            raise RouteToolError(f"{where}: the list {shown} in {column!r} is not closed (it opens with {body[0]!r} "
+                                 f"but does not end with {_CLOSING[body[0]]!r})", path=path,
+                                 fix="close the list, e.g. \"[1, 2, 3]\"; a cell cut short has lost ids, so "
+                                     "re-export the dump")
+        inner = body[1:-1]
+    if re.search(r"[\[\]()]", inner):
+        raise RouteToolError(f"{where}: the list {shown} in {column!r} has unbalanced or nested brackets", path=path,
+                             fix="write one flat list per cell, e.g. \"[1, 2, 3]\"")
     return out
 
 
@@ -591,6 +690,7 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
         if path.is_dir() else [path]
     rows: list[_Row] = []
     notes: list[str] = []
+    spellings: dict[int, tuple[str, str]] = {}  # layer -> its first spelling ("0" and "00" are one layer)
     for file_no, f in enumerate(files):
         try:
             fh = open(f, "rb")
@@ -606,13 +706,16 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
                 raise RouteToolError(f"not a CSV file ({one_line(exc)})", path=f, fix="pass a CSV with a header row") from None
             names = [_norm(h) for h in header]
 
-            def col(candidates, names=names):
-                for c in candidates:
-                    if c in names:
-                        return names.index(c)
-                return None
+            def col(candidates, field, names=names, header=header, f=f):
+                hits = [i for i, n in enumerate(names) if n in candidates]
+                if len(hits) > 1:  # two columns for one field: never pick one silently
+                    raise RouteToolError(f"line 1: the columns {header[hits[0]]!r} and {header[hits[1]]!r} both give "
+                                         f"the {field}", path=f,
+                                         fix="keep one of them (rename or drop the other column)")
+                return hits[0] if hits else None
 
-            c_ids, c_w, c_layer, c_step = col(_CSV_IDS), col(_CSV_WEIGHTS), col(_CSV_LAYER), col(_CSV_STEP)
+            c_ids, c_w = col(_CSV_IDS, "expert ids"), col(_CSV_WEIGHTS, "weights")
+            c_layer, c_step = col(_CSV_LAYER, "layer"), col(_CSV_STEP, "step")
             if c_ids is None:
                 raise RouteToolError(f"no expert-id column in the header {header}", path=f,
                                      fix="name it 'Activated Expert IDs', 'topk_ids' or 'expert_ids'")
@@ -629,7 +732,9 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
                     weights = None
                     if c_w is not None and rec[c_w].strip():
                         weights = tuple(_csv_numbers(rec[c_w], float, "weight", where, header[c_w], f))
-                    layer = _layer_index(rec[c_layer], where, header[c_layer], f) if c_layer is not None else 0
+                    layer = _layer_index(rec[c_layer], where, header[c_layer], f, spellings,
+                                         label=f"{f.name} {where}" if f != path else where) \
+                        if c_layer is not None else 0
                     step = rec[c_step] if c_step is not None else None
                     rows.append(_Row(layer, ids, weights, (file_no, step),
                                      f"{f.name} line {lineno}" if f != path else where))  # (errors name path)
@@ -893,14 +998,38 @@ def _sglang_per_token(path: Path, records, maps, options, model, notes) -> Impor
 # ---------------------------------------------------------------------------------------
 # counts JSON
 def _is_int(s) -> bool:
+    """A key that is an integer in plain ASCII decimal (``"7"``, ``"-1"``, ``"07"``)."""
+    return parse_int(s) is not None
+
+
+def _loose_int(s) -> bool:
+    """A key Python's int() reads but that is not plain ASCII decimal (``"1_0"``, ``" 1"``, Arabic-Indic digits)."""
     try:
         int(s)
-        return True
     except (TypeError, ValueError):
         return False
+    return not _is_int(s)
+
+
+def _check_keys(node: dict, where: str, path: Path, what: str) -> None:
+    """Integer keys of one object: plain ASCII decimal, and one spelling per number (``"0"`` and
+    ``"00"`` in one object would be one layer or expert, the later value silently replacing the other)."""
+    seen: dict[int, str] = {}
+    for k in node:
+        if _loose_int(k):
+            raise RouteToolError(f"{where}: key {k!r} is not a plain decimal {what} (ASCII digits 0-9 only)", path=path,
+                                 fix="write the key in ASCII digits without underscores or spaces")
+        if _is_int(k):
+            n = int(k)
+            if n in seen:
+                raise RouteToolError(f"{where}: keys {seen[n]!r} and {k!r} name the same {what} {n}", path=path,
+                                     fix=f"keep one key per {what} (e.g. {n}), with all of its counts")
+            seen[n] = k
 
 
 def _counts_vector(value, where: str, path: Path) -> dict[int, int]:
+    if isinstance(value, dict):
+        _check_keys(value, where, path, "expert")
     if isinstance(value, list):
         if len(value) > MAX_EXPERTS:
             raise RouteToolError(f"{where}: {len(value):,} counts (at most {MAX_EXPERTS:,} experts)", path=path,
@@ -940,10 +1069,19 @@ def _layer_key(k: str, where: str, path: Path) -> int:
 
 
 def _layer_tables(node, names: tuple[str, ...], path: Path) -> Iterator[tuple[tuple[str, ...], dict]]:
+    if isinstance(node, dict):
+        _check_keys(node, "/".join(names) or "top level", path,
+                    "expert" if all(isinstance(v, (int, float)) for v in node.values()) else "layer")
     if isinstance(node, dict) and node and all(_is_int(k) for k in node):
         vals = list(node.values())
         if all(isinstance(v, (dict, list)) for v in vals):
             where = "/".join(names) or "top level"
+            as_list = [k for k, v in node.items() if isinstance(v, list)]
+            as_map = [k for k, v in node.items() if isinstance(v, dict)]
+            if as_list and as_map:  # a map's experts beyond its largest id used to be padded with zeros
+                raise RouteToolError(f"{where}: layer {as_list[0]} is a list of counts but layer {as_map[0]} a "
+                                     "{expert_id: count} map: one table must use one form", path=path,
+                                     fix="give every layer a list of one count per expert, or every layer a map")
             lengths = {k: len(v) for k, v in node.items() if isinstance(v, list)}
             if len(set(lengths.values())) > 1:  # a list holds one count per expert: its length is E
                 first = next(iter(lengths))
@@ -978,7 +1116,10 @@ def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
         raise RouteToolError(f"line {line}: not UTF-8 text (byte {exc.start + 1} of the file is {data[exc.start]:#04x})",
                              path=path, fix="save it as UTF-8 JSON, or check --format") from None
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise RouteToolError(f"the key {exc.key!r} appears twice in one object (JSON keeps only the last value)",
+                             path=path, fix="write each key once per object, with all of its counts") from None
     except json.JSONDecodeError as exc:
         raise RouteToolError(f"line {exc.lineno}: not JSON ({exc.msg})", path=path, fix="fix the file") from None
     except (ValueError, RecursionError) as exc:
@@ -1094,7 +1235,8 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
     Raises:
         RouteToolError: unknown format, a trace, malformed rows (naming the file and line),
             numbers that are not what they must be (non-integer or out-of-range ids and layers,
-            negative or non-finite counts), E/K contradictions. Any other parse failure of the
+            negative or non-finite counts), E/K contradictions (``topk`` above the expert
+            count a counts file holds included). Any other parse failure of the
             file is reported in one line as well, never as a traceback.
     """
     options = options or ImportOptions()
@@ -1109,7 +1251,7 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
     if fmt not in readers:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
     try:
-        return readers[fmt](path, options)
+        result = readers[fmt](path, options)
     except RouteToolError:
         raise
     except OSError as exc:
@@ -1120,6 +1262,13 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
         how = f"--format {fmt}" if explicit else f"{fmt} (detected)"
         raise RouteToolError(f"cannot read as {how} ({type(exc).__name__}: {one_line(exc, 100)})", path=path,
                              fix="check the file, or pass its --format") from None
+    if isinstance(result, ImportedCounts) and result.topk is not None and result.topk > result.num_experts:
+        # (with --num-experts, check_import_options refused this already: here E comes from the file)
+        how = "inferred from the counts (largest expert id + 1)" if fmt == "counts-json" else "of the dump's counts"
+        raise RouteToolError(f"--topk {result.topk} is more than the {result.num_experts} experts {how}", path=path,
+                             fix=f"pass the model's --topk (at most {result.num_experts}), or --num-experts if the "
+                                 "model has experts the file never names")
+    return result
 
 
 def write_imported_trace(imported: ImportedRouting, out: str | Path, *, force: bool = False) -> Path:

@@ -24,6 +24,7 @@ from routetool.compare import (
 from routetool.errors import KernelError, RouteToolError, first_line
 from routetool.execution import Execution, RoutingFn
 from routetool.load import LoadStats, expert_counts, load_stats
+from routetool.numtext import parse_int
 from routetool.timing import Latency, cuda_graph_latency, synchronize
 from routetool.trace import RouterConfig, Trace
 
@@ -167,16 +168,22 @@ def parse_layers(spec: str | None, available: Sequence[int], path: object = None
     """
     if spec is None or spec.strip().lower() in ("", "all"):
         return list(available)
+    def number(text: str) -> int:  # plain ASCII decimal: int() would read "1_0" as 10
+        value = parse_int(text.strip())
+        if value is None:
+            raise ValueError(text)
+        return value
+
     chosen: list[int] = []
     for part in spec.split(","):
         part = part.strip()
         try:
             if "-" in part[1:]:
                 lo, hi = part.split("-", 1) if not part.startswith("-") else (part, "")
-                if int(hi) < int(lo):
+                if number(hi) < number(lo):
                     raise RouteToolError(f"--layers {spec!r}: the range {part!r} is empty", fix="write low-high, e.g. 1-3")
                 # only the trace's layers inside the range: a huge range never becomes a huge list
-                lo_i, hi_i = int(lo), int(hi)
+                lo_i, hi_i = number(lo), number(hi)
                 inside = [layer for layer in available if lo_i <= layer <= hi_i]
                 if len(inside) != hi_i - lo_i + 1:
                     absent = next(layer for layer in range(lo_i, hi_i + 1) if layer not in set(available))
@@ -185,7 +192,7 @@ def parse_layers(spec: str | None, available: Sequence[int], path: object = None
                         fix=f"choose among {_layer_list(available)}")
                 chosen.extend(inside)
             else:
-                chosen.append(int(part))
+                chosen.append(number(part))
         except RouteToolError:
             raise
         except ValueError:

@@ -20,8 +20,9 @@ index file that lists them in order::
 Only ``format``, ``version`` and ``shards[].path`` are required; ``shards`` is a non-empty
 list; ``path`` is relative to the index's folder (or absolute), names a regular file, and no
 file is listed twice. ``size_bytes``, when present, is a non-negative integer checked against
-the file, so a replaced or truncated shard is caught before it is read. Every other key is
-informational and kept as is.
+the file, so a replaced or truncated shard is caught before it is read. ``complete``, when
+present, is a JSON boolean (``"yes"``, ``"false"``, ``1`` or ``null`` is an error). Every other
+key is informational and kept as is.
 
 Reading rules (:class:`ShardedTrace`): a layer's steps are the concatenation of its steps in
 every shard that holds the layer, in shard order; all shards must agree on the router
@@ -136,8 +137,9 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
 
     Raises:
         RouteToolError: missing, unreadable or non-regular file, not JSON, another format or
-            version, ``shards`` not a non-empty list, a shard entry without a path, a
-            ``size_bytes`` that is not a non-negative integer, a path listed twice.
+            version, ``complete`` present but not a JSON boolean, ``shards`` not a non-empty
+            list, a shard entry without a path, a ``size_bytes`` that is not a non-negative
+            integer, a path listed twice.
     """
     path = Path(path)
     shown = display_path if display_path is not None else path
@@ -164,6 +166,11 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
     if doc.get("version") != INDEX_VERSION:
         raise RouteToolError(f"trace index version {doc.get('version')!r} is not supported (this routetool reads "
                              f"{INDEX_VERSION!r})", path=shown, tensor="index", fix="upgrade routetool")
+    if "complete" in doc and not isinstance(doc["complete"], bool):
+        # "yes", "false", 0 or null: a string "false" is truthy, so it used to read as a complete recording
+        raise RouteToolError(f"\"complete\" is {_short(doc['complete'])}, not a JSON boolean", path=shown,
+                             tensor="index.complete",
+                             fix="write \"complete\": true (the recording ended normally) or false, without quotes")
     shards = doc.get("shards")
     if shards is None:
         raise RouteToolError("the index lists no shards (no \"shards\" key)", path=shown, tensor="index.shards",

@@ -23,13 +23,14 @@ from safetensors.torch import save_file
 
 from routetool.errors import RouteToolError
 from routetool.files import atomic_write
+from routetool.numtext import index_problem, parse_float, parse_int
 
 FORMAT_NAME = "routetool-trace"
 FORMAT_VERSION = "1"
 NORMALIZATIONS = ("sigmoid", "softmax")
 WEIGHTS_SEMANTICS = ("renormalized", "unnormalized")
 
-_LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.([a-z_]+)$")
+_LAYER_TENSOR = re.compile(r"layers\.([^.]+)\.([a-z_]+)")  # the index is checked by numtext.is_index
 _LAYER_FIELDS = ("gating_output", "bias", "is_padding", "step_offsets", "topk_ids", "topk_weights")
 _ST_DTYPES = {
     "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -166,17 +167,20 @@ class LayerArrays:
     topk_weights: torch.Tensor | None = None
 
 
+_PLAIN_NUMBER_FIX = ("write the value as a plain decimal number (ASCII digits 0-9, e.g. 8 or 2.5; no underscores, "
+                     "spaces or other scripts' digits)")
+
+
 def _parse_float(path: Path, key: str, raw: str | None, *, optional: bool) -> float | None:
     if raw is None or raw == "":
         if optional:
             return None
         raise RouteToolError(f"missing metadata key {key!r}", path=path, tensor="__metadata__",
                              fix="write traces with routetool's writer")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise RouteToolError(f"metadata {key}={raw!r} is not a number", path=path, tensor="__metadata__",
-                             fix="fix the metadata value") from None
+    value = parse_float(raw, special=True)
+    if value is None:
+        raise RouteToolError(f"metadata {key}={raw!r} is not a plain decimal number", path=path, tensor="__metadata__",
+                             fix=_PLAIN_NUMBER_FIX)
     if not math.isfinite(value):
         raise RouteToolError(f"metadata {key}={raw!r} is not finite", path=path, tensor="__metadata__",
                              fix="fix the metadata value")
@@ -187,11 +191,11 @@ def _parse_int(path: Path, key: str, raw: str | None) -> int:
     if raw is None:
         raise RouteToolError(f"missing metadata key {key!r}", path=path, tensor="__metadata__",
                              fix="write traces with routetool's writer")
-    try:
-        return int(raw)
-    except ValueError:
-        raise RouteToolError(f"metadata {key}={raw!r} is not an integer", path=path, tensor="__metadata__",
-                             fix="fix the metadata value") from None
+    value = parse_int(raw)
+    if value is None:
+        raise RouteToolError(f"metadata {key}={raw!r} is not a plain decimal integer", path=path, tensor="__metadata__",
+                             fix=_PLAIN_NUMBER_FIX)
+    return value
 
 
 def router_config_errors(router: RouterConfig) -> list[str]:
@@ -217,7 +221,8 @@ def parse_metadata(path: Path, raw: Mapping[str, str] | None) -> TraceMeta:
     """Parse and check a trace's ``__metadata__``.
 
     Raises:
-        RouteToolError: missing or malformed keys, another format or version, or an
+        RouteToolError: missing or malformed keys (a number that is not a plain decimal,
+            such as ``2_5`` or non-ASCII digits, included), another format or version, or an
             impossible router configuration (topk > num_experts, route_scale <= 0 ...).
     """
     raw = dict(raw or {})
@@ -290,8 +295,10 @@ class Trace:
 
     Raises:
         RouteToolError: on open, for a missing or unreadable file, a file that is not
-            safetensors or is truncated, wrong metadata, unknown/missing tensors, wrong
-            shapes or dtypes, inconsistent sizes, a non-finite bias or bad step_offsets.
+            safetensors or is truncated, wrong metadata (numbers not written as plain
+            decimals included), unknown/missing tensors, a layer index not written in
+            canonical ASCII digits (``layers.00``, two names for one layer), wrong shapes or
+            dtypes, inconsistent sizes, a non-finite bias or bad step_offsets.
     """
 
     def __init__(self, path: str | os.PathLike, *, display_path: str | os.PathLike | None = None):
@@ -320,7 +327,10 @@ class Trace:
             self._infos[layer] = self._check_layer(layer)
         self.layers = tuple(sorted(self._infos))
         declared = self._file.metadata().get("num_layers")
-        if declared is not None and declared != str(len(self.layers)):
+        if declared is not None and parse_int(declared) is None:
+            raise RouteToolError(f"metadata num_layers={declared!r} is not a plain decimal integer",
+                                 path=self.display_path, tensor="__metadata__", fix=_PLAIN_NUMBER_FIX)
+        if declared is not None and parse_int(declared) != len(self.layers):
             raise RouteToolError(
                 f"metadata num_layers={declared} but the file holds {len(self.layers)} layers",
                 path=self.display_path, tensor="__metadata__", fix="re-export the trace",
@@ -339,19 +349,36 @@ class Trace:
     # -- header checks ----------------------------------------------------------------------
     def _read_headers(self) -> dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
         layers: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+        names = set(self._file.keys())
         for name in self._file.keys():
-            m = _LAYER_TENSOR.match(name)
+            m = _LAYER_TENSOR.fullmatch(name)
             if not m or m.group(2) not in _LAYER_FIELDS:
                 raise RouteToolError(
                     "unknown tensor name", path=self.display_path, tensor=name,
                     fix=f"trace v1 holds only layers.<L>.{{{','.join(_LAYER_FIELDS)}}}",
                 )
+            index = m.group(1)
+            value = parse_int(index) if index.isdigit() else None  # ASCII digits only (parse_int)
+            problem = index_problem(index) or ("" if value is not None else f"{index[:20]!r}... is too long")
+            if problem:
+                # one spelling per layer: int() would read layers.00, layers.1_0 or Arabic-Indic digits as
+                # layers.0, layers.10, layers.3, and one layer's tensors would silently replace another's
+                canonical = f"layers.{value}.{m.group(2)}" if value is not None else None
+                if canonical in names:
+                    problem += f"; the trace also holds {canonical}: two names for layer {value}"
+                    fix = f"keep one of {canonical} and {name}"
+                elif canonical:
+                    fix = f"rename it {canonical}"
+                else:
+                    fix = "name tensors layers.<L>.<field> with L in ASCII digits 0-9, no leading zeros"
+                raise RouteToolError(f"layer index {problem}", path=self.display_path, tensor=name,
+                                     fix=fix + "; re-export the trace with routetool's writer")
             sl = self._file.get_slice(name)
             st_dtype = sl.get_dtype()
             if st_dtype not in _ST_DTYPES:
                 raise RouteToolError(f"unsupported dtype {st_dtype}", path=self.display_path, tensor=name,
                                      fix="store it as one of the dtypes in docs/trace-format.md")
-            layers.setdefault(int(m.group(1)), {})[m.group(2)] = (tuple(sl.get_shape()), _ST_DTYPES[st_dtype])
+            layers.setdefault(value, {})[m.group(2)] = (tuple(sl.get_shape()), _ST_DTYPES[st_dtype])
         if not layers:
             raise RouteToolError("the trace holds no layers", path=self.display_path, fix="capture at least one MoE layer")
         return layers

@@ -113,6 +113,18 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
     (["--layers", "9"], "no layer 9"),
     (["--layer", "3"], "not among the analysed layers"),
     (["--capacity-factor", "0"], "factors must be > 0"),
+    # an empty item was dropped silently (8,,16 ran as 8,16), unlike synth's --prefill 8,,8
+    (["--ep-size", "2,,4"], "--ep-size '2,,4' has an empty item (separate the values with single commas, e.g. "
+                            "--ep-size 8,16)"),
+    (["--ep-size", "2,"], "--ep-size '2,' has an empty item"),
+    (["--ep-size", ",2"], "--ep-size ',2' has an empty item"),
+    (["--capacity-factor", "1.0,,2"], "--capacity-factor '1.0,,2' has an empty item (separate the values with "
+                                      "single commas, e.g. --capacity-factor 1.0,1.25,2)"),
+    # int()/float() read "1_6" as 16 and "1_5" as 15
+    (["--ep-size", "1_2"], "--ep-size '1_2' is not a list of integers"),
+    (["--capacity-factor", "1_5"], "--capacity-factor '1_5' is not a list of numbers"),
+    (["--layers", "0_0"], "--layers '0_0': cannot parse '0_0'"),
+    (["--layers", "0,,0"], "--layers '0,,0': cannot parse ''"),
 ])
 def test_bad_usage_is_one_line_exit_2(tmp_path, args, words):
     trace = tmp_path / "ids.safetensors"
@@ -298,6 +310,15 @@ def test_bad_dump_files_are_one_line(tmp_path, command, name, content, words):
     args = ["-o", tmp_path / "x.safetensors"] if command == "import" else ["--no-progress"]
     _one_line_error(run(command, path, *args), *words)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_balance_counts_topk_above_the_inferred_experts_is_one_line(tmp_path):
+    # used to report tokens = assignments / 9 for a file of 8 experts
+    counts = tmp_path / "c.json"
+    counts.write_text(json.dumps({"0": list(range(1, 9))}))
+    _one_line_error(run("balance", counts, "--topk", "9", "--no-progress"),
+                    f"{counts}: --topk 9 is more than the 8 experts inferred from the counts", "at most 8")
+    assert run("balance", counts, "--topk", "2", "--ep-size", "2", "--no-progress").exit_code == 0
 
 
 def test_negative_sglang_count_is_rejected(tmp_path):

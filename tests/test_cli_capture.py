@@ -194,6 +194,49 @@ def test_info_bad_input_exit_2(tmp_path, make, fragments):
     _one_line_error(_run("info", make(tmp_path)), *fragments)
 
 
+def test_info_refuses_an_index_whose_complete_is_not_a_boolean(tmp_path):
+    # "complete": "yes" used to be shown as a complete recording
+    from helpers import make_trace
+    from routetool.sharded import shard_path, write_index
+    from routetool.trace import LayerArrays, RouterConfig
+
+    index = tmp_path / "run.json"
+    shard = make_trace(shard_path(index, 0), {0: LayerArrays(gating_output=torch.zeros(3, 4))},
+                       router=RouterConfig(num_experts=4, topk=2))
+    write_index(index, [{"path": shard.name}], complete=True, stopped_by="exit")
+    index.write_text(index.read_text().replace('"complete": true', '"complete": "yes"'))
+    _one_line_error(_run("info", index), f'{index}: index.complete: "complete" is "yes", not a JSON boolean',
+                    'write "complete": true')
+
+
+def _raw_trace(path, tensors, **meta_overrides):
+    """A trace file written around routetool's writer (names and metadata exactly as given)."""
+    from safetensors.torch import save_file
+
+    from routetool.trace import RouterConfig, TraceMeta, metadata_dict
+
+    meta = metadata_dict(TraceMeta(model="m", router=RouterConfig(num_experts=4, topk=2), provenance="p"), 1)
+    meta.update(meta_overrides)
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+@pytest.mark.parametrize("tensors, meta, fragments", [
+    # info used to show one layer 0 (the second name's tensors silently replaced the first's)
+    ({"layers.0.gating_output": torch.zeros(3, 4), "layers.00.gating_output": torch.ones(3, 4)}, {},
+     ["t.safetensors: layers.00.gating_output: layer index '00' has a leading zero",
+      "two names for layer 0", "(keep one of layers.0.gating_output and layers.00.gating_output"]),
+    # int() reads Arabic-Indic digits: info showed layer 3
+    ({"layers.\u0663.gating_output": torch.zeros(3, 4)}, {}, ["layer index '\u0663' is not a plain decimal index"]),
+    # float("2_5") is 25.0: info showed route_scale 25
+    ({"layers.0.gating_output": torch.zeros(3, 4)}, {"route_scale": "2_5"},
+     ["t.safetensors: __metadata__: metadata route_scale='2_5' is not a plain decimal number"]),
+])
+def test_info_refuses_loose_layer_names_and_numbers(tmp_path, tensors, meta, fragments):
+    trace = _raw_trace(tmp_path / "t.safetensors", tensors, **meta)
+    _one_line_error(_run("info", trace), *fragments)
+
+
 # ---------------------------------------------------------------------------------------
 # capture hf
 HF_SMALL = ["--batch", "2", "--prompt-tokens", "10", "--max-new-tokens", "3", "--set", "hidden_size=32",

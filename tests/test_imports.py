@@ -2,6 +2,7 @@
 (and on the real ones when present)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -177,12 +178,61 @@ def test_jsonl_bad_input_names_file_and_line(tmp_path, lines, options, words):
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
-def test_jsonl_integral_floats_and_integer_text_are_integers(tmp_path):
-    # 3.0 and "2" are the integers 3 and 2 (some writers emit floats); the layer likewise
+def test_jsonl_integral_floats_are_integers(tmp_path):
+    # 3.0 is the integer 3 (some writers emit floats); the layer likewise
     path = tmp_path / "f.jsonl"
-    path.write_text('{"topk_ids": [3.0, "2"], "layer": 2.0}\n')
+    path.write_text('{"topk_ids": [3.0, 2], "layer": 2.0}\n')
     r = read_dump(path, ImportOptions(num_experts=4))
     assert r.layers[2].topk_ids.tolist() == [[3, 2]]
+
+
+@pytest.mark.parametrize("line, words", [
+    # numbers written as JSON strings used to be read as numbers, silently
+    ('{"topk_ids": ["3", 1]}', 'line 1: expert id "3" in topk_ids is a string, not a JSON number (write expert ids '
+                               'as numbers (3, without quotes); fix the dump\'s writer)'),
+    ('{"topk_ids": [[1, 2], [3, "0"]]}', 'line 1: expert id "0" in topk_ids is a string, not a JSON number'),
+    ('{"topk_ids": [1, 2], "layer": "0"}', 'line 1: layer="0" is a string, not a JSON number (write the layer as a '
+                                           'number: "layer": 0, without quotes)'),
+    ('{"topk_ids": [1, 2], "token_idx": "4"}', 'line 1: token_idx="4" is a string, not a JSON number'),
+    ('{"type": "meta", "top_k": "2"}', 'meta row: top_k="2" is a string, not a JSON number'),
+    # int() reads other scripts' digits: this was layer 3
+    ('{"topk_ids": [1, 2], "layer": "\u0663"}', "line 1: layer='\u0663' is not a layer index"),
+    # json.loads keeps the last of two equal keys: the ids [1, 2] were dropped silently
+    ('{"topk_ids": [1, 2], "topk_ids": [3, 4]}', "line 1: the key 'topk_ids' appears twice in one object (JSON keeps "
+                                                 "only the last value) (write each key once per row)"),
+])
+def test_jsonl_numbers_are_json_numbers_and_keys_unique(tmp_path, line, words):
+    path = tmp_path / "s.jsonl"
+    path.write_text(line + "\n" + '{"topk_ids": [0, 1]}\n')
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}: ") and words in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize("lines, words", [
+    # two keys for one field: the first in the reader's list of names used to win silently
+    (['{"topk_ids": [1, 2], "experts": [3, 4]}'],
+     "line 1: the keys 'topk_ids' and 'experts' both give the expert ids (keep one of them (the reader takes the "
+     "expert ids from one key))"),
+    (['{"topk_ids": [1, 2], "topk_weights": [0.5, 0.5], "probs": [0.9, 0.1]}'],
+     "line 1: the keys 'topk_weights' and 'probs' both give the weights"),
+    (['{"topk_ids": [1, 2], "layer": 0, "layer_id": 1}'], "line 1: the keys 'layer' and 'layer_id' both give the layer"),
+    (['{"topk_ids": [1, 2], "step": 0, "batch": 3}'], "line 1: the keys 'step' and 'batch' both give the step"),
+    (['{"topk_ids": [1, 2], "token_idx": 0, "position": 7}'],
+     "line 1: the keys 'token_idx' and 'position' both give the token index"),
+    (['{"type": "meta", "top_k": 2, "num_experts_per_tok": 4}', '{"topk_ids": [1, 2]}'],
+     "meta row: top_k=2 and num_experts_per_tok=4 disagree"),
+    (['{"type": "meta", "num_experts": 8}', '{"type": "meta", "num_experts": 16}', '{"topk_ids": [1, 2]}'],
+     "line 2: meta row says num_experts=16 but an earlier meta row said 8"),
+])
+def test_jsonl_two_keys_for_one_field_are_refused(tmp_path, lines, words):
+    path = tmp_path / "k.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}: ") and words in text and "\n" not in text, text
 
 
 def test_jsonl_not_utf8_names_the_line(tmp_path):
@@ -269,6 +319,16 @@ def test_deepseek_like_csv_folder(tmp_path):
     ('1e30,0,x,"[1, 2]"\n', "line 2: Layer ID='1e30' is not a layer index"),
     ('1,0,x,"[]"\n', r"x.csv: line 2: no expert ids"),  # the file named once
     ('1,0,x,"[1, 99999999999999999999999]"\n', "line 2: expert id 99999999999999999999999 is out of range"),
+    # an unclosed list was read as if closed: a cell cut short (its ids lost) passed silently
+    ('1,0,x,"[1, 2"\n', re.escape("x.csv: line 2: the list '[1, 2' in 'Activated Expert IDs' is not closed (it opens with '[' "
+                        "but does not end with ']') (close the list, e.g. \"[1, 2, 3]\"; a cell cut short has lost "
+                        "ids, so re-export the dump)")),
+    ('1,0,x,"(1, 2]"\n', re.escape("line 2: the list '(1, 2]' in 'Activated Expert IDs' is not closed")),
+    ('1,0,x,"1, 2]"\n', re.escape("line 2: the list '1, 2]' in 'Activated Expert IDs' has unbalanced or nested")),
+    ('1,0,x,"[[1, 2]]"\n', re.escape("line 2: the list '[[1, 2]]' in 'Activated Expert IDs' has unbalanced or")),
+    # an unclosed quote runs on: the cell holds the next line too
+    ('1,0,x,"[1, 2\n1,1,y,[3, 4]\n', re.escape("line 3: the 'Activated Expert IDs' cell runs over 2 lines (its quote "
+                                                "is not closed where the line ends)")),
 ])
 def test_csv_wrong_numbers(tmp_path, body, words):
     # "[1.5, 2]" used to be read as the ids 1, 5, 2
@@ -277,6 +337,59 @@ def test_csv_wrong_numbers(tmp_path, body, words):
     with pytest.raises(RouteToolError, match=words) as info:
         read_dump(path)
     assert str(info.value).count("x.csv") == 1
+
+
+@pytest.mark.parametrize("body, words", [
+    # "0" and "00" were one layer under two names
+    ('0,0,x,"[1, 2]"\n00,0,y,"[1, 3]"\n', "x.csv: line 3: Layer ID='00' and '0' (line 2) name the same layer 0 "
+                                          "(spell each layer one way in the whole dump (e.g. 0))"),
+    # int() reads Arabic-Indic and fullwidth digits: these were layer 3 and expert 2
+    ('\u0663,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='\u0663' is not a layer index"),
+    ('1,0,x,"[1, \uff12]"\n', "x.csv: line 2: expert id '\uff12' in 'Activated Expert IDs' is not an integer"),
+    ('1,0,x,"[1, 2_0]"\n', "x.csv: line 2: expert id '2_0' in 'Activated Expert IDs' is not an integer"),
+])
+def test_csv_layers_and_ids_are_plain_and_spelled_once(tmp_path, body, words):
+    path = tmp_path / "x.csv"
+    path.write_text(DS_HEADER + body)
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("header, words", [
+    # the first column in the reader's list of names used to win silently
+    ("Layer ID,Batch Number,topk_ids,Activated Expert IDs\n",
+     "x.csv: line 1: the columns 'topk_ids' and 'Activated Expert IDs' both give the expert ids (keep one of them "
+     "(rename or drop the other column))"),
+    ("layer,Layer ID,Batch Number,Activated Expert IDs\n", "the columns 'layer' and 'Layer ID' both give the layer"),
+    ("Layer ID,Batch Number,step,Activated Expert IDs\n", "the columns 'Batch Number' and 'step' both give the step"),
+    ("Layer ID,topk_ids,Activated Expert IDs,weights\n", "the columns 'topk_ids' and 'Activated Expert IDs' both"),
+    ("Layer ID,Batch Number,topk_ids,topk_ids\n", "the columns 'topk_ids' and 'topk_ids' both give the expert ids"),
+])
+def test_csv_two_columns_for_one_field_are_refused(tmp_path, header, words):
+    path = tmp_path / "x.csv"
+    path.write_text(header + '1,0,"[1, 2]","[3, 4]"\n')
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_csv_folder_layer_spelled_two_ways_names_both_files(tmp_path):
+    (tmp_path / "a.csv").write_text(DS_HEADER + '1,0,x,"[1, 2]"\n')
+    (tmp_path / "b.csv").write_text(DS_HEADER + '01,0,x,"[1, 3]"\n')
+    with pytest.raises(RouteToolError, match=r"b.csv: line 2: Layer ID='01' and '1' \(a.csv line 2\) name the same "
+                                             r"layer 1"):
+        read_dump(tmp_path)
+
+
+def test_csv_weights_are_plain_decimals(tmp_path):
+    # float("0_5") is 5.0
+    path = tmp_path / "w.csv"
+    path.write_text('layer,topk_ids,topk_weights\n0,"[1, 2]","[0_5, 0.5]"\n')
+    with pytest.raises(RouteToolError, match=r"w.csv: line 2: weight '0_5' in 'topk_weights' is not a number"):
+        read_dump(path)
+    path.write_text('layer,topk_ids,topk_weights\n0,"[1, 2]","[0.5, 1e-1]"\n')
+    assert read_dump(path).layers[0].topk_weights[0].tolist() == pytest.approx([0.5, 0.1])
 
 
 def test_csv_folder_names_the_file_of_a_bad_row(tmp_path):
@@ -444,6 +557,19 @@ def test_counts_json_list_form(tmp_path):
     assert r.layers[5].tolist() == [[0, 0, 9]] and r.topk == 1
 
 
+def test_counts_json_topk_above_the_inferred_experts(tmp_path):
+    # --topk 4 with 3 experts used to be accepted (tokens = assignments / 4)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"0": [1, 2, 3], "5": [0, 0, 9]}))
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path, ImportOptions(topk=4))
+    assert str(info.value) == (f"{path}: --topk 4 is more than the 3 experts inferred from the counts (largest expert "
+                               "id + 1) (pass the model's --topk (at most 3), or --num-experts if the model has experts "
+                               "the file never names)")
+    assert read_dump(path, ImportOptions(topk=3)).topk == 3
+    assert read_dump(path, ImportOptions(topk=4, num_experts=8)).num_experts == 8
+
+
 def test_counts_json_bad_count(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"0": {"0": -1, "1": 2}}))
@@ -462,6 +588,20 @@ def test_counts_json_bad_count(tmp_path):
     ('{"m":{"d":{"0":{}}}}', r"no \{layer: \{expert_id: count\}\} tables found"),
     ('{"m": [1, 2', r"line 1: not JSON"),
     ('{"0":[5,3,0,2],"1":[1,2]}', r"top level: layer 1 lists 2 expert counts, layer 0 4"),
+    # a map beside lists: its experts 1-3 used to be padded with zeros
+    ('{"0":[5,3,0,2],"1":{"0":1}}', r"top level: layer 0 is a list of counts but layer 1 a \{expert_id: count\} map: "
+                                   r"one table must use one form \(give every layer a list of one count per expert, "
+                                   r"or every layer a map\)"),
+    ('{"m":{"d":{"3":{"0":1,"1":2},"7":[1,2,3,4]}}}', r"m/d: layer 7 is a list of counts but layer 3 a"),
+    # two spellings of one layer or expert: the later one's counts silently replaced the earlier's
+    ('{"0":[5,3],"00":[1,2]}', r"top level: keys '0' and '00' name the same layer 0 \(keep one key per layer "
+                               r"\(e.g. 0\), with all of its counts\)"),
+    ('{"m":{"7":{"1":5,"01":3}}}', r"m/7: keys '1' and '01' name the same expert 1"),
+    ('{"m":{"1":5,"01":3}}', r"m: keys '1' and '01' name the same expert 1"),
+    ('{"0":[5,3],"0":[1,2]}', r"the key '0' appears twice in one object \(JSON keeps only the last value\)"),
+    # int() reads "1_0" as 10 and other scripts' digits as digits
+    ('{"1_0":[5,3]}', r"top level: key '1_0' is not a plain decimal layer \(ASCII digits 0-9 only\)"),
+    ('{"m":{"0":{"\u0663":5}}}', r"m/0: key '\u0663' is not a plain decimal expert"),
 ])
 def test_counts_json_bad_numbers_name_the_key(tmp_path, text, words):
     path = tmp_path / "c.json"

@@ -204,6 +204,58 @@ def test_bad_shard_entries_name_the_index_and_the_shard(tmp_path, entries, messa
         open_trace(index)
 
 
+@pytest.mark.parametrize("tensors, meta, message", [
+    # layers.00 was read as layer 0 of the shard, its tensors replacing those of layers.0
+    ({"layers.0.gating_output": torch.zeros(2, E), "layers.00.gating_output": torch.ones(2, E)}, {},
+     r"run-00001.safetensors: layers.00.gating_output: layer index '00' has a leading zero .* two names for layer 0"),
+    ({"layers.\uff10.gating_output": torch.zeros(2, E)}, {},
+     "run-00001.safetensors: layers.\uff10.gating_output: layer index '\uff10' is not a plain decimal index"),
+    # float("2_5") is 25.0, the route_scale of shard 0: the shards seemed to agree
+    ({"layers.0.gating_output": torch.zeros(2, E)}, {"route_scale": "2_5"},
+     r"run-00001.safetensors: __metadata__: metadata route_scale='2_5' is not a plain decimal number"),
+])
+def test_a_shard_with_loose_layer_names_or_numbers_is_refused(tmp_path, tensors, meta, message):
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    from routetool.trace import TraceMeta, metadata_dict
+
+    gen = torch.Generator().manual_seed(8)
+    router = replace(ROUTER, route_scale=25.0)
+    shard0 = {0: _layer(gen, [2], padding=False, bias=torch.zeros(E))}
+    index = _sharded(tmp_path, [shard0, shard0], router=router)  # shard 1 is replaced below
+    raw = metadata_dict(TraceMeta(model="m", router=router, provenance="p"), 1)
+    raw.update(meta)
+    shard = shard_path(index, 1)
+    save_file(tensors, str(shard), metadata=raw)
+    doc = read_index(index)
+    doc["shards"][1].pop("size_bytes")
+    index.write_text(json.dumps(doc))
+    with pytest.raises(RouteToolError, match=message) as info:
+        open_trace(index)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["yes", "false", 1, None])
+def test_complete_must_be_a_json_boolean(tmp_path, value):
+    # "complete": "yes" (or "false", a truthy string) was shown by info as a complete recording
+    shard = _one_shard(tmp_path)
+    index = tmp_path / "run.json"
+    write_index(index, [{"path": shard.name}], complete=True, stopped_by="exit")
+    doc = json.loads(index.read_text())
+    doc["complete"] = value
+    index.write_text(json.dumps(doc))
+    with pytest.raises(RouteToolError) as info:
+        open_trace(index)
+    assert str(info.value) == (f"{index}: index.complete: \"complete\" is {json.dumps(value)}, not a JSON boolean "
+                               "(write \"complete\": true (the recording ended normally) or false, without quotes)")
+    doc["complete"] = False
+    index.write_text(json.dumps(doc))
+    with open_trace(index) as t:
+        assert t.index["complete"] is False
+
+
 def test_shards_must_be_a_list(tmp_path):
     index = tmp_path / "run.json"
     index.write_text(json.dumps({"format": "routetool-trace-index", "version": "1", "shards": "x"}))

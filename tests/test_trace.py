@@ -99,7 +99,30 @@ BROKEN = [
     (GOOD, {"format": "other"}, "not a routetool trace"),
     (GOOD, {"format_version": "9"}, "format version '9' is not supported"),
     (GOOD, {"num_layers": "3"}, "num_layers=3 but the file holds 1"),
-    (GOOD, {"num_experts": "eight"}, "num_experts='eight' is not an integer"),
+    (GOOD, {"num_experts": "eight"}, "num_experts='eight' is not a plain decimal integer"),
+    # Python's int()/float() accept underscores and any script's digits: "2_5" was read as 25
+    (GOOD, {"route_scale": "2_5"}, "__metadata__: metadata route_scale='2_5' is not a plain decimal number "
+                                   "(write the value as a plain decimal number (ASCII digits 0-9"),
+    (GOOD, {"route_scale": "\u0662.\u0665"}, "route_scale='\u0662.\u0665' is not a plain decimal number"),
+    (GOOD, {"router_score_division_eps": "1_0e-20"}, "router_score_division_eps='1_0e-20' is not a plain decimal"),
+    (GOOD, {"router_output_multiplier": " 2"}, "router_output_multiplier=' 2' is not a plain decimal number"),
+    (GOOD, {"topk": "\uff12"}, "topk='\uff12' is not a plain decimal integer"),
+    (GOOD, {"num_experts": "0_8"}, "num_experts='0_8' is not a plain decimal integer"),
+    (GOOD, {"num_layers": "\u0661"}, "num_layers='\u0661' is not a plain decimal integer"),
+    # one layer under two names: the second silently replaced the first one's tensors
+    ({**GOOD, "layers.00.gating_output": torch.ones((4, E))}, {},
+     "layers.00.gating_output: layer index '00' has a leading zero (index 0 is written 0); the trace also holds "
+     "layers.0.gating_output: two names for layer 0 (keep one of layers.0.gating_output and "
+     "layers.00.gating_output; re-export the trace with routetool's writer)"),
+    ({"layers.07.gating_output": torch.zeros((4, E))}, {},
+     "layers.07.gating_output: layer index '07' has a leading zero (index 7 is written 7) (rename it "
+     "layers.7.gating_output"),
+    ({"layers.\u0663.gating_output": torch.zeros((4, E))}, {},
+     "layers.\u0663.gating_output: layer index '\u0663' is not a plain decimal index (ASCII digits 0-9 only"),
+    ({"layers.\uff13.gating_output": torch.zeros((4, E))}, {}, "layer index '\uff13' is not a plain decimal index"),
+    ({"layers.1_0.gating_output": torch.zeros((4, E))}, {}, "layer index '1_0' is not a plain decimal index"),
+    ({"layers.+1.gating_output": torch.zeros((4, E))}, {}, "layer index '+1' is not a plain decimal index"),
+    ({"layers.x.gating_output": torch.zeros((4, E))}, {}, "layer index 'x' is not a non-negative integer"),
 ]
 
 

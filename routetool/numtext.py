@@ -1,0 +1,70 @@
+"""Numbers written as text (trace metadata, layer names, dump cells, option lists), read strictly.
+
+Python's ``int()`` and ``float()`` accept more than a plain decimal number: underscores
+(``"2_5"`` is 25), digits of any script (Arabic-Indic ``"٣"``, fullwidth ``"３"``), surrounding
+whitespace. A file or an option that relies on that is almost always wrong, and two spellings of
+one number (``layers.0`` and ``layers.00``) would silently become one. Everything routetool reads
+as a number from text goes through this module: ASCII digits ``0-9``, an optional sign, for floats
+a decimal point and an exponent, nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+
+_INT = re.compile(r"[-+]?[0-9]+")
+_FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_SPECIAL = re.compile(r"[-+]?(?:nan|inf|infinity)", re.IGNORECASE)
+_INDEX = re.compile(r"0|[1-9][0-9]*")
+
+
+def parse_int(text: str) -> int | None:
+    """``text`` as an int when it is a plain decimal integer (``-12``, ``+3``, ``007``), else None.
+
+    No whitespace, no underscores, ASCII digits only; more digits than Python converts
+    (4,300) is None too.
+    """
+    if not isinstance(text, str) or not _INT.fullmatch(text):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # over Python's integer digit limit
+        return None
+
+
+def parse_float(text: str, *, special: bool = False) -> float | None:
+    """``text`` as a float when it is a plain decimal number (``2.5``, ``-1e-20``, ``.5``), else None.
+
+    ``special``: also accept ``nan``, ``inf``, ``infinity`` (any case, optional sign), as
+    ``repr(float)`` writes them, so that the caller can say they are not finite.
+    """
+    if not isinstance(text, str):
+        return None
+    if _FLOAT.fullmatch(text) or (special and _SPECIAL.fullmatch(text)):
+        return float(text)
+    return None
+
+
+def is_index(text: str) -> bool:
+    """True when ``text`` is the one canonical spelling of a non-negative integer index:
+    ASCII digits without leading zeros (``0``, ``7``, ``12``; never ``00``, ``07``, ``+1``, ``٣``)."""
+    return isinstance(text, str) and _INDEX.fullmatch(text) is not None
+
+
+def index_problem(text: str) -> str:
+    """Why ``text`` is not a canonical index (see :func:`is_index`); empty when it is one."""
+    if is_index(text):
+        return ""
+    if re.fullmatch(r"[0-9]+", text):
+        return f"{text!r} has a leading zero (index {int(text)} is written {int(text)})"
+    if text.isdecimal() or any(ch.isdigit() for ch in text):
+        return f"{text!r} is not a plain decimal index (ASCII digits 0-9 only: no signs, spaces, underscores or " \
+               "other scripts' digits)"
+    return f"{text!r} is not a non-negative integer"
+
+
+def split_items(text: str) -> list[str] | None:
+    """The comma-separated items of ``text``, stripped; None when an item is empty
+    (``"8,,16"``, ``"8,"``, ``",8"``): a list with a hole is a typo, never dropped silently."""
+    items = [x.strip() for x in text.split(",")]
+    return None if any(not x for x in items) else items
