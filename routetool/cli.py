@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from routetool import __version__
 from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source
+from routetool.numtext import parse_int, split_items
 
 
 class _Group(click.Group):
@@ -192,13 +193,12 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
 
 
 def _int_list(text: str, name: str) -> list[int]:
-    items = text.split(",")
-    if len(items) > 1 and any(not v.strip() for v in items):
+    items = split_items(text)
+    if items is None:
         raise RouteToolError(f"{name} {text!r} has an empty item", fix="separate the values with single commas, e.g. 1,64,4096")
-    try:
-        values = [int(v) for v in items]
-    except ValueError:
-        raise RouteToolError(f"{name} {text!r} is not a comma-separated list of integers", fix="e.g. 1,64,4096") from None
+    values = [parse_int(v) for v in items]
+    if any(v is None for v in values):
+        raise RouteToolError(f"{name} {text!r} is not a comma-separated list of integers", fix="e.g. 1,64,4096")
     if any(v < 1 for v in values):
         raise RouteToolError(f"{name} {text!r} needs positive integers", fix="e.g. 1,64,4096")
     return values
