@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from routetool.errors import RouteToolError
+from routetool.errors import RouteToolError, first_line
 
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 
@@ -127,7 +127,7 @@ def load_kernel(spec: str) -> tuple[str, RoutingFn]:
     except RouteToolError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the user's module's
-        raise RouteToolError(f"cannot import ({type(exc).__name__}: {exc})", path=module_name,
+        raise RouteToolError(f"cannot import ({first_line(exc)})", path=module_name,
                              fix="check the module and its dependencies") from None
     fn = getattr(module, func_name, None)
     if not callable(fn):

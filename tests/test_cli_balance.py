@@ -442,12 +442,17 @@ def boom(gating_output, bias, *args, **kwargs):
 def short(gating_output, bias, *args, **kwargs):
     w, i = ref(gating_output, bias, *args, **kwargs)
     return w[:-1], i[:-1]
+
+def ansi(gating_output, bias, *args, **kwargs):
+    raise RuntimeError("\\x1b[2J\\x1b[31mscreen cleared\\x00")
 '''
 
 
 @pytest.mark.parametrize("fn, words", [
     ("boom", ["failed on layer 0, step 0 (RuntimeError: illegal memory access)"]),
     ("short", ["returned topk_ids of shape [15, 2] on layer 0, step 0; expected [16, 2]"]),
+    # the kernel's control characters are shown escaped, not sent to the terminal
+    ("ansi", [r"failed on layer 0, step 0 (RuntimeError: \x1b[2J\x1b[31mscreen cleared\x00)"]),
 ])
 def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load

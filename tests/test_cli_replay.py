@@ -370,3 +370,40 @@ def test_a_huge_layers_range_is_one_line(tmp_path):
     assert parse_layers("2-3,1", [1, 2, 3]) == [1, 2, 3]
     with pytest.raises(RouteToolError, match="no layer 4, 5, 6, 7, 8, 9, 10, 11, 12, 13 and 2 more"):
         parse_layers(",".join(map(str, range(1, 16))), [1, 2, 3])
+
+
+def _no_control_characters(text):
+    return all(c.isprintable() or c == "\n" for c in text)
+
+
+def test_control_characters_in_a_kernel_error_are_shown_escaped(tmp_path):
+    # a kernel's exception text reached the terminal as-is: an ANSI escape could rewrite the
+    # terminal, a NUL or a lone surrogate (a traceback of undecodable bytes) broke the output
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    src = tmp_path / "ctl.py"
+    src.write_text("def boom(g, b, topk, route_scale, *a, **k):\n"
+                   "    raise RuntimeError('bad \\x00 \\x1b[31mred\\x1b[0m \\udc80 end\\nsecond line')\n")
+    shown = r"RuntimeError: bad \x00 \x1b[31mred\x1b[0m \udc80 end"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{src}:boom", "--layers", "1", "--no-progress")
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 1 and len(lines) == 1 and shown in lines[0], res.output
+    assert _no_control_characters(res.output)
+    res = _run("validate", trace, "--suite", "none", "--kernel", f"{src}:boom", "--device", DEVICE, "--no-progress",
+               "--json", "-")
+    assert res.exit_code == 1 and _no_control_characters(res.output)
+    assert shown in json.loads(res.stdout)["cases"][0]["message"]
+    # the same for a module that fails on import
+    bad_import = tmp_path / "ctl_import.py"
+    bad_import.write_text("raise RuntimeError('x\\x1b[2Jy\\nsecond line')\n")
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{bad_import}:fn", "--no-progress")
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and r"cannot import (RuntimeError: x\x1b[2Jy)" in lines[0], res.output
+
+
+def test_first_line_escapes_what_is_not_printable():
+    from routetool.errors import first_line, printable
+
+    assert first_line(RuntimeError("a\tb \x07 \x9b1m \u2028second")) == r"RuntimeError: a\tb \x07 \x9b1m"
+    assert first_line(ValueError("\udcff"), with_type=False) == r"\udcff"
+    assert printable("Grüße, naïve → 世界") == "Grüße, naïve → 世界"  # printable text is unchanged
+    assert first_line(RuntimeError("\x1b" * 200), limit=20) == r"RuntimeError: \x1..."
