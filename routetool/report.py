@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -423,8 +424,23 @@ def validate_json(result) -> dict:
     }
 
 
+_XML_ILLEGAL = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""Characters XML 1.0 cannot hold, not even as character references (its ``Char`` production)."""
+
+
+def xml_safe(text: str) -> str:
+    """``text`` with every character XML 1.0 cannot hold (control characters other than tab,
+    newline and carriage return; lone surrogates; U+FFFE, U+FFFF) written as its Python escape
+    (``\\x00``, ``\\x1b``, ``\\udc80``), so that any parser reads the document."""
+    return _XML_ILLEGAL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 def validate_junit(result) -> str:
-    """The validate result as JUnit XML (one testsuite per family, one testcase per case)."""
+    """The validate result as JUnit XML (one testsuite per family, one testcase per case).
+
+    Characters XML 1.0 cannot hold (in a kernel's message, a trace's file name) are written
+    as their Python escapes (:func:`xml_safe`): the document always parses.
+    """
     import xml.etree.ElementTree as ET
 
     root = ET.Element("testsuites", name=f"routetool validate {result.kernel}")
@@ -447,7 +463,9 @@ def validate_junit(result) -> str:
             elif c.message:
                 ET.SubElement(tc, "system-out").text = c.message
     ET.indent(root)
-    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+    # ElementTree writes such characters as they are; they never occur in its markup, only in
+    # text and attribute values, so replacing them in the serialised document is safe
+    return xml_safe(ET.tostring(root, encoding="unicode", xml_declaration=True)) + "\n"
 
 
 def write_text(text: str, path: str, console_out) -> None:
@@ -460,7 +478,7 @@ def write_text(text: str, path: str, console_out) -> None:
         console_out.write(text)
         console_out.flush()
         return
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 # ---------------------------------------------------------------------------------------
