@@ -6,6 +6,7 @@ Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is defined.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -81,6 +82,15 @@ def select_execution(choice: str) -> Execution:
 
 
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def kernel_stdout(document_on_stdout: bool) -> contextlib.AbstractContextManager:
+    """A context for importing and running kernels: while it is open, writes to ``sys.stdout``
+    (a user kernel's ``print``) go to ``sys.stderr`` when ``document_on_stdout`` (routetool
+    writes a JSON, JUnit or CSV document to stdout, which must hold that document only);
+    otherwise nothing changes. Output written to file descriptor 1 below Python is not moved.
+    """
+    return contextlib.redirect_stdout(sys.stderr) if document_on_stdout else contextlib.nullcontext()
 
 
 def kernel_source(spec: str | None) -> str | None:

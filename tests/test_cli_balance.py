@@ -477,3 +477,22 @@ def test_window_tokens_exclude_padding_through_the_cli(tmp_path):
     assert run("balance", trace, "--ep-size", "2", "--windows", "2", "--json", out, "--no-progress").exit_code == 0
     layer = json.loads(out.read_text())["layers"][0]
     assert [w["tokens"] for w in layer["windows"]] == [2, 1] and layer["tokens"] == 3
+
+
+def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
+    # its print() (on import and on every call) went to stdout, mixed into the JSON document
+    mod = tmp_path / "chatty.py"
+    mod.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
+                   "print('chatty: imported')\n"
+                   "def route(gating_output, bias, *args, **kwargs):\n"
+                   "    print('chatty: called')\n"
+                   "    return ref(gating_output, bias, *args, **kwargs)\n")
+    trace = tmp_path / "t.safetensors"
+    g = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
+    make_trace(trace, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 24]))})
+    for flag in ("--json", "--eplb-out"):
+        res = run("balance", trace, "--kernel", f"{mod}:route", "--ep-size", "2", "--no-progress", flag, "-")
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert doc["layers"][0]["expert_counts_assignments"] if flag == "--json" else doc
+        assert "chatty: imported" in res.stderr and "chatty: called" in res.stderr

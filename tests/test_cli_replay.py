@@ -407,3 +407,50 @@ def test_first_line_escapes_what_is_not_printable():
     assert first_line(ValueError("\udcff"), with_type=False) == r"\udcff"
     assert printable("Grüße, naïve → 世界") == "Grüße, naïve → 世界"  # printable text is unchanged
     assert first_line(RuntimeError("\x1b" * 200), limit=20) == r"RuntimeError: \x1..."
+
+
+def _printing_kernel(tmp_path):
+    src = tmp_path / "chatty.py"
+    src.write_text(
+        "from kernel.reference import musespark1x_routing_reference as ref\n"
+        "print('chatty: imported')\n"
+        "def route(gating_output, bias, topk, route_scale, router_output_multiplier=None,\n"
+        "          router_score_normalization='sigmoid', router_score_division_eps=None, topk_weights=None,\n"
+        "          topk_ids=None, *, is_padding=None):\n"
+        "    print('chatty: called with', tuple(gating_output.shape))\n"
+        "    return ref(gating_output, bias, topk, route_scale, router_output_multiplier,\n"
+        "               router_score_normalization, router_score_division_eps, is_padding=is_padding)\n"
+    )
+    return f"{src}:route"
+
+
+def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
+    # its print() went to stdout, between and before the JSON document
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    kernel = _printing_kernel(tmp_path)
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress",
+               "--no-latency", "--json", "-")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["verdict"] == "pass"
+    assert "chatty: imported" in res.stderr and "chatty: called with" in res.stderr
+    res = _run("validate", trace, "--suite", "none", "--kernel", kernel, "--device", DEVICE, "--no-progress",
+               "--json", "-")
+    assert res.exit_code == 0 and json.loads(res.stdout)["verdict"] == "pass" and "chatty" in res.stderr
+    import xml.etree.ElementTree as ET
+
+    res = _run("validate", trace, "--suite", "none", "--kernel", kernel, "--device", DEVICE, "--no-progress",
+               "--junit", "-")
+    assert res.exit_code == 0 and ET.fromstring(res.stdout.split("\n", 1)[1]).tag == "testsuites"
+    assert "chatty: called with" in res.stderr
+    # bench imports the kernel before it checks for a GPU: on a CPU stdout stays empty
+    res = _run("bench", "--kernel", kernel, "--tokens", "4", "--experts", "8", "--topk", "2", "--dtype", "fp32",
+               "--rep-ms", "1", "--no-progress", "--json", "-")
+    assert "chatty: imported" in res.stderr
+    if HAS_CUDA:
+        assert res.exit_code == 0 and json.loads(res.stdout)["schema"] == "routetool.bench/1", res.output
+    else:
+        assert res.exit_code == 2 and res.stdout == "", res.output
+    # without a document on stdout, stdout is left alone
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress",
+               "--no-latency")
+    assert res.exit_code == 0 and "chatty: imported" in res.stdout
