@@ -232,6 +232,18 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
             ft.add_row(_NAMES.get(name, name), str(f.layer), str(f.step), str(f.row), f.row_class,
                        ", ".join(f.reasons) or "-", str(f.expected_ids), str(f.test_ids))
         console.print(ft)
+    recorded_bad = [r for layer in result.layers for r in layer.recorded_invalid_first]
+    if recorded_bad:
+        total = sum(layer.recorded_invalid_rows for layer in result.layers)
+        shown = recorded_bad[:10]
+        rt = table(f"First invalid recorded rows: {len(shown)} of {total:,} (ids-only layers, checked without logits)",
+                   ["layer", "step", "row", "reasons", "recorded ids", "recorded weights"],
+                   left=("reasons", "recorded ids", "recorded weights"))
+        for r in shown:
+            weights = "-" if r.topk_weights is None else "[" + ", ".join(fmt_float(w) for w in r.topk_weights) + "]"
+            # Text: "[nan, 1]" would be read as rich markup
+            rt.add_row(str(r.layer), str(r.step), str(r.row), ", ".join(r.reasons), Text(str(r.topk_ids)), Text(weights))
+        console.print(rt)
     if result.compared_rows == 0 and not result.ok:
         console.print(Text("FAIL: the replayed layers hold no logits, and some recorded outputs are invalid; exit code 1",
                            style="bold red"))
@@ -298,6 +310,7 @@ def replay_json(result: ReplayResult) -> dict:
                 "ids_only": layer.ids_only,
                 "recorded_invalid": layer.recorded_invalid,
                 "recorded_invalid_rows": layer.recorded_invalid_rows,
+                "recorded_invalid_first_rows": [asdict(r) for r in layer.recorded_invalid_first],
                 "num_tokens": layer.num_tokens,
                 "num_steps": layer.num_steps,
                 "padded_rows": layer.padded_rows,

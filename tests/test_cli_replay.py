@@ -454,3 +454,41 @@ def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
     res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress",
                "--no-latency")
     assert res.exit_code == 0 and "chatty: imported" in res.stdout
+
+
+def test_ids_only_trace_names_its_first_invalid_recorded_rows(tmp_path):
+    # the invalid recorded rows were only counted: neither the terminal nor the JSON said which
+    ids = torch.tensor([[0, 1], [1, 1], [2, 3], [1, 7], [2, 9], [4, 5]], dtype=torch.int32)
+    weights = torch.tensor([[0.5, 0.5], [0.5, 0.5], [float("nan"), 1.0], [-0.5, 1.5], [0.25, 0.75], [0.5, 0.5]])
+    path = make_trace(tmp_path / "ids.safetensors",
+                      {0: LayerArrays(topk_ids=ids, topk_weights=weights, step_offsets=torch.tensor([0, 2, 6]))})
+    res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
+    assert res.exit_code == 1, res.output
+    layer = json.loads(res.stdout)["layers"][0]
+    assert layer["recorded_invalid_rows"] == 4
+    # (layer, step, row of the layer, reasons, recorded ids, recorded weights; NaN is null in JSON)
+    assert layer["recorded_invalid_first_rows"] == [
+        {"layer": 0, "step": 0, "row": 1, "reasons": ["duplicate_id"], "topk_ids": [1, 1], "topk_weights": [0.5, 0.5]},
+        {"layer": 0, "step": 1, "row": 2, "reasons": ["nonfinite_weight"], "topk_ids": [2, 3],
+         "topk_weights": [None, 1.0]},
+        {"layer": 0, "step": 1, "row": 3, "reasons": ["negative_weight"], "topk_ids": [1, 7],
+         "topk_weights": [-0.5, 1.5]},
+        {"layer": 0, "step": 1, "row": 4, "reasons": ["id_out_of_range"], "topk_ids": [2, 9],
+         "topk_weights": [0.25, 0.75]}]
+    table = res.stderr.split("First invalid recorded rows: 4 of 4")[1]
+    rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert rows[:4] == [["0", "0", "1", "duplicate_id", "[1,", "1]", "[0.5,", "0.5]"],
+                        ["0", "1", "2", "nonfinite_weight", "[2,", "3]", "[nan,", "1]"],
+                        ["0", "1", "3", "negative_weight", "[1,", "7]", "[-0.5,", "1.5]"],
+                        ["0", "1", "4", "id_out_of_range", "[2,", "9]", "[0.25,", "0.75]"]]
+
+
+def test_at_most_five_invalid_recorded_rows_are_kept_per_layer(tmp_path):
+    ids = torch.tensor([[1, 1]] * 8, dtype=torch.int32)
+    path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 3, 8]))})
+    res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
+    layer = json.loads(res.stdout)["layers"][0]
+    assert res.exit_code == 1 and layer["recorded_invalid_rows"] == 8
+    assert [(r["step"], r["row"]) for r in layer["recorded_invalid_first_rows"]] == [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4)]
+    assert all(r["topk_weights"] is None for r in layer["recorded_invalid_first_rows"])  # no weights recorded
+    assert "First invalid recorded rows: 5 of 8" in res.stderr
