@@ -146,7 +146,7 @@ def _std(ctx, param, value):
 @click.option("--ties", type=click.IntRange(0, 100_000), default=4, show_default=True,
               help="Rows per layer given an exact tie at the k-th boundary.")
 @click.option("--nonfinite", type=click.IntRange(0, 100_000), default=0, show_default=True,
-              help="Rows per layer given a NaN and a +inf logit.")
+              help="Rows per layer given a NaN and a +inf logit (at most the unpadded rows not taken by --ties).")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed (0 to 2**63-1).")
 @click.option("--model", "model_name", default="synthetic", show_default=True, help="Model name in the metadata.")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")

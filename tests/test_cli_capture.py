@@ -112,6 +112,10 @@ def test_disk_full_leaves_the_existing_file_intact(tmp_path, monkeypatch):
     (["--prefill", "64,x"], ["--prefill '64,x'"]),
     (["--prefill", "8,,8"], ["--prefill '8,,8'", "expected token counts"]),
     (["--route-scale", "0"], ["route_scale=0.0 must be finite and > 0"]),
+    # more non-finite rows than the batch has (they were made silently fewer)
+    (["--prefill", "8", "--decode-steps", "0", "--nonfinite", "50"],
+     ["--nonfinite 50: a layer has 8 unpadded rows, 2 of them taken by --ties 2, so only 6 can be made non-finite",
+      "(pass --nonfinite 6 or fewer, lower --ties, or make more rows (--prefill, --decode-steps, --max-decode-batch))"]),
 ])
 def test_synth_bad_options_exit_2(tmp_path, args, fragments):
     out = tmp_path / "s.safetensors"
