@@ -40,17 +40,26 @@ def _parse_chunks(text: str) -> tuple[int, ...]:
 
 
 def _parse_overrides(items: tuple[str, ...]) -> dict:
-    """``--set KEY=VALUE`` (VALUE as JSON, else a string) -> dict."""
+    """``--set KEY=VALUE`` (VALUE as JSON: a number, true/false, null, a "string", a list) -> dict.
+
+    Raises:
+        RouteToolError: an item without ``=`` or a key, or a VALUE that is not JSON (it was
+            taken as a string, which the config then held, e.g. ``--set hidden_size=6x4``).
+    """
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise RouteToolError(f"--set {item!r} is not KEY=VALUE", fix="e.g. --set norm_topk_prob=false")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
-            value = raw
-        out[key.strip()] = value
+            quoted = json.dumps(raw)
+            raise RouteToolError(f"--set {key}: the value {raw!r} is not JSON",
+                                 fix=f"write a number, true, false, null or a quoted string, e.g. --set '{key}={quoted}'"
+                                 ) from None
+        out[key] = value
     return out
 
 

@@ -299,6 +299,12 @@ def test_capture_hf_uses_the_checkpoint_tokenizer(tmp_path):
      ["group-limited routing (n_group=4, topk_group=2)", "n_group=1"]),
     (["--arch", "mixtral", "--prompt-tokens", "100000"], ["the text has", "need 400000"]),
     (["--arch", "mixtral", "--set", "oops"], ["--set 'oops' is not KEY=VALUE"]),
+    # values are JSON: one that is not was taken as a string
+    (["--arch", "mixtral", "--set", "x=notjson"],
+     ["--set x: the value 'notjson' is not JSON (write a number, true, false, null or a quoted string, e.g. "
+      "--set 'x=\"notjson\"')"]),
+    (["--arch", "mixtral", "--set", "hidden_size=6x4"], ["--set hidden_size: the value '6x4' is not JSON"]),
+    (["--arch", "mixtral", "--set", "norm_topk_prob="], ["--set norm_topk_prob: the value '' is not JSON"]),
     (["--model", "no/such/dir"], ["is not a checkpoint folder"]),
     (["--config", "missing.json"], ["no such config file"]),
     (["--model", ".", "--router-std", "1"], ["apply to random-weight models"]),
@@ -434,7 +440,7 @@ def test_info_on_a_fifo_fails_at_once(tmp_path):
     (["--arch", "mixtral", "--set", "num_local_experts=0"], ["num_local_experts=0 must be an integer >= 1"]),
     (["--arch", "mixtral", "--set", "num_local_experts=1"], ["num_experts_per_tok=2 must be an integer in [1, "
                                                              "num_local_experts=1]"]),
-    (["--arch", "mixtral", "--set", "num_local_experts=x"], ["--arch mixtral", "num_local_experts", "expected int"]),
+    (["--arch", "mixtral", "--set", "num_local_experts=\"x\""], ["--arch mixtral", "num_local_experts", "expected int"]),
     (["--arch", "mixtral", "--set", "hidden_size=-1"], ["hidden_size=-1 must be an integer >= 1"]),
     (["--arch", "qwen3_moe", "--set", "num_experts=2"], ["num_experts_per_tok=4 must be an integer in [1, "
                                                          "num_experts=2]"]),
