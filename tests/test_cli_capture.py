@@ -454,6 +454,14 @@ def test_info_on_a_fifo_fails_at_once(tmp_path):
     (["--arch", "deepseek_v3", "--bias-std", "nan"], ["--bias-std nan must be"]),
     (["--arch", "deepseek_v3", "--bias-std", "inf"], ["--bias-std inf must be"]),
     (["--arch", "mixtral", "--batch", "60000", "--prompt-tokens", "100000"], ["logits; the limit is 2**30"]),
+    # models too large to build: the process used to be killed for memory
+    (["--arch", "deepseek_v3", "--set", "num_hidden_layers=100000"],
+     ["--arch deepseek_v3 --set num_hidden_layers=100000: num_hidden_layers=100,000 is above the limit of 1,024 layers "
+      "for a random-weight model (fix num_hidden_layers in the config (or --set num_hidden_layers=...))"]),
+    (["--arch", "mixtral", "--set", "vocab_size=10000000"],
+     ["--arch mixtral --set vocab_size=10000000: the model would hold 1,280,", "GiB in float32;",
+      "(lower num_hidden_layers, hidden_size, the intermediate sizes, the expert count or vocab_size "
+      "(--set KEY=VALUE), or use --dtype bfloat16)"]),
 ])
 def test_capture_hf_impossible_configs_exit_2(tmp_path, args, fragments):
     pytest.importorskip("transformers")
