@@ -292,7 +292,7 @@ def test_models_too_large_are_refused_before_they_are_built(overrides, message, 
 
 
 def test_the_size_limit_is_half_the_memory_on_a_small_machine(monkeypatch):
-    import routetool.capture.hf as hf
+    from routetool.capture import hf
 
     assert hf.physical_memory_bytes() > 2**28  # this machine says (Linux: os.sysconf)
     config = small_config("mixtral", **TINY)

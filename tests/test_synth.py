@@ -342,6 +342,6 @@ def test_more_nonfinite_rows_than_the_layer_has_are_refused(kw, message, monkeyp
 
 def test_as_many_nonfinite_rows_as_are_left_are_made():
     spec = small(prefill_chunks=(5, 5), decode_steps=0, ties=3, nonfinite=7, dtype=torch.float32)
-    meta, layers = synthesize(spec)
+    _, layers = synthesize(spec)
     for arr in layers.values():
         assert int((~torch.isfinite(arr.gating_output)).any(-1).sum()) == 7

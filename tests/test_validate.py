@@ -175,8 +175,8 @@ def test_junit_holds_characters_xml_cannot(tmp_path):
 
 def test_cli_junit_of_a_trace_whose_name_holds_control_characters(tmp_path):
     import torch
-
     from helpers import make_trace
+
     from routetool.trace import LayerArrays
 
     g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
