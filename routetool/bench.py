@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from routetool.errors import RouteToolError
+from routetool.errors import RouteToolError, first_line
 from routetool.execution import RoutingFn
 from routetool.suite import CaseInput
 from routetool.timing import Latency, cuda_graph_latency
@@ -244,9 +244,9 @@ def run_bench(
                                 row.bandwidth_gbps = bytes_moved / (row.latency.p50_us * 1e-6) / 1e9
                                 row.bandwidth_fraction = row.bandwidth_gbps / result.copy_bandwidth_gbps
                         except REJECTION_TYPES as exc:  # documented input restriction, e.g. the seed and bf16
-                            row.status = f"rejected: {exc}".splitlines()[0][:200]
+                            row.status = f"rejected: {first_line(exc, 190, with_type=False)}"
                         except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is reported
-                            row.status = f"error: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+                            row.status = f"error: {first_line(exc, 193)}"
                         point_rows.append(row)
                         if progress is not None:
                             progress(f"{bk.label} T={T} E={E} k={K} {dname}")

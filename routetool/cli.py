@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from routetool import __version__
 from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, RouteToolError
-from routetool.execution import DEVICE_CHOICES, kernel_source
+from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.numtext import parse_int, split_items
 
 
@@ -115,19 +115,21 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
 
     check_output_paths([json_path], force=force, inputs=[trace, kernel_source(kernel_spec)])
     execution = select_execution(device)
-    name, fn = load_kernel(kernel_spec)
-    with open_trace(trace) as t:
-        layers = parse_layers(layers_spec, t.layers, t.display_path)
-        if histogram_layer is not None and histogram_layer not in layers:
-            raise RouteToolError(f"--layer {histogram_layer} is not among the replayed layers",
-                                 fix=f"choose among {', '.join(map(str, layers))}")
-        total = sum(t.info(layer).num_tokens for layer in layers)
-        with _progress(progress) as bar:
-            task = bar.add_task(f"replay {trace.name} ({name})", total=total)
-            result = replay_trace(
-                t, name, fn, execution, layers=layers, tie_ulps=tie_ulps, measure_latency=latency,
-                progress=lambda n: bar.advance(task, n),
-            )
+    # a kernel's print() must not mix into the JSON on stdout
+    with kernel_stdout(json_path == "-"):
+        name, fn = load_kernel(kernel_spec)
+        with open_trace(trace) as t:
+            layers = parse_layers(layers_spec, t.layers, t.display_path)
+            if histogram_layer is not None and histogram_layer not in layers:
+                raise RouteToolError(f"--layer {histogram_layer} is not among the replayed layers",
+                                     fix=f"choose among {', '.join(map(str, layers))}")
+            total = sum(t.info(layer).num_tokens for layer in layers)
+            with _progress(progress) as bar:
+                task = bar.add_task(f"replay {trace.name} ({name})", total=total)
+                result = replay_trace(
+                    t, name, fn, execution, layers=layers, tie_ulps=tie_ulps, measure_latency=latency,
+                    progress=lambda n: bar.advance(task, n),
+                )
     console = Console(stderr=json_path == "-")
     render_replay(result, console, histogram_layer)
     if json_path is not None:
@@ -178,11 +180,13 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     for t in traces:  # bad traces fail before any work
         open_trace(t).close()
     execution = select_execution(device)
-    name, fn = load_kernel(kernel_spec)
-    with _progress(progress) as bar:
-        task = bar.add_task(f"validate {name}", total=len(cases) + len(traces))
-        result = run_validate(fn, name, execution, cases=cases, traces=traces, suite=None if suite == "none" else suite,
-                              tie_ulps=tie_ulps, progress=lambda _: bar.advance(task))
+    with kernel_stdout("-" in (json_path, junit_path)):  # a kernel's print() must not mix into the document
+        name, fn = load_kernel(kernel_spec)
+        with _progress(progress) as bar:
+            task = bar.add_task(f"validate {name}", total=len(cases) + len(traces))
+            result = run_validate(fn, name, execution, cases=cases, traces=traces,
+                                  suite=None if suite == "none" else suite, tie_ulps=tie_ulps,
+                                  progress=lambda _: bar.advance(task))
     console = Console(stderr="-" in (json_path, junit_path))
     render_validate(result, console)
     if json_path is not None:
@@ -271,21 +275,22 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
     has_cuda = torch.cuda.is_available()
     select_execution("cuda" if has_cuda else "cpu")
     specs = list(kernels) or ["tiled", "seed", "torch"]
-    bench_kernels = resolve_kernels(specs, pdl)
-    explicit = click.get_current_context().get_parameter_source("baseline") != click.core.ParameterSource.DEFAULT
-    if explicit and baseline not in {k.name for k in bench_kernels}:
-        raise RouteToolError(f"--baseline {baseline!r} is not among the timed kernels ({', '.join(specs)})",
-                             fix="name one of the --kernel values, or add it with --kernel")
-    if not has_cuda:
-        raise RouteToolError("bench needs a CUDA GPU; this machine has none",
-                             fix="run it on a GPU machine (replay and validate work on the CPU)")
-    check_fits(token_list, expert_list, topk_list, dtype_list, torch.cuda.mem_get_info()[0],
-               f"the GPU ({torch.cuda.get_device_name()})")
-    total = len(bench_kernels) * len(token_list) * len(dtype_list) * points
-    with _progress(progress) as bar:
-        task = bar.add_task("bench", total=total)
-        result = run_bench(bench_kernels, token_list, expert_list, topk_list, dtype_list, baseline=baseline,
-                           use_graph=graph, rep_ms=rep_ms, progress=lambda _: bar.advance(task))
+    with kernel_stdout("-" in (csv_path, json_path)):  # a kernel's print() must not mix into the document
+        bench_kernels = resolve_kernels(specs, pdl)
+        explicit = click.get_current_context().get_parameter_source("baseline") != click.core.ParameterSource.DEFAULT
+        if explicit and baseline not in {k.name for k in bench_kernels}:
+            raise RouteToolError(f"--baseline {baseline!r} is not among the timed kernels ({', '.join(specs)})",
+                                 fix="name one of the --kernel values, or add it with --kernel")
+        if not has_cuda:
+            raise RouteToolError("bench needs a CUDA GPU; this machine has none",
+                                 fix="run it on a GPU machine (replay and validate work on the CPU)")
+        check_fits(token_list, expert_list, topk_list, dtype_list, torch.cuda.mem_get_info()[0],
+                   f"the GPU ({torch.cuda.get_device_name()})")
+        total = len(bench_kernels) * len(token_list) * len(dtype_list) * points
+        with _progress(progress) as bar:
+            task = bar.add_task("bench", total=total)
+            result = run_bench(bench_kernels, token_list, expert_list, topk_list, dtype_list, baseline=baseline,
+                               use_graph=graph, rep_ms=rep_ms, progress=lambda _: bar.advance(task))
     render_bench(result, Console(stderr="-" in (csv_path, json_path)))
     if csv_path is not None:
         write_text(bench_csv(result), csv_path, sys.stdout)

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from routetool.errors import EXIT_OK, RouteToolError
-from routetool.execution import DEVICE_CHOICES, kernel_source
+from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS
 from routetool.numtext import parse_float, parse_int, split_items
 
@@ -234,72 +234,74 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                              path=source, fix=f"drop {flag if kernel_given else 'the flag'}")
 
     trace = None
-    try:
-        if resolved_format == "trace":
-            from routetool import trace as trace_module
+    with kernel_stdout("-" in (json_path, eplb_out)):  # a kernel's print() must not mix into the document
+        try:
+            if resolved_format == "trace":
+                from routetool import trace as trace_module
 
-            # open_trace also reads sharded traces (an index of trace files); plain Trace otherwise
-            trace = getattr(trace_module, "open_trace", trace_module.Trace)(source)
-            layers = parse_layers(layers_spec, trace.layers, trace.display_path)
-            needs_logits = not recorded and any(trace.info(x).has_logits for x in layers)
-            bias_wanted = bias_effect and any(trace.info(x).has_logits for x in layers)
-            route_fn = nobias_fn = None
-            route_name = nobias_name = ""
-            if needs_logits or bias_wanted:
-                from routetool.execution import load_kernel, select_execution
+                # open_trace also reads sharded traces (an index of trace files); plain Trace otherwise
+                trace = getattr(trace_module, "open_trace", trace_module.Trace)(source)
+                layers = parse_layers(layers_spec, trace.layers, trace.display_path)
+                needs_logits = not recorded and any(trace.info(x).has_logits for x in layers)
+                bias_wanted = bias_effect and any(trace.info(x).has_logits for x in layers)
+                route_fn = nobias_fn = None
+                route_name = nobias_name = ""
+                if needs_logits or bias_wanted:
+                    from routetool.execution import load_kernel, select_execution
 
-                execution = select_execution(device)
-                stats_device = execution.device
-                from kernel.reference import musespark1x_routing_reference
+                    execution = select_execution(device)
+                    stats_device = execution.device
+                    from kernel.reference import musespark1x_routing_reference
 
-                ref = route_fn_from(musespark1x_routing_reference, trace.meta.router)
-                if reference or recorded:
-                    route_fn, route_name = ref, "reference (PyTorch)"
+                    ref = route_fn_from(musespark1x_routing_reference, trace.meta.router)
+                    if reference or recorded:
+                        route_fn, route_name = ref, "reference (PyTorch)"
+                    else:
+                        name, fn = load_kernel(kernel_spec)
+                        where = "Triton interpreter" if execution.interpreted else execution.device_name
+                        route_fn, route_name = (route_fn_from(fn, trace.meta.router, kernel=True),
+                                                f"kernel {name} ({where})")
+                    if bias_wanted:
+                        nobias_fn, nobias_name = route_fn, route_name
                 else:
-                    name, fn = load_kernel(kernel_spec)
-                    where = "Triton interpreter" if execution.interpreted else execution.device_name
-                    route_fn, route_name = route_fn_from(fn, trace.meta.router, kernel=True), f"kernel {name} ({where})"
-                if bias_wanted:
-                    nobias_fn, nobias_name = route_fn, route_name
+                    stats_device = _stats_device(device)
+                # an explicit --kernel, like --reference, routes every layer (an ids-only layer is refused)
+                routing = "recorded" if recorded else "reference" if reference else "kernel" if kernel_given else "auto"
+                src = TraceSource(trace, layers, routing=routing, route_fn=route_fn, route_name=route_name,
+                                  nobias_fn=nobias_fn, nobias_name=nobias_name, bias_effect=bias_effect,
+                                  decode_max_tokens=decode_max_tokens)
+                total_work = sum(trace.info(x).num_tokens for x in layers)
             else:
                 stats_device = _stats_device(device)
-            # an explicit --kernel, like --reference, routes every layer (an ids-only layer is refused)
-            routing = "recorded" if recorded else "reference" if reference else "kernel" if kernel_given else "auto"
-            src = TraceSource(trace, layers, routing=routing, route_fn=route_fn, route_name=route_name,
-                              nobias_fn=nobias_fn, nobias_name=nobias_name, bias_effect=bias_effect,
-                              decode_max_tokens=decode_max_tokens)
-            total_work = sum(trace.info(x).num_tokens for x in layers)
-        else:
-            stats_device = _stats_device(device)
-            imported = read_dump(source, _import_options(resolved_format, num_experts, topk, skip_rows,
-                                                         drop_repeats, select))
-            layers = parse_layers(layers_spec, sorted(imported.layers), source)
-            if isinstance(imported, ImportedCounts):
-                src = CountsSource(imported, layers)
-                total_work = sum(int(imported.layers[x].sum()) for x in layers)
-            else:
-                src = ImportedSource(imported, layers, decode_max_tokens=decode_max_tokens)
-                total_work = sum(imported.layers[x].num_tokens for x in layers)
-        if focus_layer is not None and focus_layer not in layers:
-            raise RouteToolError(f"--layer {focus_layer} is not among the analysed layers",
-                                 fix=f"choose among {', '.join(map(str, layers[:20]))}")
-        E = src.num_experts
-        if ep_sizes is None:
-            ep_sizes = default_ep_sizes(E)
-        placement = None
-        if placement_path is not None:
-            placement = load_placement(placement_path, E, layers, ep_sizes[0] if ep_spec else None)
-        options = BalanceOptions(
-            ep_sizes=ep_sizes, placement=placement, windows=windows, capacity_factors=capacity, top_n=top_n,
-            eplb=EplbOptions(num_redundant=redundant, num_gpus=gpus, num_nodes=nodes, num_groups=groups,
-                             policy=eplb_policy) if eplb else None,
-        )
-        with _progress(progress) as bar:
-            task = bar.add_task(f"balance {source.name}", total=total_work)
-            result = analyze_balance(src, options, stats_device, progress=lambda n: bar.advance(task, n))
-    finally:
-        if trace is not None:
-            trace.close()
+                imported = read_dump(source, _import_options(resolved_format, num_experts, topk, skip_rows,
+                                                             drop_repeats, select))
+                layers = parse_layers(layers_spec, sorted(imported.layers), source)
+                if isinstance(imported, ImportedCounts):
+                    src = CountsSource(imported, layers)
+                    total_work = sum(int(imported.layers[x].sum()) for x in layers)
+                else:
+                    src = ImportedSource(imported, layers, decode_max_tokens=decode_max_tokens)
+                    total_work = sum(imported.layers[x].num_tokens for x in layers)
+            if focus_layer is not None and focus_layer not in layers:
+                raise RouteToolError(f"--layer {focus_layer} is not among the analysed layers",
+                                     fix=f"choose among {', '.join(map(str, layers[:20]))}")
+            E = src.num_experts
+            if ep_sizes is None:
+                ep_sizes = default_ep_sizes(E)
+            placement = None
+            if placement_path is not None:
+                placement = load_placement(placement_path, E, layers, ep_sizes[0] if ep_spec else None)
+            options = BalanceOptions(
+                ep_sizes=ep_sizes, placement=placement, windows=windows, capacity_factors=capacity, top_n=top_n,
+                eplb=EplbOptions(num_redundant=redundant, num_gpus=gpus, num_nodes=nodes, num_groups=groups,
+                                 policy=eplb_policy) if eplb else None,
+            )
+            with _progress(progress) as bar:
+                task = bar.add_task(f"balance {source.name}", total=total_work)
+                result = analyze_balance(src, options, stats_device, progress=lambda n: bar.advance(task, n))
+        finally:
+            if trace is not None:
+                trace.close()
 
     console = Console(stderr=json_path == "-" or eplb_out == "-")
     render_balance(result, console, focus_layer)

@@ -42,17 +42,26 @@ def _parse_chunks(text: str) -> tuple[int, ...]:
 
 
 def _parse_overrides(items: tuple[str, ...]) -> dict:
-    """``--set KEY=VALUE`` (VALUE as JSON, else a string) -> dict."""
+    """``--set KEY=VALUE`` (VALUE as JSON: a number, true/false, null, a "string", a list) -> dict.
+
+    Raises:
+        RouteToolError: an item without ``=`` or a key, or a VALUE that is not JSON (it was
+            taken as a string, which the config then held, e.g. ``--set hidden_size=6x4``).
+    """
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise RouteToolError(f"--set {item!r} is not KEY=VALUE", fix="e.g. --set norm_topk_prob=false")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
-            value = raw
-        out[key.strip()] = value
+            quoted = json.dumps(raw)
+            raise RouteToolError(f"--set {key}: the value {raw!r} is not JSON",
+                                 fix=f"write a number, true, false, null or a quoted string, e.g. --set '{key}={quoted}'"
+                                 ) from None
+        out[key] = value
     return out
 
 
@@ -148,7 +157,7 @@ def _std(ctx, param, value):
 @click.option("--ties", type=click.IntRange(0, 100_000), default=4, show_default=True,
               help="Rows per layer given an exact tie at the k-th boundary.")
 @click.option("--nonfinite", type=click.IntRange(0, 100_000), default=0, show_default=True,
-              help="Rows per layer given a NaN and a +inf logit.")
+              help="Rows per layer given a NaN and a +inf logit (at most the unpadded rows not taken by --ties).")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed (0 to 2**63-1).")
 @click.option("--model", "model_name", default="synthetic", show_default=True, help="Model name in the metadata.")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")

@@ -49,12 +49,28 @@ class KernelError(RouteToolError):
         self.failure_class = failure_class
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable written as its Python escape.
+
+    Control characters (``\\x00``, the ESC of an ANSI sequence ``\\x1b[31m``, tabs), lone
+    surrogates (``\\udc80``, from bytes decoded with ``surrogateescape``) and other
+    non-printable code points (:meth:`str.isprintable`) become the text :func:`repr` shows
+    for them, so that text from a user's kernel can neither rewrite the terminal nor break
+    an output file. Printable text, non-ASCII letters included, is unchanged.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def first_line(exc: BaseException, limit: int = 300, *, with_type: bool = True) -> str:
     """One line describing ``exc``: its first non-empty line, shortened to ``limit`` characters.
 
     Exceptions that the Triton interpreter wraps (``InterpreterError``, nested once per
     interpreted call, each holding the ``repr`` of the one inside) are unwrapped to the
-    original exception. ``with_type``: prefix the exception's class name.
+    original exception. ``with_type``: prefix the exception's class name. Characters that
+    are not printable (control characters, ANSI escapes, lone surrogates) are shown escaped
+    (:func:`printable`): the text comes from a kernel under test and goes to a terminal.
     """
     seen = set()
     while type(exc).__name__ == "InterpreterError" and exc.__cause__ is not None and id(exc) not in seen:
@@ -64,4 +80,5 @@ def first_line(exc: BaseException, limit: int = 300, *, with_type: bool = True) 
     text = lines[0] if lines else ""
     if with_type:
         text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    text = printable(text)
     return text if len(text) <= limit else text[: limit - 3] + "..."

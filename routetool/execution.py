@@ -6,6 +6,7 @@ Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is defined.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -16,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from routetool.errors import RouteToolError
+from routetool.errors import RouteToolError, first_line
 
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 
@@ -83,6 +84,15 @@ def select_execution(choice: str) -> Execution:
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+def kernel_stdout(document_on_stdout: bool) -> contextlib.AbstractContextManager:
+    """A context for importing and running kernels: while it is open, writes to ``sys.stdout``
+    (a user kernel's ``print``) go to ``sys.stderr`` when ``document_on_stdout`` (routetool
+    writes a JSON, JUnit or CSV document to stdout, which must hold that document only);
+    otherwise nothing changes. Output written to file descriptor 1 below Python is not moved.
+    """
+    return contextlib.redirect_stdout(sys.stderr) if document_on_stdout else contextlib.nullcontext()
+
+
 def kernel_source(spec: str | None) -> str | None:
     """The ``.py`` file a ``--kernel path.py:function`` names (an input of the run), else None."""
     if not spec or ":" not in spec:
@@ -127,7 +137,7 @@ def load_kernel(spec: str) -> tuple[str, RoutingFn]:
     except RouteToolError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the user's module's
-        raise RouteToolError(f"cannot import ({type(exc).__name__}: {exc})", path=module_name,
+        raise RouteToolError(f"cannot import ({first_line(exc)})", path=module_name,
                              fix="check the module and its dependencies") from None
     fn = getattr(module, func_name, None)
     if not callable(fn):

@@ -32,6 +32,29 @@ DEFAULT_TIE_ULPS = 16.0
 """Near-tie tolerance of the comparison, in float32 ulps (see :mod:`routetool.compare`)."""
 
 
+MAX_RECORDED_INVALID_SHOWN = 5
+"""Invalid recorded rows kept per ids-only layer, for the report (as :class:`ComparisonSummary` keeps failures)."""
+
+
+@dataclass
+class RecordedInvalidRow:
+    """One invalid row of the recorded outputs of an ids-only layer: where, why, what it holds.
+
+    Attributes:
+        layer / step: where. row: the row's index in the layer (as :class:`RowFailure` counts).
+        reasons: which of :data:`routetool.compare.INVALID_REASONS` apply.
+        topk_ids: the recorded ``[K]`` ids. topk_weights: the recorded ``[K]`` weights (float),
+            or None when the trace records no weights.
+    """
+
+    layer: int
+    step: int
+    row: int
+    reasons: list[str]
+    topk_ids: list[int]
+    topk_weights: list[float] | None
+
+
 @dataclass
 class LayerReplay:
     """Replay results of one MoE layer.
@@ -56,7 +79,8 @@ class LayerReplay:
         recorded_invalid / recorded_invalid_rows: ids-only layers: rows of the recorded
             outputs per invalid reason (:data:`routetool.compare.INVALID_REASONS`: ids out of
             range or repeated, non-finite or negative weights), found without a reference, and
-            the rows with any of them; None / 0 elsewhere.
+            the rows with any of them; None / 0 elsewhere. recorded_invalid_first: the first
+            (up to :data:`MAX_RECORDED_INVALID_SHOWN`) of those rows.
     """
 
     layer: int
@@ -76,6 +100,7 @@ class LayerReplay:
     ids_only: bool = False
     recorded_invalid: dict[str, int] | None = None
     recorded_invalid_rows: int = 0
+    recorded_invalid_first: list[RecordedInvalidRow] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -436,7 +461,17 @@ def _ids_only_layer(trace: Trace, res: LayerReplay, E: int, device: torch.device
         pad = step.is_padding.to(device) if step.is_padding is not None else None
         reasons = invalid_reasons(ids, weights, pad, E)
         invalid += reasons.sum(0)
-        res.recorded_invalid_rows += int(reasons.any(-1).sum())
+        bad = reasons.any(-1)
+        res.recorded_invalid_rows += int(bad.sum())
+        room = MAX_RECORDED_INVALID_SHOWN - len(res.recorded_invalid_first)
+        if room > 0:
+            for r in torch.nonzero(bad).flatten()[:room].tolist():
+                res.recorded_invalid_first.append(RecordedInvalidRow(
+                    layer=res.layer, step=step.index, row=step.start + r,
+                    reasons=[name for name, on in zip(INVALID_REASONS, reasons[r].tolist()) if on],
+                    topk_ids=[int(v) for v in ids[r].tolist()],
+                    topk_weights=None if weights is None else [float(v) for v in weights[r].float().tolist()],
+                ))
         if pad is not None:
             res.padded_rows += int(pad.sum())
             ids = ids[~pad]

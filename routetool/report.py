@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -231,6 +232,18 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
             ft.add_row(_NAMES.get(name, name), str(f.layer), str(f.step), str(f.row), f.row_class,
                        ", ".join(f.reasons) or "-", str(f.expected_ids), str(f.test_ids))
         console.print(ft)
+    recorded_bad = [r for layer in result.layers for r in layer.recorded_invalid_first]
+    if recorded_bad:
+        total = sum(layer.recorded_invalid_rows for layer in result.layers)
+        shown = recorded_bad[:10]
+        rt = table(f"First invalid recorded rows: {len(shown)} of {total:,} (ids-only layers, checked without logits)",
+                   ["layer", "step", "row", "reasons", "recorded ids", "recorded weights"],
+                   left=("reasons", "recorded ids", "recorded weights"))
+        for r in shown:
+            weights = "-" if r.topk_weights is None else "[" + ", ".join(fmt_float(w) for w in r.topk_weights) + "]"
+            # Text: "[nan, 1]" would be read as rich markup
+            rt.add_row(str(r.layer), str(r.step), str(r.row), ", ".join(r.reasons), Text(str(r.topk_ids)), Text(weights))
+        console.print(rt)
     if result.compared_rows == 0 and not result.ok:
         console.print(Text("FAIL: the replayed layers hold no logits, and some recorded outputs are invalid; exit code 1",
                            style="bold red"))
@@ -297,6 +310,7 @@ def replay_json(result: ReplayResult) -> dict:
                 "ids_only": layer.ids_only,
                 "recorded_invalid": layer.recorded_invalid,
                 "recorded_invalid_rows": layer.recorded_invalid_rows,
+                "recorded_invalid_first_rows": [asdict(r) for r in layer.recorded_invalid_first],
                 "num_tokens": layer.num_tokens,
                 "num_steps": layer.num_steps,
                 "padded_rows": layer.padded_rows,
@@ -423,8 +437,23 @@ def validate_json(result) -> dict:
     }
 
 
+_XML_ILLEGAL = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""Characters XML 1.0 cannot hold, not even as character references (its ``Char`` production)."""
+
+
+def xml_safe(text: str) -> str:
+    """``text`` with every character XML 1.0 cannot hold (control characters other than tab,
+    newline and carriage return; lone surrogates; U+FFFE, U+FFFF) written as its Python escape
+    (``\\x00``, ``\\x1b``, ``\\udc80``), so that any parser reads the document."""
+    return _XML_ILLEGAL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 def validate_junit(result) -> str:
-    """The validate result as JUnit XML (one testsuite per family, one testcase per case)."""
+    """The validate result as JUnit XML (one testsuite per family, one testcase per case).
+
+    Characters XML 1.0 cannot hold (in a kernel's message, a trace's file name) are written
+    as their Python escapes (:func:`xml_safe`): the document always parses.
+    """
     import xml.etree.ElementTree as ET
 
     root = ET.Element("testsuites", name=f"routetool validate {result.kernel}")
@@ -447,7 +476,9 @@ def validate_junit(result) -> str:
             elif c.message:
                 ET.SubElement(tc, "system-out").text = c.message
     ET.indent(root)
-    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+    # ElementTree writes such characters as they are; they never occur in its markup, only in
+    # text and attribute values, so replacing them in the serialised document is safe
+    return xml_safe(ET.tostring(root, encoding="unicode", xml_declaration=True)) + "\n"
 
 
 def write_text(text: str, path: str, console_out) -> None:
@@ -460,7 +491,7 @@ def write_text(text: str, path: str, console_out) -> None:
         console_out.write(text)
         console_out.flush()
         return
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 # ---------------------------------------------------------------------------------------

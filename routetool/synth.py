@@ -34,7 +34,8 @@ is a deterministic function of the spec):
   last rows of their step, marked in ``is_padding``; their logits are drawn like the others;
 * ``ties``: that many unpadded rows per layer get an exact tie at the k-th boundary: the
   best unpicked expert with the same bias as the k-th pick is given the k-th pick's logit;
-* ``nonfinite``: that many unpadded rows per layer get a NaN and a +inf logit.
+* ``nonfinite``: that many unpadded rows per layer get a NaN and a +inf logit (rows other
+  than the tie rows: more than the unpadded rows left is refused).
 
 Limits (checked before any work, :data:`LIMITS`): the trace is built in memory, so a layer
 holds at most ``2**28`` logits (rows x experts) and the trace at most ``2**30``; at most
@@ -323,6 +324,22 @@ def _check_rows(spec: SynthSpec, num_rows: int) -> None:
                    f"logits; the limit is 2**30 = {MAX_TRACE_ELEMENTS:,} (the trace is built in memory)", fix=fix)
 
 
+def _check_nonfinite(spec: SynthSpec, unpadded: int) -> None:
+    """``nonfinite`` rows are drawn from a layer's unpadded rows not taken by the ties (as
+    :func:`generate` picks them): refuse more than there are, instead of making fewer."""
+    if spec.nonfinite == 0:
+        return
+    ties = min(spec.ties, unpadded) if spec.router.topk < spec.router.num_experts else 0
+    available = unpadded - ties
+    if spec.nonfinite > available:
+        taken = f", {ties:,} of them taken by --ties {spec.ties:,}" if ties else ""
+        raise _bad(f"--nonfinite {spec.nonfinite:,}: a layer has {unpadded:,} unpadded "
+                   f"row{'s' if unpadded != 1 else ''}{taken}, so only "
+                   f"{available:,} can be made non-finite",
+                   fix=f"pass --nonfinite {available:,} or fewer{', lower --ties' if ties else ''}, or make more "
+                       "rows (--prefill, --decode-steps, --max-decode-batch)")
+
+
 def _layer_work(spec: SynthSpec, num_rows: int) -> tuple[int, int, int, int]:
     """Work units (logits evaluated) of one layer: (generation, calibration, bias fit, statistics)."""
     E = spec.router.num_experts
@@ -349,6 +366,7 @@ def plan_steps(spec: SynthSpec) -> tuple[list[int], list[int]]:
         raise _bad(f"this spec needs about {work:.3g} logit evaluations ({spec.num_layers:,} layers x {E:,} experts x "
                    "(2 x rows + calibration and bias-fit tokens)); the limit is 2**34 (a few minutes on two cores)",
                    fix="lower --layers, --experts, --fit-steps or the number of rows, or use --skew uniform/zipf/hot")
+    _check_nonfinite(spec, sum(real))
     return rows, real
 
 

@@ -481,6 +481,8 @@ def no_defaults(gating_output, bias, topk, route_scale, router_output_multiplier
     assert topk_weights is None and topk_ids is None
     return ref(gating_output, bias, topk, route_scale, router_output_multiplier, router_score_normalization,
                router_score_division_eps, is_padding=is_padding)
+def ansi(gating_output, bias, *args, **kwargs):
+    raise RuntimeError("\\x1b[2J\\x1b[31mscreen cleared\\x00")
 '''
 
 
@@ -491,6 +493,8 @@ def no_defaults(gating_output, bias, topk, route_scale, router_output_multiplier
     ("scribble_logits", ["wrote into its input gating_output on layer 0, step 0",
                          "(a routing kernel may write only topk_weights and topk_ids: fix the kernel"]),
     ("scribble_bias", ["wrote into its input bias on layer 0, step 0"]),
+    # the kernel's control characters are shown escaped, not sent to the terminal
+    ("ansi", [r"failed on layer 0, step 0 (RuntimeError: \x1b[2J\x1b[31mscreen cleared\x00)"]),
 ])
 def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load
@@ -560,3 +564,22 @@ def test_window_tokens_exclude_padding_through_the_cli(tmp_path):
     assert run("balance", trace, "--ep-size", "2", "--windows", "2", "--json", out, "--no-progress").exit_code == 0
     layer = json.loads(out.read_text())["layers"][0]
     assert [w["tokens"] for w in layer["windows"]] == [2, 1] and layer["tokens"] == 3
+
+
+def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
+    # its print() (on import and on every call) went to stdout, mixed into the JSON document
+    mod = tmp_path / "chatty.py"
+    mod.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
+                   "print('chatty: imported')\n"
+                   "def route(gating_output, bias, *args, **kwargs):\n"
+                   "    print('chatty: called')\n"
+                   "    return ref(gating_output, bias, *args, **kwargs)\n")
+    trace = tmp_path / "t.safetensors"
+    g = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
+    make_trace(trace, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 24]))})
+    for flag in ("--json", "--eplb-out"):
+        res = run("balance", trace, "--kernel", f"{mod}:route", "--ep-size", "2", "--no-progress", flag, "-")
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert doc["layers"][0]["expert_counts_assignments"] if flag == "--json" else doc
+        assert "chatty: imported" in res.stderr and "chatty: called" in res.stderr

@@ -112,6 +112,10 @@ def test_disk_full_leaves_the_existing_file_intact(tmp_path, monkeypatch):
     (["--prefill", "64,x"], ["--prefill '64,x'"]),
     (["--prefill", "8,,8"], ["--prefill '8,,8'", "expected token counts"]),
     (["--route-scale", "0"], ["route_scale=0.0 must be finite and > 0"]),
+    # more non-finite rows than the batch has (they were made silently fewer)
+    (["--prefill", "8", "--decode-steps", "0", "--nonfinite", "50"],
+     ["--nonfinite 50: a layer has 8 unpadded rows, 2 of them taken by --ties 2, so only 6 can be made non-finite",
+      "(pass --nonfinite 6 or fewer, lower --ties, or make more rows (--prefill, --decode-steps, --max-decode-batch))"]),
 ])
 def test_synth_bad_options_exit_2(tmp_path, args, fragments):
     out = tmp_path / "s.safetensors"
@@ -338,6 +342,12 @@ def test_capture_hf_uses_the_checkpoint_tokenizer(tmp_path):
      ["group-limited routing (n_group=4, topk_group=2)", "n_group=1"]),
     (["--arch", "mixtral", "--prompt-tokens", "100000"], ["the text has", "need 400000"]),
     (["--arch", "mixtral", "--set", "oops"], ["--set 'oops' is not KEY=VALUE"]),
+    # values are JSON: one that is not was taken as a string
+    (["--arch", "mixtral", "--set", "x=notjson"],
+     ["--set x: the value 'notjson' is not JSON (write a number, true, false, null or a quoted string, e.g. "
+      "--set 'x=\"notjson\"')"]),
+    (["--arch", "mixtral", "--set", "hidden_size=6x4"], ["--set hidden_size: the value '6x4' is not JSON"]),
+    (["--arch", "mixtral", "--set", "norm_topk_prob="], ["--set norm_topk_prob: the value '' is not JSON"]),
     (["--model", "no/such/dir"], ["is not a checkpoint folder"]),
     (["--config", "missing.json"], ["no such config file"]),
     (["--model", ".", "--router-std", "1"], ["apply to random-weight models"]),
@@ -473,7 +483,7 @@ def test_info_on_a_fifo_fails_at_once(tmp_path):
     (["--arch", "mixtral", "--set", "num_local_experts=0"], ["num_local_experts=0 must be an integer >= 1"]),
     (["--arch", "mixtral", "--set", "num_local_experts=1"], ["num_experts_per_tok=2 must be an integer in [1, "
                                                              "num_local_experts=1]"]),
-    (["--arch", "mixtral", "--set", "num_local_experts=x"], ["--arch mixtral", "num_local_experts", "expected int"]),
+    (["--arch", "mixtral", "--set", "num_local_experts=\"x\""], ["--arch mixtral", "num_local_experts", "expected int"]),
     (["--arch", "mixtral", "--set", "hidden_size=-1"], ["hidden_size=-1 must be an integer >= 1"]),
     (["--arch", "qwen3_moe", "--set", "num_experts=2"], ["num_experts_per_tok=4 must be an integer in [1, "
                                                          "num_experts=2]"]),
@@ -487,6 +497,14 @@ def test_info_on_a_fifo_fails_at_once(tmp_path):
     (["--arch", "deepseek_v3", "--bias-std", "nan"], ["--bias-std nan must be"]),
     (["--arch", "deepseek_v3", "--bias-std", "inf"], ["--bias-std inf must be"]),
     (["--arch", "mixtral", "--batch", "60000", "--prompt-tokens", "100000"], ["logits; the limit is 2**30"]),
+    # models too large to build: the process used to be killed for memory
+    (["--arch", "deepseek_v3", "--set", "num_hidden_layers=100000"],
+     ["--arch deepseek_v3 --set num_hidden_layers=100000: num_hidden_layers=100,000 is above the limit of 1,024 layers "
+      "for a random-weight model (fix num_hidden_layers in the config (or --set num_hidden_layers=...))"]),
+    (["--arch", "mixtral", "--set", "vocab_size=10000000"],
+     ["--arch mixtral --set vocab_size=10000000: the model would hold 1,280,", "GiB in float32;",
+      "(lower num_hidden_layers, hidden_size, the intermediate sizes, the expert count or vocab_size "
+      "(--set KEY=VALUE), or use --dtype bfloat16)"]),
 ])
 def test_capture_hf_impossible_configs_exit_2(tmp_path, args, fragments):
     pytest.importorskip("transformers")

@@ -370,3 +370,125 @@ def test_a_huge_layers_range_is_one_line(tmp_path):
     assert parse_layers("2-3,1", [1, 2, 3]) == [1, 2, 3]
     with pytest.raises(RouteToolError, match="no layer 4, 5, 6, 7, 8, 9, 10, 11, 12, 13 and 2 more"):
         parse_layers(",".join(map(str, range(1, 16))), [1, 2, 3])
+
+
+def _no_control_characters(text):
+    return all(c.isprintable() or c == "\n" for c in text)
+
+
+def test_control_characters_in_a_kernel_error_are_shown_escaped(tmp_path):
+    # a kernel's exception text reached the terminal as-is: an ANSI escape could rewrite the
+    # terminal, a NUL or a lone surrogate (a traceback of undecodable bytes) broke the output
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    src = tmp_path / "ctl.py"
+    src.write_text("def boom(g, b, topk, route_scale, *a, **k):\n"
+                   "    raise RuntimeError('bad \\x00 \\x1b[31mred\\x1b[0m \\udc80 end\\nsecond line')\n")
+    shown = r"RuntimeError: bad \x00 \x1b[31mred\x1b[0m \udc80 end"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{src}:boom", "--layers", "1", "--no-progress")
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 1 and len(lines) == 1 and shown in lines[0], res.output
+    assert _no_control_characters(res.output)
+    res = _run("validate", trace, "--suite", "none", "--kernel", f"{src}:boom", "--device", DEVICE, "--no-progress",
+               "--json", "-")
+    assert res.exit_code == 1 and _no_control_characters(res.output)
+    assert shown in json.loads(res.stdout)["cases"][0]["message"]
+    # the same for a module that fails on import
+    bad_import = tmp_path / "ctl_import.py"
+    bad_import.write_text("raise RuntimeError('x\\x1b[2Jy\\nsecond line')\n")
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{bad_import}:fn", "--no-progress")
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and r"cannot import (RuntimeError: x\x1b[2Jy)" in lines[0], res.output
+
+
+def test_first_line_escapes_what_is_not_printable():
+    from routetool.errors import first_line, printable
+
+    assert first_line(RuntimeError("a\tb \x07 \x9b1m \u2028second")) == r"RuntimeError: a\tb \x07 \x9b1m"
+    assert first_line(ValueError("\udcff"), with_type=False) == r"\udcff"
+    assert printable("Grüße, naïve → 世界") == "Grüße, naïve → 世界"  # printable text is unchanged
+    assert first_line(RuntimeError("\x1b" * 200), limit=20) == r"RuntimeError: \x1..."
+
+
+def _printing_kernel(tmp_path):
+    src = tmp_path / "chatty.py"
+    src.write_text(
+        "from kernel.reference import musespark1x_routing_reference as ref\n"
+        "print('chatty: imported')\n"
+        "def route(gating_output, bias, topk, route_scale, router_output_multiplier=None,\n"
+        "          router_score_normalization='sigmoid', router_score_division_eps=None, topk_weights=None,\n"
+        "          topk_ids=None, *, is_padding=None):\n"
+        "    print('chatty: called with', tuple(gating_output.shape))\n"
+        "    return ref(gating_output, bias, topk, route_scale, router_output_multiplier,\n"
+        "               router_score_normalization, router_score_division_eps, is_padding=is_padding)\n"
+    )
+    return f"{src}:route"
+
+
+def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
+    # its print() went to stdout, between and before the JSON document
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    kernel = _printing_kernel(tmp_path)
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress",
+               "--no-latency", "--json", "-")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["verdict"] == "pass"
+    assert "chatty: imported" in res.stderr and "chatty: called with" in res.stderr
+    res = _run("validate", trace, "--suite", "none", "--kernel", kernel, "--device", DEVICE, "--no-progress",
+               "--json", "-")
+    assert res.exit_code == 0 and json.loads(res.stdout)["verdict"] == "pass" and "chatty" in res.stderr
+    import xml.etree.ElementTree as ET
+
+    res = _run("validate", trace, "--suite", "none", "--kernel", kernel, "--device", DEVICE, "--no-progress",
+               "--junit", "-")
+    assert res.exit_code == 0 and ET.fromstring(res.stdout.split("\n", 1)[1]).tag == "testsuites"
+    assert "chatty: called with" in res.stderr
+    # bench imports the kernel before it checks for a GPU: on a CPU stdout stays empty
+    res = _run("bench", "--kernel", kernel, "--tokens", "4", "--experts", "8", "--topk", "2", "--dtype", "fp32",
+               "--rep-ms", "1", "--no-progress", "--json", "-")
+    assert "chatty: imported" in res.stderr
+    if HAS_CUDA:
+        assert res.exit_code == 0 and json.loads(res.stdout)["schema"] == "routetool.bench/1", res.output
+    else:
+        assert res.exit_code == 2 and res.stdout == "", res.output
+    # without a document on stdout, stdout is left alone
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress",
+               "--no-latency")
+    assert res.exit_code == 0 and "chatty: imported" in res.stdout
+
+
+def test_ids_only_trace_names_its_first_invalid_recorded_rows(tmp_path):
+    # the invalid recorded rows were only counted: neither the terminal nor the JSON said which
+    ids = torch.tensor([[0, 1], [1, 1], [2, 3], [1, 7], [2, 9], [4, 5]], dtype=torch.int32)
+    weights = torch.tensor([[0.5, 0.5], [0.5, 0.5], [float("nan"), 1.0], [-0.5, 1.5], [0.25, 0.75], [0.5, 0.5]])
+    path = make_trace(tmp_path / "ids.safetensors",
+                      {0: LayerArrays(topk_ids=ids, topk_weights=weights, step_offsets=torch.tensor([0, 2, 6]))})
+    res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
+    assert res.exit_code == 1, res.output
+    layer = json.loads(res.stdout)["layers"][0]
+    assert layer["recorded_invalid_rows"] == 4
+    # (layer, step, row of the layer, reasons, recorded ids, recorded weights; NaN is null in JSON)
+    assert layer["recorded_invalid_first_rows"] == [
+        {"layer": 0, "step": 0, "row": 1, "reasons": ["duplicate_id"], "topk_ids": [1, 1], "topk_weights": [0.5, 0.5]},
+        {"layer": 0, "step": 1, "row": 2, "reasons": ["nonfinite_weight"], "topk_ids": [2, 3],
+         "topk_weights": [None, 1.0]},
+        {"layer": 0, "step": 1, "row": 3, "reasons": ["negative_weight"], "topk_ids": [1, 7],
+         "topk_weights": [-0.5, 1.5]},
+        {"layer": 0, "step": 1, "row": 4, "reasons": ["id_out_of_range"], "topk_ids": [2, 9],
+         "topk_weights": [0.25, 0.75]}]
+    table = res.stderr.split("First invalid recorded rows: 4 of 4")[1]
+    rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert rows[:4] == [["0", "0", "1", "duplicate_id", "[1,", "1]", "[0.5,", "0.5]"],
+                        ["0", "1", "2", "nonfinite_weight", "[2,", "3]", "[nan,", "1]"],
+                        ["0", "1", "3", "negative_weight", "[1,", "7]", "[-0.5,", "1.5]"],
+                        ["0", "1", "4", "id_out_of_range", "[2,", "9]", "[0.25,", "0.75]"]]
+
+
+def test_at_most_five_invalid_recorded_rows_are_kept_per_layer(tmp_path):
+    ids = torch.tensor([[1, 1]] * 8, dtype=torch.int32)
+    path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 3, 8]))})
+    res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
+    layer = json.loads(res.stdout)["layers"][0]
+    assert res.exit_code == 1 and layer["recorded_invalid_rows"] == 8
+    assert [(r["step"], r["row"]) for r in layer["recorded_invalid_first_rows"]] == [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4)]
+    assert all(r["topk_weights"] is None for r in layer["recorded_invalid_first_rows"])  # no weights recorded
+    assert "First invalid recorded rows: 5 of 8" in res.stderr

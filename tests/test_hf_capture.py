@@ -254,3 +254,54 @@ def test_read_text_errors(tmp_path):
                           (tmp_path / "bad.txt", "is not UTF-8 text"), (tmp_path / "empty.txt", "the text is empty")):
         with pytest.raises(RouteToolError, match=message):
             read_text(path)
+
+
+# ---------------------------------------------------------------------------------------
+# the model's size is bounded before it is built (it used to be built, and the process killed)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe", "mixtral"])
+def test_model_size_counts_what_build_model_builds(arch):
+    from routetool.capture.hf import model_size
+
+    config = small_config(arch, **TINY)
+    model = build_model(config, seed=0, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert model_size(config, torch.bfloat16) == (params, nbytes)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # 100,000 layers of the small config: about 80 GB in float32
+    (dict(num_hidden_layers=100_000), r"--arch test: num_hidden_layers=100,000 is above the limit of 1,024 layers"),
+    # 10^7-token vocabulary: embedding + lm_head 1.28e9 parameters, 4.8 GiB in float32
+    (dict(vocab_size=10_000_000), r"--arch test: the model would hold 1,28\d,\d{3},\d{3} parameters, 4\.\d GiB in "
+                                  r"float32; .* is \d"),
+    (dict(num_local_experts=100_000), r"the model would hold [\d,]+ parameters, \d+\.\d GiB in float32"),
+])
+def test_models_too_large_are_refused_before_they_are_built(overrides, message, monkeypatch):
+    import transformers
+
+    real = transformers.AutoModelForCausalLM.from_config
+
+    def meta_only(*a, **k):  # the size may be counted on the meta device; nothing may be allocated
+        assert torch.empty(0).device.type == "meta", "the model must be refused before it is built"
+        return real(*a, **k)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", meta_only)
+    with pytest.raises(RouteToolError, match=message):
+        build_model(small_config("mixtral", **overrides), source="--arch test")
+
+
+def test_the_size_limit_is_half_the_memory_on_a_small_machine(monkeypatch):
+    from routetool.capture import hf
+
+    assert hf.physical_memory_bytes() > 2**28  # this machine says (Linux: os.sysconf)
+    config = small_config("mixtral", **TINY)
+    _, nbytes = hf.model_size(config)
+    monkeypatch.setattr(hf, "physical_memory_bytes", lambda: nbytes)  # half of it is too little
+    assert hf.model_size_limit() == nbytes // 2
+    with pytest.raises(RouteToolError, match=r"the model would hold [\d,]+ parameters, [\d.]+ MiB in float32; half "
+                                             r"of this machine's memory is [\d.]+ MiB"):
+        build_model(config, source="--arch test")
+    monkeypatch.setattr(hf, "physical_memory_bytes", lambda: None)  # the system does not say: the fixed limit
+    assert hf.model_size_limit() == hf.MAX_MODEL_BYTES == 2**32
+    assert build_model(config, source="--arch test") is not None

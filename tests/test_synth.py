@@ -312,3 +312,36 @@ def test_impossible_specs_fail_before_any_work(kw, message, monkeypatch):
     monkeypatch.setattr(synth_mod, "_draw", no_work)
     with pytest.raises(RouteToolError, match=message):
         synthesize(small(**kw))
+
+
+@pytest.mark.parametrize("kw, message", [
+    # 2 prefill chunks of 5 unpadded rows, 3 taken by ties: 7 left
+    (dict(prefill_chunks=(5, 5), decode_steps=0, ties=3, nonfinite=8),
+     r"--nonfinite 8: a layer has 10 unpadded rows, 3 of them taken by --ties 3, so only 7 can be made non-finite "
+     r"\(pass --nonfinite 7 or fewer, lower --ties, or make more rows"),
+    # ties take every row
+    (dict(prefill_chunks=(4,), decode_steps=0, ties=9, nonfinite=1),
+     r"--nonfinite 1: a layer has 4 unpadded rows, 4 of them taken by --ties 9, so only 0 can be made"),
+    # no ties when topk == experts (nothing to tie at the boundary): every unpadded row counts
+    (dict(router=RouterConfig(num_experts=4, topk=4), prefill_chunks=(6,), decode_steps=0, ties=3, nonfinite=7,
+          skew="uniform"),
+     r"--nonfinite 7: a layer has 6 unpadded rows, so only 6 can be made non-finite \(pass --nonfinite 6 or fewer, or"),
+])
+def test_more_nonfinite_rows_than_the_layer_has_are_refused(kw, message, monkeypatch):
+    # they used to be made silently fewer
+    import routetool.synth as synth_mod
+
+    def no_work(*a, **k):
+        raise AssertionError("the spec must be refused before any logits are drawn")
+
+    monkeypatch.setattr(synth_mod, "_offsets", no_work)
+    monkeypatch.setattr(synth_mod, "_draw", no_work)
+    with pytest.raises(RouteToolError, match=message):
+        synthesize(small(**kw))
+
+
+def test_as_many_nonfinite_rows_as_are_left_are_made():
+    spec = small(prefill_chunks=(5, 5), decode_steps=0, ties=3, nonfinite=7, dtype=torch.float32)
+    _, layers = synthesize(spec)
+    for arr in layers.values():
+        assert int((~torch.isfinite(arr.gating_output)).any(-1).sum()) == 7

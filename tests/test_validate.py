@@ -144,3 +144,55 @@ def test_cli_passes_project_kernel_and_exit_codes(tmp_path):
     bad.write_bytes(b"junk")
     res = CliRunner().invoke(main, ["validate", str(bad), "--suite", "none", "--no-progress"])
     assert res.exit_code == 2 and "not a readable safetensors file" in res.output
+
+
+def test_junit_holds_characters_xml_cannot(tmp_path):
+    # a kernel's message (through the Python API) or a trace's file name may hold control
+    # characters or lone surrogates; the JUnit file was written as is and did not parse
+    # (a lone surrogate even stopped the write with a traceback)
+    from routetool.report import validate_junit, write_text
+    from routetool.validate import CaseResult, ValidateResult
+
+    nasty = "bad \x00 \x1b[31mred \udc80 \ufffe end"
+    cases = [CaseResult(family="fam\x01", name="fam/one\x1b", description="d", verdict="fail",
+                        failure_classes=["crash"], message=nasty),
+             CaseResult(family="fam\x01", name="fam/two", description="d", verdict="skipped", message=nasty),
+             CaseResult(family="fam\x01", name="fam/three", description="d", verdict="pass_tie", message=nasty)]
+    result = ValidateResult(kernel="k\x07", execution=select_execution("cuda" if HAS_CUDA else "cpu"), suite=None,
+                            tie_ulps=16.0, cases=cases)
+    out = tmp_path / "v.xml"
+    write_text(validate_junit(result), str(out), None)
+    root = ET.parse(out).getroot()
+    shown = r"bad \x00 \x1b[31mred \udc80 \ufffe end"
+    assert root.get("name") == r"routetool validate k\x07"
+    suite = root.find("testsuite")
+    assert suite.get("name") == r"fam\x01" and suite.get("failures") == "1"
+    assert root.find(".//failure").get("message") == shown and root.find(".//failure").text == shown
+    assert root.find(".//skipped").get("message") == shown and root.find(".//system-out").text == shown
+    assert root.find(".//testcase").get("name") == r"fam/one\x1b"
+    assert validate_junit(result).encode("utf-8")  # nothing left that UTF-8 cannot encode
+
+
+def test_cli_junit_of_a_trace_whose_name_holds_control_characters(tmp_path):
+    import torch
+    from helpers import make_trace
+
+    from routetool.trace import LayerArrays
+
+    g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    trace = make_trace(tmp_path / "t\x1b[31m\x01.safetensors", {0: LayerArrays(gating_output=g)})
+    xml = tmp_path / "v.xml"
+    res = CliRunner().invoke(main, ["validate", str(trace), "--suite", "none", "--device", DEVICE.type,
+                                    "--junit", str(xml), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    suite = ET.parse(xml).getroot().find("testsuite")
+    assert suite.get("name") == r"trace:t\x1b[31m\x01.safetensors" and suite.get("tests") == "1"
+    # and a kernel whose exception text holds them
+    src = tmp_path / "ctl.py"
+    src.write_text("def boom(g, b, topk, route_scale, *a, **k):\n"
+                   "    raise RuntimeError('bad \\x00 \\x1b[31mred \\udc80 end')\n")
+    res = CliRunner().invoke(main, ["validate", str(trace), "--suite", "none", "--device", DEVICE.type,
+                                    "--kernel", f"{src}:boom", "--junit", str(xml), "--force", "--no-progress"])
+    assert res.exit_code == 1, res.output
+    failure = ET.parse(xml).getroot().find(".//failure")
+    assert failure.get("type") == "crash" and r"(RuntimeError: bad \x00 \x1b[31mred \udc80 end)" in failure.get("message")

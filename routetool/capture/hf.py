@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -416,11 +417,13 @@ def build_model(config, *, seed: int = 0, router_std: float = 0.25, bias_std: fl
 
     Raises:
         RouteToolError: an unsupported router family, group-limited routing, impossible
-            sizes or router fields (:func:`check_model_config`, checked first), bad seed or
-            std, or any failure of transformers to build the model (in one line).
+            sizes or router fields (:func:`check_model_config`, checked first), a model too
+            large to hold (:func:`check_model_size`, checked before anything is allocated),
+            bad seed or std, or any failure of transformers to build the model (in one line).
     """
     transformers = require_transformers()
     check_model_config(config, source)  # refuse impossible configs before building anything
+    check_model_size(config, dtype, source)
     if not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
         raise RouteToolError(f"seed={seed!r} must be an integer in [0, 2**63-1]", fix="e.g. --seed 0")
     for name, std in (("router-std", router_std), ("bias-std", bias_std)):
@@ -448,6 +451,80 @@ def build_model(config, *, seed: int = 0, router_std: float = 0.25, bias_std: fl
 
 MAX_SEED = 2**63 - 1
 """Largest ``--seed`` (torch generators take 64-bit seeds)."""
+MAX_MODEL_LAYERS = 1024
+"""Most ``num_hidden_layers`` of a random-weight model (real MoE models have about 100 or fewer;
+each layer is a tree of Python modules, so even the size estimate costs time per layer)."""
+MAX_MODEL_BYTES = 2**32
+"""Largest random-weight model, in bytes of parameters and buffers (4 GiB); lower on a machine
+with less than twice that memory (:func:`model_size_limit`)."""
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's physical memory (``os.sysconf``), or None where the system does not say."""
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+    return pages * page_size if pages > 0 and page_size > 0 else None
+
+
+def model_size_limit() -> int:
+    """Bytes a random-weight model may take: :data:`MAX_MODEL_BYTES`, or half the physical
+    memory when that is less (the forward passes and the recording need the rest)."""
+    memory = physical_memory_bytes()
+    return MAX_MODEL_BYTES if memory is None else min(MAX_MODEL_BYTES, memory // 2)
+
+
+def model_size(config, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """``(parameters, bytes)`` of the model :func:`build_model` makes from ``config``: the same
+    ``from_config`` call, on the meta device (shapes only, nothing allocated). Bytes count the
+    parameters (shared ones once) and the buffers.
+
+    Raises:
+        Whatever transformers raises for a config it cannot build.
+    """
+    transformers = require_transformers()
+    with torch.device("meta"), _quiet_transformers(transformers):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    params = list(model.parameters())
+    tensors = params + list(model.buffers())
+    return sum(p.numel() for p in params), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def check_model_size(config, dtype: torch.dtype = torch.float32, source: object = None) -> None:
+    """Refuse a random-weight model too large to build here, before anything is allocated:
+    more than :data:`MAX_MODEL_LAYERS` layers, or parameters and buffers above
+    :func:`model_size_limit` (counted by :func:`model_size`).
+
+    Raises:
+        RouteToolError: naming the config, the size and the limit; or transformers failing on
+            the config (in one line).
+    """
+    layers = getattr(config, "num_hidden_layers", None)
+    if _is_int(layers) and layers > MAX_MODEL_LAYERS:
+        raise _config_error(f"num_hidden_layers={layers:,} is above the limit of {MAX_MODEL_LAYERS:,} layers for a "
+                            "random-weight model", source, "num_hidden_layers")
+    try:
+        params, nbytes = model_size(config, dtype)
+    except RouteToolError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the model code raises for a config it cannot build
+        raise RouteToolError(f"transformers cannot build the model ({_one_line(exc)})", path=source,
+                             fix="check the config's sizes (or the --set values)") from None
+    limit = model_size_limit()
+    if nbytes > limit:
+        dtype_name = str(dtype).removeprefix("torch.")
+        where = ("the limit for random-weight models" if limit == MAX_MODEL_BYTES
+                 else "half of this machine's memory")
+        raise RouteToolError(
+            f"the model would hold {params:,} parameters, {_size(nbytes)} in {dtype_name}; {where} is {_size(limit)}",
+            path=source,
+            fix="lower num_hidden_layers, hidden_size, the intermediate sizes, the expert count or vocab_size "
+                "(--set KEY=VALUE), or use --dtype bfloat16")
 MAX_STD = 10.0
 """Largest ``--router-std`` / ``--bias-std``."""
 
