@@ -571,7 +571,7 @@ def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
     mod = tmp_path / "chatty.py"
     mod.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
                    "print('chatty: imported')\n"
-                   "def route(gating_output, bias, *args, **kwargs):\n"
+                   "def route(gating_output, bias, *args, topk_weights=None, topk_ids=None, **kwargs):\n"
                    "    print('chatty: called')\n"
                    "    return ref(gating_output, bias, *args, **kwargs)\n")
     trace = tmp_path / "t.safetensors"
