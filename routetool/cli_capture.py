@@ -45,15 +45,21 @@ def _parse_overrides(items: tuple[str, ...]) -> dict:
     """``--set KEY=VALUE`` (VALUE as JSON: a number, true/false, null, a "string", a list) -> dict.
 
     Raises:
-        RouteToolError: an item without ``=`` or a key, or a VALUE that is not JSON (it was
-            taken as a string, which the config then held, e.g. ``--set hidden_size=6x4``).
+        RouteToolError: an item without ``=`` or a key, a VALUE that is not JSON (it was
+            taken as a string, which the config then held, e.g. ``--set hidden_size=6x4``), or a
+            KEY given twice (the last value won silently).
     """
     out = {}
+    given = {}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise RouteToolError(f"--set {item!r} is not KEY=VALUE", fix="e.g. --set norm_topk_prob=false")
+        if key in given:
+            raise RouteToolError(f"--set {key} is given twice ({given[key]!r}, then {raw!r})",
+                                 fix=f"give each key once, e.g. --set {key}={raw}")
+        given[key] = raw
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:

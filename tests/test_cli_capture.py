@@ -348,6 +348,10 @@ def test_capture_hf_uses_the_checkpoint_tokenizer(tmp_path):
       "--set 'x=\"notjson\"')"]),
     (["--arch", "mixtral", "--set", "hidden_size=6x4"], ["--set hidden_size: the value '6x4' is not JSON"]),
     (["--arch", "mixtral", "--set", "norm_topk_prob="], ["--set norm_topk_prob: the value '' is not JSON"]),
+    # a key given twice: the last value won silently
+    (["--arch", "deepseek_v3", "--set", "n_routed_experts=64", "--set", "n_routed_experts=32"],
+     ["--set n_routed_experts is given twice ('64', then '32') (give each key once, e.g. --set n_routed_experts=32)"]),
+    (["--arch", "mixtral", "--set", "head_dim=16", "--set", " head_dim =16"], ["--set head_dim is given twice"]),
     (["--model", "no/such/dir"], ["is not a checkpoint folder"]),
     (["--config", "missing.json"], ["no such config file"]),
     (["--model", ".", "--router-std", "1"], ["apply to random-weight models"]),
