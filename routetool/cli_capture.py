@@ -161,7 +161,8 @@ def _std(ctx, param, value):
 @click.option("--fit-steps", type=click.IntRange(0, 10_000), default=50, show_default=True,
               help="Bias updates (batches of 1024 tokens).")
 @click.option("--ties", type=click.IntRange(0, 100_000), default=4, show_default=True,
-              help="Rows per layer given an exact tie at the k-th boundary.")
+              help="Rows per layer given an exact tie at the k-th boundary (at most the unpadded rows; "
+                   "the default is lowered to them).")
 @click.option("--nonfinite", type=click.IntRange(0, 100_000), default=0, show_default=True,
               help="Rows per layer given a NaN and a +inf logit (at most the unpadded rows not taken by --ties).")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed (0 to 2**63-1).")
@@ -188,6 +189,7 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
         synth_stats,
         synth_warnings,
         synth_work,
+        with_default_ties,
     )
     from routetool.trace import RouterConfig, write_trace
 
@@ -202,6 +204,8 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
         bias_update_rate=bias_rate, fit_steps=fit_steps, ties=ties, nonfinite=nonfinite, seed=seed, model=model_name,
         affinity=affinity,
     )
+    if click.get_current_context().get_parameter_source("ties") == click.core.ParameterSource.DEFAULT:
+        spec = with_default_ties(spec)  # the default, not the user, asked for 4: a smaller trace holds fewer
     total = synth_work(spec)  # checks the spec and its sizes before any work
     with _progress(progress, percent=True) as bar:
         task = bar.add_task(f"synth {out.name}", total=total)

@@ -33,7 +33,9 @@ is a deterministic function of the spec):
   to their tokens, so that padded rows / all rows = F (to rounding). Padded rows are the
   last rows of their step, marked in ``is_padding``; their logits are drawn like the others;
 * ``ties``: that many unpadded rows per layer get an exact tie at the k-th boundary: the
-  best unpicked expert with the same bias as the k-th pick is given the k-th pick's logit;
+  best unpicked expert with the same bias as the k-th pick is given the k-th pick's logit
+  (more than a layer's unpadded rows is refused, and any at all when topk == experts: there
+  is no k-th boundary to tie at);
 * ``nonfinite``: that many unpadded rows per layer get a NaN and a +inf logit (rows other
   than the tie rows: more than the unpadded rows left is refused).
 
@@ -47,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -55,6 +57,9 @@ from routetool.errors import RouteToolError
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+DEFAULT_TIES = 4
+"""Tie rows per layer unless asked otherwise (``routetool synth`` lowers this default to what a
+layer can hold, :func:`with_default_ties`)."""
 _HIDDEN = 16
 DEFAULT_AFFINITY = 1.5
 """Token-expert affinity ``a`` of the logit model unless an imbalance target lowers it."""
@@ -124,7 +129,7 @@ class SynthSpec:
     bias: str = "zero"
     bias_update_rate: float = 1e-3
     fit_steps: int = 50
-    ties: int = 4
+    ties: int = DEFAULT_TIES
     nonfinite: int = 0
     seed: int = 0
     model: str = "synthetic"
@@ -324,20 +329,36 @@ def _check_rows(spec: SynthSpec, num_rows: int) -> None:
                    f"logits; the limit is 2**30 = {MAX_TRACE_ELEMENTS:,} (the trace is built in memory)", fix=fix)
 
 
-def _check_nonfinite(spec: SynthSpec, unpadded: int) -> None:
-    """``nonfinite`` rows are drawn from a layer's unpadded rows not taken by the ties (as
-    :func:`generate` picks them): refuse more than there are, instead of making fewer."""
-    if spec.nonfinite == 0:
-        return
-    ties = min(spec.ties, unpadded) if spec.router.topk < spec.router.num_experts else 0
-    available = unpadded - ties
+def _tie_capacity(spec: SynthSpec, unpadded: int) -> int:
+    """Tie rows a layer of ``unpadded`` unpadded rows can hold: each of them, unless
+    topk == experts (every expert is picked: there is no k-th boundary to tie at)."""
+    return unpadded if spec.router.topk < spec.router.num_experts else 0
+
+
+def _too_many_rows(option: str, asked: int, unpadded: int, available: int, made: str, taken: str = "",
+                   also: str = "") -> RouteToolError:
+    """The one-line refusal of ``--ties`` / ``--nonfinite`` asking for more rows than a layer has for them."""
+    return _bad(f"{option} {asked:,}: a layer has {unpadded:,} unpadded row{'s' if unpadded != 1 else ''}{taken}, "
+                f"so only {available:,} can be {made}",
+                fix=f"pass {option} {available:,} or fewer{also}, or make more rows (--prefill, --decode-steps, "
+                    "--max-decode-batch)")
+
+
+def _check_special_rows(spec: SynthSpec, unpadded: int) -> None:
+    """The tie rows and then the ``nonfinite`` rows are drawn from a layer's ``unpadded`` rows
+    (as :func:`generate` picks them): refuse more than there are, instead of making fewer."""
+    r = spec.router
+    if spec.ties and r.topk >= r.num_experts:
+        raise _bad(f"--ties {spec.ties:,}: topk {r.topk} = experts {r.num_experts}, so every expert is picked and no "
+                   "row can be given a tie at the k-th boundary",
+                   fix="pass --ties 0, or choose more experts than topk")
+    if spec.ties > unpadded:
+        raise _too_many_rows("--ties", spec.ties, unpadded, unpadded, "given a tie at the k-th boundary")
+    available = unpadded - spec.ties
     if spec.nonfinite > available:
-        taken = f", {ties:,} of them taken by --ties {spec.ties:,}" if ties else ""
-        raise _bad(f"--nonfinite {spec.nonfinite:,}: a layer has {unpadded:,} unpadded "
-                   f"row{'s' if unpadded != 1 else ''}{taken}, so only "
-                   f"{available:,} can be made non-finite",
-                   fix=f"pass --nonfinite {available:,} or fewer{', lower --ties' if ties else ''}, or make more "
-                       "rows (--prefill, --decode-steps, --max-decode-batch)")
+        raise _too_many_rows("--nonfinite", spec.nonfinite, unpadded, available, "made non-finite",
+                             taken=f", {spec.ties:,} of them taken by --ties {spec.ties:,}" if spec.ties else "",
+                             also=", lower --ties" if spec.ties else "")
 
 
 def _layer_work(spec: SynthSpec, num_rows: int) -> tuple[int, int, int, int]:
@@ -366,8 +387,21 @@ def plan_steps(spec: SynthSpec) -> tuple[list[int], list[int]]:
         raise _bad(f"this spec needs about {work:.3g} logit evaluations ({spec.num_layers:,} layers x {E:,} experts x "
                    "(2 x rows + calibration and bias-fit tokens)); the limit is 2**34 (a few minutes on two cores)",
                    fix="lower --layers, --experts, --fit-steps or the number of rows, or use --skew uniform/zipf/hot")
-    _check_nonfinite(spec, sum(real))
+    _check_special_rows(spec, sum(real))
     return rows, real
+
+
+def with_default_ties(spec: SynthSpec) -> SynthSpec:
+    """``spec`` with ``ties`` lowered to what a layer can hold (its unpadded rows; none when
+    topk == experts): what ``routetool synth`` does with its default ``--ties``, so that a
+    trace of fewer rows needs no option. A ``ties`` given on purpose is never lowered:
+    :func:`plan_steps` refuses one above what a layer holds.
+
+    Raises:
+        RouteToolError: as :func:`plan_steps`.
+    """
+    _, real = plan_steps(replace(spec, ties=0, nonfinite=0))
+    return replace(spec, ties=min(spec.ties, _tie_capacity(spec, sum(real))))
 
 
 def synth_work(spec: SynthSpec) -> int:
@@ -561,7 +595,7 @@ def generate(spec: SynthSpec, progress: Callable[[int], None] | None = None) -> 
             bias = torch.zeros(E)
         logits = _logits(offset, dirs, int(offsets[-1]), gen, cal.affinity).to(spec.dtype)
         special = unpadded[torch.randperm(unpadded.numel(), generator=gen)]
-        n_ties = min(spec.ties, special.numel()) if spec.router.topk < E else 0
+        n_ties = spec.ties  # at most what the layer holds (plan_steps)
         tie_rows = special[:n_ties]
         if n_ties:
             _inject_ties(logits, bias, tie_rows, spec)

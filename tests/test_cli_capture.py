@@ -116,11 +116,33 @@ def test_disk_full_leaves_the_existing_file_intact(tmp_path, monkeypatch):
     (["--prefill", "8", "--decode-steps", "0", "--nonfinite", "50"],
      ["--nonfinite 50: a layer has 8 unpadded rows, 2 of them taken by --ties 2, so only 6 can be made non-finite",
       "(pass --nonfinite 6 or fewer, lower --ties, or make more rows (--prefill, --decode-steps, --max-decode-batch))"]),
+    # more tie rows than the batch has (they were made silently fewer, in every unpadded row)
+    (["--prefill", "8", "--decode-steps", "0", "--ties", "100000"],
+     ["--ties 100,000: a layer has 8 unpadded rows, so only 8 can be given a tie at the k-th boundary (pass --ties 8 "
+      "or fewer, or make more rows (--prefill, --decode-steps, --max-decode-batch))"]),
+    # topk == experts: no k-th boundary to tie at (no ties were made)
+    (["--experts", "6", "--ties", "1"], ["--ties 1: topk 6 = experts 6, so every expert is picked",
+                                         "(pass --ties 0, or choose more experts than topk)"]),
 ])
 def test_synth_bad_options_exit_2(tmp_path, args, fragments):
     out = tmp_path / "s.safetensors"
     _one_line_error(_run("synth", "-o", out, *SMALL, *args), *fragments)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, ties", [
+    (["--prefill", "3", "--decode-steps", "0"], 3),  # fewer unpadded rows than the default 4
+    (["--experts", "6", "--topk", "6"], 0),  # topk == experts: nothing to tie
+])
+def test_synth_default_ties_fit_a_small_trace(tmp_path, args, ties):
+    # the default --ties 4 is lowered to what a layer holds; a --ties given on purpose is checked
+    out = tmp_path / "s.safetensors"
+    i = SMALL.index("--ties")
+    small = SMALL[:i] + SMALL[i + 2:]
+    res = _run("synth", "-o", out, *small, *args, "--dtype", "float32", "--skew", "uniform")
+    assert res.exit_code == 0, res.output
+    with open_trace(out) as t:
+        assert f" ties={ties} nonfinite=0" in t.meta.provenance
 
 
 def test_synth_output_folder_problems(tmp_path):

@@ -8,7 +8,15 @@ import torch
 from kernel.reference import biased_scores, normalized_scores
 from routetool.compare import boundary_margins
 from routetool.errors import RouteToolError
-from routetool.synth import GRAPH_BATCH_SIZES, SynthSpec, synth_stats, synthesize
+from routetool.synth import (
+    DEFAULT_TIES,
+    GRAPH_BATCH_SIZES,
+    SynthSpec,
+    synth_stats,
+    synth_work,
+    synthesize,
+    with_default_ties,
+)
 from routetool.trace import RouterConfig, Trace, metadata_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,14 +328,28 @@ def test_impossible_specs_fail_before_any_work(kw, message, monkeypatch):
      r"--nonfinite 8: a layer has 10 unpadded rows, 3 of them taken by --ties 3, so only 7 can be made non-finite "
      r"\(pass --nonfinite 7 or fewer, lower --ties, or make more rows"),
     # ties take every row
-    (dict(prefill_chunks=(4,), decode_steps=0, ties=9, nonfinite=1),
-     r"--nonfinite 1: a layer has 4 unpadded rows, 4 of them taken by --ties 9, so only 0 can be made"),
+    (dict(prefill_chunks=(4,), decode_steps=0, ties=4, nonfinite=1),
+     r"--nonfinite 1: a layer has 4 unpadded rows, 4 of them taken by --ties 4, so only 0 can be made"),
     # no ties when topk == experts (nothing to tie at the boundary): every unpadded row counts
-    (dict(router=RouterConfig(num_experts=4, topk=4), prefill_chunks=(6,), decode_steps=0, ties=3, nonfinite=7,
+    (dict(router=RouterConfig(num_experts=4, topk=4), prefill_chunks=(6,), decode_steps=0, ties=0, nonfinite=7,
           skew="uniform"),
      r"--nonfinite 7: a layer has 6 unpadded rows, so only 6 can be made non-finite \(pass --nonfinite 6 or fewer, or"),
+    # more tie rows than the layer has (they were made silently fewer), before --nonfinite is looked at
+    (dict(prefill_chunks=(4,), decode_steps=0, ties=9, nonfinite=1),
+     r"^--ties 9: a layer has 4 unpadded rows, so only 4 can be given a tie at the k-th boundary \(pass --ties 4 or "
+     r"fewer, or make more rows \(--prefill, --decode-steps, --max-decode-batch\)\)$"),
+    (dict(prefill_chunks=(1,), decode_steps=0, ties=2, nonfinite=0),
+     r"^--ties 2: a layer has 1 unpadded row, so only 1 can be given a tie"),
+    # the decode steps' padding rows do not count
+    (dict(prefill_chunks=(), decode_steps=3, max_decode_batch=3, ties=100_000, nonfinite=0, seed=1),
+     r"^--ties 100,000: a layer has \d unpadded rows, so only \d can be given a tie"),
+    # topk == experts: every expert is picked, no k-th boundary to tie at (ties were made silently none)
+    (dict(router=RouterConfig(num_experts=4, topk=4), prefill_chunks=(6,), decode_steps=0, ties=3, nonfinite=0,
+          skew="uniform"),
+     r"^--ties 3: topk 4 = experts 4, so every expert is picked and no row can be given a tie at the k-th boundary "
+     r"\(pass --ties 0, or choose more experts than topk\)$"),
 ])
-def test_more_nonfinite_rows_than_the_layer_has_are_refused(kw, message, monkeypatch):
+def test_more_tie_or_nonfinite_rows_than_the_layer_has_are_refused(kw, message, monkeypatch):
     # they used to be made silently fewer
     import routetool.synth as synth_mod
 
@@ -338,6 +360,25 @@ def test_more_nonfinite_rows_than_the_layer_has_are_refused(kw, message, monkeyp
     monkeypatch.setattr(synth_mod, "_draw", no_work)
     with pytest.raises(RouteToolError, match=message):
         synthesize(small(**kw))
+
+
+def test_every_unpadded_row_can_be_a_tie_row():
+    spec = small(prefill_chunks=(4,), decode_steps=0, ties=4, nonfinite=0, dtype=torch.float32)
+    meta, layers = synthesize(spec)
+    for st in synth_stats(meta, layers):
+        assert st.boundary_ties == 4  # float32 logits: ties come from the injection only
+
+
+@pytest.mark.parametrize("kw, ties", [
+    (dict(), DEFAULT_TIES),  # room for the default
+    (dict(prefill_chunks=(2,), decode_steps=0), 2),  # 2 unpadded rows: 2 ties
+    (dict(prefill_chunks=(), decode_steps=1, max_decode_batch=1, padding="fraction:0.5"), 1),  # 1 real row, 1 padded
+    (dict(router=RouterConfig(num_experts=4, topk=4), skew="uniform"), 0),  # topk == experts: none
+])
+def test_the_default_ties_are_lowered_to_what_a_layer_holds(kw, ties):
+    spec = with_default_ties(small(ties=DEFAULT_TIES, nonfinite=0, **kw))
+    assert spec.ties == ties
+    synth_work(spec)  # accepted
 
 
 def test_as_many_nonfinite_rows_as_are_left_are_made():
