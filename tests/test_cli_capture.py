@@ -118,8 +118,8 @@ def test_disk_full_leaves_the_existing_file_intact(tmp_path, monkeypatch):
       "(pass --nonfinite 6 or fewer, lower --ties, or make more rows (--prefill, --decode-steps, --max-decode-batch))"]),
     # more tie rows than the batch has (they were made silently fewer, in every unpadded row)
     (["--prefill", "8", "--decode-steps", "0", "--ties", "100000"],
-     ["--ties 100,000: a layer has 8 unpadded rows, so only 8 can be given a tie at the k-th boundary (pass --ties 8 "
-      "or fewer, or make more rows (--prefill, --decode-steps, --max-decode-batch))"]),
+     [("--ties 100,000: a layer has 8 unpadded rows, so only 8 can be given a tie at the k-th boundary (pass --ties 8 "
+       "or fewer, or make more rows (--prefill, --decode-steps, --max-decode-batch))")]),
     # topk == experts: no k-th boundary to tie at (no ties were made)
     (["--experts", "6", "--ties", "1"], ["--ties 1: topk 6 = experts 6, so every expert is picked",
                                          "(pass --ties 0, or choose more experts than topk)"]),

@@ -336,8 +336,8 @@ def test_impossible_specs_fail_before_any_work(kw, message, monkeypatch):
      r"--nonfinite 7: a layer has 6 unpadded rows, so only 6 can be made non-finite \(pass --nonfinite 6 or fewer, or"),
     # more tie rows than the layer has (they were made silently fewer), before --nonfinite is looked at
     (dict(prefill_chunks=(4,), decode_steps=0, ties=9, nonfinite=1),
-     r"^--ties 9: a layer has 4 unpadded rows, so only 4 can be given a tie at the k-th boundary \(pass --ties 4 or "
-     r"fewer, or make more rows \(--prefill, --decode-steps, --max-decode-batch\)\)$"),
+     (r"^--ties 9: a layer has 4 unpadded rows, so only 4 can be given a tie at the k-th boundary \(pass --ties 4 or "
+      r"fewer, or make more rows \(--prefill, --decode-steps, --max-decode-batch\)\)$")),
     (dict(prefill_chunks=(1,), decode_steps=0, ties=2, nonfinite=0),
      r"^--ties 2: a layer has 1 unpadded row, so only 1 can be given a tie"),
     # the decode steps' padding rows do not count
@@ -346,8 +346,8 @@ def test_impossible_specs_fail_before_any_work(kw, message, monkeypatch):
     # topk == experts: every expert is picked, no k-th boundary to tie at (ties were made silently none)
     (dict(router=RouterConfig(num_experts=4, topk=4), prefill_chunks=(6,), decode_steps=0, ties=3, nonfinite=0,
           skew="uniform"),
-     r"^--ties 3: topk 4 = experts 4, so every expert is picked and no row can be given a tie at the k-th boundary "
-     r"\(pass --ties 0, or choose more experts than topk\)$"),
+     (r"^--ties 3: topk 4 = experts 4, so every expert is picked and no row can be given a tie at the k-th boundary "
+      r"\(pass --ties 0, or choose more experts than topk\)$")),
 ])
 def test_more_tie_or_nonfinite_rows_than_the_layer_has_are_refused(kw, message, monkeypatch):
     # they used to be made silently fewer
