@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from routetool import __version__
+from routetool.cli_numbers import INT, FloatRange
 from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.numtext import parse_int, split_items
@@ -88,9 +89,9 @@ def _finite(ctx, param, value):
               help="Kernel variant (tiled, seed) or module:function with the seed's signature.")
 @click.option("--layers", "layers_spec", default="all", show_default=True,
               help="Layers to replay, e.g. 0,2,5-7.")
-@click.option("--layer", "histogram_layer", type=int, default=None,
+@click.option("--layer", "histogram_layer", type=INT, default=None,
               help="Show the expert-load histogram of this layer (default: all replayed layers summed).")
-@click.option("--tie-ulps", type=click.FloatRange(min=0, max=1e6), default=16.0, show_default=True, callback=_finite,
+@click.option("--tie-ulps", type=FloatRange(min=0, max=1e6), default=16.0, show_default=True, callback=_finite,
               help="Near-tie tolerance in float32 ulps for the tie-equivalent class (0 = exact ties only).")
 @click.option("--latency/--no-latency", default=True, show_default=True,
               help="Time each distinct step shape under CUDA graphs (GPU only).")
@@ -147,7 +148,7 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
               help="Only these suite families (repeatable): ties, nonfinite, bias, shapes, layouts, dtypes, padding, parameters.")
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
               help="cuda: compiled kernels, CUDA-graph cases; cpu: the Triton interpreter; auto: cuda if present.")
-@click.option("--tie-ulps", type=click.FloatRange(min=0, max=1e6), default=16.0, show_default=True, callback=_finite,
+@click.option("--tie-ulps", type=FloatRange(min=0, max=1e6), default=16.0, show_default=True, callback=_finite,
               help="Near-tie tolerance in float32 ulps for tie-equivalent rows (0 = exact ties only).")
 @click.option("--json", "json_path", default=None, metavar="PATH", help="Write verdicts as JSON ('-' = stdout).")
 @click.option("--junit", "junit_path", default=None, metavar="PATH", help="Write verdicts as JUnit XML ('-' = stdout).")
@@ -222,7 +223,7 @@ def _int_list(text: str, name: str) -> list[int]:
 @click.option("--pdl", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
               help="Programmatic dependent launch for the project's variants.")
 @click.option("--graph/--no-graph", default=True, show_default=True, help="Time under CUDA-graph replay.")
-@click.option("--rep-ms", type=click.FloatRange(min=1, max=60_000), default=20.0, show_default=True, callback=_finite,
+@click.option("--rep-ms", type=FloatRange(min=1, max=60_000), default=20.0, show_default=True, callback=_finite,
               help="Timing budget per point and kernel, in milliseconds (1-60000).")
 @click.option("--csv", "csv_path", default=None, metavar="PATH", help="Write the long-format CSV ('-' = stdout).")
 @click.option("--json", "json_path", default=None, metavar="PATH", help="Write the results as JSON ('-' = stdout).")

@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from routetool.cli_numbers import INT, IntRange
 from routetool.errors import EXIT_OK, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS
@@ -82,13 +83,13 @@ def _dump_options(f):
     for opt in reversed([
         click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True,
                      help="Input format (auto: by extension and content)."),
-        click.option("--num-experts", type=click.IntRange(min=1), default=None,
+        click.option("--num-experts", type=IntRange(min=1), default=None,
                      help="Routed experts E of a dump (default: the file's metadata, else largest id + 1)."),
-        click.option("--topk", type=click.IntRange(min=1), default=None,
+        click.option("--topk", type=IntRange(min=1), default=None,
                      help="Experts per token K of a dump (default: metadata, else the row width)."),
-        click.option("--skip-rows", type=click.IntRange(min=0), default=0, show_default=True,
+        click.option("--skip-rows", type=IntRange(min=0), default=0, show_default=True,
                      help="Drop the first N token rows of a dump (warm-up)."),
-        click.option("--drop-repeats", type=click.IntRange(min=0), default=DEFAULT_DROP_REPEATS, show_default=True,
+        click.option("--drop-repeats", type=IntRange(min=0), default=DEFAULT_DROP_REPEATS, show_default=True,
                      help="Drop runs of at least N identical consecutive rows of a dump (warm-up/dummy batches); "
                           "0 keeps everything."),
         click.option("--select", default=None, metavar="NAME[/NAME]",
@@ -144,25 +145,25 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
 @click.option("--reference", is_flag=True, help="Route a trace's logits with the PyTorch reference instead of a kernel.")
 @click.option("--recorded", is_flag=True, help="Use the trace's recorded topk_ids instead of routing the logits.")
 @click.option("--layers", "layers_spec", default="all", show_default=True, help="Layers, e.g. 0,2,5-7.")
-@click.option("--layer", "focus_layer", type=int, default=None,
+@click.option("--layer", "focus_layer", type=INT, default=None,
               help="Show one layer in detail (windows, EPLB placement, expert and rank bars); the rest still covers --layers.")
 @click.option("--ep-size", "ep_spec", default=None, metavar="N[,N...]",
               help="EP sizes to simulate with contiguous placement (default: the largest of 8, 4, 2, 1 dividing E).")
 @click.option("--placement", "placement_path", type=click.Path(path_type=Path), default=None,
               help="Also simulate this placement JSON (e.g. one written by --eplb-out).")
-@click.option("--windows", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--windows", type=IntRange(min=1), default=8, show_default=True,
               help="At most this many windows of consecutive steps (cut by rows; empty ones dropped) for drift over time.")
-@click.option("--decode-max-tokens", type=click.IntRange(min=0), default=256, show_default=True,
+@click.option("--decode-max-tokens", type=IntRange(min=0), default=256, show_default=True,
               help="Steps with padding or at most this many tokens count as decode, the rest as prefill.")
 @click.option("--capacity-factor", "capacity_spec", default="1.0,1.25,2.0", show_default=True,
               help="Capacity factors to evaluate ('none' to skip).")
-@click.option("--top", "top_n", type=click.IntRange(min=1), default=5, show_default=True, help="Hottest experts listed.")
+@click.option("--top", "top_n", type=IntRange(min=1), default=5, show_default=True, help="Hottest experts listed.")
 @click.option("--eplb/--no-eplb", default=True, show_default=True, help="EPLB what-if (replication and placement).")
-@click.option("--redundant", type=click.IntRange(min=0), default=None,
+@click.option("--redundant", type=IntRange(min=0), default=None,
               help="EPLB redundant experts (default: one per GPU).")
-@click.option("--gpus", type=click.IntRange(min=1), default=None, help="EPLB GPUs (default: the first --ep-size).")
-@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="EPLB nodes.")
-@click.option("--groups", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--gpus", type=IntRange(min=1), default=None, help="EPLB GPUs (default: the first --ep-size).")
+@click.option("--nodes", type=IntRange(min=1), default=1, show_default=True, help="EPLB nodes.")
+@click.option("--groups", type=IntRange(min=1), default=1, show_default=True,
               help="EPLB expert groups (DeepSeek-V3: 8).")
 @click.option("--eplb-policy", type=click.Choice(("auto", "hierarchical", "global")), default="auto",
               show_default=True, help="auto: hierarchical when nodes > 1 divide the groups, else global.")

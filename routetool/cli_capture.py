@@ -17,8 +17,9 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from routetool.cli_numbers import FLOAT, IntRange
 from routetool.errors import RouteToolError
-from routetool.numtext import parse_int, split_items
+from routetool.numtext import number_problem, parse_int, split_items
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
            "bf16": "bfloat16", "fp16": "float16"}
@@ -103,6 +104,9 @@ def _affinity(ctx, param, value):
 
     if value is None or str(value).strip().lower() == "auto":
         return None
+    problem = number_problem(value)
+    if problem:  # float() reads other scripts' digits, underscores and spaces
+        raise RouteToolError(f"--affinity {problem}", fix="or auto")
     try:
         number = float(value)
     except ValueError:
@@ -130,21 +134,21 @@ def _std(ctx, param, value):
 @click.command()
 @click.option("-o", "--output", "--out", "out", type=click.Path(path_type=Path), required=True,
               help="Trace file to write (.safetensors). --out is an alias.")
-@click.option("--layers", "num_layers", type=click.IntRange(1, 1024), default=4, show_default=True,
+@click.option("--layers", "num_layers", type=IntRange(1, 1024), default=4, show_default=True,
               help="MoE layers (1-1024).")
-@click.option("--experts", "num_experts", type=click.IntRange(1, 1 << 16), default=256, show_default=True,
+@click.option("--experts", "num_experts", type=IntRange(1, 1 << 16), default=256, show_default=True,
               help="Routed experts per layer (E, 1-65536).")
-@click.option("--topk", type=click.IntRange(min=1), default=8, show_default=True, help="Experts per token (K <= E).")
-@click.option("--route-scale", type=float, default=2.5, show_default=True, help="routed_scaling_factor (finite, > 0).")
+@click.option("--topk", type=IntRange(min=1), default=8, show_default=True, help="Experts per token (K <= E).")
+@click.option("--route-scale", type=FLOAT, default=2.5, show_default=True, help="routed_scaling_factor (finite, > 0).")
 @click.option("--normalization", type=click.Choice(["sigmoid", "softmax"]), default="sigmoid", show_default=True)
-@click.option("--multiplier", type=float, default=None, help="router_output_multiplier (default: none).")
-@click.option("--eps", type=float, default=None, help="router_score_division_eps (default: none).")
+@click.option("--multiplier", type=FLOAT, default=None, help="router_output_multiplier (default: none).")
+@click.option("--eps", type=FLOAT, default=None, help="router_score_division_eps (default: none).")
 @click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bfloat16", show_default=True,
               help="dtype of the stored logits.")
 @click.option("--prefill", default="384,128", show_default=True, help="Prefill chunk sizes in tokens (none or 0: no prefill).")
-@click.option("--decode-steps", type=click.IntRange(0, 1_000_000), default=16, show_default=True,
+@click.option("--decode-steps", type=IntRange(0, 1_000_000), default=16, show_default=True,
               help="Decode steps (0-1,000,000).")
-@click.option("--max-decode-batch", type=click.IntRange(1, 1 << 20), default=48, show_default=True,
+@click.option("--max-decode-batch", type=IntRange(1, 1 << 20), default=48, show_default=True,
               help="Decode batches are drawn uniformly from 1..this.")
 @click.option("--padding", default="graph", show_default=True,
               help="graph (pad decode batches to CUDA-graph sizes), none, or fraction:F (F of all rows padded).")
@@ -157,15 +161,15 @@ def _std(ctx, param, value):
                    "below the level 1.5 gives.")
 @click.option("--bias", type=click.Choice(["zero", "fitted"]), default="zero", show_default=True,
               help="zero, or fitted by DeepSeek-V3's auxiliary-loss-free update rule.")
-@click.option("--bias-rate", type=float, default=1e-3, show_default=True, help="Update rate u of the bias fit (0-1).")
-@click.option("--fit-steps", type=click.IntRange(0, 10_000), default=50, show_default=True,
+@click.option("--bias-rate", type=FLOAT, default=1e-3, show_default=True, help="Update rate u of the bias fit (0-1).")
+@click.option("--fit-steps", type=IntRange(0, 10_000), default=50, show_default=True,
               help="Bias updates (batches of 1024 tokens).")
-@click.option("--ties", type=click.IntRange(0, 100_000), default=4, show_default=True,
+@click.option("--ties", type=IntRange(0, 100_000), default=4, show_default=True,
               help="Rows per layer given an exact tie at the k-th boundary (at most the unpadded rows; "
                    "the default is lowered to them).")
-@click.option("--nonfinite", type=click.IntRange(0, 100_000), default=0, show_default=True,
+@click.option("--nonfinite", type=IntRange(0, 100_000), default=0, show_default=True,
               help="Rows per layer given a NaN and a +inf logit (at most the unpadded rows not taken by --ties).")
-@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed (0 to 2**63-1).")
+@click.option("--seed", type=IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed (0 to 2**63-1).")
 @click.option("--model", "model_name", default="synthetic", show_default=True, help="Model name in the metadata.")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
@@ -272,11 +276,11 @@ MAX_CAPTURE_LOGITS = 2**30
               default=None, help="A small built-in config of this architecture: seeded random weights.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config field (--config/--arch), VALUE as JSON; repeatable.")
-@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+@click.option("--seed", type=IntRange(0, MAX_SEED), default=0, show_default=True,
               help="Seed of the random weights (0 to 2**63-1).")
-@click.option("--router-std", type=float, default=None, callback=_std,
+@click.option("--router-std", type=FLOAT, default=None, callback=_std,
               help="Redraw router weights from N(0, std^2) (random-weight models; 0-10, default 0.25, 0 = HF init).")
-@click.option("--bias-std", type=float, default=None, callback=_std,
+@click.option("--bias-std", type=FLOAT, default=None, callback=_std,
               help="Draw e_score_correction_bias from N(0, std^2) (random-weight models; 0-10, default 0.02).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="Model dtype (auto: the checkpoint's; float32 for random-weight models).")
@@ -284,10 +288,10 @@ MAX_CAPTURE_LOGITS = 2**30
 @click.option("--tokenizer", "tokenizer_mode", type=click.Choice(["auto", "checkpoint", "bytes"]), default="auto",
               show_default=True,
               help="auto: the checkpoint's tokenizer when it has one, else UTF-8 bytes; checkpoint: must load; bytes.")
-@click.option("--batch", type=click.IntRange(1, 1 << 16), default=4, show_default=True, help="Prompts per batch.")
-@click.option("--prompt-tokens", type=click.IntRange(1, 1 << 20), default=64, show_default=True,
+@click.option("--batch", type=IntRange(1, 1 << 16), default=4, show_default=True, help="Prompts per batch.")
+@click.option("--prompt-tokens", type=IntRange(1, 1 << 20), default=64, show_default=True,
               help="Tokens per prompt (consecutive slices of the text).")
-@click.option("--max-new-tokens", type=click.IntRange(0, 1 << 16), default=8, show_default=True,
+@click.option("--max-new-tokens", type=IntRange(0, 1 << 16), default=8, show_default=True,
               help="Greedy tokens to generate: 1 prefill step + (N - 1) decode steps (0: one forward pass).")
 @click.option("-o", "--output", "--out", "out", type=click.Path(path_type=Path), required=True,
               help="Trace file to write (.safetensors). --out is an alias.")

@@ -5,7 +5,8 @@ Python's ``int()`` and ``float()`` accept more than a plain decimal number: unde
 whitespace. A file or an option that relies on that is almost always wrong, and two spellings of
 one number (``layers.0`` and ``layers.00``) would silently become one. Everything routetool reads
 as a number from text goes through this module: ASCII digits ``0-9``, an optional sign, for floats
-a decimal point and an exponent, nothing else.
+a decimal point and an exponent, nothing else. Numeric command-line options go through it by the
+click types of :mod:`routetool.cli_numbers`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,25 @@ def parse_float(text: str, *, special: bool = False) -> float | None:
     if _FLOAT.fullmatch(text) or (special and _SPECIAL.fullmatch(text)):
         return float(text)
     return None
+
+
+def number_problem(text: str, *, integer: bool = False) -> str:
+    """Why ``text`` is refused although Python's ``int()`` (``integer``) or ``float()`` reads it:
+    digits of another script (``"١"``), underscores (``"1_0"``), surrounding whitespace
+    (``" 1"``). The message names the plain spelling (``"'1_0' is not a plain decimal integer
+    ...; write 10"``). Empty when ``text`` is a plain decimal number (:func:`parse_int`,
+    :func:`parse_float` with ``special``) or no number at all (the caller says what it expected).
+    """
+    if not isinstance(text, str):
+        return ""
+    if (parse_int(text) if integer else parse_float(text, special=True)) is not None:
+        return ""
+    try:
+        loose = int(text) if integer else float(text)
+    except (ValueError, OverflowError):
+        return ""
+    return (f"{text!r} is not a plain decimal {'integer' if integer else 'number'}: ASCII digits 0-9 only, without "
+            f"spaces, underscores or other scripts' digits; write {loose!r}")
 
 
 def is_index(text: str) -> bool:

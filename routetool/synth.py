@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from routetool.errors import RouteToolError
+from routetool.numtext import number_problem
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -176,8 +177,12 @@ def _is_int(value) -> bool:
 
 def _parse_skew(skew: str, router: RouterConfig | None = None) -> tuple[str, list[float]]:
     kind, _, rest = str(skew).partition(":")
+    texts = rest.split(":") if rest else []
+    problem = next((p for p in map(number_problem, texts) if p), "")
+    if problem:  # float() reads other scripts' digits, underscores and spaces
+        raise RouteToolError(f"--skew {skew!r}: {problem}", fix="e.g. zipf:1.1, hot:8:4 or imbalance:3")
     try:
-        args = [float(x) for x in rest.split(":")] if rest else []
+        args = [float(x) for x in texts]
     except ValueError:
         raise RouteToolError(f"--skew {skew!r}: arguments must be numbers",
                              fix="use uniform, zipf:A, hot:N:F or imbalance:X") from None
@@ -218,6 +223,9 @@ def _parse_padding(padding: str) -> tuple[str, float]:
     if kind in ("graph", "none") and not rest:
         return kind, 0.0
     if kind == "fraction":
+        problem = number_problem(rest)
+        if problem:  # float() reads other scripts' digits, underscores and spaces
+            raise RouteToolError(f"--padding {padding!r}: {problem}", fix="e.g. fraction:0.1")
         try:
             value = float(rest)
         except ValueError:

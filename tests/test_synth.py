@@ -309,6 +309,11 @@ def test_progress_adds_up_to_the_work():
     (dict(affinity=float("nan")), "affinity=nan"),
     (dict(affinity=-1.0), "affinity=-1.0"),
     (dict(decode_steps=2.5), "must be integers"),
+    # float() read these: underscores, other scripts' digits, spaces
+    (dict(skew="zipf:1_0"), r"--skew 'zipf:1_0': '1_0' is not a plain decimal number: .*; write 10.0"),
+    (dict(skew="hot:\u0668:4"), "'\u0668' is not a plain decimal number"),
+    (dict(skew="imbalance:3: 0.4"), "' 0.4' is not a plain decimal number"),
+    (dict(padding="fraction:\u0660.\u0661"), r"--padding 'fraction:\u0660.\u0661': .* write 0.1 \(e.g. fraction:0.1\)"),
 ])
 def test_impossible_specs_fail_before_any_work(kw, message, monkeypatch):
     import routetool.synth as synth_mod

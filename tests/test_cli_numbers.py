@@ -1,0 +1,121 @@
+"""Numeric options of every command read plain decimal text only (routetool.numtext).
+
+click's INT/FLOAT/IntRange/FloatRange read text with Python's int()/float(), which accept
+digits of other scripts (Arabic-Indic "١", fullwidth "１"), underscores ("1_0") and surrounding
+whitespace (" 1"): `synth --affinity ١` ran with 1, `synth --ties 1_0` with 10.
+"""
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from routetool.cli import main
+from routetool.cli_numbers import FLOAT, INT, FloatRange, IntRange
+from routetool.numtext import number_problem
+
+ARABIC_ONE = "\u0661"  # ١
+FULLWIDTH_ONE = "\uff11"  # １
+LOOSE = [ARABIC_ONE, FULLWIDTH_ONE, "1_0", " 1", "1 ", "\t1"]
+
+
+def _numeric_options():
+    """(command path, option) for every option of every command whose type is a click number type."""
+    found = []
+
+    def walk(command, path):
+        for param in command.params:
+            if isinstance(param, click.Option) and isinstance(param.type, click.types._NumberParamTypeBase):
+                found.append((path, param))
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(main, "routetool")
+    return found
+
+
+def test_every_numeric_option_is_found():
+    # the walk sees the commands the trial used (a typo in it would make the next test vacuous)
+    names = {f"{path} {param.opts[0]}" for path, param in _numeric_options()}
+    for expected in ("routetool replay --tie-ulps", "routetool replay --layer", "routetool validate --tie-ulps",
+                     "routetool bench --rep-ms", "routetool balance --windows", "routetool balance --layer",
+                     "routetool import --skip-rows", "routetool synth --ties", "routetool synth --route-scale",
+                     "routetool capture hf --batch", "routetool capture hf --router-std"):
+        assert expected in names, expected
+
+
+@pytest.mark.parametrize("text", LOOSE)
+def test_every_numeric_option_refuses_loose_text(text):
+    for path, param in _numeric_options():
+        with pytest.raises(click.BadParameter, match="is not a plain decimal") as info:
+            param.type.convert(text, param, None)
+        assert "write 1" in info.value.format_message(), (path, param.opts)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1", 1), ("+1", 1), ("007", 7),  # plain decimals read as before
+])
+def test_plain_integers_are_read_as_before(text, expected):
+    for path, param in _numeric_options():
+        assert param.type.convert(text, param, None) == expected, (path, param.opts)
+
+
+@pytest.mark.parametrize("type_, text, expected", [
+    # types as click's: values, ranges, and click's own message for text that is no number
+    (INT, "-12", -12), (FLOAT, "2.5", 2.5), (FLOAT, "-1e-20", -1e-20), (FLOAT, ".5", 0.5),
+    (IntRange(0, 10), "10", 10), (FloatRange(min=0, max=1e6), "16", 16.0),
+    (IntRange(0, 10), "11", "11 is not in the range 0<=x<=10"),
+    (IntRange(min=1), "1.0", "'1.0' is not a valid integer range"),
+    (INT, "abc", "'abc' is not a valid integer"),
+    (FloatRange(1, 60_000), "inf", "inf is not in the range 1<=x<=60000"),
+])
+def test_the_types_behave_as_clicks_for_plain_text(type_, text, expected):
+    if isinstance(expected, str):
+        with pytest.raises(click.BadParameter, match=expected):
+            type_.convert(text, None, None)
+    else:
+        assert type_.convert(text, None, None) == expected
+    # nan passes the type, as with click's (the options' callbacks refuse it)
+    assert FLOAT.convert("nan", None, None) != FLOAT.convert("nan", None, None)
+
+
+def test_number_problem():
+    assert number_problem("2.5") == number_problem("12", integer=True) == ""
+    assert number_problem("abc") == number_problem("1.5", integer=True) == ""  # no number at all: the caller's message
+    assert number_problem("1_0", integer=True) == ("'1_0' is not a plain decimal integer: ASCII digits 0-9 only, "
+                                                   "without spaces, underscores or other scripts' digits; write 10")
+    assert number_problem(f"{ARABIC_ONE}.5").endswith("; write 1.5")
+    assert number_problem(" inf").endswith("; write inf")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["synth", "--affinity", ARABIC_ONE], (f"--affinity '{ARABIC_ONE}' is not a plain decimal number: ASCII digits "
+                                           "0-9 only, without spaces, underscores or other scripts' digits; write 1.0 "
+                                           "(or auto)")),
+    (["synth", "--ties", "1_0"], ("Invalid value for '--ties': '1_0' is not a plain decimal integer: ASCII digits "
+                                  "0-9 only, without spaces, underscores or other scripts' digits; write 10 "
+                                  "(see `routetool synth --help`)")),
+    (["synth", "--route-scale", f"2.{FULLWIDTH_ONE}"], "Invalid value for '--route-scale'"),
+    (["synth", "--skew", f"zipf:{ARABIC_ONE}"], f"--skew 'zipf:{ARABIC_ONE}': '{ARABIC_ONE}' is not a plain decimal"),
+    (["synth", "--skew", "hot:8:1_0"], "--skew 'hot:8:1_0': '1_0' is not a plain decimal number"),
+    (["synth", "--padding", "fraction: 0.1"], "--padding 'fraction: 0.1': ' 0.1' is not a plain decimal number"),
+    (["replay", "t.safetensors", "--tie-ulps", "1_6"], "Invalid value for '--tie-ulps': '1_6'"),
+    (["replay", "t.safetensors", "--layer", ARABIC_ONE], "Invalid value for '--layer'"),
+    (["validate", "--tie-ulps", " 16"], "Invalid value for '--tie-ulps': ' 16'"),
+    (["bench", "--rep-ms", "2_0"], "Invalid value for '--rep-ms': '2_0'"),
+    (["balance", "t.safetensors", "--windows", ARABIC_ONE], "Invalid value for '--windows'"),
+    (["import", "d.jsonl", "-o", "o.safetensors", "--skip-rows", "1_0"], "Invalid value for '--skip-rows'"),
+    (["capture", "hf", "--arch", "mixtral", "--text", "t.txt", "-o", "o.safetensors", "--batch", ARABIC_ONE],
+     "Invalid value for '--batch'"),
+    (["capture", "hf", "--arch", "mixtral", "--text", "t.txt", "-o", "o.safetensors", "--bias-std", "0_1"],
+     "Invalid value for '--bias-std'"),
+])
+def test_loose_numbers_are_one_line_errors(tmp_path, monkeypatch, args, fragment):
+    monkeypatch.chdir(tmp_path)
+    if args[0] == "synth":
+        args = [*args, "-o", "s.safetensors"]
+    res = CliRunner().invoke(main, args, prog_name="routetool", catch_exceptions=False)
+    assert res.exit_code == 2, res.output
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("routetool: error: "), res.output
+    assert fragment in lines[0]
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
