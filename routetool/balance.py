@@ -41,7 +41,7 @@ from routetool.eplb import (
     finite_or_none,
     rebalance_experts,
 )
-from routetool.errors import RouteToolError, first_line
+from routetool.errors import KernelError, RouteToolError, first_line
 from routetool.imports import ImportedCounts, ImportedRouting
 from routetool.load import LoadStats, load_stats
 from routetool.replay import call_kernel, input_snapshot, modified_inputs
@@ -235,46 +235,66 @@ def duplicate_rows(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return same.any(dim=1).sum()
 
 
+class RoutingOutputError(TypeError):
+    """A routing function returned something other than ``(topk_weights, topk_ids)`` of matching
+    shapes (raised by the functions :func:`route_fn_from` makes; :func:`call_route` reports it)."""
+
+
+_FIX_KERNEL = "fix the kernel (check it with `routetool validate`), or use --reference"
+
+
 def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating: torch.Tensor, bias: torch.Tensor,
-               pad: torch.Tensor | None, topk: int) -> torch.Tensor:
+               pad: torch.Tensor | None, topk: int, *, context: str = "") -> torch.Tensor:
     """Run a routing function on one step and check what it returns.
+
+    Args:
+        fn / name: the routing function and its name for messages. path: the trace, for messages.
+        layer / step: where. gating ``[n, E]``, bias ``[E]``, pad ``[n]`` bool or None: its inputs.
+        topk: K. context: words added after the step (``with the bias zeroed``).
 
     Returns:
         ``[n, topk]`` integer ids on ``gating``'s device.
 
     Raises:
-        RouteToolError: the function raised (any exception), wrote into its inputs (compared
-            bit for bit before and after the call, as replay and validate do), or returned
-            something other than an integer tensor of shape ``[n, topk]``; the message names
-            the function, the layer and the step.
+        RouteToolError: the function rejected the inputs with ``ValueError`` (exit 2, as replay
+            does: e.g. the seed kernel and bf16 logits).
+        KernelError: (exit 1: the check found a problem with the kernel) the function raised
+            anything else (``SystemExit`` included), wrote into its inputs (compared bit for
+            bit before and after the call, as replay and validate do), returned something other
+            than an integer tensor of shape ``[n, topk]`` (or, from :func:`route_fn_from`,
+            weights of another shape). The message names the function, the layer and the step.
     """
     n = int(gating.shape[0])
+    where = f"layer {layer}, step {step}{' ' + context if context else ''}"
     before = input_snapshot(gating_output=gating, bias=bias, is_padding=pad)
     try:
         ids = fn(gating, bias, pad)
     except RouteToolError:
         raise
+    except RoutingOutputError as exc:
+        raise KernelError(f"{name} {first_line(exc, 160, with_type=False)} on {where}", failure_class="wrong_shape",
+                          path=path, fix="return (topk_weights, topk_ids) as the seed kernel does") from None
     except ValueError as exc:
-        raise RouteToolError(f"{name} rejected the inputs of layer {layer}, step {step} "
-                             f"({first_line(exc, 120, with_type=False)})", path=path, fix="choose another --kernel, or --reference") from None
+        raise RouteToolError(f"{name} rejected the inputs of {where} ({first_line(exc, 120, with_type=False)})",
+                             path=path, fix="choose another --kernel, or --reference") from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user kernel may fail in any way, sys.exit too
-        raise RouteToolError(f"{name} failed on layer {layer}, step {step} ({first_line(exc, 120)})",
-                             path=path, fix="fix the kernel (check it with `routetool validate`), or use --reference") from None
+        raise KernelError(f"{name} failed on {where} ({first_line(exc, 120)})", failure_class="crash",
+                          path=path, fix=_FIX_KERNEL) from None
     changed = modified_inputs(before, gating_output=gating, bias=bias, is_padding=pad)
     if changed:
-        raise RouteToolError(f"{name} wrote into its input {', '.join(changed)} on layer {layer}, step {step}",
-                             path=path, fix="a routing kernel may write only topk_weights and topk_ids: fix the kernel "
-                                            "(check it with `routetool validate`), or use --reference")
+        raise KernelError(f"{name} wrote into its input {', '.join(changed)} on {where}",
+                          failure_class="modified_input", path=path,
+                          fix=f"a routing kernel may write only topk_weights and topk_ids: {_FIX_KERNEL}")
     if not isinstance(ids, torch.Tensor):
-        raise RouteToolError(f"{name} returned {type(ids).__name__} for the topk_ids of layer {layer}, step {step}; "
-                             "expected a tensor", path=path, fix="return (topk_weights, topk_ids) as the seed kernel does")
+        raise KernelError(f"{name} returned {type(ids).__name__} for the topk_ids of {where}; expected a tensor",
+                          failure_class="wrong_shape", path=path,
+                          fix="return (topk_weights, topk_ids) as the seed kernel does")
     if tuple(ids.shape) != (n, topk):
-        raise RouteToolError(f"{name} returned topk_ids of shape {list(ids.shape)} on layer {layer}, step {step}; "
-                             f"expected [{n}, {topk}]", path=path,
-                             fix="fix the kernel (check it with `routetool validate`), or use --reference")
+        raise KernelError(f"{name} returned topk_ids of shape {list(ids.shape)} on {where}; expected [{n}, {topk}]",
+                          failure_class="wrong_shape", path=path, fix=_FIX_KERNEL)
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise RouteToolError(f"{name} returned topk_ids of dtype {ids.dtype} on layer {layer}, step {step}; "
-                             "expected integers", path=path, fix="return int32/int64 expert ids")
+        raise KernelError(f"{name} returned topk_ids of dtype {ids.dtype} on {where}; expected integers",
+                          failure_class="wrong_shape", path=path, fix="return int32/int64 expert ids")
     return ids.to(gating.device)
 
 
@@ -387,9 +407,9 @@ class TraceSource(Source):
                                   path=self.path, tensor=f"layers.{layer}.topk_ids",
                                   fix="fix the capture" + (", or route the logits (drop --recorded)"
                                                            if self.trace.info(layer).has_logits else ""))
-        return RouteToolError(f"{self.route_name} returned {rows:,} row(s) naming one expert twice on layer {layer} "
-                              f"(first in step {first_step})", path=self.path,
-                              fix="fix the kernel (check it with `routetool validate`), or use --reference")
+        return KernelError(f"{self.route_name} returned {rows:,} row(s) naming one expert twice on layer {layer} "
+                           f"(first in step {first_step})", failure_class="invalid:duplicate_id", path=self.path,
+                           fix=_FIX_KERNEL)
 
     def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
         E = self.num_experts
@@ -417,8 +437,10 @@ class TraceSource(Source):
                 if mode == "route" and self.nobias_fn is self.route_fn:
                     with_bias = ids
                 else:
-                    with_bias = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, bias, pad, K)
-                without = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, zeros, pad, K)
+                    with_bias = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, bias, pad, K,
+                                           context="(bias effect)")
+                without = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, zeros, pad, K,
+                                     context="with the bias zeroed (bias effect)")
                 load.bias_ids_with, load.ids_nobias = _mask(with_bias, pad), _mask(without, pad)
                 load.bias_counts_with = counts if with_bias is ids else _count_step(with_bias, E, pad)[0]
                 load.counts_nobias = _count_step(without, E, pad)[0]
@@ -1100,15 +1122,22 @@ def route_fn_from(fn, router, *, kernel: bool = False) -> RouteFn:
     ``kernel``: ``fn`` is a kernel (a variant or a ``--kernel module:function``), called as
     replay calls kernels (:func:`routetool.replay.call_kernel`: ``topk_weights=None`` and
     ``topk_ids=None`` passed too); otherwise the PyTorch reference, which takes no output
-    buffers. Exceptions propagate; :func:`call_route` (used by :class:`TraceSource`) turns them,
-    written inputs and wrong shapes into one-line errors naming the function, the layer and
-    the step."""
+    buffers. Exceptions propagate; something other than a pair, or (from a kernel) weights that
+    are not a float tensor of the ids' shape, raises :class:`RoutingOutputError`.
+    :func:`call_route` (used by :class:`TraceSource`) turns them, written inputs, wrong shapes
+    and invalid ids into one-line errors naming the function, the layer and the step."""
     kwargs = router.kernel_kwargs()
 
     def route(gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
         out = call_kernel(fn, gating, bias, pad, router) if kernel else fn(gating, bias, is_padding=pad, **kwargs)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TypeError(f"returned {type(out).__name__}, expected (topk_weights, topk_ids)")
-        return out[1]
+            raise RoutingOutputError(f"returned {type(out).__name__}, expected (topk_weights, topk_ids)")
+        w, ids = out
+        if kernel and isinstance(ids, torch.Tensor) and not (
+                isinstance(w, torch.Tensor) and w.is_floating_point() and w.shape == ids.shape):
+            got = f"{list(w.shape)} {str(w.dtype).removeprefix('torch.')}" if isinstance(w, torch.Tensor) \
+                else type(w).__name__
+            raise RoutingOutputError(f"returned topk_weights {got}, expected float {list(ids.shape)} like its topk_ids")
+        return ids
 
     return route

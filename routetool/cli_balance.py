@@ -2,7 +2,8 @@
 
 Thin: parse options, build a source, call :func:`routetool.balance.analyze_balance` or the
 importers, render, write. Bad input raises :class:`~routetool.errors.RouteToolError`, which
-the ``routetool`` group turns into a one-line message and exit code 2.
+the ``routetool`` group turns into a one-line message and exit code 2; a faulty kernel under
+test raises :class:`~routetool.errors.KernelError`, one line and exit code 1.
 """
 
 from __future__ import annotations

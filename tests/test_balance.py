@@ -17,7 +17,7 @@ from routetool.balance import (
     tv_distance,
     window_of_steps,
 )
-from routetool.errors import RouteToolError
+from routetool.errors import EXIT_FINDINGS, KernelError, RouteToolError
 from routetool.imports import ImportedCounts, ImportedLayer, ImportedRouting
 from routetool.trace import LayerArrays, RouterConfig, Trace
 from tests.helpers import make_trace
@@ -325,10 +325,22 @@ def _scribble(gating, bias, pad):
     (_scribble, r"kernel bad wrote into its input gating_output on layer 0, step 0 \(a routing kernel may write only"),
 ])
 def test_misbehaving_routing_function_is_one_line(tmp_path, fn, words):
-    # a kernel returning n-1 rows used to exit 0 with an undercounted load
-    with pytest.raises(RouteToolError, match=words) as info:
+    # a kernel returning n-1 rows used to exit 0 with an undercounted load; these are faults of the
+    # kernel, exit 1 as in replay and validate (they were exit 2, bad input)
+    with pytest.raises(KernelError, match=words) as info:
         _route_with(tmp_path, fn)
     assert "\n" not in str(info.value) and "t.safetensors" in str(info.value)
+    assert info.value.exit_code == EXIT_FINDINGS
+
+
+def test_route_fn_from_checks_a_kernels_weights():
+    # a kernel's weights are checked as replay checks them: a float tensor of the ids' shape
+    def swapped(g, b, *a, **k):
+        return torch.zeros(g.shape[0], 1, dtype=torch.int32), torch.zeros(g.shape[0], 1)
+
+    route = route_fn_from(swapped, RouterConfig(num_experts=4, topk=1, route_scale=1.0), kernel=True)
+    with pytest.raises(TypeError, match=r"returned topk_weights \[2, 1\] int32, expected float \[2, 1\]"):
+        route(torch.zeros(2, 4), torch.zeros(4), None)
 
 
 def test_route_fn_from_needs_a_pair():

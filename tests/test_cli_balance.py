@@ -286,8 +286,8 @@ def test_layer_detail_shows_the_eplb_placement(tmp_path):
 
 
 # -- bad input from a new user's reports: one line, exit 2, nothing written ----------------------
-def _one_line_error(res, *words):
-    assert res.exit_code == 2, res.output
+def _one_line_error(res, *words, exit_code=2):
+    assert res.exit_code == exit_code, res.output
     assert res.output.startswith("routetool: error:") and "Traceback" not in res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
     for w in words:
@@ -483,6 +483,25 @@ def no_defaults(gating_output, bias, topk, route_scale, router_output_multiplier
                router_score_division_eps, is_padding=is_padding)
 def ansi(gating_output, bias, *args, **kwargs):
     raise RuntimeError("\\x1b[2J\\x1b[31mscreen cleared\\x00")
+
+def exits(gating_output, bias, *args, **kwargs):
+    import sys
+    sys.exit(0)
+
+def scribble_padding(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, *, is_padding, **kwargs):
+    out = ref(gating_output, bias, topk, route_scale, is_padding=is_padding, **kwargs)
+    is_padding.fill_(True)
+    return out
+
+def twice(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
+    i = i.clone()
+    i[:, 1] = i[:, 0]
+    return w, i
+
+def wide_weights(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
+    return torch.zeros(w.shape[0], 3), i
 '''
 
 
@@ -495,6 +514,11 @@ def ansi(gating_output, bias, *args, **kwargs):
     ("scribble_bias", ["wrote into its input bias on layer 0, step 0"]),
     # the kernel's control characters are shown escaped, not sent to the terminal
     ("ansi", [r"failed on layer 0, step 0 (RuntimeError: \x1b[2J\x1b[31mscreen cleared\x00)"]),
+    ("exits", ["failed on layer 0, step 0 (SystemExit: 0)"]),
+    ("scribble_padding", ["wrote into its input is_padding on layer 0, step 0"]),
+    ("wide_weights", ["returned topk_weights [16, 3] float32, expected float [16, 2] like its topk_ids",
+                      "on layer 0, step 0"]),
+    ("twice", ["returned 23 row(s) naming one expert twice on layer 0 (first in step 0)"]),
 ])
 def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load
@@ -502,11 +526,13 @@ def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words
     mod.write_text(KERNELS)
     trace = tmp_path / "t.safetensors"
     g = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
-    make_trace(trace, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 24]))})
+    pad = torch.arange(24) == 23  # the last row is padding (a mask the kernel could write into)
+    make_trace(trace, {0: LayerArrays(gating_output=g, is_padding=pad, step_offsets=torch.tensor([0, 16, 24]))})
     # (no --device: these kernels run wherever the trace lands, and a GPU test process
     # cannot switch to the CPU interpreter once the project's kernels were compiled)
     res = run("balance", trace, "--kernel", f"{mod}:{fn}", "--ep-size", "2", "--no-progress")
-    _one_line_error(res, f"kernel {mod}:{fn}", *words)
+    # a fault of the kernel under test: exit 1, as replay and validate report it (it was exit 2, bad input)
+    _one_line_error(res, f"kernel {mod}:{fn}", *words, exit_code=1)
 
 
 def test_kernel_is_called_as_replay_calls_it(tmp_path):
