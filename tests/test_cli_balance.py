@@ -353,7 +353,27 @@ def test_recorded_duplicates_are_one_line(tmp_path):
     ids = torch.tensor([[0, 1], [0, 0]], dtype=torch.int32)
     make_trace(trace, {0: LayerArrays(topk_ids=ids)}, router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
     _one_line_error(run("balance", trace, "--recorded", "--ep-size", "2", "--no-progress"),
-                    "layers.0.topk_ids", "name one expert twice")
+                    "layers.0.topk_ids: layer 0, step 0, row 1: the recorded ids [0, 0] hold one expert twice")
+
+
+@pytest.mark.parametrize("bad_row, words", [
+    ([0, 9], "the recorded ids [0, 9] hold an id outside [0, 8)"),
+    ([-1, -1], "the recorded ids [-1, -1] hold -1 on an unpadded row"),
+])
+@pytest.mark.parametrize("flags", [[], ["--recorded"]])
+def test_invalid_recorded_ids_are_bad_input(tmp_path, bad_row, words, flags):
+    # ids >= E or -1 on unpadded rows were left out of the counts: exit 0, wrong statistics
+    trace = tmp_path / "rec.safetensors"
+    ids = torch.tensor([[0, 1]] * 3 + [bad_row] * 3, dtype=torch.int32)
+    pad = torch.tensor([False, False, False, False, True, False])  # row 4 (padded) is never counted nor named
+    arrays = LayerArrays(topk_ids=ids, is_padding=pad, step_offsets=torch.tensor([0, 3, 6]))
+    if flags:
+        arrays.gating_output = torch.zeros(6, 8)
+    make_trace(trace, {0: arrays}, router=RouterConfig(num_experts=8, topk=2, route_scale=1.0))
+    _one_line_error(run("balance", trace, *flags, "--no-bias-effect", "--no-progress"),
+                    f"{trace}: layers.0.topk_ids: layer 0, step 1, row 3: {words}; 2 unpadded row(s) of the layer "
+                    "are invalid (each token picks distinct experts in [0, 8)",
+                    "fix the capture, or route the logits (drop --recorded)" if flags else "fix the capture)")
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (a folder nothing can be created in)")
@@ -493,6 +513,14 @@ def scribble_padding(gating_output, bias, topk, route_scale, topk_weights=None, 
     is_padding.fill_(True)
     return out
 
+def plus_1000(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
+    return w, i + 1000
+
+def minus_one(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
+    return w, torch.full_like(i, -1)
+
 def twice(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
     w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
     i = i.clone()
@@ -518,7 +546,11 @@ def wide_weights(gating_output, bias, topk, route_scale, topk_weights=None, topk
     ("scribble_padding", ["wrote into its input is_padding on layer 0, step 0"]),
     ("wide_weights", ["returned topk_weights [16, 3] float32, expected float [16, 2] like its topk_ids",
                       "on layer 0, step 0"]),
-    ("twice", ["returned 23 row(s) naming one expert twice on layer 0 (first in step 0)"]),
+    # invalid ids were left out of the counts: exit 0 with wrong statistics
+    ("plus_1000", ["returned invalid topk_ids on layer 0, step 0, row 0: [10",
+                   "hold an id outside [0, 8); 16 of the step's 16 rows are invalid (fix the kernel"]),
+    ("minus_one", ["returned invalid topk_ids on layer 0, step 0, row 0: [-1, -1] hold -1 on an unpadded row; 16 of"]),
+    ("twice", ["returned invalid topk_ids on layer 0, step 0, row 0: [", "hold one expert twice; 16 of"]),
 ])
 def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load
