@@ -38,8 +38,9 @@ row width (every row must have the same).
 Numbers are checked, not coerced: expert ids and layers must be integers (``3`` or ``3.0``,
 never ``1.5``, ``true`` or NaN), ids in ``[0, E)`` with E at most :data:`MAX_EXPERTS`, layers
 in ``[0, MAX_LAYERS)``, counts finite non-negative integers. In JSON, numbers are JSON numbers
-(``"3"`` is an error, not 3); integers written as text (CSV cells, counts-JSON keys) are ASCII
-digits (``int()`` would also read ``1_0`` and other scripts' digits). Nothing is said two ways
+(``"3"`` is an error, not 3); integers written as text (CSV cells, counts-JSON keys) are plain
+ASCII digits, read by :mod:`routetool.numtext` (``int()`` would also read ``" 1"``, ``1_0`` and
+other scripts' digits). Nothing is said two ways
 and silently resolved: a JSON key given twice in one object, two names of one field in a row
 or a CSV header (``topk_ids`` and ``experts``: the names above are alternatives), meta rows that
 disagree, or one layer or expert spelled two ways (``"0"`` and ``"00"``), is an error. Every failure, including text that is not UTF-8,
@@ -78,7 +79,6 @@ _CSV_IDS = ("activated_expert_ids", "topk_ids", "expert_ids", "experts", "select
 _CSV_WEIGHTS = ("topk_weights", "weights", "gating_probs", "routing_weights", "expert_weights")
 _CSV_LAYER = ("layer_id", "layer", "layer_idx")
 _CSV_STEP = ("batch_number", "step", "batch", "forward_pass_id", "step_id")
-_INT_TEXT = re.compile(r"\s*[-+]?[0-9]+\s*")  # ASCII digits: int() also reads "1_0" and other scripts' digits
 _CSV_SPLIT = re.compile(r"[\s,;\[\]()]+")
 
 MAX_EXPERTS = 1 << 20
@@ -98,7 +98,9 @@ def one_line(text: object, limit: int = 160) -> str:
 
 def _as_int(value, *, text: bool = True) -> int | None:
     """``value`` as an int when it is an integer (int, integral float, and with ``text`` integer
-    text in ASCII digits); else None.
+    text: plain ASCII digits with an optional sign, read by :func:`routetool.numtext.parse_int`,
+    so ``" 1"``, ``"1_0"`` and other scripts' digits are not integers although ``int()`` reads
+    them); else None.
 
     Booleans, fractions, NaN/inf and other types are not integers.
     """
@@ -108,8 +110,8 @@ def _as_int(value, *, text: bool = True) -> int | None:
         return value
     if isinstance(value, float):
         return int(value) if math.isfinite(value) and value.is_integer() else None
-    if text and isinstance(value, str) and _INT_TEXT.fullmatch(value):
-        return int(value)
+    if text and isinstance(value, str):
+        return parse_int(value)
     return None
 
 
@@ -131,12 +133,16 @@ def _layer_index(value, where: str, key: str, path: Path, spellings: dict[int, t
         raise RouteToolError(f"{where}: {key}={_short(value)} is a string, not a JSON number", path=path,
                              fix=f"write the layer as a number: \"{key}\": {_as_int(value)}, without quotes")
     layer = _as_int(value, text=text)
+    if layer is None and text and _loose_int(value):  # " 1", "1_0", Arabic-Indic digits: int() reads them
+        raise RouteToolError(f"{where}: {key}={value!r} is not a plain decimal layer index", path=path,
+                             fix="write the layer in ASCII digits 0-9, without spaces, underscores or other scripts' "
+                                 "digits")
     if layer is None or not 0 <= layer < MAX_LAYERS:
         shown = repr(value) if isinstance(value, str) else _short(value)
         raise RouteToolError(f"{where}: {key}={shown} is not a layer index (an integer in [0, {MAX_LAYERS:,}))",
                              path=path, fix="fix the row")
     if spellings is not None and isinstance(value, str):
-        spelled = value.strip()
+        spelled = value
         first = spellings.setdefault(layer, (spelled, label or where))
         if first[0] != spelled:
             raise RouteToolError(f"{where}: {key}={spelled!r} and {first[0]!r} ({first[1]}) name the same layer {layer}",
@@ -658,10 +664,11 @@ def _csv_numbers(text: str, kind, what: str, where: str, column: str, path: Path
         if not tok:
             continue
         if kind is int:
-            if not _INT_TEXT.fullmatch(tok):
+            value = parse_int(tok)
+            if value is None:
                 raise RouteToolError(f"{where}: {what} {tok!r} in {column!r} is not an integer", path=path,
                                      fix="expert ids are integers; fix the row")
-            out.append(int(tok))
+            out.append(value)
         else:
             value = parse_float(tok, special=True)
             if value is None:

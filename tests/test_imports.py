@@ -344,7 +344,14 @@ def test_csv_wrong_numbers(tmp_path, body, words):
     ('0,0,x,"[1, 2]"\n00,0,y,"[1, 3]"\n', "x.csv: line 3: Layer ID='00' and '0' (line 2) name the same layer 0 "
                                           "(spell each layer one way in the whole dump (e.g. 0))"),
     # int() reads Arabic-Indic and fullwidth digits: these were layer 3 and expert 2
-    ('\u0663,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='\u0663' is not a layer index"),
+    ('\u0663,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='\u0663' is not a plain decimal layer index"),
+    # surrounding spaces were stripped: "1", " 1" and "1 " became one layer (docs: " 1" is an error)
+    ('1,0,x,"[1, 2]"\n 1,0,y,"[1, 3]"\n', ("x.csv: line 3: Layer ID=' 1' is not a plain decimal layer index (write "
+                                           "the layer in ASCII digits 0-9, without spaces, underscores or other "
+                                           "scripts' digits)")),
+    ('1 ,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='1 ' is not a plain decimal layer index"),
+    ('\t1,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='\\t1' is not a plain decimal layer index"),
+    ('1_0,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='1_0' is not a plain decimal layer index"),
     ('1,0,x,"[1, \uff12]"\n', "x.csv: line 2: expert id '\uff12' in 'Activated Expert IDs' is not an integer"),
     ('1,0,x,"[1, 2_0]"\n', "x.csv: line 2: expert id '2_0' in 'Activated Expert IDs' is not an integer"),
 ])
