@@ -37,7 +37,8 @@ row width (every row must have the same).
 
 Numbers are checked, not coerced: expert ids and layers must be integers (``3`` or ``3.0``,
 never ``1.5``, ``true`` or NaN), ids in ``[0, E)`` with E at most :data:`MAX_EXPERTS`, layers
-in ``[0, MAX_LAYERS)``, counts finite non-negative integers. In JSON, numbers are JSON numbers
+in ``[0, MAX_LAYERS)``, weights finite (also as float32) and >= 0, counts finite non-negative
+integers. In JSON, numbers are JSON numbers
 (``"3"`` is an error, not 3); integers written as text (CSV cells, counts-JSON keys) are plain
 ASCII digits, read by :mod:`routetool.numtext` (``int()`` would also read ``" 1"``, ``1_0`` and
 other scripts' digits). Nothing is said two ways
@@ -480,14 +481,38 @@ def _json_ids(value, where: str, key: str, path: Path) -> tuple[int, ...]:
     return tuple(out)
 
 
+_MAX_WEIGHT = torch.finfo(torch.float32).max
+"""Weights are stored as float32: a larger one would become infinite."""
+
+
+def _check_weight(value: float, shown: str, where: str, column: str, path: Path) -> float:
+    """``value`` when it is a weight a trace can hold: finite (also as float32) and >= 0.
+
+    ``shown``: the value as the dump writes it, for the message. Replay refuses non-finite and
+    negative recorded weights; import refuses them where they are read, naming the line/row
+    and the column or key."""
+    if not math.isfinite(value):
+        raise RouteToolError(f"{where}: weight {shown} in {column!r} is not a finite number", path=path,
+                             fix="weights must be finite and >= 0; a number beyond the float range, like 1e400, "
+                                 "is infinite; fix the row")
+    if abs(value) > _MAX_WEIGHT:
+        raise RouteToolError(f"{where}: weight {shown} in {column!r} is too large for a float32 weight (at most "
+                             f"{_MAX_WEIGHT:.4g})", path=path, fix="weights must be finite and >= 0; fix the row")
+    if value < 0:
+        raise RouteToolError(f"{where}: weight {shown} in {column!r} is negative", path=path,
+                             fix="weights must be finite and >= 0; fix the row")
+    return value
+
+
 def _json_weights(value, where: str, key: str, path: Path) -> tuple[float, ...]:
     if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in value):
         raise RouteToolError(f"{where}: {key} is not a list of numbers ({_short(value)})", path=path, fix="fix the row")
     try:
-        return tuple(float(x) for x in value)
+        weights = tuple(float(x) for x in value)
     except OverflowError:
-        raise RouteToolError(f"{where}: a weight in {key} is too large for a float", path=path,
-                             fix="fix the row") from None
+        raise RouteToolError(f"{where}: a weight in {key!r} is too large for a float", path=path,
+                             fix="weights must be finite and >= 0; fix the row") from None
+    return tuple(_check_weight(w, _short(x), where, key, path) for w, x in zip(weights, value))
 
 
 def _short(value, limit: int = 40) -> str:
@@ -648,7 +673,8 @@ _CLOSING = {"[": "]", "(": ")"}
 
 
 def _csv_numbers(text: str, kind, what: str, where: str, column: str, path: Path) -> list:
-    """Numbers of a list field such as ``"[8, 26, 56]"`` (commas, semicolons, spaces separate).
+    """Numbers of a list field such as ``"[8, 26, 56]"`` (commas, semicolons, spaces separate): expert
+    ids (``kind`` int) or weights (``kind`` float; finite and >= 0, see :func:`_check_weight`).
 
     The list is bare (``8 26 56``) or in one pair of brackets (``[...]`` or ``(...)``); a list
     opened and not closed (``"[1, 2"``: a cell cut short, or a quote that swallowed the next
@@ -674,7 +700,7 @@ def _csv_numbers(text: str, kind, what: str, where: str, column: str, path: Path
             if value is None:
                 raise RouteToolError(f"{where}: {what} {tok!r} in {column!r} is not a number", path=path,
                                      fix="fix the row")
-            out.append(value)
+            out.append(_check_weight(value, repr(tok), where, column, path))
     shown = " ".join(body.split())
     shown = repr(shown if len(shown) <= 40 else shown[:37] + "...")
     inner = body

@@ -302,6 +302,11 @@ def _one_line_error(res, *words, exit_code=2):
     ("frac.jsonl", b'{"topk_ids":[1.5,2]}\n', ["frac.jsonl: line 1: expert id 1.5 in topk_ids is not an integer"]),
     ("layer.jsonl", b'{"layer":-1,"topk_ids":[1,2]}\n', ["layer.jsonl: line 1: layer=-1 is not a layer index"]),
     ("garbage.pt", b"garbage", ["garbage.pt: is not a torch.save file"]),
+    # weights that replay refuses were written into the trace, exit 0
+    ("w.jsonl", b'{"topk_ids":[1,2],"topk_weights":[0.5,NaN]}\n',
+     ["w.jsonl: line 1: weight NaN in 'topk_weights' is not a finite number"]),
+    ("w.csv", b'layer,topk_ids,topk_weights\n0,"[1, 2]","[0.5, -1]"\n',
+     ["w.csv: line 2: weight '-1' in 'topk_weights' is negative (weights must be finite and >= 0; fix the row)"]),
 ])
 @pytest.mark.parametrize("command", ["import", "balance"])
 def test_bad_dump_files_are_one_line(tmp_path, command, name, content, words):
