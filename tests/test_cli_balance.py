@@ -234,6 +234,29 @@ def test_import_refuses_counts(tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
+def test_import_refusing_counts_suggests_the_options_it_was_given(tmp_path):
+    # the hint said `routetool balance FILE`, which fails on a file of several models: --select was lost
+    from tests.test_imports import _counts_doc
+
+    path = tmp_path / "two models.json"  # a name the shell must have quoted
+    path.write_text(json.dumps(_counts_doc()))
+    res = run("import", path, "--select", "mixtral/book", "--topk", "2", "-o", tmp_path / "x.safetensors")
+    hint = f"(analyse it directly: routetool balance '{path}' --topk 2 --select mixtral/book)"
+    assert res.exit_code == 2 and res.output.strip().endswith(hint), res.output
+    assert not (tmp_path / "x.safetensors").exists()
+    # the suggested command works as it stands
+    res = run("balance", path, "--topk", "2", "--select", "mixtral/book", "--ep-size", "2", "--no-progress")
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.skipif(not (REALDATA / "expert-counts.olmoe-paper.json").is_file(), reason="needs ../shared/realdata")
+def test_import_refusing_the_olmoe_paper_counts_keeps_select(tmp_path):
+    path = REALDATA / "expert-counts.olmoe-paper.json"
+    res = run("import", path, "--select", "olmoe-1b-7b-0924", "-o", tmp_path / "x.safetensors")
+    assert res.exit_code == 2 and not (tmp_path / "x.safetensors").exists()
+    assert res.output.strip().endswith(f"routetool balance {path} --select olmoe-1b-7b-0924)"), res.output
+
+
 def test_import_bad_file_is_exit_2(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"topk_ids": [1, 2]}\n{oops\n')
