@@ -469,15 +469,16 @@ class TraceSource(Source):
             padded = int(pad_cpu.sum()) if pad_cpu is not None else 0
             pad = pad_cpu.to(device) if pad_cpu is not None else None
             gating = step.gating_output.to(device) if step.gating_output is not None else None
-            invalid = None
             if mode == "recorded":
                 ids = step.recorded_ids.to(device)
-                invalid = invalid_reasons(_mask(ids, pad), None, pad, E)  # checked per layer, without a host sync
             else:
                 ids = call_route(self.route_fn, self.route_name, self.path, layer, s, gating, bias, pad, K,
                                  row_start=step.start)
             counts, uncounted = _count_step(ids, E, pad)
             masked = _mask(ids, pad)
+            # recorded ids are checked here and read back once per layer (no host sync per step);
+            # call_route checked the routed ones
+            invalid = invalid_reasons(masked, None, pad, E) if mode == "recorded" else None
             load = StepLoad(counts=counts, num_tokens=n - padded, ids=masked,
                             phase=_phase(n - padded, padded, self.decode_max_tokens), uncounted=uncounted,
                             invalid=invalid, row_start=step.start)
