@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from routetool.compare import INVALID_REASONS, invalid_reasons
 from routetool.eplb import (
     Placement,
     balancedness,
@@ -41,7 +42,7 @@ from routetool.eplb import (
     finite_or_none,
     rebalance_experts,
 )
-from routetool.errors import RouteToolError, first_line
+from routetool.errors import KernelError, RouteToolError, first_line
 from routetool.imports import ImportedCounts, ImportedRouting
 from routetool.load import LoadStats, load_stats
 from routetool.replay import call_kernel, input_snapshot, modified_inputs
@@ -157,8 +158,11 @@ class StepLoad:
             the analysed routing is another one, e.g. the recorded ids), or None.
         counts_nobias / ids_nobias: that function's routing with the bias zeroed, or None.
         uncounted: 0-d tensor, ids outside ``[0, E)`` on unpadded rows.
-        duplicates: 0-d tensor, unpadded rows that name one expert twice (None: not checked,
-            e.g. imported dumps, whose rows were checked when read).
+        invalid: ``[n, len(INVALID_REASONS)]`` bool, which of
+            :data:`routetool.compare.INVALID_REASONS` apply to each row of ``ids`` (from
+            :func:`routetool.compare.invalid_reasons`; padded rows never), or None when the ids
+            were checked already (a routing function's, by :func:`call_route`).
+        row_start: the layer row of the step's first row (rows are named in the layer).
     """
 
     counts: torch.Tensor
@@ -170,7 +174,8 @@ class StepLoad:
     counts_nobias: torch.Tensor | None = None
     ids_nobias: torch.Tensor | None = None
     uncounted: torch.Tensor | None = None
-    duplicates: torch.Tensor | None = None
+    invalid: torch.Tensor | None = None
+    row_start: int = 0
 
 
 class Source:
@@ -219,63 +224,124 @@ class Source:
     def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
         raise NotImplementedError
 
-    def duplicate_error(self, layer: int, rows: int, first_step: int) -> RouteToolError:
-        """The error for ``rows`` rows of ``layer`` that name an expert twice (first in ``first_step``)."""
-        return RouteToolError(f"layer {layer}: {rows:,} row(s) name one expert twice (first in step {first_step}); "
-                              "each token picks distinct experts", path=self.path, fix="fix the input")
+    def invalid_error(self, layer: int, found: InvalidRows) -> RouteToolError:
+        """The error for unpadded rows of ``layer`` whose expert ids are invalid (bad input, exit 2)."""
+        return RouteToolError(f"layer {layer}, {found.where()}: the ids {found.ids} {found.what(self.num_experts)}; "
+                              f"{found.rows:,} row(s) of the layer are invalid", path=self.path,
+                              fix=f"each token picks distinct experts in [0, {self.num_experts}); fix the input")
 
 
-def duplicate_rows(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """0-d int64 tensor: rows of ``ids`` ``[n, K]`` holding one id in ``[0, E)`` twice (ids outside
-    ``[0, E)``, e.g. -1 on padded rows, are ignored). No host synchronisation."""
-    if ids.dim() != 2 or ids.shape[1] < 2 or ids.shape[0] == 0:
-        return torch.zeros((), dtype=torch.int64, device=ids.device)
-    s = ids.long().sort(dim=1).values
-    same = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0) & (s[:, 1:] < num_experts)
-    return same.any(dim=1).sum()
+@dataclass
+class InvalidRows:
+    """Unpadded rows whose expert ids are invalid (:data:`routetool.compare.INVALID_REASONS`
+    ``id_out_of_range``, ``duplicate_id``, ``minus_one_on_unpadded_row``): how many, and the first.
+
+    Attributes:
+        rows: how many rows. step / row: where the first one is (row: its index in the
+            layer, as replay counts rows). ids: its ``[K]`` ids. reasons: the reasons that apply
+            to it.
+    """
+
+    rows: int
+    step: int
+    row: int
+    ids: list[int]
+    reasons: list[str]
+
+    def where(self) -> str:
+        return f"step {self.step}, row {self.row}"
+
+    def what(self, num_experts: int) -> str:
+        """The reasons in words, e.g. ``hold an id outside [0, 8)``."""
+        words = {"id_out_of_range": f"an id outside [0, {num_experts})", "duplicate_id": "one expert twice",
+                 "minus_one_on_unpadded_row": "-1 on an unpadded row"}
+        return "hold " + " and ".join(words.get(r, r) for r in self.reasons)
+
+
+def first_invalid_row(ids: torch.Tensor, reasons: torch.Tensor, step: int, row_start: int) -> InvalidRows | None:
+    """The invalid rows of one step's ``ids`` ``[n, K]``, given their ``reasons`` ``[n, R]`` (from
+    :func:`routetool.compare.invalid_reasons`), or None when there are none. Reads back to the host."""
+    bad = reasons.any(-1)
+    count = int(bad.sum())
+    if not count:
+        return None
+    r = int(torch.nonzero(bad)[0, 0])
+    return InvalidRows(rows=count, step=step, row=row_start + r, ids=[int(v) for v in ids[r].tolist()],
+                       reasons=[name for name, on in zip(INVALID_REASONS, reasons[r].tolist()) if on])
+
+
+class RoutingOutputError(TypeError):
+    """A routing function returned something other than ``(topk_weights, topk_ids)`` of matching
+    shapes (raised by the functions :func:`route_fn_from` makes; :func:`call_route` reports it)."""
+
+
+_FIX_KERNEL = "fix the kernel (check it with `routetool validate`), or use --reference"
 
 
 def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating: torch.Tensor, bias: torch.Tensor,
-               pad: torch.Tensor | None, topk: int) -> torch.Tensor:
+               pad: torch.Tensor | None, topk: int, *, row_start: int = 0, context: str = "") -> torch.Tensor:
     """Run a routing function on one step and check what it returns.
 
+    Args:
+        fn / name: the routing function and its name for messages. path: the trace, for messages.
+        layer / step: where. gating ``[n, E]``, bias ``[E]``, pad ``[n]`` bool or None: its inputs.
+        topk: K. row_start: the layer row of the step's first row (invalid rows are named by
+        their row in the layer). context: words added after the step (``with the bias zeroed``).
+
     Returns:
-        ``[n, topk]`` integer ids on ``gating``'s device.
+        ``[n, topk]`` integer ids on ``gating``'s device; every unpadded row holds distinct ids
+        in ``[0, E)`` (padded rows are not checked: they are never counted).
 
     Raises:
-        RouteToolError: the function raised (any exception), wrote into its inputs (compared
-            bit for bit before and after the call, as replay and validate do), or returned
-            something other than an integer tensor of shape ``[n, topk]``; the message names
-            the function, the layer and the step.
+        RouteToolError: the function rejected the inputs with ``ValueError`` (exit 2, as replay
+            does: e.g. the seed kernel and bf16 logits).
+        KernelError: (exit 1: the check found a problem with the kernel) the function raised
+            anything else (``SystemExit`` included), wrote into its inputs (compared bit for
+            bit before and after the call, as replay and validate do), returned something other
+            than an integer tensor of shape ``[n, topk]`` (or, from :func:`route_fn_from`,
+            weights of another shape), or ids that are invalid on an unpadded row
+            (:func:`routetool.compare.invalid_reasons`: out of range, -1, one expert twice).
+            The message names the function, the layer and the step (and the first invalid row).
     """
-    n = int(gating.shape[0])
+    n, E = int(gating.shape[0]), int(gating.shape[1])
+    where = f"layer {layer}, step {step}{' ' + context if context else ''}"
     before = input_snapshot(gating_output=gating, bias=bias, is_padding=pad)
     try:
         ids = fn(gating, bias, pad)
     except RouteToolError:
         raise
+    except RoutingOutputError as exc:
+        raise KernelError(f"{name} {first_line(exc, 160, with_type=False)} on {where}", failure_class="wrong_shape",
+                          path=path, fix="return (topk_weights, topk_ids) as the seed kernel does") from None
     except ValueError as exc:
-        raise RouteToolError(f"{name} rejected the inputs of layer {layer}, step {step} "
-                             f"({first_line(exc, 120, with_type=False)})", path=path, fix="choose another --kernel, or --reference") from None
+        raise RouteToolError(f"{name} rejected the inputs of {where} ({first_line(exc, 120, with_type=False)})",
+                             path=path, fix="choose another --kernel, or --reference") from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user kernel may fail in any way, sys.exit too
-        raise RouteToolError(f"{name} failed on layer {layer}, step {step} ({first_line(exc, 120)})",
-                             path=path, fix="fix the kernel (check it with `routetool validate`), or use --reference") from None
+        raise KernelError(f"{name} failed on {where} ({first_line(exc, 120)})", failure_class="crash",
+                          path=path, fix=_FIX_KERNEL) from None
     changed = modified_inputs(before, gating_output=gating, bias=bias, is_padding=pad)
     if changed:
-        raise RouteToolError(f"{name} wrote into its input {', '.join(changed)} on layer {layer}, step {step}",
-                             path=path, fix="a routing kernel may write only topk_weights and topk_ids: fix the kernel "
-                                            "(check it with `routetool validate`), or use --reference")
+        raise KernelError(f"{name} wrote into its input {', '.join(changed)} on {where}",
+                          failure_class="modified_input", path=path,
+                          fix=f"a routing kernel may write only topk_weights and topk_ids: {_FIX_KERNEL}")
     if not isinstance(ids, torch.Tensor):
-        raise RouteToolError(f"{name} returned {type(ids).__name__} for the topk_ids of layer {layer}, step {step}; "
-                             "expected a tensor", path=path, fix="return (topk_weights, topk_ids) as the seed kernel does")
+        raise KernelError(f"{name} returned {type(ids).__name__} for the topk_ids of {where}; expected a tensor",
+                          failure_class="wrong_shape", path=path,
+                          fix="return (topk_weights, topk_ids) as the seed kernel does")
     if tuple(ids.shape) != (n, topk):
-        raise RouteToolError(f"{name} returned topk_ids of shape {list(ids.shape)} on layer {layer}, step {step}; "
-                             f"expected [{n}, {topk}]", path=path,
-                             fix="fix the kernel (check it with `routetool validate`), or use --reference")
+        raise KernelError(f"{name} returned topk_ids of shape {list(ids.shape)} on {where}; expected [{n}, {topk}]",
+                          failure_class="wrong_shape", path=path, fix=_FIX_KERNEL)
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise RouteToolError(f"{name} returned topk_ids of dtype {ids.dtype} on layer {layer}, step {step}; "
-                             "expected integers", path=path, fix="return int32/int64 expert ids")
-    return ids.to(gating.device)
+        raise KernelError(f"{name} returned topk_ids of dtype {ids.dtype} on {where}; expected integers",
+                          failure_class="wrong_shape", path=path, fix="return int32/int64 expert ids")
+    ids = ids.to(gating.device)
+    found = first_invalid_row(ids, invalid_reasons(_mask(ids, pad), None, pad, E), step, row_start)
+    if found is not None:
+        verb = "is" if found.rows == 1 else "are"
+        raise KernelError(f"{name} returned invalid topk_ids on {where}, row {found.row}: {found.ids} "
+                          f"{found.what(E)}; {found.rows:,} of the step's {n:,} rows {verb} invalid",
+                          failure_class=f"invalid:{found.reasons[0]}", path=path, fix=_FIX_KERNEL)
+    return ids
 
 
 def _phase(num_tokens: int, padded: int, decode_max_tokens: int) -> str:
@@ -380,16 +446,15 @@ class TraceSource(Source):
         o = self.trace.info(layer).step_offsets
         return [b - a for a, b in zip(o, o[1:])]
 
-    def duplicate_error(self, layer: int, rows: int, first_step: int) -> RouteToolError:
-        if self._mode[layer] == "recorded":
-            return RouteToolError(f"{rows:,} unpadded row(s) name one expert twice (first in step {first_step}); each "
-                                  "token picks distinct experts, as `routetool import` requires of dumps",
-                                  path=self.path, tensor=f"layers.{layer}.topk_ids",
-                                  fix="fix the capture" + (", or route the logits (drop --recorded)"
-                                                           if self.trace.info(layer).has_logits else ""))
-        return RouteToolError(f"{self.route_name} returned {rows:,} row(s) naming one expert twice on layer {layer} "
-                              f"(first in step {first_step})", path=self.path,
-                              fix="fix the kernel (check it with `routetool validate`), or use --reference")
+    def invalid_error(self, layer: int, found: InvalidRows) -> RouteToolError:
+        """Invalid recorded ``topk_ids`` (routed layers are checked by :func:`call_route`): bad input."""
+        E = self.num_experts
+        drop = ", or route the logits (drop --recorded)" if self.trace.info(layer).has_logits else ""
+        return RouteToolError(f"layer {layer}, {found.where()}: the recorded ids {found.ids} {found.what(E)}; "
+                              f"{found.rows:,} unpadded row(s) of the layer are invalid", path=self.path,
+                              tensor=f"layers.{layer}.topk_ids",
+                              fix=f"each token picks distinct experts in [0, {E}), as `routetool import` requires of "
+                                  f"dumps: fix the capture{drop}")
 
     def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
         E = self.num_experts
@@ -407,18 +472,24 @@ class TraceSource(Source):
             if mode == "recorded":
                 ids = step.recorded_ids.to(device)
             else:
-                ids = call_route(self.route_fn, self.route_name, self.path, layer, s, gating, bias, pad, K)
+                ids = call_route(self.route_fn, self.route_name, self.path, layer, s, gating, bias, pad, K,
+                                 row_start=step.start)
             counts, uncounted = _count_step(ids, E, pad)
             masked = _mask(ids, pad)
+            # recorded ids are checked here and read back once per layer (no host sync per step);
+            # call_route checked the routed ones
+            invalid = invalid_reasons(masked, None, pad, E) if mode == "recorded" else None
             load = StepLoad(counts=counts, num_tokens=n - padded, ids=masked,
                             phase=_phase(n - padded, padded, self.decode_max_tokens), uncounted=uncounted,
-                            duplicates=duplicate_rows(masked, E))
+                            invalid=invalid, row_start=step.start)
             if self.bias_effect and info.has_logits:
                 if mode == "route" and self.nobias_fn is self.route_fn:
                     with_bias = ids
                 else:
-                    with_bias = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, bias, pad, K)
-                without = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, zeros, pad, K)
+                    with_bias = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, bias, pad, K,
+                                           row_start=step.start, context="(bias effect)")
+                without = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, zeros, pad, K,
+                                     row_start=step.start, context="with the bias zeroed (bias effect)")
                 load.bias_ids_with, load.ids_nobias = _mask(with_bias, pad), _mask(without, pad)
                 load.bias_counts_with = counts if with_bias is ids else _count_step(with_bias, E, pad)[0]
                 load.counts_nobias = _count_step(without, E, pad)[0]
@@ -447,7 +518,8 @@ class ImportedSource(Source):
             ids = ids_all[a:b]
             counts, uncounted = count_experts(ids, self.num_experts)
             yield StepLoad(counts=counts, num_tokens=b - a, ids=ids,
-                           phase=_phase(b - a, 0, self.decode_max_tokens), uncounted=uncounted)
+                           phase=_phase(b - a, 0, self.decode_max_tokens), uncounted=uncounted,
+                           invalid=invalid_reasons(ids, None, None, self.num_experts), row_start=a)
 
 
 class CountsSource(Source):
@@ -798,8 +870,21 @@ class _LayerAccumulator:
         self.ids_seen = False
         self.steps = 0
         self.window_tokens: list[int | None] = [0] * num_windows
-        self.duplicates = torch.zeros((), **z)
-        self.first_duplicate = torch.full((), num_steps, **z)
+        # invalid rows (recorded or imported ids): counted, and the first one kept, on the device
+        self.invalid_rows = torch.zeros((), **z)
+        self.first_invalid_step = torch.full((), -1, **z)
+        self.first_invalid_row = torch.full((), -1, **z)
+        self.first_invalid_ids: torch.Tensor | None = None
+        self.first_invalid_reasons = torch.zeros(len(INVALID_REASONS), dtype=torch.bool, device=device)
+
+    def invalid_found(self) -> InvalidRows | None:
+        """The invalid rows seen (see :attr:`StepLoad.invalid`), or None."""
+        rows = int(self.invalid_rows)
+        if not rows:
+            return None
+        return InvalidRows(rows=rows, step=int(self.first_invalid_step), row=int(self.first_invalid_row),
+                           ids=self.first_invalid_ids.tolist(),
+                           reasons=[n for n, on in zip(INVALID_REASONS, self.first_invalid_reasons.tolist()) if on])
 
     def add(self, s: int, load: StepLoad) -> None:
         c = load.counts
@@ -808,10 +893,17 @@ class _LayerAccumulator:
         self.windows[self.window_of[s]] += c
         if load.uncounted is not None:
             self.uncounted += load.uncounted
-        if load.duplicates is not None:
-            self.duplicates += load.duplicates
-            self.first_duplicate = torch.where(load.duplicates > 0, torch.clamp(self.first_duplicate, max=s),
-                                               self.first_duplicate)
+        if load.invalid is not None and load.invalid.shape[0] and load.ids is not None:
+            bad = load.invalid.any(-1)
+            self.invalid_rows += bad.sum()
+            r = bad.to(torch.int32).argmax()  # the first invalid row (0 when there is none)
+            take = bad[r] & (self.first_invalid_step < 0)
+            if self.first_invalid_ids is None:
+                self.first_invalid_ids = torch.zeros(load.ids.shape[1], dtype=torch.int64, device=self.device)
+            self.first_invalid_step = torch.where(take, s, self.first_invalid_step)
+            self.first_invalid_row = torch.where(take, r + load.row_start, self.first_invalid_row)
+            self.first_invalid_ids = torch.where(take, load.ids[r].long(), self.first_invalid_ids)
+            self.first_invalid_reasons = torch.where(take, load.invalid[r], self.first_invalid_reasons)
         w = self.window_of[s]
         if load.num_tokens is None:
             self.tokens_known = False
@@ -878,7 +970,11 @@ def analyze_balance(
 
     Raises:
         RouteToolError: an EP size that does not divide E, an impossible EPLB
-            configuration, a placement made for another expert count.
+            configuration, a placement made for another expert count; unpadded rows of
+            recorded or imported ids that are invalid (out of range, -1, one expert twice),
+            named by layer, step and row.
+        KernelError: the routing function failed or returned wrong or invalid outputs
+            (:func:`call_route`).
     """
     device = torch.device(device)
     E = source.num_experts
@@ -918,9 +1014,9 @@ def analyze_balance(
             acc.add(s, load)
             if progress is not None:
                 progress(sizes[s])
-        duplicates = int(acc.duplicates)  # one read-back per layer
-        if duplicates:
-            raise source.duplicate_error(layer, duplicates, int(acc.first_duplicate))
+        found = acc.invalid_found()  # one read-back per layer
+        if found is not None:
+            raise source.invalid_error(layer, found)
         rows += sum(sizes) if source.kind != "counts" else len(sizes)
         res = _finish_layer(layer, acc, placements, source, options, sizes)
         uncounted_total += res.uncounted
@@ -1100,15 +1196,22 @@ def route_fn_from(fn, router, *, kernel: bool = False) -> RouteFn:
     ``kernel``: ``fn`` is a kernel (a variant or a ``--kernel module:function``), called as
     replay calls kernels (:func:`routetool.replay.call_kernel`: ``topk_weights=None`` and
     ``topk_ids=None`` passed too); otherwise the PyTorch reference, which takes no output
-    buffers. Exceptions propagate; :func:`call_route` (used by :class:`TraceSource`) turns them,
-    written inputs and wrong shapes into one-line errors naming the function, the layer and
-    the step."""
+    buffers. Exceptions propagate; something other than a pair, or (from a kernel) weights that
+    are not a float tensor of the ids' shape, raises :class:`RoutingOutputError`.
+    :func:`call_route` (used by :class:`TraceSource`) turns them, written inputs, wrong shapes
+    and invalid ids into one-line errors naming the function, the layer and the step."""
     kwargs = router.kernel_kwargs()
 
     def route(gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
         out = call_kernel(fn, gating, bias, pad, router) if kernel else fn(gating, bias, is_padding=pad, **kwargs)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TypeError(f"returned {type(out).__name__}, expected (topk_weights, topk_ids)")
-        return out[1]
+            raise RoutingOutputError(f"returned {type(out).__name__}, expected (topk_weights, topk_ids)")
+        w, ids = out
+        if kernel and isinstance(ids, torch.Tensor) and not (
+                isinstance(w, torch.Tensor) and w.is_floating_point() and w.shape == ids.shape):
+            got = f"{list(w.shape)} {str(w.dtype).removeprefix('torch.')}" if isinstance(w, torch.Tensor) \
+                else type(w).__name__
+            raise RoutingOutputError(f"returned topk_weights {got}, expected float {list(ids.shape)} like its topk_ids")
+        return ids
 
     return route

@@ -2,11 +2,13 @@
 
 Thin: parse options, build a source, call :func:`routetool.balance.analyze_balance` or the
 importers, render, write. Bad input raises :class:`~routetool.errors.RouteToolError`, which
-the ``routetool`` group turns into a one-line message and exit code 2.
+the ``routetool`` group turns into a one-line message and exit code 2; a faulty kernel under
+test raises :class:`~routetool.errors.KernelError`, one line and exit code 1.
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -103,12 +105,27 @@ _DUMP_OPTIONS = {"num_experts": "--num-experts", "topk": "--topk", "skip_rows": 
                  "drop_repeats": "--drop-repeats", "select": "--select"}
 
 
+def _given(ctx: click.Context, name: str) -> bool:
+    """Whether the user gave option ``name`` (not its default)."""
+    return ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT,
+                                                  click.core.ParameterSource.DEFAULT_MAP)
+
+
+def _balance_command(source: Path) -> str:
+    """``routetool balance SOURCE`` with the options for reading dumps the user gave this command
+    (``--select`` above all: a counts file with several models needs it), quoted for a shell."""
+    ctx = click.get_current_context()
+    parts = ["routetool", "balance", shlex.quote(str(source))]
+    for name, flag in {"fmt": "--format", **_DUMP_OPTIONS}.items():
+        if _given(ctx, name):
+            parts += [flag, shlex.quote(str(ctx.params[name]))]
+    return " ".join(parts)
+
+
 def _reject_dump_options(source: Path) -> None:
     """A trace records E, K and its steps: the options for reading dumps do not apply to it."""
     ctx = click.get_current_context()
-    given = [flag for name, flag in _DUMP_OPTIONS.items()
-             if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT,
-                                                       click.core.ParameterSource.DEFAULT_MAP)]
+    given = [flag for name, flag in _DUMP_OPTIONS.items() if _given(ctx, name)]
     if given:
         raise RouteToolError(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} to routing dumps, not to a "
                              "trace (a trace records its num_experts, topk and steps)", path=source,
@@ -350,7 +367,7 @@ def import_(source: Path, output: Path, fmt: str, num_experts, topk, skip_rows, 
     imported = read_dump(source, _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model))
     if isinstance(imported, ImportedCounts):
         raise RouteToolError("holds per-expert counts, not per-token expert ids: a trace cannot be made from it",
-                             path=source, fix=f"analyse it directly: routetool balance {source}")
+                             path=source, fix=f"analyse it directly: {_balance_command(source)}")
     write_imported_trace(imported, output, force=force)
     render_import(imported, str(output), Console())
     click.get_current_context().exit(EXIT_OK)

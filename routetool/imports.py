@@ -37,9 +37,11 @@ row width (every row must have the same).
 
 Numbers are checked, not coerced: expert ids and layers must be integers (``3`` or ``3.0``,
 never ``1.5``, ``true`` or NaN), ids in ``[0, E)`` with E at most :data:`MAX_EXPERTS`, layers
-in ``[0, MAX_LAYERS)``, counts finite non-negative integers. In JSON, numbers are JSON numbers
-(``"3"`` is an error, not 3); integers written as text (CSV cells, counts-JSON keys) are ASCII
-digits (``int()`` would also read ``1_0`` and other scripts' digits). Nothing is said two ways
+in ``[0, MAX_LAYERS)``, weights finite (also as float32) and >= 0, counts finite non-negative
+integers. In JSON, numbers are JSON numbers
+(``"3"`` is an error, not 3); integers written as text (CSV cells, counts-JSON keys) are plain
+ASCII digits, read by :mod:`routetool.numtext` (``int()`` would also read ``" 1"``, ``1_0`` and
+other scripts' digits). Nothing is said two ways
 and silently resolved: a JSON key given twice in one object, two names of one field in a row
 or a CSV header (``topk_ids`` and ``experts``: the names above are alternatives), meta rows that
 disagree, or one layer or expert spelled two ways (``"0"`` and ``"00"``), is an error. Every failure, including text that is not UTF-8,
@@ -78,7 +80,6 @@ _CSV_IDS = ("activated_expert_ids", "topk_ids", "expert_ids", "experts", "select
 _CSV_WEIGHTS = ("topk_weights", "weights", "gating_probs", "routing_weights", "expert_weights")
 _CSV_LAYER = ("layer_id", "layer", "layer_idx")
 _CSV_STEP = ("batch_number", "step", "batch", "forward_pass_id", "step_id")
-_INT_TEXT = re.compile(r"\s*[-+]?[0-9]+\s*")  # ASCII digits: int() also reads "1_0" and other scripts' digits
 _CSV_SPLIT = re.compile(r"[\s,;\[\]()]+")
 
 MAX_EXPERTS = 1 << 20
@@ -98,7 +99,9 @@ def one_line(text: object, limit: int = 160) -> str:
 
 def _as_int(value, *, text: bool = True) -> int | None:
     """``value`` as an int when it is an integer (int, integral float, and with ``text`` integer
-    text in ASCII digits); else None.
+    text: plain ASCII digits with an optional sign, read by :func:`routetool.numtext.parse_int`,
+    so ``" 1"``, ``"1_0"`` and other scripts' digits are not integers although ``int()`` reads
+    them); else None.
 
     Booleans, fractions, NaN/inf and other types are not integers.
     """
@@ -108,8 +111,8 @@ def _as_int(value, *, text: bool = True) -> int | None:
         return value
     if isinstance(value, float):
         return int(value) if math.isfinite(value) and value.is_integer() else None
-    if text and isinstance(value, str) and _INT_TEXT.fullmatch(value):
-        return int(value)
+    if text and isinstance(value, str):
+        return parse_int(value)
     return None
 
 
@@ -131,12 +134,16 @@ def _layer_index(value, where: str, key: str, path: Path, spellings: dict[int, t
         raise RouteToolError(f"{where}: {key}={_short(value)} is a string, not a JSON number", path=path,
                              fix=f"write the layer as a number: \"{key}\": {_as_int(value)}, without quotes")
     layer = _as_int(value, text=text)
+    if layer is None and text and _loose_int(value):  # " 1", "1_0", Arabic-Indic digits: int() reads them
+        raise RouteToolError(f"{where}: {key}={value!r} is not a plain decimal layer index", path=path,
+                             fix="write the layer in ASCII digits 0-9, without spaces, underscores or other scripts' "
+                                 "digits")
     if layer is None or not 0 <= layer < MAX_LAYERS:
         shown = repr(value) if isinstance(value, str) else _short(value)
         raise RouteToolError(f"{where}: {key}={shown} is not a layer index (an integer in [0, {MAX_LAYERS:,}))",
                              path=path, fix="fix the row")
     if spellings is not None and isinstance(value, str):
-        spelled = value.strip()
+        spelled = value
         first = spellings.setdefault(layer, (spelled, label or where))
         if first[0] != spelled:
             raise RouteToolError(f"{where}: {key}={spelled!r} and {first[0]!r} ({first[1]}) name the same layer {layer}",
@@ -474,14 +481,38 @@ def _json_ids(value, where: str, key: str, path: Path) -> tuple[int, ...]:
     return tuple(out)
 
 
+_MAX_WEIGHT = torch.finfo(torch.float32).max
+"""Weights are stored as float32: a larger one would become infinite."""
+
+
+def _check_weight(value: float, shown: str, where: str, column: str, path: Path) -> float:
+    """``value`` when it is a weight a trace can hold: finite (also as float32) and >= 0.
+
+    ``shown``: the value as the dump writes it, for the message. Replay refuses non-finite and
+    negative recorded weights; import refuses them where they are read, naming the line/row
+    and the column or key."""
+    if not math.isfinite(value):
+        raise RouteToolError(f"{where}: weight {shown} in {column!r} is not a finite number", path=path,
+                             fix="weights must be finite and >= 0; a number beyond the float range, like 1e400, "
+                                 "is infinite; fix the row")
+    if abs(value) > _MAX_WEIGHT:
+        raise RouteToolError(f"{where}: weight {shown} in {column!r} is too large for a float32 weight (at most "
+                             f"{_MAX_WEIGHT:.4g})", path=path, fix="weights must be finite and >= 0; fix the row")
+    if value < 0:
+        raise RouteToolError(f"{where}: weight {shown} in {column!r} is negative", path=path,
+                             fix="weights must be finite and >= 0; fix the row")
+    return value
+
+
 def _json_weights(value, where: str, key: str, path: Path) -> tuple[float, ...]:
     if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in value):
         raise RouteToolError(f"{where}: {key} is not a list of numbers ({_short(value)})", path=path, fix="fix the row")
     try:
-        return tuple(float(x) for x in value)
+        weights = tuple(float(x) for x in value)
     except OverflowError:
-        raise RouteToolError(f"{where}: a weight in {key} is too large for a float", path=path,
-                             fix="fix the row") from None
+        raise RouteToolError(f"{where}: a weight in {key!r} is too large for a float", path=path,
+                             fix="weights must be finite and >= 0; fix the row") from None
+    return tuple(_check_weight(w, _short(x), where, key, path) for w, x in zip(weights, value))
 
 
 def _short(value, limit: int = 40) -> str:
@@ -642,7 +673,8 @@ _CLOSING = {"[": "]", "(": ")"}
 
 
 def _csv_numbers(text: str, kind, what: str, where: str, column: str, path: Path) -> list:
-    """Numbers of a list field such as ``"[8, 26, 56]"`` (commas, semicolons, spaces separate).
+    """Numbers of a list field such as ``"[8, 26, 56]"`` (commas, semicolons, spaces separate): expert
+    ids (``kind`` int) or weights (``kind`` float; finite and >= 0, see :func:`_check_weight`).
 
     The list is bare (``8 26 56``) or in one pair of brackets (``[...]`` or ``(...)``); a list
     opened and not closed (``"[1, 2"``: a cell cut short, or a quote that swallowed the next
@@ -658,16 +690,17 @@ def _csv_numbers(text: str, kind, what: str, where: str, column: str, path: Path
         if not tok:
             continue
         if kind is int:
-            if not _INT_TEXT.fullmatch(tok):
+            value = parse_int(tok)
+            if value is None:
                 raise RouteToolError(f"{where}: {what} {tok!r} in {column!r} is not an integer", path=path,
                                      fix="expert ids are integers; fix the row")
-            out.append(int(tok))
+            out.append(value)
         else:
             value = parse_float(tok, special=True)
             if value is None:
                 raise RouteToolError(f"{where}: {what} {tok!r} in {column!r} is not a number", path=path,
                                      fix="fix the row")
-            out.append(value)
+            out.append(_check_weight(value, repr(tok), where, column, path))
     shown = " ".join(body.split())
     shown = repr(shown if len(shown) <= 40 else shown[:37] + "...")
     inner = body

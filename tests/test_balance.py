@@ -17,7 +17,7 @@ from routetool.balance import (
     tv_distance,
     window_of_steps,
 )
-from routetool.errors import RouteToolError
+from routetool.errors import EXIT_FINDINGS, EXIT_USAGE, KernelError, RouteToolError
 from routetool.imports import ImportedCounts, ImportedLayer, ImportedRouting
 from routetool.trace import LayerArrays, RouterConfig, Trace
 from tests.helpers import make_trace
@@ -277,9 +277,52 @@ def test_duplicate_recorded_ids_are_rejected_like_dumps(tmp_path):
     ids = torch.tensor([[0, 1], [2, 3], [0, 1], [3, 3], [0, 3]], dtype=torch.int32)
     make_trace(path, {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 2, 5]))},
                router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
-    with Trace(path) as t, pytest.raises(RouteToolError, match=r"layers.0.topk_ids: 1 unpadded row\(s\) name one "
-                                                                 r"expert twice \(first in step 1\)"):
+    with Trace(path) as t, pytest.raises(RouteToolError, match=r"layers.0.topk_ids: layer 0, step 1, row 3: the "
+                                                                 r"recorded ids \[3, 3\] hold one expert twice; 1 "
+                                                                 r"unpadded row\(s\) of the layer are invalid"):
         analyze_balance(TraceSource(t, t.layers), BalanceOptions(ep_sizes=[2], eplb=None))
+
+
+@pytest.mark.parametrize("bad_row, words", [
+    # ids >= E and -1 on unpadded rows were left out of every count without an error (exit 0,
+    # wrong statistics); replay's invalid-row checks and `import` refuse them
+    ([0, 9], "the recorded ids [0, 9] hold an id outside [0, 4)"),
+    ([-1, 2], "the recorded ids [-1, 2] hold -1 on an unpadded row"),
+    ([-1, -1], "the recorded ids [-1, -1] hold -1 on an unpadded row"),
+    ([-5, 1], "the recorded ids [-5, 1] hold an id outside [0, 4)"),
+])
+def test_invalid_recorded_ids_are_bad_input(tmp_path, bad_row, words):
+    path = tmp_path / "bad.safetensors"
+    ids = torch.tensor([[0, 1], [2, 3], [0, 1], bad_row, [0, 3], bad_row], dtype=torch.int32)
+    make_trace(path, {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 2, 6]))},
+               router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
+    with Trace(path) as t, pytest.raises(RouteToolError) as info:
+        analyze_balance(TraceSource(t, t.layers), BalanceOptions(ep_sizes=[2], eplb=None))
+    assert not isinstance(info.value, KernelError) and info.value.exit_code == EXIT_USAGE
+    text = str(info.value)
+    assert text.startswith(f"{path}: layers.0.topk_ids: layer 0, step 1, row 3: {words}; 2 unpadded row(s)"), text
+    assert "\n" not in text
+
+
+def test_invalid_ids_on_padded_rows_do_not_count(tmp_path):
+    # padded rows hold anything (-1, ids >= E): they are masked before the check and never counted
+    path = tmp_path / "pad.safetensors"
+    ids = torch.tensor([[0, 1], [9, -1], [-1, -1], [2, 3]], dtype=torch.int32)
+    make_trace(path, {0: LayerArrays(topk_ids=ids, is_padding=torch.tensor([False, True, True, False]))},
+               router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
+    with Trace(path) as t:
+        r = analyze_balance(TraceSource(t, t.layers), BalanceOptions(ep_sizes=[2], eplb=None))
+    assert r.layers[0].counts == [1, 1, 1, 1] and r.layers[0].uncounted == 0 and r.layers[0].tokens == 2
+
+
+def test_invalid_imported_ids_are_refused():
+    # an ImportedRouting made by hand (read_dump checks its rows when it reads them)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 7]], dtype=torch.int32)
+    imported = ImportedRouting(source="hand.jsonl", format="jsonl", model="m", num_experts=4, topk=2,
+                               layers={2: ImportedLayer(topk_ids=ids, topk_weights=None, step_offsets=[0, 2, 3])})
+    with pytest.raises(RouteToolError, match=r"^hand.jsonl: layer 2, step 1, row 2: the ids \[1, 7\] hold an id "
+                                             r"outside \[0, 4\); 1 row\(s\) of the layer are invalid"):
+        analyze_balance(ImportedSource(imported), BalanceOptions(ep_sizes=[2], eplb=None))
 
 
 def test_duplicates_on_padded_rows_do_not_count(tmp_path):
@@ -325,10 +368,60 @@ def _scribble(gating, bias, pad):
     (_scribble, r"kernel bad wrote into its input gating_output on layer 0, step 0 \(a routing kernel may write only"),
 ])
 def test_misbehaving_routing_function_is_one_line(tmp_path, fn, words):
-    # a kernel returning n-1 rows used to exit 0 with an undercounted load
-    with pytest.raises(RouteToolError, match=words) as info:
+    # a kernel returning n-1 rows used to exit 0 with an undercounted load; these are faults of the
+    # kernel, exit 1 as in replay and validate (they were exit 2, bad input)
+    with pytest.raises(KernelError, match=words) as info:
         _route_with(tmp_path, fn)
     assert "\n" not in str(info.value) and "t.safetensors" in str(info.value)
+    assert info.value.exit_code == EXIT_FINDINGS
+
+
+def _ids_plus(offset):
+    def route(gating, bias, pad):
+        from kernel.reference import musespark1x_routing_reference
+
+        return musespark1x_routing_reference(gating, bias, topk=1, route_scale=1.0, is_padding=pad)[1] + offset
+    return route
+
+
+@pytest.mark.parametrize("fn, words", [
+    # the reference's ids + 1000, or all -1: left out of every count, exit 0 with wrong statistics
+    (_ids_plus(1000), ("returned invalid topk_ids on layer 0, step 0, row 0: [1001] hold an id outside [0, 4); "
+                       "2 of the step's 2 rows are invalid")),
+    (lambda g, b, p: torch.full((g.shape[0], 1), -1, dtype=torch.int32),
+     "returned invalid topk_ids on layer 0, step 0, row 0: [-1] hold -1 on an unpadded row; 2 of the step's 2 rows"),
+    # step 1's row 3 is padding: only row 2 (the layer's row, as replay counts) is named
+    (lambda g, b, p: torch.full((g.shape[0], 1), 7 if bool(p.any()) else 0, dtype=torch.int32),
+     "returned invalid topk_ids on layer 0, step 1, row 2: [7] hold an id outside [0, 4); 1 of the step's 2 rows is"),
+])
+def test_invalid_ids_from_a_routing_function_are_a_kernel_fault(tmp_path, fn, words):
+    with pytest.raises(KernelError) as info:
+        _route_with(tmp_path, fn)
+    assert words in str(info.value) and info.value.exit_code == EXIT_FINDINGS
+    assert info.value.failure_class.startswith("invalid:")
+
+
+def test_bias_effect_routing_is_checked_too(tmp_path):
+    # ids counted for the bias effect (routed again with the bias zeroed) are checked as well
+    def route(gating, bias, pad):
+        return torch.full((gating.shape[0], 1), 1 if bool(bias.any()) else 4, dtype=torch.int32)
+
+    path = tmp_path / "t.safetensors"
+    _bias_trace(path)
+    with Trace(path) as t, pytest.raises(KernelError, match=r"kernel k returned invalid topk_ids on layer 0, step 0 "
+                                                            r"with the bias zeroed \(bias effect\), row 0: \[4\]"):
+        src = TraceSource(t, t.layers, routing="kernel", route_fn=route, route_name="kernel k", nobias_fn=route)
+        analyze_balance(src, BalanceOptions(ep_sizes=[2], eplb=None))
+
+
+def test_route_fn_from_checks_a_kernels_weights():
+    # a kernel's weights are checked as replay checks them: a float tensor of the ids' shape
+    def swapped(g, b, *a, **k):
+        return torch.zeros(g.shape[0], 1, dtype=torch.int32), torch.zeros(g.shape[0], 1)
+
+    route = route_fn_from(swapped, RouterConfig(num_experts=4, topk=1, route_scale=1.0), kernel=True)
+    with pytest.raises(TypeError, match=r"returned topk_weights \[2, 1\] int32, expected float \[2, 1\]"):
+        route(torch.zeros(2, 4), torch.zeros(4), None)
 
 
 def test_route_fn_from_needs_a_pair():

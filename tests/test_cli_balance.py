@@ -234,6 +234,29 @@ def test_import_refuses_counts(tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
+def test_import_refusing_counts_suggests_the_options_it_was_given(tmp_path):
+    # the hint said `routetool balance FILE`, which fails on a file of several models: --select was lost
+    from tests.test_imports import _counts_doc
+
+    path = tmp_path / "two models.json"  # a name the shell must have quoted
+    path.write_text(json.dumps(_counts_doc()))
+    res = run("import", path, "--select", "mixtral/book", "--topk", "2", "-o", tmp_path / "x.safetensors")
+    hint = f"(analyse it directly: routetool balance '{path}' --topk 2 --select mixtral/book)"
+    assert res.exit_code == 2 and res.output.strip().endswith(hint), res.output
+    assert not (tmp_path / "x.safetensors").exists()
+    # the suggested command works as it stands
+    res = run("balance", path, "--topk", "2", "--select", "mixtral/book", "--ep-size", "2", "--no-progress")
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.skipif(not (REALDATA / "expert-counts.olmoe-paper.json").is_file(), reason="needs ../shared/realdata")
+def test_import_refusing_the_olmoe_paper_counts_keeps_select(tmp_path):
+    path = REALDATA / "expert-counts.olmoe-paper.json"
+    res = run("import", path, "--select", "olmoe-1b-7b-0924", "-o", tmp_path / "x.safetensors")
+    assert res.exit_code == 2 and not (tmp_path / "x.safetensors").exists()
+    assert res.output.strip().endswith(f"routetool balance {path} --select olmoe-1b-7b-0924)"), res.output
+
+
 def test_import_bad_file_is_exit_2(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"topk_ids": [1, 2]}\n{oops\n')
@@ -286,8 +309,8 @@ def test_layer_detail_shows_the_eplb_placement(tmp_path):
 
 
 # -- bad input from a new user's reports: one line, exit 2, nothing written ----------------------
-def _one_line_error(res, *words):
-    assert res.exit_code == 2, res.output
+def _one_line_error(res, *words, exit_code=2):
+    assert res.exit_code == exit_code, res.output
     assert res.output.startswith("routetool: error:") and "Traceback" not in res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
     for w in words:
@@ -302,6 +325,11 @@ def _one_line_error(res, *words):
     ("frac.jsonl", b'{"topk_ids":[1.5,2]}\n', ["frac.jsonl: line 1: expert id 1.5 in topk_ids is not an integer"]),
     ("layer.jsonl", b'{"layer":-1,"topk_ids":[1,2]}\n', ["layer.jsonl: line 1: layer=-1 is not a layer index"]),
     ("garbage.pt", b"garbage", ["garbage.pt: is not a torch.save file"]),
+    # weights that replay refuses were written into the trace, exit 0
+    ("w.jsonl", b'{"topk_ids":[1,2],"topk_weights":[0.5,NaN]}\n',
+     ["w.jsonl: line 1: weight NaN in 'topk_weights' is not a finite number"]),
+    ("w.csv", b'layer,topk_ids,topk_weights\n0,"[1, 2]","[0.5, -1]"\n',
+     ["w.csv: line 2: weight '-1' in 'topk_weights' is negative (weights must be finite and >= 0; fix the row)"]),
 ])
 @pytest.mark.parametrize("command", ["import", "balance"])
 def test_bad_dump_files_are_one_line(tmp_path, command, name, content, words):
@@ -353,7 +381,27 @@ def test_recorded_duplicates_are_one_line(tmp_path):
     ids = torch.tensor([[0, 1], [0, 0]], dtype=torch.int32)
     make_trace(trace, {0: LayerArrays(topk_ids=ids)}, router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
     _one_line_error(run("balance", trace, "--recorded", "--ep-size", "2", "--no-progress"),
-                    "layers.0.topk_ids", "name one expert twice")
+                    "layers.0.topk_ids: layer 0, step 0, row 1: the recorded ids [0, 0] hold one expert twice")
+
+
+@pytest.mark.parametrize("bad_row, words", [
+    ([0, 9], "the recorded ids [0, 9] hold an id outside [0, 8)"),
+    ([-1, -1], "the recorded ids [-1, -1] hold -1 on an unpadded row"),
+])
+@pytest.mark.parametrize("flags", [[], ["--recorded"]])
+def test_invalid_recorded_ids_are_bad_input(tmp_path, bad_row, words, flags):
+    # ids >= E or -1 on unpadded rows were left out of the counts: exit 0, wrong statistics
+    trace = tmp_path / "rec.safetensors"
+    ids = torch.tensor([[0, 1]] * 3 + [bad_row] * 3, dtype=torch.int32)
+    pad = torch.tensor([False, False, False, False, True, False])  # row 4 (padded) is never counted nor named
+    arrays = LayerArrays(topk_ids=ids, is_padding=pad, step_offsets=torch.tensor([0, 3, 6]))
+    if flags:
+        arrays.gating_output = torch.zeros(6, 8)
+    make_trace(trace, {0: arrays}, router=RouterConfig(num_experts=8, topk=2, route_scale=1.0))
+    _one_line_error(run("balance", trace, *flags, "--no-bias-effect", "--no-progress"),
+                    f"{trace}: layers.0.topk_ids: layer 0, step 1, row 3: {words}; 2 unpadded row(s) of the layer "
+                    "are invalid (each token picks distinct experts in [0, 8)",
+                    "fix the capture, or route the logits (drop --recorded)" if flags else "fix the capture)")
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (a folder nothing can be created in)")
@@ -483,6 +531,33 @@ def no_defaults(gating_output, bias, topk, route_scale, router_output_multiplier
                router_score_division_eps, is_padding=is_padding)
 def ansi(gating_output, bias, *args, **kwargs):
     raise RuntimeError("\\x1b[2J\\x1b[31mscreen cleared\\x00")
+
+def exits(gating_output, bias, *args, **kwargs):
+    import sys
+    sys.exit(0)
+
+def scribble_padding(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, *, is_padding, **kwargs):
+    out = ref(gating_output, bias, topk, route_scale, is_padding=is_padding, **kwargs)
+    is_padding.fill_(True)
+    return out
+
+def plus_1000(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
+    return w, i + 1000
+
+def minus_one(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
+    return w, torch.full_like(i, -1)
+
+def twice(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
+    i = i.clone()
+    i[:, 1] = i[:, 0]
+    return w, i
+
+def wide_weights(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
+    return torch.zeros(w.shape[0], 3), i
 '''
 
 
@@ -495,6 +570,15 @@ def ansi(gating_output, bias, *args, **kwargs):
     ("scribble_bias", ["wrote into its input bias on layer 0, step 0"]),
     # the kernel's control characters are shown escaped, not sent to the terminal
     ("ansi", [r"failed on layer 0, step 0 (RuntimeError: \x1b[2J\x1b[31mscreen cleared\x00)"]),
+    ("exits", ["failed on layer 0, step 0 (SystemExit: 0)"]),
+    ("scribble_padding", ["wrote into its input is_padding on layer 0, step 0"]),
+    ("wide_weights", ["returned topk_weights [16, 3] float32, expected float [16, 2] like its topk_ids",
+                      "on layer 0, step 0"]),
+    # invalid ids were left out of the counts: exit 0 with wrong statistics
+    ("plus_1000", ["returned invalid topk_ids on layer 0, step 0, row 0: [10",
+                   "hold an id outside [0, 8); 16 of the step's 16 rows are invalid (fix the kernel"]),
+    ("minus_one", ["returned invalid topk_ids on layer 0, step 0, row 0: [-1, -1] hold -1 on an unpadded row; 16 of"]),
+    ("twice", ["returned invalid topk_ids on layer 0, step 0, row 0: [", "hold one expert twice; 16 of"]),
 ])
 def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load
@@ -502,11 +586,13 @@ def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words
     mod.write_text(KERNELS)
     trace = tmp_path / "t.safetensors"
     g = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
-    make_trace(trace, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 24]))})
+    pad = torch.arange(24) == 23  # the last row is padding (a mask the kernel could write into)
+    make_trace(trace, {0: LayerArrays(gating_output=g, is_padding=pad, step_offsets=torch.tensor([0, 16, 24]))})
     # (no --device: these kernels run wherever the trace lands, and a GPU test process
     # cannot switch to the CPU interpreter once the project's kernels were compiled)
     res = run("balance", trace, "--kernel", f"{mod}:{fn}", "--ep-size", "2", "--no-progress")
-    _one_line_error(res, f"kernel {mod}:{fn}", *words)
+    # a fault of the kernel under test: exit 1, as replay and validate report it (it was exit 2, bad input)
+    _one_line_error(res, f"kernel {mod}:{fn}", *words, exit_code=1)
 
 
 def test_kernel_is_called_as_replay_calls_it(tmp_path):

@@ -344,7 +344,14 @@ def test_csv_wrong_numbers(tmp_path, body, words):
     ('0,0,x,"[1, 2]"\n00,0,y,"[1, 3]"\n', "x.csv: line 3: Layer ID='00' and '0' (line 2) name the same layer 0 "
                                           "(spell each layer one way in the whole dump (e.g. 0))"),
     # int() reads Arabic-Indic and fullwidth digits: these were layer 3 and expert 2
-    ('\u0663,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='\u0663' is not a layer index"),
+    ('\u0663,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='\u0663' is not a plain decimal layer index"),
+    # surrounding spaces were stripped: "1", " 1" and "1 " became one layer (docs: " 1" is an error)
+    ('1,0,x,"[1, 2]"\n 1,0,y,"[1, 3]"\n', ("x.csv: line 3: Layer ID=' 1' is not a plain decimal layer index (write "
+                                           "the layer in ASCII digits 0-9, without spaces, underscores or other "
+                                           "scripts' digits)")),
+    ('1 ,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='1 ' is not a plain decimal layer index"),
+    ('\t1,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='\\t1' is not a plain decimal layer index"),
+    ('1_0,0,x,"[1, 2]"\n', "x.csv: line 2: Layer ID='1_0' is not a plain decimal layer index"),
     ('1,0,x,"[1, \uff12]"\n', "x.csv: line 2: expert id '\uff12' in 'Activated Expert IDs' is not an integer"),
     ('1,0,x,"[1, 2_0]"\n', "x.csv: line 2: expert id '2_0' in 'Activated Expert IDs' is not an integer"),
 ])
@@ -390,6 +397,52 @@ def test_csv_weights_are_plain_decimals(tmp_path):
         read_dump(path)
     path.write_text('layer,topk_ids,topk_weights\n0,"[1, 2]","[0.5, 1e-1]"\n')
     assert read_dump(path).layers[0].topk_weights[0].tolist() == pytest.approx([0.5, 0.1])
+
+
+# non-finite and negative weights were written into the trace ("wrote ... (ids-only trace)", exit 0),
+# and replay later failed the file; they are refused where they are read
+@pytest.mark.parametrize("cell, words", [
+    ("nan", "weight 'nan' in 'topk_weights' is not a finite number"),
+    ("inf", "weight 'inf' in 'topk_weights' is not a finite number"),
+    ("-inf", "weight '-inf' in 'topk_weights' is not a finite number"),
+    ("1e400", ("weight '1e400' in 'topk_weights' is not a finite number (weights must be finite and >= 0; a number "
+               "beyond the float range, like 1e400, is infinite; fix the row)")),
+    ("1e39", "weight '1e39' in 'topk_weights' is too large for a float32 weight (at most 3.403e+38)"),
+    ("-1", "weight '-1' in 'topk_weights' is negative (weights must be finite and >= 0; fix the row)"),
+    ("-0.25", "weight '-0.25' in 'topk_weights' is negative"),
+])
+def test_csv_weights_are_finite_and_not_negative(tmp_path, cell, words):
+    path = tmp_path / "w.csv"
+    path.write_text(f'layer,topk_ids,topk_weights\n0,"[1, 2]","[0.5, 0.5]"\n0,"[1, 3]","[0.5, {cell}]"\n')
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    assert str(info.value).startswith(f"{path}: line 3: {words}"), str(info.value)
+
+
+@pytest.mark.parametrize("weights, words", [
+    ("[0.5, NaN]", "weight NaN in 'topk_weights' is not a finite number"),
+    ("[0.5, Infinity]", "weight Infinity in 'topk_weights' is not a finite number"),
+    ("[1e400, 0.5]", ("weight Infinity in 'topk_weights' is not a finite number (weights must be finite and >= 0; "
+                      "a number beyond the float range, like 1e400, is infinite")),
+    ("[0.5, -1]", "weight -1 in 'topk_weights' is negative (weights must be finite and >= 0; fix the row)"),
+    ("[[0.5, 0.5], [0.5, -1e-3]]", "weight -0.001 in 'topk_weights' is negative"),  # a batch of token rows
+    ("[0.5, 1" + "0" * 400 + "]", "a weight in 'topk_weights' is too large for a float"),
+])
+def test_jsonl_weights_are_finite_and_not_negative(tmp_path, weights, words):
+    path = tmp_path / "w.jsonl"
+    ids = "[[1, 2], [1, 3]]" if weights.startswith("[[") else "[1, 2]"
+    path.write_text('{"topk_ids": [1, 2], "topk_weights": [0.5, 0.5]}\n'
+                    f'{{"topk_ids": {ids}, "topk_weights": {weights}}}\n')
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    assert str(info.value).startswith(f"{path}: line 2: {words}"), str(info.value)
+
+
+def test_zero_and_tiny_weights_are_kept(tmp_path):
+    # 0, -0.0 and subnormal weights are finite and not negative
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"topk_ids": [1, 2], "topk_weights": [-0.0, 1e-320]}\n{"topk_ids": [1, 3], "topk_weights": [0, 1]}\n')
+    assert read_dump(path).layers[0].topk_weights.tolist() == [[0.0, 0.0], [0.0, 1.0]]
 
 
 def test_csv_folder_names_the_file_of_a_bad_row(tmp_path):
