@@ -245,8 +245,8 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
     Raises:
         RouteToolError: the function raised (any exception), wrote into its inputs (compared
             bit for bit before and after the call, as replay and validate do), or returned
-            something other than an integer tensor of shape ``[n, topk]``; the message names
-            the function, the layer and the step.
+            something other than an integer tensor of shape ``[n, topk]`` on ``gating``'s device;
+            the message names the function, the layer and the step.
     """
     n = int(gating.shape[0])
     before = input_snapshot(gating_output=gating, bias=bias, is_padding=pad)
@@ -275,7 +275,12 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise RouteToolError(f"{name} returned topk_ids of dtype {ids.dtype} on layer {layer}, step {step}; "
                              "expected integers", path=path, fix="return int32/int64 expert ids")
-    return ids.to(gating.device)
+    if ids.device != gating.device:
+        raise RouteToolError(f"{name} returned topk_ids on device {ids.device} on layer {layer}, step {step}; its "
+                             f"inputs are on device {gating.device}", path=path,
+                             fix="return the outputs on the inputs' device: fix the kernel (check it with "
+                                 "`routetool validate`), or use --reference")
+    return ids
 
 
 def _phase(num_tokens: int, padded: int, decode_max_tokens: int) -> str:

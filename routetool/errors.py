@@ -35,11 +35,12 @@ class RouteToolError(Exception):
 
 
 class KernelError(RouteToolError):
-    """The kernel under test crashed or returned outputs of the wrong shape or dtype.
+    """The kernel under test crashed, wrote into its inputs, or returned outputs of the wrong shape,
+    dtype or device.
 
     Reported in one line like bad input, but with exit code 1: the check found a problem
-    with the kernel, not with the user's input. ``failure_class`` is ``crash`` or
-    ``wrong_shape`` (validate's classes).
+    with the kernel, not with the user's input. ``failure_class`` is one of validate's classes:
+    ``crash``, ``modified_input``, ``wrong_shape``, ``wrong_device``.
     """
 
     exit_code = EXIT_FINDINGS

@@ -483,6 +483,10 @@ def no_defaults(gating_output, bias, topk, route_scale, router_output_multiplier
                router_score_division_eps, is_padding=is_padding)
 def ansi(gating_output, bias, *args, **kwargs):
     raise RuntimeError("\\x1b[2J\\x1b[31mscreen cleared\\x00")
+
+def on_meta(gating_output, bias, *args, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, *args, **kwargs)
+    return w.to("meta"), i.to("meta")
 '''
 
 
@@ -495,6 +499,8 @@ def ansi(gating_output, bias, *args, **kwargs):
     ("scribble_bias", ["wrote into its input bias on layer 0, step 0"]),
     # the kernel's control characters are shown escaped, not sent to the terminal
     ("ansi", [r"failed on layer 0, step 0 (RuntimeError: \x1b[2J\x1b[31mscreen cleared\x00)"]),
+    # ids on another device (here meta, which holds no data) were a traceback
+    ("on_meta", [f"returned topk_ids on device meta on layer 0, step 0; its inputs are on device {DEVICE.type}"]),
 ])
 def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load

@@ -264,6 +264,30 @@ def test_failing_user_kernel_is_one_line_exit_1(tmp_path, fn, message):
     assert res.exit_code == 1 and any(c in res.output for c in ("crash", "wrong_shape", "modified_input"))
 
 
+def test_outputs_on_another_device_are_one_line_exit_1(tmp_path):
+    # outputs on another device than the inputs (meta tensors here; on a GPU, CPU tensors from a
+    # CUDA run) were a traceback ("Cannot copy out of meta tensor") in replay, validate and balance
+    src = tmp_path / "elsewhere.py"
+    src.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
+                   "def route(g, b, topk, route_scale, *a, topk_weights=None, topk_ids=None, **k):\n"
+                   "    w, ids = ref(g, b, topk, route_scale, *a, **k)\n"
+                   "    return w.to('meta'), ids.to('meta')\n")
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    kernel = f"{src}:route"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress")
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 1 and len(lines) == 1, res.output
+    assert (f"kernel {kernel!r} returned topk_weights and topk_ids on device meta on layer 1 step 0; its inputs "
+            f"are on device {DEVICE}") in lines[0], res.output
+    res = _run("validate", trace, "--family", "ties", "--kernel", kernel, "--no-progress", "--device", DEVICE,
+               "--json", "-")
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    cases = json.loads(res.stdout)["cases"]
+    assert {c["failure_classes"][0] for c in cases} == {"wrong_device"}
+    assert "returned topk_weights and topk_ids on device meta" in cases[0]["message"]
+    assert "returned topk_weights and topk_ids on device meta on layer 1 step 0" in cases[-1]["message"]
+
+
 def test_kernel_with_the_full_signature_and_no_defaults(tmp_path):
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
     kernel = f"{_kernels_file(tmp_path)}:no_defaults"

@@ -95,6 +95,34 @@ def test_rejection_is_documented_only_when_the_docstring_says_so():
     assert not rejection_documented(kernel.variant("seed"), None)
 
 
+@pytest.mark.parametrize("fn, cls, words", [
+    # outputs on another device (meta: no data) crashed the comparison, a rejected_undocumented verdict
+    (lambda *a, **k: tuple(t.to("meta") for t in mutants.correct(*a, **k)), "wrong_device",
+     "the kernel returned topk_weights and topk_ids on device meta; its inputs are on device"),
+    (lambda *a, **k: (mutants.correct(*a, **k)[0], mutants.correct(*a, **k)[1].to("meta")), "wrong_device",
+     "the kernel returned topk_ids on device meta"),
+    # no pair of tensors was a failed unpacking, reported as a rejection (TypeError, ValueError)
+    (lambda *a, **k: None, "wrong_shape", "the kernel returned NoneType; expected (topk_weights, topk_ids)"),
+    (lambda *a, **k: (*mutants.correct(*a, **k), 1), "wrong_shape", "the kernel returned 3 values"),
+])
+def test_outputs_that_are_not_two_tensors_on_the_inputs_device_fail(execution, fn, cls, words):
+    ties = [c for c in QUICK if c.family == "ties"]
+    result = validate(fn, "odd", execution, cases=ties)
+    assert {c.verdict for c in result.cases} == {"fail"}
+    assert {tuple(c.failure_classes) for c in result.cases} == {(cls,)}
+    assert all(words in c.message for c in result.cases), result.cases[0].message
+
+
+def test_evaluate_refuses_outputs_on_another_device():
+    # bench judges outputs with evaluate(): meta outputs raised NotImplementedError, a "rejected" row
+    from routetool.validate import evaluate
+
+    inp = QUICK[0].build(DEVICE)
+    w, ids = mutants.correct(inp.gating_output, inp.bias, **inp.kwargs())
+    assert evaluate(inp, w, ids, tie_ulps=16)[0] == []
+    assert evaluate(inp, w.to("meta"), ids, tie_ulps=16)[0] == ["wrong_device"]
+
+
 def test_traces_are_validated_layer_by_layer(execution):
     import kernel
 
