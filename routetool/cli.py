@@ -10,8 +10,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from routetool import __version__
-from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, RouteToolError
+from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, RouteToolError, printable
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
+from routetool.report import markup_safe
 from routetool.numtext import parse_int, split_items
 
 
@@ -30,7 +31,7 @@ class _Group(click.Group):
             ctx.exit(exc.exit_code)
         except OSError as exc:  # a path the checks let through (e.g. a file name over the system's limit)
             where = f"{exc.filename}: " if exc.filename is not None else ""
-            click.echo(f"routetool: error: {where}{exc.strerror or exc} (check the path)", err=True)
+            click.echo(printable(f"routetool: error: {where}{exc.strerror or exc} (check the path)"), err=True)
             ctx.exit(EXIT_USAGE)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -40,13 +41,13 @@ class _Group(click.Group):
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as exc:
             command = exc.ctx.command_path if exc.ctx is not None else "routetool"
-            click.echo(f"routetool: error: {exc.format_message()} (see `{command} --help`)", err=True)
+            click.echo(printable(f"routetool: error: {exc.format_message()} (see `{command} --help`)"), err=True)
             sys.exit(EXIT_USAGE)
         except click.exceptions.Abort:
             click.echo("routetool: aborted", err=True)
             sys.exit(130)
         except click.ClickException as exc:
-            click.echo(f"routetool: error: {exc.format_message()}", err=True)
+            click.echo(printable(f"routetool: error: {exc.format_message()}"), err=True)
             sys.exit(exc.exit_code)
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)  # click returns the exit code of ctx.exit
 
@@ -125,7 +126,7 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
                                      fix=f"choose among {', '.join(map(str, layers))}")
             total = sum(t.info(layer).num_tokens for layer in layers)
             with _progress(progress) as bar:
-                task = bar.add_task(f"replay {trace.name} ({name})", total=total)
+                task = bar.add_task(markup_safe(f"replay {trace.name} ({name})"), total=total)
                 result = replay_trace(
                     t, name, fn, execution, layers=layers, tie_ulps=tie_ulps, measure_latency=latency,
                     progress=lambda n: bar.advance(task, n),
@@ -183,7 +184,7 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     with kernel_stdout("-" in (json_path, junit_path)):  # a kernel's print() must not mix into the document
         name, fn = load_kernel(kernel_spec)
         with _progress(progress) as bar:
-            task = bar.add_task(f"validate {name}", total=len(cases) + len(traces))
+            task = bar.add_task(markup_safe(f"validate {name}"), total=len(cases) + len(traces))
             result = run_validate(fn, name, execution, cases=cases, traces=traces,
                                   suite=None if suite == "none" else suite, tie_ulps=tie_ulps,
                                   progress=lambda _: bar.advance(task))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -422,6 +423,39 @@ def test_control_characters_in_a_kernel_error_are_shown_escaped(tmp_path):
     res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{bad_import}:fn", "--no-progress")
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and r"cannot import (RuntimeError: x\x1b[2Jy)" in lines[0], res.output
+
+
+def test_file_names_with_control_characters_are_shown_escaped(tmp_path):
+    # a newline in a file name split the one-line error over two lines; an ANSI escape was sent
+    # to the terminal (or stripped from a pipe: the error named bad.safetensors, another file);
+    # tables and headers did the same, and read brackets in a name as rich markup
+    src = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    for name, shown in (("bad\nline.safetensors", r"bad\nline.safetensors"),
+                        ("bad\x1b[2J.safetensors", r"bad\x1b[2J.safetensors")):
+        path = tmp_path / name
+        path.write_bytes(src.read_bytes()[:100])  # truncated
+        res = _run("info", path)
+        assert res.exit_code == 2 and res.output == (
+            f"routetool: error: {tmp_path}/{shown}: not a readable safetensors file (Error while deserializing "
+            "header: invalid header length) (the file is corrupt or truncated; capture or copy it again)\n")
+    path = tmp_path / "ok\x1b[31m[bold]x\n.safetensors"
+    path.write_bytes(src.read_bytes())
+    shown = r"ok\x1b[31m[bold]x\n.safetensors"
+
+    def flat(text):  # a long name wraps inside a panel: compare without the box and the wrapping
+        return re.sub(r"[\s│]", "", text)
+
+    res = _run("replay", path, "--device", DEVICE, "--layers", "1", "--no-progress", "--no-latency")
+    assert res.exit_code == 0 and f"trace{tmp_path}/{shown}" in flat(res.output), res.output
+    assert _no_control_characters(res.output)
+    res = _run("info", path)
+    assert res.exit_code == 0 and f"trace{tmp_path}/{shown}" in flat(res.output), res.output
+    assert _no_control_characters(res.output)
+    res = _run("validate", path, "--suite", "none", "--device", DEVICE, "--no-progress")
+    assert res.exit_code == 0 and f"trace:{shown}" in flat(res.output) and _no_control_characters(res.output)
+    res = _run("balance", path, "--reference", "--ep-size", "2", "--no-progress")
+    assert res.exit_code == 0 and f"input{tmp_path}/{shown}(trace)" in flat(res.output), res.output
+    assert _no_control_characters(res.output)
 
 
 def test_first_line_escapes_what_is_not_printable():
