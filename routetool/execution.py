@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -84,13 +84,61 @@ def select_execution(choice: str) -> Execution:
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def kernel_stdout(document_on_stdout: bool) -> contextlib.AbstractContextManager:
-    """A context for importing and running kernels: while it is open, writes to ``sys.stdout``
-    (a user kernel's ``print``) go to ``sys.stderr`` when ``document_on_stdout`` (routetool
-    writes a JSON, JUnit or CSV document to stdout, which must hold that document only);
-    otherwise nothing changes. Output written to file descriptor 1 below Python is not moved.
+class _StandInStream:
+    """A stand-in for ``sys.stdout``/``sys.stderr`` (and their ``sys.__stdout__``/``sys.__stderr__``)
+    while a kernel is imported or runs: writes go to ``target``, ``close()`` is ignored (a kernel
+    cannot close routetool's streams), anything else (``fileno``, ``isatty``, ``encoding``...)
+    is the target's."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def write(self, text: str) -> int:
+        return self._target.write(text)
+
+    def writelines(self, lines) -> None:
+        self._target.writelines(lines)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def close(self) -> None:
+        """Ignored: the stream is routetool's."""
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        if name == "_target":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self._target, name)
+
+
+@contextlib.contextmanager
+def kernel_stdout(document_on_stdout: bool) -> Iterator[None]:
+    """A context for importing and running kernels: while it is open, ``sys.stdout``,
+    ``sys.stderr``, ``sys.__stdout__`` and ``sys.__stderr__`` are stand-ins that forward writes
+    and ignore ``close()``. Writes to the two stdout ones (a user kernel's ``print``, a
+    ``print(file=sys.__stdout__)``) go to ``sys.stderr`` when ``document_on_stdout`` (routetool
+    writes a JSON, JUnit or CSV document to stdout, which must hold that document only), else to
+    the stream they stand for. On exit the four are restored, also when the kernel replaced them.
+    Output written to file descriptor 1 below Python is not moved.
     """
-    return contextlib.redirect_stdout(sys.stderr) if document_on_stdout else contextlib.nullcontext()
+    saved = sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__
+    out, err, real_out, real_err = saved
+
+    def stand_in(target):
+        return None if target is None else _StandInStream(target)
+
+    sys.stdout = stand_in(err if document_on_stdout else out)
+    sys.stderr = stand_in(err)
+    sys.__stdout__ = stand_in(err if document_on_stdout else real_out)
+    sys.__stderr__ = stand_in(real_err)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__ = saved
 
 
 def kernel_source(spec: str | None) -> str | None:

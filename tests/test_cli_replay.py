@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -512,6 +513,62 @@ def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
     res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress",
                "--no-latency")
     assert res.exit_code == 0 and "chatty: imported" in res.stdout
+
+
+def test_a_kernel_cannot_close_or_bypass_the_output_streams(tmp_path):
+    # sys.stdout.close() in a kernel: a traceback from rich (I/O operation on closed file), and
+    # with --json - (stdout then stood for stderr) stderr was lost; print(file=sys.__stdout__)
+    # landed in the --json - document
+    src = tmp_path / "rude.py"
+    src.write_text(
+        "import sys\n"
+        "from kernel.reference import musespark1x_routing_reference as ref\n"
+        "print('rude: imported', file=sys.__stdout__)\n"
+        "def close_both(g, b, *a, topk_weights=None, topk_ids=None, **k):\n"
+        "    sys.stdout.close()\n"
+        "    sys.stderr.close()\n"
+        "    sys.__stdout__.close()\n"
+        "    return ref(g, b, *a, **k)\n"
+        "def to_dunder(g, b, *a, topk_weights=None, topk_ids=None, **k):\n"
+        "    print('rude: called', file=sys.__stdout__)\n"
+        "    sys.stdout = None\n"
+        "    return ref(g, b, *a, **k)\n")
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    streams = sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__
+    for command in (["replay", trace, "--layers", "1", "--no-latency"], ["validate", trace, "--suite", "none"]):
+        res = _run(*command, "--device", DEVICE, "--kernel", f"{src}:to_dunder", "--no-progress", "--json", "-")
+        assert res.exit_code == 0 and json.loads(res.stdout)["verdict"] == "pass", res.output
+        assert "rude: imported" in res.stderr and "rude: called" in res.stderr
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{src}:close_both", "--layers", "1", "--no-progress",
+               "--no-latency")
+    assert res.exit_code == 0 and "PASS" in res.stdout, res.output
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{src}:close_both", "--layers", "1", "--no-progress",
+               "--no-latency", "--json", "-")
+    assert res.exit_code == 0 and json.loads(res.stdout)["verdict"] == "pass", res.output
+    assert "PASS" in res.stderr and "rude: imported" in res.stderr
+    assert (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__) == streams  # restored
+
+
+def test_kernel_stdout_gives_stand_ins_that_forward_and_ignore_close(monkeypatch):
+    import io
+
+    from routetool.execution import kernel_stdout
+
+    streams = out, err, real_out, real_err = [io.StringIO() for _ in range(4)]
+    for name, stream in zip(("stdout", "stderr", "__stdout__", "__stderr__"), streams):
+        monkeypatch.setattr(sys, name, stream)
+    for document_on_stdout in (True, False):
+        with kernel_stdout(document_on_stdout):
+            print("a")
+            print("b", file=sys.__stdout__)
+            print("c", file=sys.stderr)
+            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+                stream.close()
+            sys.stdout = None
+        assert [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__] == streams
+        assert not any(stream.closed for stream in streams)
+    # with a document on stdout everything went to stderr; without, each write where it was headed
+    assert err.getvalue() == "a\nb\nc\nc\n" and out.getvalue() == "a\n" and real_out.getvalue() == "b\n"
 
 
 def test_ids_only_trace_names_its_first_invalid_recorded_rows(tmp_path):
