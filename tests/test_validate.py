@@ -87,6 +87,19 @@ def test_seed_variant_passes_on_fp32_and_fails_nonfinite(execution):
     assert "invalid:nonfinite_weight" in _classes(nonfinite)
 
 
+def test_a_family_named_twice_runs_once(tmp_path):
+    # --family ties --family ties ran every ties case twice (duplicate JUnit testcase names)
+    once = [c.name for c in build_suite("quick", ["ties"])]
+    assert [c.name for c in build_suite("quick", ["ties", "ties"])] == once
+    assert [c.name for c in build_suite("quick", ["dtypes", "ties", "dtypes"])] == (
+        [c.name for c in build_suite("quick", ["dtypes"])] + once)  # first-seen order
+    res = CliRunner().invoke(main, ["validate", "--family", "dtypes", "--family", "dtypes", "--kernel",
+                                    f"{ROOT / 'tests' / 'mutants.py'}:correct", "--device",
+                                    "cuda" if HAS_CUDA else "cpu", "--no-progress", "--junit", "-"])
+    names = [tc.get("name") for tc in ET.fromstring(res.stdout.split("\n", 1)[1]).iter("testcase")]
+    assert res.exit_code == 0 and names == [c.name for c in build_suite("quick", ["dtypes"])], res.output
+
+
 def test_rejection_is_documented_only_when_the_docstring_says_so():
     import kernel
 
