@@ -124,7 +124,9 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
     (["--ep-size", "1_2"], "--ep-size '1_2' is not a list of integers"),
     (["--capacity-factor", "1_5"], "--capacity-factor '1_5' is not a list of numbers"),
     (["--layers", "0_0"], "--layers '0_0': cannot parse '0_0'"),
-    (["--layers", "0,,0"], "--layers '0,,0': cannot parse ''"),
+    (["--layers", "0,,0"], "--layers '0,,0' has an empty item (separate the layers with single commas"),
+    # an empty --layers analysed every layer
+    (["--layers", ""], "--layers '' is empty (name layers, e.g. 0,2,5-7, or all)"),
 ])
 def test_bad_usage_is_one_line_exit_2(tmp_path, args, words):
     trace = tmp_path / "ids.safetensors"

@@ -386,6 +386,19 @@ def test_validate_of_an_ids_only_trace_says_nothing_was_validated(tmp_path):
     assert res.exit_code == 0 and "NOTHING VALIDATED" in res.output and "PASS" not in res.output, res.output
 
 
+@pytest.mark.parametrize("spec, words", [
+    ("", "--layers '' is empty (name layers, e.g. 0,2,5-7, or all)"),  # replayed every layer
+    ("  ", "--layers '  ' is empty"),
+    ("1,,2", "--layers '1,,2' has an empty item (separate the layers with single commas, e.g. 0,2,5-7)"),
+    ("1,", "--layers '1,' has an empty item"),
+])
+def test_an_empty_layers_list_or_item_is_refused(spec, words):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    res = _run("replay", trace, "--device", DEVICE, "--layers", spec, "--no-progress", "--no-latency")
+    assert res.exit_code == 2 and res.output.startswith(f"routetool: error: {words}"), res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+
+
 def test_a_huge_layers_range_is_one_line(tmp_path):
     # a range used to be expanded into a list first (MemoryError, or a 189 MB message)
     from routetool.errors import RouteToolError
