@@ -149,10 +149,28 @@ def kernel_source(spec: str | None) -> str | None:
     return module_name if module_name.endswith(".py") or os.sep in module_name else None
 
 
+@contextlib.contextmanager
+def _importable(folder: str) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` while the context is open; afterwards that entry is
+    removed again (the rest of ``sys.path``, changes an imported module made included, is kept)."""
+    sys.path.insert(0, folder)
+    importlib.invalidate_caches()  # files written since the folder was last looked at
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(folder)
+        except ValueError:  # the module removed it itself
+            pass
+
+
 def load_kernel(spec: str) -> tuple[str, RoutingFn]:
     """Resolve a kernel: a variant name of :data:`kernel.VARIANTS` or ``module:function``.
 
-    ``module`` may be an importable module name or a path to a ``.py`` file. The function
+    ``module`` may be an importable module name or a path to a ``.py`` file. While the module
+    is imported, the file's folder (for a path) or the current directory (for a module name) is
+    first on ``sys.path``, as Python has it for a script or for ``python -m``, so that the
+    module can import the modules beside it; ``sys.path`` is restored afterwards. The function
     must take the seed's signature (``gating_output, bias, topk, route_scale, ...``) and
     return ``(topk_weights, topk_ids)``. Call :func:`select_execution` first.
 
@@ -179,9 +197,11 @@ def load_kernel(spec: str) -> tuple[str, RoutingFn]:
                 raise RouteToolError("no such file", path=module_name, fix="check the --kernel path")
             spec_obj = importlib.util.spec_from_file_location(f"routetool_user_kernel_{abs(hash(path))}", path)
             module = importlib.util.module_from_spec(spec_obj)
-            spec_obj.loader.exec_module(module)
+            with _importable(os.path.dirname(path)):  # its own modules beside it, as python runs a script
+                spec_obj.loader.exec_module(module)
         else:
-            module = importlib.import_module(module_name)
+            with _importable(os.getcwd()):  # as `python -m` and `python -c` (a console script does not)
+                module = importlib.import_module(module_name)
     except RouteToolError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the user's module's

@@ -290,6 +290,34 @@ def test_outputs_on_another_device_are_one_line_exit_1(tmp_path):
     assert "returned topk_weights and topk_ids on device meta on layer 1 step 0" in cases[-1]["message"]
 
 
+def test_a_kernel_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    # a .py kernel could not import a module of its folder, and a module name was not looked up
+    # in the current directory (the console script does not put it on sys.path): ModuleNotFoundError
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
+    before = list(sys.path)
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    (folder / "sibling_of_kernel_e6.py").write_text(
+        "from kernel.reference import musespark1x_routing_reference as ref\n")
+    code = ("from sibling_of_kernel_e6 import ref\n"
+            "def route(g, b, *a, topk_weights=None, topk_ids=None, **k):\n"
+            "    return ref(g, b, *a, **k)\n")
+    (folder / "uses_sibling_e6.py").write_text(code)
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{folder / 'uses_sibling_e6.py'}:route", "--layers",
+               "1", "--no-progress", "--no-latency")
+    assert res.exit_code == 0 and "PASS" in res.output, res.output
+    assert sys.path == before  # the folder was on sys.path only while the kernel was imported
+    monkeypatch.chdir(folder)
+    (folder / "kernel_in_cwd_e6.py").write_text(code)
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", "kernel_in_cwd_e6:route", "--layers", "1",
+               "--no-progress", "--no-latency")
+    assert res.exit_code == 0 and "PASS" in res.output, res.output
+    assert sys.path == before
+    for name in ("sibling_of_kernel_e6", "kernel_in_cwd_e6"):
+        sys.modules.pop(name, None)
+
+
 def test_kernel_with_the_full_signature_and_no_defaults(tmp_path):
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
     kernel = f"{_kernels_file(tmp_path)}:no_defaults"
