@@ -197,6 +197,15 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     click.get_current_context().exit(EXIT_OK if result.ok else EXIT_FINDINGS)
 
 
+def _refuse_repeats(name: str, text: str, values: list) -> list:
+    """``values`` (a sweep list of bench), refused when one is named twice: it would time the same
+    points twice, and a repeat is more likely a typo (``64,64`` for ``64,640``) than meant."""
+    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if repeated is not None:
+        raise RouteToolError(f"{name} {text!r} names {repeated} twice", fix="name each value once")
+    return values
+
+
 def _int_list(text: str, name: str) -> list[int]:
     items = split_items(text)
     if items is None:
@@ -206,7 +215,7 @@ def _int_list(text: str, name: str) -> list[int]:
         raise RouteToolError(f"{name} {text!r} is not a comma-separated list of integers", fix="e.g. 1,64,4096")
     if any(v < 1 for v in values):
         raise RouteToolError(f"{name} {text!r} needs positive integers", fix="e.g. 1,64,4096")
-    return values
+    return _refuse_repeats(name, text, values)
 
 
 @main.command()
@@ -262,10 +271,14 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
         topk_list = topk_list or [router.topk]
     expert_list = expert_list or [128, 256, 384, 512]
     topk_list = topk_list or [8]
-    dtype_list = [d.strip() for d in dtypes.split(",") if d.strip()]
+    dtype_list = split_items(dtypes)
+    if dtype_list is None:  # an empty item was dropped silently ("fp32,,bf16" ran as fp32,bf16)
+        raise RouteToolError(f"--dtype {dtypes!r} has an empty item", fix="separate the values with single commas, "
+                                                                          "e.g. fp32,bf16")
     unknown = [d for d in dtype_list if d not in DTYPES]
-    if unknown or not dtype_list:
+    if unknown:
         raise RouteToolError(f"--dtype {dtypes!r}", fix=f"use a comma-separated subset of {', '.join(DTYPES)}")
+    _refuse_repeats("--dtype", dtypes, dtype_list)
     points = sum(1 for e in expert_list for k in topk_list if k <= e)
     if not points:
         raise RouteToolError(f"every --topk ({', '.join(map(str, topk_list))}) exceeds every expert count "
@@ -275,6 +288,9 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
     # mistake in the options shows on any machine
     has_cuda = torch.cuda.is_available()
     select_execution("cuda" if has_cuda else "cpu")
+    repeated = next((k for i, k in enumerate(kernels) if k in kernels[:i]), None)
+    if repeated is not None:  # it would be timed twice
+        raise RouteToolError(f"--kernel {repeated} is given twice", fix="give each kernel once")
     specs = list(kernels) or ["tiled", "seed", "torch"]
     with kernel_stdout("-" in (csv_path, json_path)):  # a kernel's print() must not mix into the document
         bench_kernels = resolve_kernels(specs, pdl)
