@@ -298,8 +298,8 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
         KernelError: (exit 1: the check found a problem with the kernel) the function raised
             anything else (``SystemExit`` included), wrote into its inputs (compared bit for
             bit before and after the call, as replay and validate do), returned something other
-            than an integer tensor of shape ``[n, topk]`` (or, from :func:`route_fn_from`,
-            weights of another shape), or ids that are invalid on an unpadded row
+            than an integer tensor of shape ``[n, topk]`` on ``gating``'s device (or, from
+            :func:`route_fn_from`, weights of another shape), or ids that are invalid on an unpadded row
             (:func:`routetool.compare.invalid_reasons`: out of range, -1, one expert twice).
             The message names the function, the layer and the step (and the first invalid row).
     """
@@ -334,7 +334,11 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise KernelError(f"{name} returned topk_ids of dtype {ids.dtype} on {where}; expected integers",
                           failure_class="wrong_shape", path=path, fix="return int32/int64 expert ids")
-    ids = ids.to(gating.device)
+    if ids.device != gating.device:
+        raise KernelError(f"{name} returned topk_ids on device {ids.device} on {where}; its inputs are on device "
+                          f"{gating.device}", failure_class="wrong_device", path=path,
+                          fix="return the outputs on the inputs' device: fix the kernel (check it with "
+                              "`routetool validate`), or use --reference")
     found = first_invalid_row(ids, invalid_reasons(_mask(ids, pad), None, pad, E), step, row_start)
     if found is not None:
         verb = "is" if found.rows == 1 else "are"

@@ -11,8 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from routetool import __version__
 from routetool.cli_numbers import INT, FloatRange
-from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, RouteToolError
+from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, RouteToolError, printable
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
+from routetool.report import markup_safe
 from routetool.numtext import parse_int, split_items
 
 
@@ -31,7 +32,7 @@ class _Group(click.Group):
             ctx.exit(exc.exit_code)
         except OSError as exc:  # a path the checks let through (e.g. a file name over the system's limit)
             where = f"{exc.filename}: " if exc.filename is not None else ""
-            click.echo(f"routetool: error: {where}{exc.strerror or exc} (check the path)", err=True)
+            click.echo(printable(f"routetool: error: {where}{exc.strerror or exc} (check the path)"), err=True)
             ctx.exit(EXIT_USAGE)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -41,13 +42,13 @@ class _Group(click.Group):
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as exc:
             command = exc.ctx.command_path if exc.ctx is not None else "routetool"
-            click.echo(f"routetool: error: {exc.format_message()} (see `{command} --help`)", err=True)
+            click.echo(printable(f"routetool: error: {exc.format_message()} (see `{command} --help`)"), err=True)
             sys.exit(EXIT_USAGE)
         except click.exceptions.Abort:
             click.echo("routetool: aborted", err=True)
             sys.exit(130)
         except click.ClickException as exc:
-            click.echo(f"routetool: error: {exc.format_message()}", err=True)
+            click.echo(printable(f"routetool: error: {exc.format_message()}"), err=True)
             sys.exit(exc.exit_code)
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)  # click returns the exit code of ctx.exit
 
@@ -126,7 +127,7 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
                                      fix=f"choose among {', '.join(map(str, layers))}")
             total = sum(t.info(layer).num_tokens for layer in layers)
             with _progress(progress) as bar:
-                task = bar.add_task(f"replay {trace.name} ({name})", total=total)
+                task = bar.add_task(markup_safe(f"replay {trace.name} ({name})"), total=total)
                 result = replay_trace(
                     t, name, fn, execution, layers=layers, tie_ulps=tie_ulps, measure_latency=latency,
                     progress=lambda n: bar.advance(task, n),
@@ -184,7 +185,7 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     with kernel_stdout("-" in (json_path, junit_path)):  # a kernel's print() must not mix into the document
         name, fn = load_kernel(kernel_spec)
         with _progress(progress) as bar:
-            task = bar.add_task(f"validate {name}", total=len(cases) + len(traces))
+            task = bar.add_task(markup_safe(f"validate {name}"), total=len(cases) + len(traces))
             result = run_validate(fn, name, execution, cases=cases, traces=traces,
                                   suite=None if suite == "none" else suite, tie_ulps=tie_ulps,
                                   progress=lambda _: bar.advance(task))
@@ -197,6 +198,15 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     click.get_current_context().exit(EXIT_OK if result.ok else EXIT_FINDINGS)
 
 
+def _refuse_repeats(name: str, text: str, values: list) -> list:
+    """``values`` (a sweep list of bench), refused when one is named twice: it would time the same
+    points twice, and a repeat is more likely a typo (``64,64`` for ``64,640``) than meant."""
+    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if repeated is not None:
+        raise RouteToolError(f"{name} {text!r} names {repeated} twice", fix="name each value once")
+    return values
+
+
 def _int_list(text: str, name: str) -> list[int]:
     items = split_items(text)
     if items is None:
@@ -206,7 +216,7 @@ def _int_list(text: str, name: str) -> list[int]:
         raise RouteToolError(f"{name} {text!r} is not a comma-separated list of integers", fix="e.g. 1,64,4096")
     if any(v < 1 for v in values):
         raise RouteToolError(f"{name} {text!r} needs positive integers", fix="e.g. 1,64,4096")
-    return values
+    return _refuse_repeats(name, text, values)
 
 
 @main.command()
@@ -262,10 +272,14 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
         topk_list = topk_list or [router.topk]
     expert_list = expert_list or [128, 256, 384, 512]
     topk_list = topk_list or [8]
-    dtype_list = [d.strip() for d in dtypes.split(",") if d.strip()]
+    dtype_list = split_items(dtypes)
+    if dtype_list is None:  # an empty item was dropped silently ("fp32,,bf16" ran as fp32,bf16)
+        raise RouteToolError(f"--dtype {dtypes!r} has an empty item", fix="separate the values with single commas, "
+                                                                          "e.g. fp32,bf16")
     unknown = [d for d in dtype_list if d not in DTYPES]
-    if unknown or not dtype_list:
+    if unknown:
         raise RouteToolError(f"--dtype {dtypes!r}", fix=f"use a comma-separated subset of {', '.join(DTYPES)}")
+    _refuse_repeats("--dtype", dtypes, dtype_list)
     points = sum(1 for e in expert_list for k in topk_list if k <= e)
     if not points:
         raise RouteToolError(f"every --topk ({', '.join(map(str, topk_list))}) exceeds every expert count "
@@ -275,6 +289,9 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
     # mistake in the options shows on any machine
     has_cuda = torch.cuda.is_available()
     select_execution("cuda" if has_cuda else "cpu")
+    repeated = next((k for i, k in enumerate(kernels) if k in kernels[:i]), None)
+    if repeated is not None:  # it would be timed twice
+        raise RouteToolError(f"--kernel {repeated} is given twice", fix="give each kernel once")
     specs = list(kernels) or ["tiled", "seed", "torch"]
     with kernel_stdout("-" in (csv_path, json_path)):  # a kernel's print() must not mix into the document
         bench_kernels = resolve_kernels(specs, pdl)

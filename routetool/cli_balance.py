@@ -22,6 +22,7 @@ from routetool.errors import EXIT_OK, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS
 from routetool.numtext import parse_float, parse_int, split_items
+from routetool.report import markup_safe, user_text
 
 _CTX = {"help_option_names": ["-h", "--help"]}
 
@@ -315,7 +316,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                                  policy=eplb_policy) if eplb else None,
             )
             with _progress(progress) as bar:
-                task = bar.add_task(f"balance {source.name}", total=total_work)
+                task = bar.add_task(markup_safe(f"balance {source.name}"), total=total_work)
                 result = analyze_balance(src, options, stats_device, progress=lambda n: bar.advance(task, n))
         finally:
             if trace is not None:
@@ -327,19 +328,19 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     if json_path is not None:
         write_json(balance_json(result), json_path, sys.stdout)
         if json_path != "-":
-            status.print(f"wrote {json_path}")
+            status.print(user_text(f"wrote {json_path}"))
     if eplb_out is not None and result.eplb is not None:
         doc = placement_document(result.eplb.placement, source=result.source, model=result.model,
                                  routing=result.routing,
                                  fitted_on_assignments=[x.assignments for x in result.layers])
         write_json(doc, eplb_out, sys.stdout)
         if eplb_out != "-":
-            status.print(f"wrote {eplb_out}")
+            status.print(user_text(f"wrote {eplb_out}"))
     if plot_dir is not None:
         from routetool.plots import write_balance_plots
 
         for p in write_balance_plots(result, plot_dir, force=force):
-            status.print(f"wrote {p}")
+            status.print(user_text(f"wrote {p}"))
     click.get_current_context().exit(EXIT_OK)
 
 

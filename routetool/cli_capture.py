@@ -18,8 +18,9 @@ import click
 from rich.console import Console
 
 from routetool.cli_numbers import FLOAT, IntRange
-from routetool.errors import RouteToolError
+from routetool.errors import RouteToolError, printable
 from routetool.numtext import number_problem, parse_int, split_items
+from routetool.report import markup_safe
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
            "bf16": "bfloat16", "fp16": "float16"}
@@ -92,7 +93,7 @@ def _progress(enabled: bool, percent: bool = False):
 
 
 def _warn(line: str) -> None:
-    click.echo(f"routetool: warning: {line}", err=True)
+    click.echo(printable(f"routetool: warning: {line}"), err=True)
 
 
 MAX_SEED = 2**63 - 1
@@ -212,7 +213,7 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
         spec = with_default_ties(spec)  # the default, not the user, asked for 4: a smaller trace holds fewer
     total = synth_work(spec)  # checks the spec and its sizes before any work
     with _progress(progress, percent=True) as bar:
-        task = bar.add_task(f"synth {out.name}", total=total)
+        task = bar.add_task(markup_safe(f"synth {out.name}"), total=total)
         result = generate(spec, progress=lambda n: bar.advance(task, n))
         stats = synth_stats(result.meta, result.layers, result.calibration, progress=lambda n: bar.advance(task, n))
         bar.update(task, description=f"write {out.name}")
@@ -220,7 +221,7 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
     render_synth(str(out), stats, Console())
     for line in synth_warnings(stats):
         _warn(line)
-    click.echo(f"wrote {out}", err=True)
+    click.echo(printable(f"wrote {out}"), err=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -249,7 +250,7 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
     check_trace_file(trace)
     with open_trace(trace) as t:
         with _progress(progress and scan) as bar:
-            task = bar.add_task(f"scan {trace.name}", total=t.total_tokens)
+            task = bar.add_task(markup_safe(f"scan {trace.name}"), total=t.total_tokens)
             result = trace_info(t, scan=scan, progress=lambda n: bar.advance(task, n))
     render_info(result, Console(stderr=json_path == "-"))
     if json_path is not None:
@@ -372,7 +373,7 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
         num_steps=int(first.step_offsets.numel() - 1), tokens_per_layer=int(first.gating_output.shape[0]),
     )
     render_hf_capture(summary, Console())
-    click.echo(f"wrote {out}; replay it with: routetool replay {out}", err=True)
+    click.echo(printable(f"wrote {out}; replay it with: routetool replay {out}"), err=True)
 
 
 def _check_capture_size(hf, config, batch: int, prompt_tokens: int, max_new_tokens: int, source) -> None:

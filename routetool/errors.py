@@ -14,6 +14,10 @@ class RouteToolError(Exception):
     """A problem with the user's input or environment, reported in one line with exit 2.
 
     The message names the file (and tensor, where there is one), what is wrong, and the fix.
+    It is one line of printable text: characters that are not printable (a newline or an ANSI
+    escape in a file name, a NUL in a kernel's error text) are written as their Python escapes
+    (:func:`printable`), so that the message names the file as it is and cannot rewrite the
+    terminal. ``path`` and ``tensor`` keep the raw values.
     """
 
     exit_code = EXIT_USAGE
@@ -28,18 +32,19 @@ class RouteToolError(Exception):
         text = ": ".join(parts)
         if fix:
             text += f" ({fix})"
-        super().__init__(text)
+        super().__init__(printable(text))
         self.path = path
         self.tensor = tensor
         self.fix = fix
 
 
 class KernelError(RouteToolError):
-    """The kernel under test crashed or returned outputs of the wrong shape or dtype.
+    """The kernel under test crashed, wrote into its inputs, or returned outputs of the wrong shape,
+    dtype or device.
 
     Reported in one line like bad input, but with exit code 1: the check found a problem
-    with the kernel, not with the user's input. ``failure_class`` is ``crash`` or
-    ``wrong_shape`` (validate's classes).
+    with the kernel, not with the user's input. ``failure_class`` is one of validate's classes:
+    ``crash``, ``modified_input``, ``wrong_shape``, ``wrong_device``.
     """
 
     exit_code = EXIT_FINDINGS

@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -84,13 +84,61 @@ def select_execution(choice: str) -> Execution:
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def kernel_stdout(document_on_stdout: bool) -> contextlib.AbstractContextManager:
-    """A context for importing and running kernels: while it is open, writes to ``sys.stdout``
-    (a user kernel's ``print``) go to ``sys.stderr`` when ``document_on_stdout`` (routetool
-    writes a JSON, JUnit or CSV document to stdout, which must hold that document only);
-    otherwise nothing changes. Output written to file descriptor 1 below Python is not moved.
+class _StandInStream:
+    """A stand-in for ``sys.stdout``/``sys.stderr`` (and their ``sys.__stdout__``/``sys.__stderr__``)
+    while a kernel is imported or runs: writes go to ``target``, ``close()`` is ignored (a kernel
+    cannot close routetool's streams), anything else (``fileno``, ``isatty``, ``encoding``...)
+    is the target's."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def write(self, text: str) -> int:
+        return self._target.write(text)
+
+    def writelines(self, lines) -> None:
+        self._target.writelines(lines)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def close(self) -> None:
+        """Ignored: the stream is routetool's."""
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        if name == "_target":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self._target, name)
+
+
+@contextlib.contextmanager
+def kernel_stdout(document_on_stdout: bool) -> Iterator[None]:
+    """A context for importing and running kernels: while it is open, ``sys.stdout``,
+    ``sys.stderr``, ``sys.__stdout__`` and ``sys.__stderr__`` are stand-ins that forward writes
+    and ignore ``close()``. Writes to the two stdout ones (a user kernel's ``print``, a
+    ``print(file=sys.__stdout__)``) go to ``sys.stderr`` when ``document_on_stdout`` (routetool
+    writes a JSON, JUnit or CSV document to stdout, which must hold that document only), else to
+    the stream they stand for. On exit the four are restored, also when the kernel replaced them.
+    Output written to file descriptor 1 below Python is not moved.
     """
-    return contextlib.redirect_stdout(sys.stderr) if document_on_stdout else contextlib.nullcontext()
+    saved = sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__
+    out, err, real_out, real_err = saved
+
+    def stand_in(target):
+        return None if target is None else _StandInStream(target)
+
+    sys.stdout = stand_in(err if document_on_stdout else out)
+    sys.stderr = stand_in(err)
+    sys.__stdout__ = stand_in(err if document_on_stdout else real_out)
+    sys.__stderr__ = stand_in(real_err)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__ = saved
 
 
 def kernel_source(spec: str | None) -> str | None:
@@ -101,10 +149,28 @@ def kernel_source(spec: str | None) -> str | None:
     return module_name if module_name.endswith(".py") or os.sep in module_name else None
 
 
+@contextlib.contextmanager
+def _importable(folder: str) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` while the context is open; afterwards that entry is
+    removed again (the rest of ``sys.path``, changes an imported module made included, is kept)."""
+    sys.path.insert(0, folder)
+    importlib.invalidate_caches()  # files written since the folder was last looked at
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(folder)
+        except ValueError:  # the module removed it itself
+            pass
+
+
 def load_kernel(spec: str) -> tuple[str, RoutingFn]:
     """Resolve a kernel: a variant name of :data:`kernel.VARIANTS` or ``module:function``.
 
-    ``module`` may be an importable module name or a path to a ``.py`` file. The function
+    ``module`` may be an importable module name or a path to a ``.py`` file. While the module
+    is imported, the file's folder (for a path) or the current directory (for a module name) is
+    first on ``sys.path``, as Python has it for a script or for ``python -m``, so that the
+    module can import the modules beside it; ``sys.path`` is restored afterwards. The function
     must take the seed's signature (``gating_output, bias, topk, route_scale, ...``) and
     return ``(topk_weights, topk_ids)``. Call :func:`select_execution` first.
 
@@ -131,9 +197,11 @@ def load_kernel(spec: str) -> tuple[str, RoutingFn]:
                 raise RouteToolError("no such file", path=module_name, fix="check the --kernel path")
             spec_obj = importlib.util.spec_from_file_location(f"routetool_user_kernel_{abs(hash(path))}", path)
             module = importlib.util.module_from_spec(spec_obj)
-            spec_obj.loader.exec_module(module)
+            with _importable(os.path.dirname(path)):  # its own modules beside it, as python runs a script
+                spec_obj.loader.exec_module(module)
         else:
-            module = importlib.import_module(module_name)
+            with _importable(os.getcwd()):  # as `python -m` and `python -c` (a console script does not)
+                module = importlib.import_module(module_name)
     except RouteToolError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the user's module's

@@ -24,7 +24,7 @@ from routetool.compare import (
 from routetool.errors import KernelError, RouteToolError, first_line
 from routetool.execution import Execution, RoutingFn
 from routetool.load import LoadStats, expert_counts, load_stats
-from routetool.numtext import parse_int
+from routetool.numtext import parse_int, split_items
 from routetool.timing import Latency, cuda_graph_latency, synchronize
 from routetool.trace import RouterConfig, Trace
 
@@ -187,12 +187,19 @@ class ReplayResult:
 
 def parse_layers(spec: str | None, available: Sequence[int], path: object = None) -> list[int]:
     """Parse ``--layers`` (``"all"``, ``"3"``, ``"0,2,5-7"``) against the trace's layers.
+    ``None`` means all layers; an empty spec (``""``) or an empty item (``"1,,2"``, ``"1,"``)
+    is refused, as every list option refuses one (:func:`routetool.numtext.split_items`).
 
     Raises:
-        RouteToolError: malformed spec or a layer the trace does not hold.
+        RouteToolError: malformed or empty spec, or a layer the trace does not hold.
     """
-    if spec is None or spec.strip().lower() in ("", "all"):
+    if spec is None or spec.strip().lower() == "all":
         return list(available)
+    if not spec.strip():
+        raise RouteToolError(f"--layers {spec!r} is empty", fix="name layers, e.g. 0,2,5-7, or all")
+    if split_items(spec) is None:
+        raise RouteToolError(f"--layers {spec!r} has an empty item", fix="separate the layers with single commas, "
+                                                                          "e.g. 0,2,5-7")
     def number(text: str) -> int:  # plain ASCII decimal: int() would read "1_0" as 10
         value = parse_int(text.strip())
         if value is None:
@@ -278,8 +285,9 @@ def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: tor
         RouteToolError: the kernel rejected the input with ``ValueError`` (exit 2: bad usage,
             e.g. the seed and bf16 logits).
         KernelError: the kernel raised anything else (``SystemExit`` included), wrote into
-            its inputs (``modified_input``), or returned something other than two ``[n, topk]``
-            tensors (float weights, integer ids) (exit 1).
+            its inputs (``modified_input``), returned something other than two ``[n, topk]``
+            tensors (float weights, integer ids) (``wrong_shape``), or returned them on another
+            device than its inputs' (``wrong_device``) (exit 1).
     """
     before = input_snapshot(gating_output=gating, bias=bias, is_padding=pad)
     try:
@@ -307,7 +315,26 @@ def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: tor
         raise KernelError(f"kernel {name!r} returned ({got}) on {where}; expected (topk_weights float [{n}, {k}], "
                           f"topk_ids int [{n}, {k}])", failure_class="wrong_shape", path=path, tensor=tensor,
                           fix="return (topk_weights, topk_ids)")
+    elsewhere = outputs_elsewhere(gating.device, topk_weights=out[0], topk_ids=out[1])
+    if elsewhere:
+        raise KernelError(f"kernel {name!r} returned {elsewhere} on {where}; its inputs are on device {gating.device}",
+                          failure_class="wrong_device", path=path, tensor=tensor,
+                          fix="return the outputs on the device of gating_output")
     return out[0], out[1]
+
+
+def outputs_elsewhere(device: torch.device, **outputs: torch.Tensor) -> str:
+    """Which ``outputs`` lie on another device than ``device`` (the inputs'), as text
+    (``"topk_weights and topk_ids on device meta"``, ``"topk_ids on device cpu"``); empty when all
+    are on ``device``.
+
+    A kernel's outputs on another device (CPU tensors from a CUDA run, ``meta`` tensors that
+    hold no data) cannot be compared with the reference: a kernel fault, reported as one.
+    """
+    wrong = {name: t.device for name, t in outputs.items() if t.device != device}
+    if len(set(wrong.values())) == 1:
+        return f"{' and '.join(wrong)} on device {next(iter(wrong.values()))}"
+    return " and ".join(f"{name} on device {dev}" for name, dev in wrong.items())
 
 
 def replay_trace(
@@ -337,7 +364,7 @@ def replay_trace(
 
     Raises:
         RouteToolError: the kernel rejecting the trace's inputs (ValueError).
-        KernelError: the kernel crashing or returning outputs of the wrong shape.
+        KernelError: the kernel crashing or returning outputs of the wrong shape or on the wrong device.
     """
     from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
 

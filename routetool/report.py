@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from routetool.compare import ComparisonSummary
+from routetool.errors import printable
 from routetool.files import atomic_write
 from routetool.load import LoadStats
 from routetool.replay import ReplayResult
@@ -38,6 +39,22 @@ def fmt_float(value: float | None, digits: int = 3) -> str:
     if abs(value) >= 1e4 or abs(value) < 1e-3:
         return f"{value:.{digits - 1}e}"
     return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{digits}f}".rstrip("0").rstrip(".")
+
+
+def user_text(text: object, style: str = "") -> Text:
+    """User-controlled text (a trace's file name, a kernel spec, metadata, a kernel's message) for
+    a table, a header or a line: as plain text (brackets are not rich markup), with unprintable
+    characters (a newline, an ANSI escape) written as their Python escapes (:func:`printable`),
+    so that it stays on its line and names the file as it is; too long for its column, it folds
+    onto the next lines rather than losing its end."""
+    return Text(printable(str(text)), style=style, overflow="fold")
+
+
+def markup_safe(text: str) -> str:
+    """:func:`user_text` for a string that rich reads as markup (a progress bar's description)."""
+    from rich.markup import escape
+
+    return escape(printable(text))
 
 
 def _count(value: int, bad: bool = False) -> Text:
@@ -90,7 +107,7 @@ _NAMES = {
 }
 
 
-def table(title: str, columns: list[str], left: tuple[str, ...] = ()) -> Table:
+def table(title: str | Text, columns: list[str], left: tuple[str, ...] = ()) -> Table:
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
               collapse_padding=True)
     for col in columns:
@@ -123,12 +140,12 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     r = result.router
     ex = result.execution
     header = Table.grid(padding=(0, 2))
-    header.add_row("trace", result.trace)
-    header.add_row("model", result.model or "-")
+    header.add_row("trace", user_text(result.trace))
+    header.add_row("model", user_text(result.model or "-"))
     header.add_row("router", f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} "
                              f"route_scale={r.route_scale:g} multiplier={r.router_output_multiplier} "
                              f"eps={r.router_score_division_eps}")
-    header.add_row("kernel", f"{result.kernel} on {ex.device_name}")
+    header.add_row("kernel", user_text(f"{result.kernel} on {ex.device_name}"))
     header.add_row("ties", f"tie-equivalent within {result.tie_ulps:g} float32 ulps")
     console.print(Panel(header, title="routetool replay", expand=False))
 
@@ -374,24 +391,26 @@ VALIDATE_SCHEMA = "routetool.validate/1"
 def render_validate(result, console: Console, show_failures: int = 15) -> None:
     """Print validate's verdicts grouped by family, then the failing cases."""
     ex = result.execution
-    console.print(Panel(f"kernel {result.kernel} on {ex.device_name}; suite {result.suite or '-'}; "
-                        f"ties within {result.tie_ulps:g} float32 ulps", title="routetool validate", expand=False))
+    console.print(Panel(user_text(f"kernel {result.kernel} on {ex.device_name}; suite {result.suite or '-'}; "
+                                  f"ties within {result.tie_ulps:g} float32 ulps"),
+                        title="routetool validate", expand=False))
     tbl = table("Verdicts by family", ["family", "cases", "pass", "pass (ties)", "tie rows", "rejected",
                                           "skipped", "fail", "failure classes"], left=("family", "failure classes"))
     families = result.families()
     tbl.columns[0].no_wrap = True  # family names whole, even at 80 columns
-    tbl.columns[0].min_width = max((len(f) for f in families), default=6)
+    tbl.columns[0].min_width = max((len(printable(f)) for f in families), default=6)
     for family, counts in families.items():
         classes = sorted({c for case in result.cases if case.family == family for c in case.failure_classes})
         total = sum(counts[v] for v in ("pass", "pass_tie", "rejected", "fail", "skipped"))
-        tbl.add_row(family, str(total), _count(counts["pass"]), _count(counts["pass_tie"]),
+        tbl.add_row(user_text(family), str(total), _count(counts["pass"]), _count(counts["pass_tie"]),
                       _count(counts["tie_rows"]), _count(counts["rejected"]), _count(counts["skipped"]),
                       _count(counts["fail"], bad=True), Text(", ".join(classes), style="red" if classes else ""))
     console.print(tbl)
     rejected = [c for c in result.cases if c.verdict == "rejected"]
     if rejected:
-        console.print(Text(f"{len(rejected)} documented rejection(s), e.g. {rejected[0].name}: {rejected[0].message}",
-                           style="dim"))
+        first = rejected[0]
+        console.print(user_text(f"{len(rejected)} documented rejection(s), e.g. {first.name}: {first.message}",
+                                style="dim"))
     failed = [c for c in result.cases if c.verdict == "fail"]
     if failed:
         ft = table(f"Failing cases ({len(failed)}; first {min(len(failed), show_failures)})",
@@ -400,7 +419,7 @@ def render_validate(result, console: Console, show_failures: int = 15) -> None:
         for c in failed[:show_failures]:
             row = c.rows[0] if c.rows else None
             detail = (f"row {row.row}: {row.expected_ids} -> {row.got_ids}" if row else c.message)
-            ft.add_row(c.name, ", ".join(c.failure_classes), detail)
+            ft.add_row(user_text(c.name), ", ".join(c.failure_classes), user_text(detail))
         console.print(ft)
     n = len(result.cases)
     if result.ok and all(c.verdict == "skipped" for c in result.cases):
@@ -544,16 +563,16 @@ def render_bench(result, console: Console) -> None:
     console.print(Panel(f"{result.gpu_name}, driver {result.driver_version}, torch {result.torch_version}, "
                         f"triton {result.triton_version}; copy bandwidth {result.copy_bandwidth_gbps:,.0f} GB/s "
                         "(read + write)", title="routetool bench", expand=False))
-    t = table(f"Latency (µs) and bandwidth; speedup vs {result.baseline or '-'}",
+    t = table(user_text(f"Latency (µs) and bandwidth; speedup vs {result.baseline or '-'}"),
                ["kernel", "tokens", "E", "k", "dtype", "p50", "p10-p90", "GB/s", "of copy", "speedup", "status"],
                left=("kernel", "dtype", "status"))
     for r in result.rows:
         label = r.kernel if r.pdl is None else f"{r.kernel} pdl {'on' if r.pdl else 'off'}"
         lat = r.latency
-        t.add_row(label, f"{r.num_tokens:,}", str(r.num_experts), str(r.topk), r.dtype,
+        t.add_row(user_text(label), f"{r.num_tokens:,}", str(r.num_experts), str(r.topk), r.dtype,
                   f"{lat.p50_us:.2f}" if lat else "-", f"{lat.p10_us:.2f}-{lat.p90_us:.2f}" if lat else "-",
                   f"{r.bandwidth_gbps:,.0f}" if r.bandwidth_gbps else "-",
                   f"{r.bandwidth_fraction:.0%}" if r.bandwidth_fraction else "-",
                   f"{r.speedup:.2f}x" if r.speedup else "-",
-                  Text(r.status, style="green" if r.status == "ok" else "bold red"))
+                  user_text(r.status, style="green" if r.status == "ok" else "bold red"))
     console.print(t)

@@ -14,7 +14,7 @@ from rich.text import Text
 from routetool.balance import BalanceResult, LayerBalance, Quantiles
 from routetool.eplb import placement_document
 from routetool.imports import ImportedCounts, ImportedRouting
-from routetool.report import fmt_float, histogram_renderable, load_json, table
+from routetool.report import fmt_float, histogram_renderable, load_json, table, user_text
 
 BALANCE_SCHEMA = "routetool.balance/1"
 _LEVELS = "▁▂▃▄▅▆▇█"
@@ -117,9 +117,9 @@ def heat_strip(result: BalanceResult, width: int = 128) -> Panel:
 def render_balance(result: BalanceResult, console: Console, layer: int | None = None) -> None:
     """Print the balance report: header, expert load, EP ranks, EPLB, bias, capacity, drift, bars."""
     header = Table.grid(padding=(0, 2))
-    header.add_row("input", f"{result.source} ({result.kind})")
-    header.add_row("model", result.model or "-")
-    header.add_row("routing", result.routing)
+    header.add_row("input", user_text(f"{result.source} ({result.kind})"))
+    header.add_row("model", user_text(result.model or "-"))
+    header.add_row("routing", user_text(result.routing))
     tokens = sum(x.tokens for x in result.layers if x.tokens is not None)
     known = all(x.tokens is not None for x in result.layers)
     header.add_row("experts", f"E={result.num_experts} topk={result.topk if result.topk else '?'}; "
@@ -288,7 +288,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
         console.print(Panel(Group(*lines), title="Balancedness per layer, before / after EPLB (1.0 = even)",
                             expand=False))
     for note in result.notes:
-        console.print(Text("• " + note, style="yellow"))
+        console.print(user_text("• " + note, style="yellow"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -416,7 +416,7 @@ def balance_json(result: BalanceResult, include_placement: bool = True) -> dict:
 # import
 def render_import(imported: ImportedRouting | ImportedCounts, out: str | None, console: Console) -> None:
     """Print what an import read (and where it wrote the trace)."""
-    t = table(f"Imported {imported.source} ({imported.format}): {imported.model}",
+    t = table(user_text(f"Imported {imported.source} ({imported.format}): {imported.model}"),
                ["layer", "tokens", "steps", "weights"] if isinstance(imported, ImportedRouting)
                else ["layer", "steps", "assignments"])
     if isinstance(imported, ImportedRouting):
@@ -431,6 +431,6 @@ def render_import(imported: ImportedRouting | ImportedCounts, out: str | None, c
         summary += (f", {imported.num_tokens:,} token rows kept of {imported.rows_read:,} read")
     console.print(Text(summary))
     for note in imported.notes:
-        console.print(Text("• " + note, style="yellow"))
+        console.print(user_text("• " + note, style="yellow"))
     if out:
-        console.print(Text(f"wrote {out} (ids-only trace)", style="green"))
+        console.print(user_text(f"wrote {out} (ids-only trace)", style="green"))

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from routetool.info import TraceInfo, step_token_quantiles
-from routetool.report import fmt_float, table
+from routetool.report import fmt_float, table, user_text
 
 INFO_SCHEMA = "routetool.info/1"
 
@@ -51,7 +51,7 @@ def _layer_list(layers: list[int]) -> str:
 def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None:
     """Print ``routetool info``: header, per-layer table, tensors, step shapes, notes."""
     header = Table.grid(padding=(0, 2))
-    header.add_row("trace", info.trace)
+    header.add_row("trace", user_text(info.trace))
     if info.sharded:
         idx = info.index or {}
         state = "complete" if idx.get("complete") else "INCOMPLETE"
@@ -61,11 +61,11 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
         header.add_row("layout", "one file")
     header.add_row("size", f"{fmt_bytes(info.size_bytes)} ({info.size_bytes:,} bytes)")
     header.add_row("format", f"routetool-trace v{info.format_version}")
-    header.add_row("model", info.model or "-")
+    header.add_row("model", user_text(info.model or "-"))
     header.add_row("router", _router_line(info.router))
     for key in sorted(info.metadata):
-        header.add_row(key, info.metadata[key])
-    header.add_row("provenance", Text(info.provenance or "-"))
+        header.add_row(user_text(key), user_text(info.metadata[key]))
+    header.add_row("provenance", user_text(info.provenance or "-"))
     header.add_row("layers", f"{len(info.layers)}: {', '.join(str(x.layer) for x in info.layers)}")
     header.add_row("tokens", f"{info.total_tokens:,} rows in {info.total_steps:,} layer-steps")
     header.add_row("recorded outputs", {"all": "topk_ids/topk_weights in every layer", "some": "in some layers",
@@ -119,7 +119,7 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
             st.caption = f"{max_shapes} most frequent of {len(shapes)}; --json lists all"
         console.print(st)
     for f in info.files if info.sharded else []:
-        console.print(Text(f"  {f.role:5} {f.path}  {fmt_bytes(f.size_bytes)}", style="dim"))
+        console.print(user_text(f"  {f.role:5} {f.path}  {fmt_bytes(f.size_bytes)}", style="dim"))
     if not info.scanned:
         console.print(Text("Header only: padded and non-finite rows are not counted (add --scan to read the data).",
                            style="dim"))
@@ -175,8 +175,8 @@ def info_json(info: TraceInfo) -> dict:
 def render_synth(path: str, stats: list, console: Console) -> None:
     """Print the realised statistics of a synthetic trace (:class:`routetool.synth.SynthLayerStats`):
     one table of rows and special rows, one of the load (two, so that each fits 80 columns)."""
-    rows = table(f"{path}: realised statistics per layer", ["layer", "tokens", "steps", "padded", "nonfinite",
-                                                               "ties@k"])
+    rows = table(user_text(f"{path}: realised statistics per layer"),
+                 ["layer", "tokens", "steps", "padded", "nonfinite", "ties@k"])
     for st in stats:
         rows.add_row(str(st.layer), f"{st.num_tokens:,}", str(st.num_steps), f"{st.padded_rows:,}",
                      f"{st.nonfinite_rows:,}", f"{st.boundary_ties:,}")
@@ -212,8 +212,8 @@ def render_synth(path: str, stats: list, console: Console) -> None:
 def render_hf_capture(summary, console: Console) -> None:
     """Print what ``routetool capture hf`` recorded (:class:`routetool.capture.hf.HFCapture`)."""
     grid = Table.grid(padding=(0, 2))
-    grid.add_row("trace", summary.out)
-    grid.add_row("model", summary.model_name)
+    grid.add_row("trace", user_text(summary.out))
+    grid.add_row("model", user_text(summary.model_name))
     grid.add_row("family", f"{summary.family} (router modules in layers {', '.join(map(str, summary.layers))})")
     grid.add_row("router", _router_line(summary.router))
     grid.add_row("weights", f"{summary.weights_semantics} (recorded topk_weights)")

@@ -17,7 +17,8 @@ index file that lists them in order::
       ]
     }
 
-Only ``format``, ``version`` and ``shards[].path`` are required; ``shards`` is a non-empty
+Only ``format``, ``version`` (the string ``"1"``) and ``shards[].path`` are required; no object
+holds a key twice (JSON readers differ on which value of a repeated key wins); ``shards`` is a non-empty
 list; ``path`` is relative to the index's folder (or absolute), names a regular file, and no
 file is listed twice. ``size_bytes``, when present, is a non-negative integer checked against
 the file, so a replaced or truncated shard is caught before it is read. ``complete``, when
@@ -136,8 +137,9 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
     """Read and check an index file; returns the parsed document.
 
     Raises:
-        RouteToolError: missing, unreadable or non-regular file, not JSON, another format or
-            version, ``complete`` present but not a JSON boolean, ``shards`` not a non-empty
+        RouteToolError: missing, unreadable or non-regular file, not JSON, a key repeated in
+            one object, another format, a ``version`` that is not the string ``"1"``,
+            ``complete`` present but not a JSON boolean, ``shards`` not a non-empty
             list, a shard entry without a path, a ``size_bytes`` that is not a non-negative
             integer, a path listed twice.
     """
@@ -152,9 +154,13 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
         raise RouteToolError("is not a regular file (a FIFO, device or socket)", path=shown,
                              fix="name a .safetensors trace or a sharded trace's index .json")
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
     except OSError as exc:
         raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=shown, fix="check permissions") from None
+    except _DuplicateKey as exc:
+        raise RouteToolError(f"the key {exc.key!r} appears twice in one object of the index; JSON readers differ on "
+                             "which value counts", path=shown, tensor="index",
+                             fix="write each key once, as routetool's recorder does") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RouteToolError(f"not a JSON trace index ({exc})", path=shown,
                              fix="name a .safetensors trace or a sharded trace's index .json") from None
@@ -163,8 +169,13 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
         raise RouteToolError(f"not a routetool trace index (format={found!r}, expected {INDEX_FORMAT!r})",
                              path=shown, tensor="index",
                              fix="name a .safetensors trace or an index written by routetool's recorder")
-    if doc.get("version") != INDEX_VERSION:
-        raise RouteToolError(f"trace index version {doc.get('version')!r} is not supported (this routetool reads "
+    version = doc.get("version")
+    if not isinstance(version, str):
+        found = "absent" if "version" not in doc else f"{_short(version)}, not a string"
+        raise RouteToolError(f"\"version\" is {found}: it must be the string \"{INDEX_VERSION}\"", path=shown,
+                             tensor="index.version", fix=f"write \"version\": \"{INDEX_VERSION}\", with the quotes")
+    if version != INDEX_VERSION:
+        raise RouteToolError(f"trace index version {version!r} is not supported (this routetool reads "
                              f"{INDEX_VERSION!r})", path=shown, tensor="index", fix="upgrade routetool")
     if "complete" in doc and not isinstance(doc["complete"], bool):
         # "yes", "false", 0 or null: a string "false" is truthy, so it used to read as a complete recording
@@ -200,6 +211,23 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
                                  fix="list every shard once")
         seen[key] = i
     return doc
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook`` for :func:`json.loads`: a dict, refusing a key repeated in one object
+    (:class:`_DuplicateKey`), which :func:`json.loads` would silently resolve to the last value."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def _short(value: object) -> str:

@@ -326,14 +326,15 @@ FAMILIES = {
 
 
 def build_suite(suite: str, families: list[str] | None = None) -> list[Case]:
-    """The cases of ``suite`` (``quick`` or ``full``), optionally only some families.
+    """The cases of ``suite`` (``quick`` or ``full``), optionally only some families, in the
+    order given; a family named again is ignored (each case is built once).
 
     Raises:
         ValueError: an unknown suite or family name.
     """
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; expected quick or full")
-    chosen = families or list(FAMILIES)
+    chosen = list(dict.fromkeys(families)) if families else list(FAMILIES)
     unknown = [f for f in chosen if f not in FAMILIES]
     if unknown:
         raise ValueError(f"unknown family {', '.join(unknown)}; expected {', '.join(FAMILIES)}")

@@ -172,11 +172,16 @@ _PLAIN_NUMBER_FIX = ("write the value as a plain decimal number (ASCII digits 0-
 
 
 def _parse_float(path: Path, key: str, raw: str | None, *, optional: bool) -> float | None:
-    if raw is None or raw == "":
+    """A metadata number; an ``optional`` key that is absent is None. An empty value is an error,
+    not None: the writer leaves an unset parameter out, so ``""`` is a damaged or hand-made value."""
+    if raw is None:
         if optional:
             return None
         raise RouteToolError(f"missing metadata key {key!r}", path=path, tensor="__metadata__",
                              fix="write traces with routetool's writer")
+    if raw == "":
+        raise RouteToolError(f"metadata {key}='' is empty, not a number", path=path, tensor="__metadata__",
+                             fix="write a plain decimal number" + (", or leave the key out for none" if optional else ""))
     value = parse_float(raw, special=True)
     if value is None:
         raise RouteToolError(f"metadata {key}={raw!r} is not a plain decimal number", path=path, tensor="__metadata__",

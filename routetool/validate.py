@@ -11,7 +11,8 @@ Each case ends in one verdict:
   or a rejection of an input the kernel does not document as unsupported, is a failure;
 * ``skipped``: the case needs a GPU (large sizes, CUDA graphs).
 
-Checks on every output (failure class in brackets): shapes and dtypes [wrong_shape];
+Checks on every output (failure class in brackets): shapes and dtypes [wrong_shape, wrong_dtype];
+the device of the inputs [wrong_device];
 results in the caller's buffers [output_not_in_buffers] and nothing written outside the
 ``[num_tokens, topk]`` view [wrote_outside_view]; the tie-aware comparison with the reference
 [mismatch, invalid:<reason>, weight_error]; weights equal to the unbiased scores of the chosen
@@ -103,9 +104,11 @@ def rejection_documented(fn: RoutingFn, feature: str | None) -> bool:
 
 
 def _call(fn: RoutingFn, inp: CaseInput, check_inputs: bool = True):
-    """``fn`` on the case's inputs; a kernel that writes into them (or calls ``sys.exit``) is a
-    finding. ``check_inputs=False`` inside a CUDA-graph capture (the check synchronises)."""
-    from routetool.replay import input_snapshot, modified_inputs
+    """``fn`` on the case's inputs; a kernel that writes into them, calls ``sys.exit``, returns
+    something other than two tensors (``wrong_shape``) or returns them on another device than
+    the inputs' (``wrong_device``) is a finding (:class:`KernelError`). ``check_inputs=False``
+    inside a CUDA-graph capture (the check synchronises)."""
+    from routetool.replay import input_snapshot, modified_inputs, outputs_elsewhere
 
     inputs = dict(gating_output=inp.gating_output, bias=inp.bias, is_padding=inp.is_padding)
     before = input_snapshot(**inputs) if check_inputs else {}
@@ -117,6 +120,15 @@ def _call(fn: RoutingFn, inp: CaseInput, check_inputs: bool = True):
     if changed:
         raise KernelError(f"the kernel wrote into its input {', '.join(changed)}", failure_class="modified_input",
                           fix="a routing kernel may write only topk_weights and topk_ids")
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        got = (f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__)
+        raise KernelError(f"the kernel returned {got}; expected (topk_weights, topk_ids)", failure_class="wrong_shape",
+                          fix="return (topk_weights, topk_ids)")
+    device = inp.gating_output.device
+    elsewhere = outputs_elsewhere(device, topk_weights=out[0], topk_ids=out[1])
+    if elsewhere:
+        raise KernelError(f"the kernel returned {elsewhere}; its inputs are on device {device}", failure_class="wrong_device",
+                          fix="return the outputs on the device of gating_output")
     return out
 
 
@@ -143,7 +155,8 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
     if weights.dtype != torch.float32 or ids.dtype not in (torch.int32, torch.int64):
         return ["wrong_dtype"], 0, []
     device = inp.gating_output.device
-    weights, ids = weights.to(device), ids.to(device)
+    if weights.device != device or ids.device != device:
+        return ["wrong_device"], 0, []
     ref_w, ref_ids = musespark1x_routing_reference(inp.gating_output, inp.bias, **inp.kwargs())
     scores = normalized_scores(inp.gating_output, inp.router_score_normalization, inp.router_output_multiplier)
     biased = biased_scores(scores, inp.bias)
@@ -292,7 +305,7 @@ def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float
             res.message = message
         res.duration_s = time.perf_counter() - start
         return res
-    except KernelError as exc:  # wrote into its inputs, or exited
+    except KernelError as exc:  # wrote into its inputs, exited, returned no pair of tensors or another device's
         res.verdict, res.failure_classes = "fail", [exc.failure_class]
         res.message = str(exc)
         res.duration_s = time.perf_counter() - start

@@ -49,6 +49,15 @@ def test_bench_option_mistakes_show_on_any_machine(args, words):
     (["--tokens", "1,,2"], "--tokens '1,,2' has an empty item"),      # was read as 1,2
     (["--tokens", "64,"], "--tokens '64,' has an empty item"),
     (["--experts", "256,,512"], "--experts '256,,512' has an empty item"),
+    # a repeated value timed its points twice
+    (["--dtype", "fp32,fp32"], "--dtype 'fp32,fp32' names fp32 twice (name each value once)"),
+    (["--tokens", "1,64,1"], "--tokens '1,64,1' names 1 twice (name each value once)"),
+    (["--tokens", "64,064"], "--tokens '64,064' names 64 twice"),
+    (["--experts", "256,512,256"], "--experts '256,512,256' names 256 twice"),
+    (["--topk", "8,8"], "--topk '8,8' names 8 twice"),
+    (["--kernel", "seed", "--kernel", "torch", "--kernel", "seed"], "--kernel seed is given twice (give each kernel "
+                                                                    "once)"),
+    (["--dtype", "fp32,,bf16"], "--dtype 'fp32,,bf16' has an empty item"),  # was read as fp32,bf16
     (["--tokens", str(10**12)], f"--tokens '{10**12}': {10**12} tokens per point is above bench's limit of 16777216"),
     (["--tokens", f"1,{2**24 + 1}"], "above bench's limit of 16777216 (2^24)"),
 ])

@@ -124,7 +124,9 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
     (["--ep-size", "1_2"], "--ep-size '1_2' is not a list of integers"),
     (["--capacity-factor", "1_5"], "--capacity-factor '1_5' is not a list of numbers"),
     (["--layers", "0_0"], "--layers '0_0': cannot parse '0_0'"),
-    (["--layers", "0,,0"], "--layers '0,,0': cannot parse ''"),
+    (["--layers", "0,,0"], "--layers '0,,0' has an empty item (separate the layers with single commas"),
+    # an empty --layers analysed every layer
+    (["--layers", ""], "--layers '' is empty (name layers, e.g. 0,2,5-7, or all)"),
 ])
 def test_bad_usage_is_one_line_exit_2(tmp_path, args, words):
     trace = tmp_path / "ids.safetensors"
@@ -558,6 +560,9 @@ def twice(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=No
 def wide_weights(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
     w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
     return torch.zeros(w.shape[0], 3), i
+def on_meta(gating_output, bias, *args, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, *args, **kwargs)
+    return w.to("meta"), i.to("meta")
 '''
 
 
@@ -579,6 +584,8 @@ def wide_weights(gating_output, bias, topk, route_scale, topk_weights=None, topk
                    "hold an id outside [0, 8); 16 of the step's 16 rows are invalid (fix the kernel"]),
     ("minus_one", ["returned invalid topk_ids on layer 0, step 0, row 0: [-1, -1] hold -1 on an unpadded row; 16 of"]),
     ("twice", ["returned invalid topk_ids on layer 0, step 0, row 0: [", "hold one expert twice; 16 of"]),
+    # ids on another device (here meta, which holds no data) were a traceback
+    ("on_meta", [f"returned topk_ids on device meta on layer 0, step 0; its inputs are on device {DEVICE.type}"]),
 ])
 def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -264,6 +266,58 @@ def test_failing_user_kernel_is_one_line_exit_1(tmp_path, fn, message):
     assert res.exit_code == 1 and any(c in res.output for c in ("crash", "wrong_shape", "modified_input"))
 
 
+def test_outputs_on_another_device_are_one_line_exit_1(tmp_path):
+    # outputs on another device than the inputs (meta tensors here; on a GPU, CPU tensors from a
+    # CUDA run) were a traceback ("Cannot copy out of meta tensor") in replay, validate and balance
+    src = tmp_path / "elsewhere.py"
+    src.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
+                   "def route(g, b, topk, route_scale, *a, topk_weights=None, topk_ids=None, **k):\n"
+                   "    w, ids = ref(g, b, topk, route_scale, *a, **k)\n"
+                   "    return w.to('meta'), ids.to('meta')\n")
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    kernel = f"{src}:route"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress")
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 1 and len(lines) == 1, res.output
+    assert (f"kernel {kernel!r} returned topk_weights and topk_ids on device meta on layer 1 step 0; its inputs "
+            f"are on device {DEVICE}") in lines[0], res.output
+    res = _run("validate", trace, "--family", "ties", "--kernel", kernel, "--no-progress", "--device", DEVICE,
+               "--json", "-")
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    cases = json.loads(res.stdout)["cases"]
+    assert {c["failure_classes"][0] for c in cases} == {"wrong_device"}
+    assert "returned topk_weights and topk_ids on device meta" in cases[0]["message"]
+    assert "returned topk_weights and topk_ids on device meta on layer 1 step 0" in cases[-1]["message"]
+
+
+def test_a_kernel_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    # a .py kernel could not import a module of its folder, and a module name was not looked up
+    # in the current directory (the console script does not put it on sys.path): ModuleNotFoundError
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
+    before = list(sys.path)
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    (folder / "sibling_of_kernel_e6.py").write_text(
+        "from kernel.reference import musespark1x_routing_reference as ref\n")
+    code = ("from sibling_of_kernel_e6 import ref\n"
+            "def route(g, b, *a, topk_weights=None, topk_ids=None, **k):\n"
+            "    return ref(g, b, *a, **k)\n")
+    (folder / "uses_sibling_e6.py").write_text(code)
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{folder / 'uses_sibling_e6.py'}:route", "--layers",
+               "1", "--no-progress", "--no-latency")
+    assert res.exit_code == 0 and "PASS" in res.output, res.output
+    assert sys.path == before  # the folder was on sys.path only while the kernel was imported
+    monkeypatch.chdir(folder)
+    (folder / "kernel_in_cwd_e6.py").write_text(code)
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", "kernel_in_cwd_e6:route", "--layers", "1",
+               "--no-progress", "--no-latency")
+    assert res.exit_code == 0 and "PASS" in res.output, res.output
+    assert sys.path == before
+    for name in ("sibling_of_kernel_e6", "kernel_in_cwd_e6"):
+        sys.modules.pop(name, None)
+
+
 def test_kernel_with_the_full_signature_and_no_defaults(tmp_path):
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
     kernel = f"{_kernels_file(tmp_path)}:no_defaults"
@@ -360,6 +414,19 @@ def test_validate_of_an_ids_only_trace_says_nothing_was_validated(tmp_path):
     assert res.exit_code == 0 and "NOTHING VALIDATED" in res.output and "PASS" not in res.output, res.output
 
 
+@pytest.mark.parametrize("spec, words", [
+    ("", "--layers '' is empty (name layers, e.g. 0,2,5-7, or all)"),  # replayed every layer
+    ("  ", "--layers '  ' is empty"),
+    ("1,,2", "--layers '1,,2' has an empty item (separate the layers with single commas, e.g. 0,2,5-7)"),
+    ("1,", "--layers '1,' has an empty item"),
+])
+def test_an_empty_layers_list_or_item_is_refused(spec, words):
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    res = _run("replay", trace, "--device", DEVICE, "--layers", spec, "--no-progress", "--no-latency")
+    assert res.exit_code == 2 and res.output.startswith(f"routetool: error: {words}"), res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+
+
 def test_a_huge_layers_range_is_one_line(tmp_path):
     # a range used to be expanded into a list first (MemoryError, or a 189 MB message)
     from routetool.errors import RouteToolError
@@ -398,6 +465,39 @@ def test_control_characters_in_a_kernel_error_are_shown_escaped(tmp_path):
     res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{bad_import}:fn", "--no-progress")
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and r"cannot import (RuntimeError: x\x1b[2Jy)" in lines[0], res.output
+
+
+def test_file_names_with_control_characters_are_shown_escaped(tmp_path):
+    # a newline in a file name split the one-line error over two lines; an ANSI escape was sent
+    # to the terminal (or stripped from a pipe: the error named bad.safetensors, another file);
+    # tables and headers did the same, and read brackets in a name as rich markup
+    src = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    for name, shown in (("bad\nline.safetensors", r"bad\nline.safetensors"),
+                        ("bad\x1b[2J.safetensors", r"bad\x1b[2J.safetensors")):
+        path = tmp_path / name
+        path.write_bytes(src.read_bytes()[:100])  # truncated
+        res = _run("info", path)
+        assert res.exit_code == 2 and res.output == (
+            f"routetool: error: {tmp_path}/{shown}: not a readable safetensors file (Error while deserializing "
+            "header: invalid header length) (the file is corrupt or truncated; capture or copy it again)\n")
+    path = tmp_path / "ok\x1b[31m[bold]x\n.safetensors"
+    path.write_bytes(src.read_bytes())
+    shown = r"ok\x1b[31m[bold]x\n.safetensors"
+
+    def flat(text):  # a long name wraps inside a panel: compare without the box and the wrapping
+        return re.sub(r"[\s│]", "", text)
+
+    res = _run("replay", path, "--device", DEVICE, "--layers", "1", "--no-progress", "--no-latency")
+    assert res.exit_code == 0 and f"trace{tmp_path}/{shown}" in flat(res.output), res.output
+    assert _no_control_characters(res.output)
+    res = _run("info", path)
+    assert res.exit_code == 0 and f"trace{tmp_path}/{shown}" in flat(res.output), res.output
+    assert _no_control_characters(res.output)
+    res = _run("validate", path, "--suite", "none", "--device", DEVICE, "--no-progress")
+    assert res.exit_code == 0 and f"trace:{shown}" in flat(res.output) and _no_control_characters(res.output)
+    res = _run("balance", path, "--reference", "--ep-size", "2", "--no-progress")
+    assert res.exit_code == 0 and f"input{tmp_path}/{shown}(trace)" in flat(res.output), res.output
+    assert _no_control_characters(res.output)
 
 
 def test_first_line_escapes_what_is_not_printable():
@@ -454,6 +554,62 @@ def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
     res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--layers", "1", "--no-progress",
                "--no-latency")
     assert res.exit_code == 0 and "chatty: imported" in res.stdout
+
+
+def test_a_kernel_cannot_close_or_bypass_the_output_streams(tmp_path):
+    # sys.stdout.close() in a kernel: a traceback from rich (I/O operation on closed file), and
+    # with --json - (stdout then stood for stderr) stderr was lost; print(file=sys.__stdout__)
+    # landed in the --json - document
+    src = tmp_path / "rude.py"
+    src.write_text(
+        "import sys\n"
+        "from kernel.reference import musespark1x_routing_reference as ref\n"
+        "print('rude: imported', file=sys.__stdout__)\n"
+        "def close_both(g, b, *a, topk_weights=None, topk_ids=None, **k):\n"
+        "    sys.stdout.close()\n"
+        "    sys.stderr.close()\n"
+        "    sys.__stdout__.close()\n"
+        "    return ref(g, b, *a, **k)\n"
+        "def to_dunder(g, b, *a, topk_weights=None, topk_ids=None, **k):\n"
+        "    print('rude: called', file=sys.__stdout__)\n"
+        "    sys.stdout = None\n"
+        "    return ref(g, b, *a, **k)\n")
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    streams = sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__
+    for command in (["replay", trace, "--layers", "1", "--no-latency"], ["validate", trace, "--suite", "none"]):
+        res = _run(*command, "--device", DEVICE, "--kernel", f"{src}:to_dunder", "--no-progress", "--json", "-")
+        assert res.exit_code == 0 and json.loads(res.stdout)["verdict"] == "pass", res.output
+        assert "rude: imported" in res.stderr and "rude: called" in res.stderr
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{src}:close_both", "--layers", "1", "--no-progress",
+               "--no-latency")
+    assert res.exit_code == 0 and "PASS" in res.stdout, res.output
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{src}:close_both", "--layers", "1", "--no-progress",
+               "--no-latency", "--json", "-")
+    assert res.exit_code == 0 and json.loads(res.stdout)["verdict"] == "pass", res.output
+    assert "PASS" in res.stderr and "rude: imported" in res.stderr
+    assert (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__) == streams  # restored
+
+
+def test_kernel_stdout_gives_stand_ins_that_forward_and_ignore_close(monkeypatch):
+    import io
+
+    from routetool.execution import kernel_stdout
+
+    streams = out, err, real_out, real_err = [io.StringIO() for _ in range(4)]
+    for name, stream in zip(("stdout", "stderr", "__stdout__", "__stderr__"), streams):
+        monkeypatch.setattr(sys, name, stream)
+    for document_on_stdout in (True, False):
+        with kernel_stdout(document_on_stdout):
+            print("a")
+            print("b", file=sys.__stdout__)
+            print("c", file=sys.stderr)
+            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+                stream.close()
+            sys.stdout = None
+        assert [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__] == streams
+        assert not any(stream.closed for stream in streams)
+    # with a document on stdout everything went to stderr; without, each write where it was headed
+    assert err.getvalue() == "a\nb\nc\nc\n" and out.getvalue() == "a\n" and real_out.getvalue() == "b\n"
 
 
 def test_ids_only_trace_names_its_first_invalid_recorded_rows(tmp_path):

@@ -149,6 +149,17 @@ def test_weights_semantics_must_agree(tmp_path):
     ('{"format": "routetool-trace-index", "version": "1", "shards": [{"size_bytes": 3}]}', "shard entry 0 has no path"),
     ('{"format": "routetool-trace-index", "version": "1", "shards": [{"path": "gone.safetensors"}]}',
      "gone.safetensors: shard 0 listed in the index run.json does not exist"),
+    # a repeated key was accepted, the last one winning (here the shards list that exists)
+    ('{"format": "routetool-trace-index", "version": "1", "shards": [{"path": "a.safetensors"}], "shards": []}',
+     "index: the key 'shards' appears twice in one object of the index; JSON readers differ on which value "
+     "counts \\(write each key once, as routetool's recorder does\\)"),
+    ('{"format": "routetool-trace-index", "version": "1", "shards": [{"path": "a", "path": "b"}]}',
+     "the key 'path' appears twice"),
+    # a number said "version 1 is not supported (this routetool reads '1')"
+    ('{"format": "routetool-trace-index", "version": 1, "shards": []}',
+     'index.version: "version" is 1, not a string: it must be the string "1" \\(write "version": "1", with the '
+     'quotes\\)'),
+    ('{"format": "routetool-trace-index", "shards": []}', '"version" is absent: it must be the string "1"'),
 ])
 def test_bad_index(tmp_path, doc, message):
     index = tmp_path / "run.json"

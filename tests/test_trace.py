@@ -106,6 +106,11 @@ BROKEN = [
     (GOOD, {"route_scale": "\u0662.\u0665"}, "route_scale='\u0662.\u0665' is not a plain decimal number"),
     (GOOD, {"router_score_division_eps": "1_0e-20"}, "router_score_division_eps='1_0e-20' is not a plain decimal"),
     (GOOD, {"router_output_multiplier": " 2"}, "router_output_multiplier=' 2' is not a plain decimal number"),
+    # an empty value was read as an absent one: router_output_multiplier "" as none
+    (GOOD, {"router_output_multiplier": ""}, "__metadata__: metadata router_output_multiplier='' is empty, not a "
+                                             "number (write a plain decimal number, or leave the key out for none)"),
+    (GOOD, {"router_score_division_eps": ""}, "metadata router_score_division_eps='' is empty, not a number"),
+    (GOOD, {"route_scale": ""}, "metadata route_scale='' is empty, not a number (write a plain decimal number)"),
     (GOOD, {"topk": "\uff12"}, "topk='\uff12' is not a plain decimal integer"),
     (GOOD, {"num_experts": "0_8"}, "num_experts='0_8' is not a plain decimal integer"),
     (GOOD, {"num_layers": "\u0661"}, "num_layers='\u0661' is not a plain decimal integer"),

@@ -87,12 +87,53 @@ def test_seed_variant_passes_on_fp32_and_fails_nonfinite(execution):
     assert "invalid:nonfinite_weight" in _classes(nonfinite)
 
 
+def test_a_family_named_twice_runs_once(tmp_path):
+    # --family ties --family ties ran every ties case twice (duplicate JUnit testcase names)
+    once = [c.name for c in build_suite("quick", ["ties"])]
+    assert [c.name for c in build_suite("quick", ["ties", "ties"])] == once
+    assert [c.name for c in build_suite("quick", ["dtypes", "ties", "dtypes"])] == (
+        [c.name for c in build_suite("quick", ["dtypes"])] + once)  # first-seen order
+    res = CliRunner().invoke(main, ["validate", "--family", "dtypes", "--family", "dtypes", "--kernel",
+                                    f"{ROOT / 'tests' / 'mutants.py'}:correct", "--device",
+                                    "cuda" if HAS_CUDA else "cpu", "--no-progress", "--junit", "-"])
+    names = [tc.get("name") for tc in ET.fromstring(res.stdout.split("\n", 1)[1]).iter("testcase")]
+    assert res.exit_code == 0 and names == [c.name for c in build_suite("quick", ["dtypes"])], res.output
+
+
 def test_rejection_is_documented_only_when_the_docstring_says_so():
     import kernel
 
     assert rejection_documented(kernel.variant("seed"), "bfloat16")
     assert not rejection_documented(mutants.rejects_bf16, "bfloat16")
     assert not rejection_documented(kernel.variant("seed"), None)
+
+
+@pytest.mark.parametrize("fn, cls, words", [
+    # outputs on another device (meta: no data) crashed the comparison, a rejected_undocumented verdict
+    (lambda *a, **k: tuple(t.to("meta") for t in mutants.correct(*a, **k)), "wrong_device",
+     "the kernel returned topk_weights and topk_ids on device meta; its inputs are on device"),
+    (lambda *a, **k: (mutants.correct(*a, **k)[0], mutants.correct(*a, **k)[1].to("meta")), "wrong_device",
+     "the kernel returned topk_ids on device meta"),
+    # no pair of tensors was a failed unpacking, reported as a rejection (TypeError, ValueError)
+    (lambda *a, **k: None, "wrong_shape", "the kernel returned NoneType; expected (topk_weights, topk_ids)"),
+    (lambda *a, **k: (*mutants.correct(*a, **k), 1), "wrong_shape", "the kernel returned 3 values"),
+])
+def test_outputs_that_are_not_two_tensors_on_the_inputs_device_fail(execution, fn, cls, words):
+    ties = [c for c in QUICK if c.family == "ties"]
+    result = validate(fn, "odd", execution, cases=ties)
+    assert {c.verdict for c in result.cases} == {"fail"}
+    assert {tuple(c.failure_classes) for c in result.cases} == {(cls,)}
+    assert all(words in c.message for c in result.cases), result.cases[0].message
+
+
+def test_evaluate_refuses_outputs_on_another_device():
+    # bench judges outputs with evaluate(): meta outputs raised NotImplementedError, a "rejected" row
+    from routetool.validate import evaluate
+
+    inp = QUICK[0].build(DEVICE)
+    w, ids = mutants.correct(inp.gating_output, inp.bias, **inp.kwargs())
+    assert evaluate(inp, w, ids, tie_ulps=16)[0] == []
+    assert evaluate(inp, w.to("meta"), ids, tie_ulps=16)[0] == ["wrong_device"]
 
 
 def test_traces_are_validated_layer_by_layer(execution):
