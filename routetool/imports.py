@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
+from routetool.jsonstrict import DuplicateKey, unique_keys
 from routetool.numtext import parse_float, parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
@@ -149,24 +150,6 @@ def _layer_index(value, where: str, key: str, path: Path, spellings: dict[int, t
             raise RouteToolError(f"{where}: {key}={spelled!r} and {first[0]!r} ({first[1]}) name the same layer {layer}",
                                  path=path, fix=f"spell each layer one way in the whole dump (e.g. {layer})")
     return layer
-
-
-class _DuplicateKey(ValueError):
-    """A JSON object with a key twice (json.loads keeps the last value silently)."""
-
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """``object_pairs_hook`` for json.loads: a key given twice in one object is an error."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
 
 
 @dataclass
@@ -541,8 +524,8 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
             if not line:
                 continue
             try:
-                obj = json.loads(line, object_pairs_hook=_unique_keys)
-            except _DuplicateKey as exc:
+                obj = json.loads(line, object_pairs_hook=unique_keys)
+            except DuplicateKey as exc:
                 raise RouteToolError(f"{where}: the key {exc.key!r} appears twice in one object (JSON keeps only the "
                                      "last value)", path=path, fix="write each key once per row") from None
             except json.JSONDecodeError as exc:
@@ -1149,8 +1132,8 @@ def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
         raise RouteToolError(f"line {line}: not UTF-8 text (byte {exc.start + 1} of the file is {data[exc.start]:#04x})",
                              path=path, fix="save it as UTF-8 JSON, or check --format") from None
     try:
-        doc = json.loads(text, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as exc:
+        doc = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
         raise RouteToolError(f"the key {exc.key!r} appears twice in one object (JSON keeps only the last value)",
                              path=path, fix="write each key once per object, with all of its counts") from None
     except json.JSONDecodeError as exc:

@@ -46,6 +46,7 @@ import torch
 
 from routetool.errors import RouteToolError
 from routetool.files import atomic_write
+from routetool.jsonstrict import DuplicateKey, unique_keys
 from routetool.trace import LayerInfo, Step, Trace, TraceMeta
 
 INDEX_FORMAT = "routetool-trace-index"
@@ -154,10 +155,10 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
         raise RouteToolError("is not a regular file (a FIFO, device or socket)", path=shown,
                              fix="name a .safetensors trace or a sharded trace's index .json")
     try:
-        doc = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
+        doc = json.loads(path.read_text(), object_pairs_hook=unique_keys)
     except OSError as exc:
         raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=shown, fix="check permissions") from None
-    except _DuplicateKey as exc:
+    except DuplicateKey as exc:
         raise RouteToolError(f"the key {exc.key!r} appears twice in one object of the index; JSON readers differ on "
                              "which value counts", path=shown, tensor="index",
                              fix="write each key once, as routetool's recorder does") from None
@@ -211,23 +212,6 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
                                  fix="list every shard once")
         seen[key] = i
     return doc
-
-
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """``object_pairs_hook`` for :func:`json.loads`: a dict, refusing a key repeated in one object
-    (:class:`_DuplicateKey`), which :func:`json.loads` would silently resolve to the last value."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
 
 
 def _short(value: object) -> str:

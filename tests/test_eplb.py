@@ -224,6 +224,15 @@ def test_bad_placement_files(tmp_path, doc, layers, words):
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
+def test_placement_with_a_key_twice_is_refused(tmp_path):
+    # json.loads kept the last value: the file's author may have meant the first
+    path = tmp_path / "p.json"
+    path.write_text('{"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 2, "num_gpus": 4}')
+    with pytest.raises(RouteToolError, match="the key 'num_gpus' appears twice in one object") as info:
+        load_placement(path, 4, [0])
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
 def test_placement_file_not_json(tmp_path):
     path = tmp_path / "p.json"
     path.write_bytes(b"\xff\xfe{")

@@ -14,6 +14,7 @@ from routetool.capture.hf import (  # noqa: E402
     build_model,
     capture_hf,
     encode_text,
+    load_config,
     prompt_batch,
     router_config_for,
     small_config,
@@ -204,6 +205,15 @@ def test_config_type_errors_are_one_line():
     with pytest.raises(RouteToolError) as info:
         small_config("mixtral", num_local_experts="x")
     assert "\n" not in str(info.value) and "num_local_experts" in str(info.value)
+
+
+def test_config_file_with_a_key_twice_is_refused(tmp_path):
+    # json.loads kept the last value silently
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "mixtral", "num_local_experts": 8, "num_local_experts": 4}')
+    with pytest.raises(RouteToolError, match="the key 'num_local_experts' appears twice in one object") as info:
+        load_config(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_bad_seed_and_std_are_refused():

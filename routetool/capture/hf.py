@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
+from routetool.jsonstrict import DuplicateKey, unique_keys
 from routetool.trace import (
     WEIGHTS_SEMANTICS,
     LayerArrays,
@@ -373,7 +374,8 @@ def load_config(path: str | Path, **overrides):
     """A transformers config from a ``config.json`` file (or a folder holding one).
 
     Raises:
-        RouteToolError: missing/unreadable file, not JSON, no ``model_type``, or a model
+        RouteToolError: missing/unreadable file, not JSON (or a key given twice in one
+            object), no ``model_type``, or a model
             type transformers does not know.
     """
     transformers = require_transformers()
@@ -382,7 +384,10 @@ def load_config(path: str | Path, **overrides):
     if not file.is_file():
         raise RouteToolError("no such config file", path=file, fix="name a config.json or a folder holding one")
     try:
-        fields = json.loads(file.read_text())
+        fields = json.loads(file.read_text(), object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise RouteToolError(f"the key {exc.key!r} appears twice in one object; JSON readers differ on which value "
+                             "counts", path=file, fix="write each key once in the config") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RouteToolError(f"not a readable JSON config ({exc})", path=file,
                              fix="name a transformers config.json") from None
