@@ -168,6 +168,7 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     from routetool.report import render_validate, validate_json, validate_junit, write_json, write_text
     from routetool.suite import build_suite
     from routetool.trace import open_trace
+    from routetool.validate import trace_labels
     from routetool.validate import validate as run_validate
 
     if json_path == "-" and junit_path == "-":
@@ -181,6 +182,7 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
         raise RouteToolError(str(exc), fix="see `routetool validate --help`") from None
     for t in traces:  # bad traces fail before any work
         open_trace(t).close()
+    trace_labels(traces)  # one file given twice fails before any work too
     execution = select_execution(device)
     with kernel_stdout("-" in (json_path, junit_path)):  # a kernel's print() must not mix into the document
         name, fn = load_kernel(kernel_spec)

@@ -25,6 +25,7 @@ eager calls and through a captured CUDA graph [stale_output].
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -327,8 +328,11 @@ def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float
 
 
 def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, *,
-                   tie_ulps: float) -> list[CaseResult]:
+                   tie_ulps: float, label: str | None = None) -> list[CaseResult]:
     """One case per layer of a trace, judged by a replay (no latency).
+
+    ``label``: the family is ``trace:LABEL`` (default: the trace's file name; see
+    :func:`trace_labels` for several traces).
 
     Raises:
         RouteToolError: the trace cannot be read (bad input, not a verdict).
@@ -337,7 +341,7 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
     from routetool.trace import open_trace
 
     with open_trace(path) as trace:
-        family = f"trace:{trace.display_path.name}"
+        family = f"trace:{label or trace.display_path.name}"
         start = time.perf_counter()
         try:
             result = replay_trace(trace, kernel_name, fn, execution, tie_ulps=tie_ulps, measure_latency=False)
@@ -383,6 +387,25 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
         return out
 
 
+def trace_labels(traces: Sequence) -> list[str]:
+    """A family label per trace: its file name, or the path as given where two traces share a
+    file name (``a/t.safetensors`` and ``b/t.safetensors``), so that case names stay unique.
+
+    Raises:
+        RouteToolError: one file is given twice (the same file after resolving links and
+            ``..``): its cases would be run and reported twice under one name.
+    """
+    seen: dict[Path, str] = {}
+    for t in traces:
+        key = Path(t).resolve()
+        if key in seen:
+            raise RouteToolError(f"the trace is given twice ({seen[key]} and {t})", path=t,
+                                 fix="name each trace once")
+        seen[key] = str(t)
+    names = [Path(t).name for t in traces]
+    return [n if names.count(n) == 1 else str(t) for n, t in zip(names, traces)]
+
+
 def validate(
     fn: RoutingFn,
     kernel_name: str,
@@ -397,15 +420,15 @@ def validate(
     """Run ``fn`` on ``cases`` and on every trace; return every verdict.
 
     Raises:
-        RouteToolError: a trace cannot be read.
+        RouteToolError: a trace cannot be read, or one is given twice (:func:`trace_labels`).
     """
     results = []
     for case in cases:
         results.append(run_case(case, fn, execution, tie_ulps=tie_ulps))
         if progress is not None:
             progress(case.name)
-    for path in traces:
-        results.extend(validate_trace(path, fn, kernel_name, execution, tie_ulps=tie_ulps))
+    for path, label in zip(traces, trace_labels(traces)):
+        results.extend(validate_trace(path, fn, kernel_name, execution, tie_ulps=tie_ulps, label=label))
         if progress is not None:
             progress(str(path))
     return ValidateResult(kernel=kernel_name, execution=execution, suite=suite, tie_ulps=tie_ulps, cases=results)

@@ -237,3 +237,28 @@ def test_cli_junit_of_a_trace_whose_name_holds_control_characters(tmp_path):
     assert res.exit_code == 1, res.output
     failure = ET.parse(xml).getroot().find(".//failure")
     assert failure.get("type") == "crash" and r"(RuntimeError: bad \x00 \x1b[31mred \udc80 end)" in failure.get("message")
+
+
+def test_cli_one_trace_twice_is_refused_and_same_names_stay_apart(tmp_path):
+    # the same trace twice ran (and reported) every case twice under one name; two traces with
+    # one file name in different folders shared their case names
+    import torch
+    from helpers import make_trace
+
+    from routetool.trace import LayerArrays
+
+    g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = make_trace(tmp_path / "a" / "t.safetensors", {0: LayerArrays(gating_output=g)})
+    b = make_trace(tmp_path / "b" / "t.safetensors", {0: LayerArrays(gating_output=g)})
+    res = CliRunner().invoke(main, ["validate", str(a), str(tmp_path / "b" / ".." / "a" / "t.safetensors"),
+                                    "--suite", "none", "--device", DEVICE.type, "--no-progress"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "the trace is given twice" in res.output and "(name each trace once)" in res.output
+    out = tmp_path / "v.json"
+    res = CliRunner().invoke(main, ["validate", str(a), str(b), "--suite", "none", "--device", DEVICE.type,
+                                    "--json", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    names = [c["name"] for c in json.loads(out.read_text())["cases"]]
+    assert len(names) == len(set(names)) == 2 and all(str(tmp_path) in n for n in names)
