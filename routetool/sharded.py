@@ -140,7 +140,8 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
     Raises:
         RouteToolError: missing, unreadable or non-regular file, not JSON, a key repeated in
             one object, another format, a ``version`` that is not the string ``"1"``,
-            ``complete`` present but not a JSON boolean, ``shards`` not a non-empty
+            ``complete`` present but not a JSON boolean, ``stopped_by`` neither a string nor
+            null, ``shards`` not a non-empty
             list, a shard entry without a path, a ``size_bytes`` that is not a non-negative
             integer, a path listed twice.
     """
@@ -183,6 +184,11 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
         raise RouteToolError(f"\"complete\" is {_short(doc['complete'])}, not a JSON boolean", path=shown,
                              tensor="index.complete",
                              fix="write \"complete\": true (the recording ended normally) or false, without quotes")
+    if "stopped_by" in doc and doc["stopped_by"] is not None and not isinstance(doc["stopped_by"], str):
+        raise RouteToolError(f"\"stopped_by\" is {_short(doc['stopped_by'])}, not a string or null", path=shown,
+                             tensor="index.stopped_by",
+                             fix="write how the recording ended as a string (\"exit\", \"max_tokens\", \"error: ...\") "
+                                 "or null")
     shards = doc.get("shards")
     if shards is None:
         raise RouteToolError("the index lists no shards (no \"shards\" key)", path=shown, tensor="index.shards",

@@ -299,7 +299,8 @@ class Trace:
         path: the file. meta: parsed metadata. layers: layer indices, ascending.
 
     Raises:
-        RouteToolError: on open, for a missing or unreadable file, a file that is not
+        RouteToolError: on open, for a missing or unreadable file, a path that is not valid
+            UTF-8 (safetensors opens no other), a file that is not
             safetensors or is truncated, wrong metadata (numbers not written as plain
             decimals included), unknown/missing tensors, a layer index not written in
             canonical ASCII digits (``layers.00``, two names for one layer), wrong shapes or
@@ -315,6 +316,11 @@ class Trace:
             raise RouteToolError("is a directory, not a trace file", path=self.display_path, fix="name a .safetensors trace")
         if not self.path.is_file():
             raise RouteToolError("is not a regular file", path=self.display_path, fix="name a .safetensors trace file")
+        try:
+            os.fsencode(self.path).decode("utf-8")
+        except UnicodeDecodeError:  # safetensors takes UTF-8 paths only, and would call the file corrupt
+            raise RouteToolError("the file's path is not valid UTF-8, which safetensors cannot open",
+                                 path=self.display_path, fix="rename the file (or a folder above it) to a UTF-8 name") from None
         try:
             self._file = safe_open(str(self.path), framework="pt", device="cpu")
         except SafetensorError as exc:

@@ -267,6 +267,23 @@ def test_complete_must_be_a_json_boolean(tmp_path, value):
         assert t.index["complete"] is False
 
 
+@pytest.mark.parametrize("value", [1, True, ["exit"], {"why": "exit"}])
+def test_stopped_by_must_be_a_string_or_null(tmp_path, value):
+    # any JSON value was shown by info and capture as how the recording ended
+    shard = _one_shard(tmp_path)
+    index = tmp_path / "run.json"
+    write_index(index, [{"path": shard.name}], complete=True, stopped_by="exit")
+    doc = json.loads(index.read_text())
+    doc["stopped_by"] = value
+    index.write_text(json.dumps(doc))
+    with pytest.raises(RouteToolError, match=r"run.json: index.stopped_by: \"stopped_by\" is .*, not a string or null"):
+        open_trace(index)
+    doc["stopped_by"] = None
+    index.write_text(json.dumps(doc))
+    with open_trace(index) as t:
+        assert t.index["stopped_by"] is None
+
+
 def test_shards_must_be_a_list(tmp_path):
     index = tmp_path / "run.json"
     index.write_text(json.dumps({"format": "routetool-trace-index", "version": "1", "shards": "x"}))

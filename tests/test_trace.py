@@ -160,5 +160,15 @@ def test_not_safetensors_truncated_missing(tmp_path):
         Trace(tmp_path)
 
 
+def test_a_path_that_is_not_utf8_is_named_as_such(tmp_path):
+    # safetensors opens UTF-8 paths only: a good trace under such a name was called corrupt
+    good = _raw(tmp_path, GOOD)
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9.safetensors")
+    os.rename(good, odd)
+    with pytest.raises(RouteToolError, match=r"path is not valid UTF-8, which safetensors cannot open \(rename") as info:
+        Trace(odd)
+    assert "not a readable safetensors file" not in str(info.value)
+
+
 def test_format_name_is_stable():
     assert FORMAT_NAME == "routetool-trace"
