@@ -248,15 +248,21 @@ def test_a_shard_with_loose_layer_names_or_numbers_is_refused(tmp_path, tensors,
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("value", ["yes", "false", 1, None])
-def test_complete_must_be_a_json_boolean(tmp_path, value):
-    # "complete": "yes" (or "false", a truthy string) was shown by info as a complete recording
+def _index_with(tmp_path, key, value):
+    """A one-shard index written by the recorder, then ``key`` set to ``value``: (path, document)."""
     shard = _one_shard(tmp_path)
     index = tmp_path / "run.json"
     write_index(index, [{"path": shard.name}], complete=True, stopped_by="exit")
     doc = json.loads(index.read_text())
-    doc["complete"] = value
+    doc[key] = value
     index.write_text(json.dumps(doc))
+    return index, doc
+
+
+@pytest.mark.parametrize("value", ["yes", "false", 1, None])
+def test_complete_must_be_a_json_boolean(tmp_path, value):
+    # "complete": "yes" (or "false", a truthy string) was shown by info as a complete recording
+    index, doc = _index_with(tmp_path, "complete", value)
     with pytest.raises(RouteToolError) as info:
         open_trace(index)
     assert str(info.value) == (f"{index}: index.complete: \"complete\" is {json.dumps(value)}, not a JSON boolean "
@@ -270,12 +276,7 @@ def test_complete_must_be_a_json_boolean(tmp_path, value):
 @pytest.mark.parametrize("value", [1, True, ["exit"], {"why": "exit"}])
 def test_stopped_by_must_be_a_string_or_null(tmp_path, value):
     # any JSON value was shown by info and capture as how the recording ended
-    shard = _one_shard(tmp_path)
-    index = tmp_path / "run.json"
-    write_index(index, [{"path": shard.name}], complete=True, stopped_by="exit")
-    doc = json.loads(index.read_text())
-    doc["stopped_by"] = value
-    index.write_text(json.dumps(doc))
+    index, doc = _index_with(tmp_path, "stopped_by", value)
     with pytest.raises(RouteToolError, match=r"run.json: index.stopped_by: \"stopped_by\" is .*, not a string or null"):
         open_trace(index)
     doc["stopped_by"] = None
