@@ -316,6 +316,11 @@ def test_progress_adds_up_to_the_work():
     (dict(padding="fraction:\u0660.\u0661"), r"--padding 'fraction:\u0660.\u0661': .* write 0.1 \(e.g. fraction:0.1\)"),
 ])
 def test_impossible_specs_fail_before_any_work(kw, message, monkeypatch):
+    _refused_before_any_work(kw, message, monkeypatch)
+
+
+def _refused_before_any_work(kw, message, monkeypatch):
+    """``synthesize`` refuses ``small(**kw)`` with ``message`` before drawing anything."""
     import routetool.synth as synth_mod
 
     def no_work(*a, **k):
@@ -356,15 +361,7 @@ def test_impossible_specs_fail_before_any_work(kw, message, monkeypatch):
 ])
 def test_more_tie_or_nonfinite_rows_than_the_layer_has_are_refused(kw, message, monkeypatch):
     # they used to be made silently fewer
-    import routetool.synth as synth_mod
-
-    def no_work(*a, **k):
-        raise AssertionError("the spec must be refused before any logits are drawn")
-
-    monkeypatch.setattr(synth_mod, "_offsets", no_work)
-    monkeypatch.setattr(synth_mod, "_draw", no_work)
-    with pytest.raises(RouteToolError, match=message):
-        synthesize(small(**kw))
+    _refused_before_any_work(kw, message, monkeypatch)
 
 
 def test_every_unpadded_row_can_be_a_tie_row():
