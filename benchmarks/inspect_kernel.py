@@ -33,6 +33,8 @@ ap.add_argument("--ping-pong", type=int, default=None, help="persistent loop ove
 ap.add_argument("--tokens", type=int, default=1, help="num_tokens (specialised as a launch would: divisible by 16 or not)")
 ap.add_argument("--no-padding", action="store_true", help="is_padding=None (a constexpr, as a launch without it)")
 
+ap.add_argument("--const", action="append", default=[], help="NAME=INT: a further constexpr of the kernel "
+                "(an experimental switch), e.g. RCP_FMA_SLICES=4")
 ap.add_argument("--dump", help="write ttgir/ptx/sass-relevant files to this folder")
 a = ap.parse_args()
 
@@ -40,7 +42,8 @@ fn = _routing_kernel if a.algorithm == "scan" else _two_level_kernel
 names = list(fn.arg_names)
 sig = {n: "i32" for n in names}
 sig.update(gating_output_ptr=f"*{a.dtype}", bias_ptr="*fp32", topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
-           is_padding_ptr="*i1", router_output_multiplier="fp32", route_scale="fp32", division_eps="fp32")
+           is_padding_ptr="*i1", router_output_multiplier="fp32", route_scale="fp32", division_eps="fp32",
+           **({"counter_ptr": "*i32"} if "counter_ptr" in names else {}))
 consts = dict(stride_gn=1, stride_bias=1, stride_wk=1, stride_ik=1, stride_pad=1, TOPK=a.topk,
               TOPK_PADDED=triton.next_power_of_2(a.topk), NUM_CHUNKS=padded_num_experts(a.experts) // a.chunk,
               CHUNK=a.chunk, BLOCK_T=a.block_t, NORMALIZATION_MODE=int(a.softmax), HAS_MULTIPLIER=False,
@@ -52,6 +55,9 @@ if a.algorithm == "two_level":
                                                     if a.ping_pong is None else bool(a.ping_pong)),
                   MASK_EXPERTS=a.experts % a.chunk != 0)
     del consts["CHUNK"], consts["TOPK_PADDED"], consts["NUM_CHUNKS"]
+for item in a.const:
+    name, value = item.split("=")
+    consts[name] = int(value)
 if a.no_padding:
     consts.update(is_padding_ptr=None, stride_pad=0)
 for n in fn.do_not_specialize:  # passed as runtime integers by a launch, not as the constant 1

@@ -22,7 +22,12 @@ ap.add_argument("--chunk", type=int, default=32)
 ap.add_argument("--warps", type=int, default=1)
 ap.add_argument("--per-sm", type=int, default=32)
 ap.add_argument("--calls", type=int, default=5)
+ap.add_argument("--variant", default="", help="comma-separated NAME=INT module switches of kernel.routing (experiments)")
 a = ap.parse_args()
+from kernel import routing  # noqa: E402
+for item in filter(None, a.variant.split(",")):
+    name, value = item.split("=")
+    setattr(routing, name, int(value))
 dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
 x = (torch.randn(a.tokens, a.experts, device="cuda") * 2).to(dtype)
 bias = torch.randn(a.experts, device="cuda") * 0.05

@@ -96,12 +96,14 @@ def two_level_configs(E, K, per_sm_values=PER_SM, register_limits=MAX_REGISTERS,
     e_pad = padded_num_experts(E)
     if launches is None:
         launches = [(1, per_sm, regs) for per_sm in per_sm_values for regs in register_limits]
+    launches = [tuple(launch) + (0,) * (4 - len(launch)) for launch in launches]
     out = []
     for chunk in (32, 64):
         if K <= chunk <= e_pad:
-            for nw, per_sm, regs in launches:
+            for nw, per_sm, regs, dynamic in launches:
                 out.append(LaunchConfig(block_t=nw, chunk=chunk, num_warps=nw, algorithm="two_level",
-                                        programs_per_sm=per_sm, max_registers=regs))
+                                        programs_per_sm=per_sm, max_registers=regs,
+                                        dynamic_tiles=bool(dynamic) and per_sm > 0))
     return out
 
 
@@ -116,10 +118,19 @@ def main():
     ap.add_argument("--per-sm", default=None, help="comma-separated programs_per_sm for --two-level")
     ap.add_argument("--max-registers", default=None, help="comma-separated max_registers for --two-level")
     ap.add_argument("--launches", default=None,
-                    help="comma-separated num_warps:programs_per_sm:max_registers for --two-level "
+                    help="comma-separated num_warps:programs_per_sm:max_registers[:dynamic_tiles 0|1] for --two-level "
                          "(instead of --per-sm x --max-registers with one warp per program)")
     ap.add_argument("--experts", default=None, help="comma-separated E:dtype shapes for --two-level, e.g. 256:fp32,384:fp32")
+    ap.add_argument("--variant", default="",
+                    help="comma-separated NAME=INT module switches of kernel.routing to set first (experiments, "
+                         "e.g. RCP_FMA_SLICES=4); recorded in the CSV's variant column")
     args = ap.parse_args()
+    from kernel import routing
+    for item in filter(None, args.variant.split(",")):
+        name, value = item.split("=")
+        if not hasattr(routing, name):
+            sys.exit(f"kernel.routing has no switch {name}")
+        setattr(routing, name, int(value))
     props = torch.cuda.get_device_properties(0)
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -159,13 +170,14 @@ def main():
         for name, cfg in cands:
             fn = fused_musespark1x_routing_seed if name == "seed" else fused_musespark1x_routing
             kw = {} if cfg is None else {"config": cfg}
-            ok = check(fn, xs[0][: min(T, 16384)], bias, K, **kw)  # long enough for the persistent loop
+            ok = check(fn, xs[0], bias, K, **kw)  # the whole shape: the persistent loop and its tile claims
             p10, p50, p90 = time_fn(fn, xs, bias, T, K, **kw) if ok else (float("nan"),) * 3
-            row = dict(variant=name, num_tokens=T, num_experts=E, topk=K, dtype=str(dtype).removeprefix("torch."),
+            row = dict(variant=name + (f"[{args.variant}]" if args.variant and name == "tiled" else ""), num_tokens=T, num_experts=E, topk=K, dtype=str(dtype).removeprefix("torch."),
                        block_t=cfg.block_t if cfg else "", chunk=cfg.chunk if cfg else "",
                        num_warps=cfg.num_warps if cfg else "", algorithm=cfg.algorithm if cfg else "",
                        programs_per_sm=cfg.programs_per_sm if cfg else "",
-                       max_registers=cfg.max_registers if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
+                       max_registers=cfg.max_registers if cfg else "",
+                       dynamic_tiles=cfg.dynamic_tiles if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
                        floor_us=floor_us, is_default=cfg == default_config(T, E, dtype, topk=K) if cfg else "")
             rows.append(row)
             if ok and name == "tiled" and (best is None or p50 < best["p50_us"]):
@@ -175,7 +187,7 @@ def main():
         seed = next((r for r in rows[-len(cands):] if r["variant"] == "seed"), None)
         print(f"T={T:>6} E={E} {str(dtype)[6:]:>8}: best {best['p50_us']:.2f}us "
               f"(bt={best['block_t']} chunk={best['chunk']} w={best['num_warps']} {best['algorithm']} "
-              f"per_sm={best['programs_per_sm']} regs={best['max_registers']}), "
+              f"per_sm={best['programs_per_sm']} regs={best['max_registers']} dynamic={best['dynamic_tiles']}), "
               f"default {default['p50_us'] if default else float('nan'):.2f}us, "
               f"seed {seed['p50_us'] if seed else float('nan'):.2f}us, floor {floor_us:.2f}us  [{time.time() - t0:.0f}s]",
               flush=True)

@@ -27,7 +27,9 @@ exact top-k unless a column holds three of the picks (the third-best scores dete
 two heads hold equal keys (more pops than ``topk``); such tiles are redone by repeated
 argmax over the logits still in registers. Each expert is touched a constant number of
 times instead of ``topk`` times; a persistent grid loads each token's logits one token
-ahead. Measurements of both: benchmarks/NOTES.md.
+ahead and, with many tokens per program, claims tokens from self-resetting atomic counters
+(:func:`tile_counters`) so that all programs end together. Measurements of both:
+benchmarks/NOTES.md.
 
 Semantics are the seed's (see :mod:`kernel.reference`, which defines them, including the
 rule for non-finite input). Differences from the seed kernel, and why:
@@ -104,6 +106,25 @@ def _sigmoid(x, FAST_MATH: tl.constexpr):
                                       dtype=tl.float32, is_pure=True, pack=1)
         return r * _TWO_M64
     return tl.sigmoid(tl.where(x != x, -float("inf"), x))
+
+
+@triton.jit
+def _claim_tile(counter_ptr, want):
+    """If ``want``, lane 0 adds 1 to ``*counter_ptr`` (relaxed, device scope); a ``[1]`` int32 tensor holding the
+    old value in lane 0 (``2**28`` without a claim). Nothing waits for the atomic until :func:`_claimed` reads it."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p, w; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; setp.ne.u32 w, $2, 0; "
+        "and.pred p, p, w; mov.u32 $0, 0x10000000; @p atom.global.gpu.relaxed.add.u32 $0, [$1], 1; }",
+        "=r,l,r", [counter_ptr + tl.zeros([1], tl.int32), want.to(tl.int32) + tl.zeros([1], tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _claimed(claim):
+    """The value :func:`_claim_tile` returned, as a scalar (broadcast from lane 0)."""
+    v = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r", [claim],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    return tl.max(v, axis=0)
 
 
 @triton.jit
@@ -594,6 +615,9 @@ def _two_level_kernel(
     FAST_MATH: tl.constexpr,
     PERSISTENT: tl.constexpr,
     PING_PONG: tl.constexpr,  # persistent loop over two tiles per iteration (see below)
+    counter_ptr=None,  # DYNAMIC: TILE_GROUPS * 32 int32 (tile_counters), zero at launch and left zero
+    DYNAMIC: tl.constexpr = False,  # PING_PONG loop claiming tiles from the counters (see below)
+    TILE_GROUPS: tl.constexpr = 16,
 ):
     """Two-level algorithm over tiles of ``BLOCK_T`` tokens.
 
@@ -603,7 +627,11 @@ def _two_level_kernel(
     work on this one. With ``PING_PONG`` the loop takes two tiles per iteration, alternating
     between two register sets, so no logits are copied between iterations (chosen while a
     thread holds at most :data:`PING_PONG_MAX_SLICES` logit slices: beyond that the second
-    set costs more registers, and resident programs, than the copies).
+    set costs more registers, and resident programs, than the copies). With ``DYNAMIC``
+    (and ``PING_PONG``) a program takes two tiles by index and then claims pairs of tiles
+    from ``counter_ptr``: the static split left SMs idle for 13% of the kernel and 24 of 32
+    warps resident on average (the programs launched last ended last; Nsight Compute,
+    benchmarks/NOTES.md), the claimed one 29 of 32.
 
     Expert ``e`` of a row sits in column ``e % WIDTH`` of slice ``e // WIDTH``. Slices are
     streamed once; each column keeps its two best (score, expert) entries in order and the
@@ -623,7 +651,57 @@ def _two_level_kernel(
         num_tiles = tl.cdiv(num_tokens, BLOCK_T)
         xs = _load_slices(gating_output_ptr, pid, num_tokens, num_experts, stride_gm, stride_gn, WIDTH, NUM_SLICES,
                           MASK_EXPERTS, BLOCK_T)
-        if PING_PONG:
+        if DYNAMIC:
+            # Programs fall in TILE_GROUPS groups (pid % TILE_GROUPS), group g owning the tiles
+            # g + TILE_GROUPS * j. A program's first two tiles are static (j = q and q + P, for its
+            # index q among the P programs of its group); later pairs j = 2 P + 2 c, + 1 come from its
+            # group's counter (c = claim), each claim issued a pair ahead of its use. So programs that
+            # started early or met easy tiles take more, and all end together; one counter per group
+            # keeps the atomics on one address few.
+            G = tl.num_programs(0)
+            g = pid % TILE_GROUPS
+            q = pid // TILE_GROUPS
+            P = (G - g + TILE_GROUPS - 1) // TILE_GROUPS
+            T = (num_tiles - g + TILE_GROUPS - 1) // TILE_GROUPS
+            group_ptr = counter_ptr + g * 32  # one 128-byte line per group
+            # Each program claims until one claim fails (returns no pair), so a launch makes exactly
+            # D + P claims in a group (D: its dynamic pairs); the program whose claim returns the last
+            # value, D + P - 1, knows every other claim is done and sets the counter back to 0 for the
+            # next launch.
+            D = (tl.maximum(T - 2 * P, 0) + 1) // 2
+            a_j = q
+            b_j = q + P
+            claim = _claim_tile(group_ptr, q >= 0)
+            while a_j < T:
+                ys = _load_slices(gating_output_ptr, g + TILE_GROUPS * b_j, num_tokens, num_experts, stride_gm,
+                                  stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                _two_level_tile(
+                    g + TILE_GROUPS * a_j, xs, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr,
+                    is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
+                    stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
+                    NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                    FAST_MATH,
+                )
+                c = _claimed(claim)
+                tl.atomic_xchg(group_ptr, 0, mask=c == D + P - 1, sem="relaxed")
+                a_j = 2 * P + 2 * c
+                xs = _load_slices(gating_output_ptr, g + TILE_GROUPS * a_j, num_tokens, num_experts, stride_gm,
+                                  stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                if b_j < T:
+                    _two_level_tile(
+                        g + TILE_GROUPS * b_j, ys, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr,
+                        is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk,
+                        stride_im, stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK,
+                        WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                        FAST_MATH,
+                    )
+                b_j = a_j + 1
+                claim = _claim_tile(group_ptr, a_j < T)
+            # A program whose first tile lies past its group's end never read its claim, which may be
+            # the group's last (a persistent grid has fewer programs than tiles, so none does; the
+            # count must close all the same).
+            tl.atomic_xchg(group_ptr, 0, mask=(q >= T) & (_claimed(claim) == D + P - 1), sem="relaxed")
+        elif PING_PONG:
             # Two tiles per iteration, in two register sets: each set is refilled once its tile
             # is done, so nothing is copied between iterations (twice the code, and the registers
             # of two register sets of logits live at once).
@@ -691,6 +769,13 @@ class LaunchConfig:
             streaming multiprocessor (0: one program per ``block_t`` tokens).
         max_registers: registers per thread the compiler may use (``maxnreg``; 0: its
             choice). Fewer registers let more programs reside on an SM.
+        dynamic_tiles: ``"two_level"`` on a persistent grid only: each program takes its first
+            two tiles by index and claims the rest, two at a time, from atomic counters
+            (:func:`_two_level_kernel`), so that programs that started early or met easy tiles
+            take more and all end together. Applies where the persistent loop holds two
+            tiles (:data:`PING_PONG_MAX_SLICES`), programs average at least
+            :data:`DYNAMIC_TILES_FROM` tiles, and the launch has its stream's counters (see
+            :func:`tile_counters`); elsewhere the launch takes every grid-th tile.
     """
 
     block_t: int
@@ -699,9 +784,57 @@ class LaunchConfig:
     algorithm: str = "scan"
     programs_per_sm: int = 0
     max_registers: int = 0
+    dynamic_tiles: bool = False
 
 
 ALGORITHMS = ("scan", "two_level")
+
+TILE_GROUPS = 16
+"""Groups of a dynamic-tile launch (program ``p`` in group ``p % TILE_GROUPS``), each with its own
+counter: one counter for all programs serialised the claims (one atomic on one address per
+nanosecond or so: 72 us for 65536 one-token tiles, against 34 us of work)."""
+
+DYNAMIC_TILES_FROM = 8
+"""Fewest tiles per program (on average) for which a launch claims tiles dynamically. On an
+H200 (4224 programs): at 16384 tokens (3.9 per program) the static loop was faster (10.6
+against 11.4 us at E=256), at 32768 (7.8) the two were within 1% at E=256 and claiming lost
+4% at E=128, from 49152 (11.6) claiming won (24.7 against 26.0 us; 31.1 against 34.0 at 65536)."""
+
+_TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, allocate: bool = True) -> torch.Tensor | None:
+    """The atomic tile counters of dynamic-tile launches on ``device``'s current stream.
+
+    ``[TILE_GROUPS * 32]`` int32 (one 128-byte line per group), zero between launches: every
+    launch leaves them as it found them. Launches on one stream run one after another and
+    share them; each stream has its own, so launches on different streams may overlap. A
+    CUDA graph keeps the counters of the stream it was captured on, so two graphs captured
+    on one stream must not be replayed at the same time on different streams (give one of
+    them a config with ``dynamic_tiles=False``). Allocating a stream's counters also
+    allocates those of the stream that ``torch.cuda.graph`` captures on by default, so a
+    graph captured after an eager call finds them.
+
+    Args:
+        device: a CUDA device.
+        allocate: allocate (zeroed) if the stream has none yet; ``False`` returns ``None``
+            instead (while a CUDA graph is captured: an allocation would come from the
+            graph's private pool, and the launch takes its tiles statically).
+    """
+    stream = torch.cuda.current_stream(device)
+    key = (stream.device.index, stream.cuda_stream)
+    if key not in _TILE_COUNTERS:
+        if not allocate:
+            return None
+        _TILE_COUNTERS[key] = torch.zeros(TILE_GROUPS * 32, dtype=torch.int32, device=stream.device)
+        if torch.cuda.graph.default_capture_stream is None:  # (as torch.cuda.graph creates it on first use)
+            torch.cuda.graph.default_capture_stream = torch.cuda.Stream(device=stream.device)
+        capture = torch.cuda.graph.default_capture_stream
+        capture_key = (capture.device.index, capture.cuda_stream)
+        if capture.device == stream.device and capture_key not in _TILE_COUNTERS:
+            _TILE_COUNTERS[capture_key] = torch.zeros(TILE_GROUPS * 32, dtype=torch.int32, device=stream.device)
+    return _TILE_COUNTERS[key]
+
 
 PING_PONG_MAX_SLICES = 8
 """Most logit slices per thread for the two-level persistent loop's two register sets (256
@@ -737,8 +870,9 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
       above :data:`PERSISTENT_FROM` tokens on a persistent grid of 32 programs per SM (the
       most one-warp programs an SM holds; up to 256 experts the kernel needs at most 64
       registers, so all 32 reside), 28 for 257-384 experts (72 registers: 28 reside); it
-      touches each expert a constant number of times instead of ``topk`` times. Scan with
-      8 tokens over 4 warps when ``topk`` > :data:`TWO_LEVEL_MAX_TOPK`.
+      touches each expert a constant number of times instead of ``topk`` times; the
+      persistent grid claims tiles dynamically (``dynamic_tiles``, where it applies). Scan
+      with 8 tokens over 4 warps when ``topk`` > :data:`TWO_LEVEL_MAX_TOPK`.
 
     Under the Triton interpreter (CPU tensors) each program costs Python overhead, so
     programs take up to 128 rows of the scan algorithm instead.
@@ -754,7 +888,8 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     if topk <= TWO_LEVEL_MAX_TOPK:
         width = max(min(e_pad, 32), triton.next_power_of_2(topk))
         per_sm = 0 if num_tokens <= PERSISTENT_FROM else 28 if 256 < num_experts <= 384 else 32
-        return LaunchConfig(block_t=1, chunk=width, num_warps=1, algorithm="two_level", programs_per_sm=per_sm)
+        return LaunchConfig(block_t=1, chunk=width, num_warps=1, algorithm="two_level", programs_per_sm=per_sm,
+                            dynamic_tiles=per_sm > 0)
     return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)
 
 
@@ -769,7 +904,8 @@ def check_launch_config(config: LaunchConfig, num_experts: int, topk: int) -> No
     ``chunk`` and ``num_warps`` powers of two, ``num_warps`` <= 32 (1024 threads), ``chunk``
     <= the padded expert count, ``block_t`` * padded experts <= :data:`MAX_TILE_ELEMENTS`;
     for ``two_level`` ``topk`` <= ``chunk``; ``programs_per_sm`` >= 0; ``max_registers`` 0
-    or in [24, 255].
+    or in [24, 255]; ``dynamic_tiles`` a bool, true only for ``two_level`` with
+    ``programs_per_sm`` > 0.
     """
     if not isinstance(config, LaunchConfig):
         raise ValueError(f"config must be a kernel.LaunchConfig, got {type(config).__name__}")
@@ -798,6 +934,11 @@ def check_launch_config(config: LaunchConfig, num_experts: int, topk: int) -> No
         raise ValueError(f"launch config programs_per_sm={config.programs_per_sm} must be >= 0")
     if config.max_registers and not 24 <= config.max_registers <= 255:
         raise ValueError(f"launch config max_registers={config.max_registers} must be 0 or in [24, 255]")
+    if not isinstance(config.dynamic_tiles, bool):
+        raise ValueError(f"launch config dynamic_tiles={config.dynamic_tiles!r} must be a bool")
+    if config.dynamic_tiles and (config.algorithm != "two_level" or config.programs_per_sm == 0):
+        raise ValueError("launch config dynamic_tiles=True needs algorithm='two_level' and programs_per_sm > 0 "
+                         "(a persistent grid)")
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -918,9 +1059,16 @@ def fused_musespark1x_routing(
             grid = min(num_tiles, config.programs_per_sm * _sm_count(gating_output.device))
         num_slices = triton.cdiv(launch.num_experts, config.chunk)
         persistent = grid < num_tiles
+        ping_pong = persistent and num_slices * config.block_t <= PING_PONG_MAX_SLICES * config.num_warps
+        dynamic = {}
+        if config.dynamic_tiles and ping_pong and not _INTERPRETED and num_tiles >= DYNAMIC_TILES_FROM * grid:
+            counters = tile_counters(gating_output.device,
+                                     allocate=not torch.cuda.is_current_stream_capturing())
+            if counters is not None:
+                dynamic = dict(counter_ptr=counters, DYNAMIC=True, TILE_GROUPS=TILE_GROUPS)
         _two_level_kernel[(grid,)](
             *args, triton.cdiv(num_tiles, grid), WIDTH=config.chunk, NUM_SLICES=num_slices,
             MASK_EXPERTS=num_slices * config.chunk != launch.num_experts, PERSISTENT=persistent,
-            PING_PONG=persistent and num_slices * config.block_t <= PING_PONG_MAX_SLICES * config.num_warps, **common,
+            PING_PONG=ping_pong, **dynamic, **common,
         )
     return weights, ids

@@ -113,6 +113,86 @@ def test_two_level_persistent_matches_reference(T, E, K, dtype, block_t, num_war
         assert not cmp.weight_over_tol.any()
 
 
+DYNAMIC = [
+    # (num_tokens, num_experts, topk, dtype, programs_per_sm, options): claimed tiles over ragged groups,
+    # expert counts off the columns, padding, softmax, multiplier, eps
+    (65536, 256, 8, torch.float32, 32, {}),
+    (40001, 128, 8, torch.bfloat16, 32, dict(router_score_normalization="softmax")),
+    (9000, 200, 6, torch.float16, 4, dict(router_output_multiplier=1.7, router_score_division_eps=1e-3)),
+    (5000, 60, 4, torch.float32, 1, {}),
+    (4097, 256, 1, torch.float32, 31, {}),  # 4097 tiles over 4092 programs: no pair left to claim
+]
+
+
+@pytest.mark.parametrize("T,E,K,dtype,per_sm,options", DYNAMIC)
+def test_dynamic_tiles_match_reference_and_leave_counters_zero(T, E, K, dtype, per_sm, options, monkeypatch):
+    from kernel import LaunchConfig, fused_musespark1x_routing, routing
+
+    monkeypatch.setattr(routing, "DYNAMIC_TILES_FROM", 1)  # claimed tiles at every size
+    g = torch.Generator(device="cuda").manual_seed(T + E + K)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.05
+    config = LaunchConfig(block_t=1, chunk=32, num_warps=1, algorithm="two_level", programs_per_sm=per_sm,
+                          dynamic_tiles=True)
+    for rep in range(3):  # back to back: each launch must find the counters at zero
+        logits = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
+        pad = torch.rand(T, device="cuda", generator=g) < 0.05
+        w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad, config=config, **options)
+        assert_routing_invariants(w, ids, E, K, 2.5, is_padding=pad, eps=options.get("router_score_division_eps"))
+        classes, cmp = _classes(w, ids, logits, bias, K, 2.5, pad, **options)
+        assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, (rep, classes)
+        assert not cmp.weight_over_tol.any()
+        assert not routing.tile_counters(logits.device).any()
+
+
+def test_dynamic_tiles_in_cuda_graph_replays():
+    from kernel import default_config, fused_musespark1x_routing, routing
+
+    E, K = 256, 8
+    sizes = (65536, 50000, 65536)
+    assert all(default_config(T, E, torch.float32).dynamic_tiles for T in sizes)
+    bias = torch.randn(E, device="cuda") * 0.05
+    xs = [torch.randn((T, E), device="cuda") * 2 for T in sizes]
+    outs = [(torch.empty((T, K), device="cuda"), torch.empty((T, K), dtype=torch.int32, device="cuda")) for T in sizes]
+    for x, (w, ids) in zip(xs, outs):  # (eager first: the stream's counters exist before the capture)
+        fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, (w, ids) in zip(xs, outs):
+            fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)
+    for rep in range(3):
+        for x, (w, ids) in zip(xs, outs):
+            x.normal_().mul_(2)
+            ids.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, (w, ids) in zip(xs, outs):
+            classes, cmp = _classes(w, ids, x, bias, K, 2.5)
+            assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, (rep, classes)
+    capture = torch.cuda.graph.default_capture_stream
+    assert (capture.device.index, capture.cuda_stream) in routing._TILE_COUNTERS  # the graph claimed its tiles
+    assert not any(c.any() for c in routing._TILE_COUNTERS.values())
+
+
+def test_dynamic_tiles_without_counters_during_capture_fall_back_to_static():
+    from kernel import fused_musespark1x_routing, routing
+
+    T, E, K = 65536, 256, 8
+    x = torch.randn((T, E), device="cuda")
+    bias = torch.zeros(E, device="cuda")
+    w = torch.empty((T, K), device="cuda")
+    ids = torch.empty((T, K), dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):  # a fresh stream: no counters, and none may be allocated now
+        fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)
+    assert (stream.device.index, stream.cuda_stream) not in routing._TILE_COUNTERS
+    graph.replay()
+    torch.cuda.synchronize()
+    classes, _ = _classes(w, ids, x, bias, K, 2.5)
+    assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, classes
+
+
 def test_two_level_cuda_graph_sees_new_padding_and_bias():
     from kernel import default_config, fused_musespark1x_routing
 

@@ -315,7 +315,8 @@ def test_default_config_by_shape():
     dec = default_config(64, 256, torch.float32)
     assert dec.algorithm == "scan" and dec.block_t == 1
     pre = default_config(65536, 256, torch.bfloat16)
-    assert pre.algorithm == "two_level" and pre.chunk == 32 and pre.programs_per_sm > 0
+    assert pre.algorithm == "two_level" and pre.chunk == 32 and pre.programs_per_sm > 0 and pre.dynamic_tiles
+    assert not default_config(3000, 256, torch.float32).dynamic_tiles  # one program per tile: nothing to claim
     assert default_config(65536, 384, torch.float32).chunk == 32
     assert default_config(65536, 512, torch.float32).chunk == 32
     assert default_config(65536, 512, torch.float32, topk=20).chunk == 32
@@ -335,6 +336,9 @@ def test_default_config_by_shape():
     (dict(programs_per_sm=None), "programs_per_sm=None must be an int"),
     (dict(programs_per_sm=1.5), "programs_per_sm=1.5 must be an int"),
     (dict(block_t=0), "block_t=0 must be a power of two"),
+    (dict(dynamic_tiles=1), "dynamic_tiles=1 must be a bool"),
+    (dict(dynamic_tiles=True), "dynamic_tiles=True needs algorithm='two_level' and programs_per_sm > 0"),
+    (dict(algorithm="two_level", dynamic_tiles=True), "dynamic_tiles=True needs"),
 ])
 @pytest.mark.parametrize("num_tokens", [2, 0])
 def test_launch_config_errors(bad, message, num_tokens):
