@@ -45,6 +45,19 @@ from routetool.jsonstrict import DuplicateKey, unique_keys
 
 PLACEMENT_SCHEMA = "routetool.placement/1"
 POLICIES = ("auto", "hierarchical", "global")
+MAX_REDUNDANT_PER_EXPERT = 3
+"""At most this many redundant experts per logical expert (``R <= 3 E``, ``P <= 4 E`` slots).
+
+Every redundant slot holds a full copy of an expert's weights, so deployments replicate a
+fraction of the experts (DeepSeek-V3: 32 redundant for 256 experts; the vLLM and SGLang
+examples likewise); at ``R = E`` in-sample balancedness is already 1.0 on real traffic. The
+bound keeps a typo (``--redundant 100000000``) from running for hours: replication gives
+the slots out one at a time, so the cost grows with ``R``."""
+
+
+def max_redundant(num_experts: int) -> int:
+    """The most redundant experts EPLB accepts for ``num_experts`` logical experts."""
+    return MAX_REDUNDANT_PER_EXPERT * num_experts
 
 
 # ---------------------------------------------------------------------------------------
@@ -309,10 +322,17 @@ def check_eplb_config(num_experts: int, num_redundant: int, num_groups: int, num
         ``"hierarchical"`` or ``"global"``.
 
     Raises:
-        RouteToolError: an impossible combination, with the constraint that fails.
+        RouteToolError: more than :func:`max_redundant` redundant experts (checked first, so
+            a huge count fails at once); an impossible combination, with the constraint that
+            fails.
     """
     if policy not in POLICIES:
         raise RouteToolError(f"unknown EPLB policy {policy!r}", fix="use auto, hierarchical or global")
+    limit = max_redundant(num_experts)
+    if num_redundant > limit:
+        raise RouteToolError(f"EPLB: --redundant {num_redundant} is over the limit of {limit:,} redundant experts "
+                             f"({MAX_REDUNDANT_PER_EXPERT} per logical expert, {num_experts} experts)",
+                             fix=f"pass --redundant {limit} or fewer; deployments replicate a fraction of the experts")
     P = num_experts + num_redundant
     problems = []
     if num_redundant < 0:
@@ -421,7 +441,8 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     Raises:
         RouteToolError: unreadable file, missing keys, values of the wrong type (ids that are
             not integers, ``num_gpus`` that is not a positive integer ...), a layer without a
-            row, a logical expert with no slot, slots not divisible by the GPUs; one line
+            row, a logical expert with no slot, more than :func:`max_redundant` redundant
+            slots, slots not divisible by the GPUs; one line
             naming the key and the element.
     """
     path = Path(path)
@@ -448,6 +469,12 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     if len({len(r) for r in raw}) != 1:
         raise RouteToolError(f"physical_to_logical_map rows have different lengths ({sorted({len(r) for r in raw})})",
                              path=path, fix=fix_file)
+    limit = max_redundant(num_experts)
+    if len(raw[0]) - num_experts > limit:  # before the per-slot checks, as for --redundant
+        raise RouteToolError(f"physical_to_logical_map has {len(raw[0]):,} slots per layer for {num_experts} experts: "
+                             f"over the limit of {limit:,} redundant experts ({MAX_REDUNDANT_PER_EXPERT} per logical "
+                             "expert)", path=path, fix=f"use a placement with at most {num_experts + limit:,} slots "
+                             "per layer")
     for i, r in enumerate(raw):
         for j, e in enumerate(r):
             if not _is_int(e):

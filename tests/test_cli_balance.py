@@ -105,6 +105,11 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
     (["--ep-size", "3"], "cannot be split evenly over 3 EP ranks"),
     (["--ep-size", "x"], "is not a list of integers"),
     (["--ep-size", "2", "--redundant", "1"], "multiple of the 2 GPUs"),
+    # ran (nearly) forever, one slot at a time; refused before the trace is read
+    (["--ep-size", "2", "--redundant", "100000000"], "EPLB: --redundant 100000000 is over the limit of 12 redundant "
+                                                      "experts (3 per logical expert, 4 experts) (pass --redundant 12 "
+                                                      "or fewer"),
+    (["--gpus", "4", "--redundant", "99999996"], "--redundant 99999996 is over the limit of 12"),
     (["--reference", "--recorded"], "exclude each other"),
     (["--reference"], "ids-only trace"),
     # an explicit --kernel on an ids-only trace was ignored (the recorded ids were used)

@@ -12,6 +12,7 @@ from routetool.eplb import (
     check_eplb_config,
     contiguous_placement,
     load_placement,
+    max_redundant,
     placement_document,
     rebalance_experts,
     replicate_experts,
@@ -168,6 +169,26 @@ def test_impossible_configs_are_route_tool_errors(E, R, G, nodes, groups, policy
         check_eplb_config(E, R, groups, nodes, G, policy)
 
 
+@pytest.mark.parametrize("E, R, G", [
+    (60, 100_000_000, 4),       # a typo: ran for hours, one slot at a time (10^6 took 54 s)
+    (60, 99_999_940, 60),       # passes the divisibility check (10^8 slots over 60 GPUs)
+    (60, 181, 1),               # one over the limit (3 per logical expert)
+])
+def test_redundant_over_the_limit_is_refused_first(E, R, G):
+    with pytest.raises(RouteToolError) as info:
+        check_eplb_config(E, R, 1, 1, G, "auto")
+    assert str(info.value) == (f"EPLB: --redundant {R} is over the limit of 180 redundant experts (3 per logical "
+                               "expert, 60 experts) (pass --redundant 180 or fewer; deployments replicate a "
+                               "fraction of the experts)")
+
+
+def test_redundant_at_the_limit_is_accepted():
+    assert max_redundant(60) == 180
+    assert check_eplb_config(60, 180, 1, 1, 4, "auto") == "global"
+    p = rebalance_experts(torch.tensor([[4.0, 2, 1, 1]]), max_redundant(4), num_gpus=4)
+    assert p.num_physical == 16 and p.logical_count.sum().item() == 16
+
+
 def test_auto_policy_rule():
     assert check_eplb_config(64, 0, 8, 2, 8, "auto") == "hierarchical"
     assert check_eplb_config(64, 0, 8, 1, 8, "auto") == "global"   # one node: the policies coincide
@@ -215,6 +236,10 @@ def test_placement_json_roundtrip(tmp_path):
     ({"physical_to_logical_map": [[0, 1, 2, 3]], "layers": 0, "num_gpus": 2}, [0], "'layers' is"),
     ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 2, "num_nodes": "x"}, [0], "num_nodes is"),
     ({"physical_to_logical_map": [[0, 1, 2, 3]]}, [0], "does not say num_gpus"),
+    # the --redundant limit holds for a file too (3 per logical expert: 4 + 12 = 16 slots)
+    ({"physical_to_logical_map": [[0, 1, 2, 3] * 4 + [0]], "num_gpus": 1}, [0],
+     r"has 17 slots per layer for 4 experts: over the limit of 12 redundant experts \(3 per logical expert\) "
+     r"\(use a placement with at most 16 slots per layer\)"),
 ])
 def test_bad_placement_files(tmp_path, doc, layers, words):
     path = tmp_path / "p.json"
