@@ -33,12 +33,14 @@ def _pyplot():
 
 
 def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
-    """Fail early (before any work): matplotlib missing, ``-`` given, the folder (or, when it
-    does not exist yet, its parent) missing or not writable, a figure already there without
-    ``force``.
+    """Fail early (before any work): matplotlib missing, ``-`` given, the folder or one of its
+    parents not a folder (a file, a dangling link), the folder not creatable or not writable,
+    a figure already there without ``force``.
 
-    Writability is probed: a temporary file is created in the folder (and removed); a
-    missing folder is created and removed again, so nothing is left behind.
+    A missing folder and its missing parents are created when the figures are written
+    (``mkdir -p``). Writability is probed: the missing folders are created, a temporary file
+    is created in the folder (and removed), and the folders created are removed again, so
+    nothing is left behind.
 
     Raises:
         RouteToolError: with the fix.
@@ -50,24 +52,36 @@ def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise RouteToolError("is not a folder", path=folder, fix="name a folder for the figures")
-    parent = folder.parent if str(folder.parent) else Path(".")
-    if not folder.exists() and not parent.is_dir():
-        raise RouteToolError("folder does not exist", path=parent, fix="create it first")
-    created = False
+    missing = []  # the folders to create, innermost first
+    existing = folder
+    while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
+        missing.append(existing)
+        existing = existing.parent
+    if missing and not existing.is_dir():
+        raise RouteToolError(f"is not a folder, so --plot {folder} cannot be created in it", path=existing,
+                             fix="choose another folder for --plot")
+    created = []
     try:
-        if not folder.exists():
-            folder.mkdir()
-            created = True
-        fd, probe = tempfile.mkstemp(prefix=".routetool-plot.", suffix=".probe", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise RouteToolError(f"cannot write figures here ({exc.strerror or exc})", path=folder,
-                             fix="choose a writable folder for --plot") from None
-    finally:
-        if created:
+        for d in reversed(missing):
+            if d.exists():  # (a path through '..' may reach a folder already made)
+                continue
             try:
-                folder.rmdir()
+                d.mkdir()
+            except OSError as exc:
+                raise RouteToolError(f"cannot create the folder ({exc.strerror or exc})", path=d,
+                                     fix="choose a writable folder for --plot") from None
+            created.append(d)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".routetool-plot.", suffix=".probe", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise RouteToolError(f"cannot write figures here ({exc.strerror or exc})", path=folder,
+                                 fix="choose a writable folder for --plot") from None
+    finally:
+        for d in reversed(created):
+            try:
+                d.rmdir()
             except OSError:
                 pass
     for name in FIGURES:
@@ -102,7 +116,7 @@ def _save(fig, path: Path, plt) -> None:
 
 
 def write_balance_plots(result: BalanceResult, folder: str | os.PathLike, *, force: bool = False) -> list[Path]:
-    """Write the figures of ``result`` into ``folder`` (created if missing).
+    """Write the figures of ``result`` into ``folder`` (created with its parents if missing).
 
     * ``expert_load_heatmap.png``: layer x expert, assignments / layer mean;
     * ``balancedness_eplb.png``: per-layer balancedness, contiguous vs EPLB (and every EP
@@ -122,7 +136,7 @@ def write_balance_plots(result: BalanceResult, folder: str | os.PathLike, *, for
 
     folder = check_plot_dir(folder, force)
     try:
-        folder.mkdir(exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RouteToolError(f"cannot create the folder ({exc.strerror or exc})", path=folder,
                              fix="choose a writable folder for --plot") from None

@@ -418,8 +418,55 @@ def test_unwritable_plot_folder_fails_before_the_analysis(tmp_path):
     _ids_trace(trace)
     out = tmp_path / "b.json"
     res = run("balance", trace, "--ep-size", "2", "--plot", "/proc/routetool-figs", "--json", out, "--no-progress")
-    _one_line_error(res, "/proc/routetool-figs: cannot write figures here")
+    _one_line_error(res, "/proc/routetool-figs: cannot create the folder")
     assert not out.exists()  # stopped before any work
+
+
+def test_plot_creates_missing_parent_folders(tmp_path):
+    # docs/balance.md: the folder "must exist or be creatable"; new/sub/deep was refused with
+    # "new/sub: folder does not exist (create it first)"
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    figs = tmp_path / "new" / "sub" / "deep"
+    res = run("balance", trace, "--ep-size", "2", "--plot", figs, "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in figs.iterdir()) == ["balancedness_eplb.png", "expert_load_heatmap.png",
+                                                      "rank_load.png"]
+
+
+@pytest.mark.parametrize("under", ["file", "dangling link"])
+def test_plot_folder_under_a_file_is_refused_before_the_analysis(tmp_path, under):
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    blocker = tmp_path / "new"
+    if under == "file":
+        blocker.write_text("not a folder")
+    else:
+        blocker.symlink_to(tmp_path / "gone")
+    out = tmp_path / "b.json"
+    res = run("balance", trace, "--ep-size", "2", "--plot", blocker / "sub" / "deep", "--json", out, "--no-progress")
+    _one_line_error(res, f"{blocker}: is not a folder, so --plot {blocker / 'sub' / 'deep'} cannot be created in it "
+                         "(choose another folder for --plot)")
+    assert not out.exists() and not (tmp_path / "gone").exists()
+
+
+def test_plot_probe_leaves_no_folder_behind(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from routetool import plots
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    monkeypatch.setattr(plots.tempfile, "mkstemp", full)  # the probe finds the disk full
+    (tmp_path / "new").mkdir()
+    figs = tmp_path / "new" / "sub" / "deep"
+    _one_line_error(run("balance", trace, "--ep-size", "2", "--plot", figs, "--no-progress"),
+                    f"{figs}: cannot write figures here (No space left on device)")
+    assert list((tmp_path / "new").iterdir()) == []  # sub and deep were created for the probe, then removed
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (a folder nothing can be created in)")
