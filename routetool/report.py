@@ -65,7 +65,7 @@ def _count(value: int, bad: bool = False) -> Text:
 # ---------------------------------------------------------------------------------------
 # load histogram as terminal bars
 def histogram_renderable(counts: list[int], title: str, width: int = 64) -> Panel:
-    """Tokens per expert as terminal bars.
+    """Assignments per expert (a token counts once for each expert it picks) as terminal bars.
 
     Up to 64 experts: one horizontal bar per expert. More: one block character per
     expert (``width`` experts a line), height proportional to the load.
@@ -93,8 +93,8 @@ def histogram_renderable(counts: list[int], title: str, width: int = 64) -> Pane
                 style = "red" if peak and c == peak else ("dim red" if c == 0 else "cyan")
                 line.append(_BLOCKS[level] if c else "·", style=style)
             lines.append(line)
-        lines.append(Text("bar height = tokens / busiest expert; · = idle expert", style="dim"))
-    footer = Text(f"mean {mean:,.1f} tokens/expert, max {peak:,}, total {total:,} assignments", style="dim")
+        lines.append(Text("bar height = assignments / busiest expert; · = idle expert", style="dim"))
+    footer = Text(f"mean {mean:,.1f} assignments/expert, max {peak:,}, total {total:,} assignments", style="dim")
     return Panel(Group(*lines, footer), title=title, expand=False)
 
 

@@ -728,3 +728,27 @@ def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
         doc = json.loads(res.stdout)
         assert doc["layers"][0]["expert_counts_assignments"] if flag == "--json" else doc
         assert "chatty: imported" in res.stderr and "chatty: called" in res.stderr
+
+
+def test_expert_load_footer_counts_assignments(tmp_path):
+    # the panel is titled "(assignments)" but its footer said "mean 2.5 tokens/expert": counts
+    # [4,2,2,2] are 10 assignments of 5 tokens (top-2)
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    res = run("balance", trace, "--ep-size", "2", "--layer", "0", "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert "Expert load, layer 0 (assignments)" in res.output
+    assert "mean 2.5 assignments/expert, max 4, total 10 assignments" in res.output
+    assert "tokens/expert" not in res.output
+
+
+def test_expert_load_strip_of_many_experts_names_assignments():
+    from rich.console import Console
+
+    from routetool.report import histogram_renderable
+
+    console = Console(width=100, record=True)
+    console.print(histogram_renderable([3] * 99 + [6], "Expert load (assignments)"))  # > 64 experts: block strip
+    text = console.export_text()
+    assert "bar height = assignments / busiest expert" in text
+    assert "mean 3.0 assignments/expert, max 6, total 303 assignments" in text
