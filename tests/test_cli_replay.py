@@ -401,6 +401,21 @@ def test_a_kernel_module_that_exits_on_import_is_one_line_exit_2(tmp_path):
     assert res.exit_code == 2 and "cannot import (SystemExit: 0)" in res.output
 
 
+@pytest.mark.parametrize("name", ["notes.md", "sub/notes.md", "sub"])
+def test_a_kernel_path_that_is_no_python_file_is_named_as_such(tmp_path, monkeypatch, name):
+    # README.md:fn said "cannot import (AttributeError: 'NoneType' object has no attribute 'loader')"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "notes.md").write_text("# notes\n")
+    (tmp_path / "sub" / "notes.md").write_text("# notes\n")
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    res = _run("replay", trace, "--device", DEVICE, "--no-progress", "--kernel", f"{name}{os.sep * (name == 'sub')}:fn")
+    assert res.exit_code == 2 and res.output.strip() == (
+        f"routetool: error: {name}{os.sep * (name == 'sub')}: is not a .py file or an importable module (name a "
+        "Python file, --kernel path/to/kernel.py:function, or a module on the path, --kernel "
+        "package.module:function)"), res.output
+
+
 def test_a_file_name_over_the_system_limit_is_one_line_exit_2(tmp_path):
     res = _run("info", tmp_path / ("a" * 300 + ".safetensors"))
     lines = [line for line in res.output.splitlines() if line.strip()]
