@@ -151,6 +151,9 @@ class ReplayResult:
         weights_semantics: of the recorded weights: ``renormalized`` (as the kernel) or
             ``unnormalized`` (raw top-k scores x route_scale; then kernel vs recorded compares
             ids only, and recorded vs reference compares against the raw scores).
+        router_parameters: the trace's ``router_parameters`` metadata, set when only E and K
+            of ``router`` are real (an imported ids-only trace: ``unknown (...)``; the other
+            values are placeholders), else None.
     """
 
     trace: str
@@ -166,6 +169,7 @@ class ReplayResult:
     latency: list[ShapeLatency] | None
     latency_note: str
     weights_semantics: str = "renormalized"
+    router_parameters: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -472,6 +476,7 @@ def replay_trace(
         latency=latency,
         latency_note=note,
         weights_semantics=semantics,
+        router_parameters=trace.meta.extra.get("router_parameters"),
     )
 
 

@@ -194,9 +194,13 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     header = Table.grid(padding=(0, 2))
     header.add_row("trace", user_text(result.trace))
     header.add_row("model", user_text(result.model or "-"))
-    header.add_row("router", f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} "
-                             f"route_scale={r.route_scale:g} multiplier={r.router_output_multiplier} "
-                             f"eps={r.router_score_division_eps}")
+    if result.router_parameters is not None:  # an imported ids-only trace: the rest are placeholders
+        header.add_row("router", user_text(f"E={r.num_experts} topk={r.topk}; router parameters "
+                                           f"{result.router_parameters}"))
+    else:
+        header.add_row("router", f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} "
+                                 f"route_scale={r.route_scale:g} multiplier={r.router_output_multiplier} "
+                                 f"eps={r.router_score_division_eps}")
     header.add_row("kernel", user_text(f"{result.kernel} on {ex.device_name}"))
     header.add_row("ties", f"tie-equivalent within {result.tie_ulps:g} float32 ulps")
     console.print(Panel(header, title="routetool replay", expand=False))

@@ -16,6 +16,7 @@ from conftest import HAS_CUDA
 from helpers import make_trace
 from routetool.cli import main
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, metadata_dict
+from test_imports import write_mixtral_like
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = sorted((ROOT / "traces").glob("*.safetensors"))
@@ -663,3 +664,21 @@ def test_at_most_five_invalid_recorded_rows_are_kept_per_layer(tmp_path):
     assert [(r["step"], r["row"]) for r in layer["recorded_invalid_first_rows"]] == [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4)]
     assert all(r["topk_weights"] is None for r in layer["recorded_invalid_first_rows"])  # no weights recorded
     assert "First invalid recorded rows: 5 of 8" in res.stderr
+
+
+def test_the_replay_header_of_an_imported_ids_only_trace_says_the_router_parameters_are_unknown(tmp_path):
+    # the header showed the placeholders "sigmoid route_scale=1 multiplier=None eps=None" as if real
+    src = tmp_path / "m.jsonl"
+    write_mixtral_like(src)
+    out = tmp_path / "m.safetensors"
+    assert _run("import", src, "-o", out).exit_code == 0
+    res = _run("replay", out, "--device", DEVICE, "--no-progress", "--no-latency")
+    assert res.exit_code == 0, res.output
+    header = " ".join(res.output.split("Summary")[0].replace("│", " ").split())
+    assert "router E=8 topk=2; router parameters unknown (ids-only import: only num_experts and topk are real)" \
+        in header, res.output
+    assert "route_scale" not in header and "sigmoid" not in header, res.output
+    # a trace with its router parameters shows them
+    res = _run("replay", ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors", "--device", DEVICE, "--no-progress",
+               "--no-latency", "--layers", "1")
+    assert "sigmoid route_scale=2.5" in res.output, res.output
