@@ -123,7 +123,7 @@ def resolve_kernels(specs: Sequence[str], pdl: str) -> list[BenchKernel]:
             for flag in ((True, False) if pdl == "both" else (pdl == "on",)):
                 out.append(BenchKernel(spec, fn, flag))
         else:
-            name, fn = load_kernel(spec)
+            name, fn = load_kernel(spec, also=TORCH_KERNELS)
             out.append(BenchKernel(name, fn))
     return out
 

@@ -14,7 +14,7 @@ from routetool.cli_numbers import INT, FloatRange
 from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, RouteToolError, printable
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.report import markup_safe
-from routetool.numtext import parse_int, split_items
+from routetool.numtext import list_items, parse_int
 
 
 class _Group(click.Group):
@@ -210,10 +210,7 @@ def _refuse_repeats(name: str, text: str, values: list) -> list:
 
 
 def _int_list(text: str, name: str) -> list[int]:
-    items = split_items(text)
-    if items is None:
-        raise RouteToolError(f"{name} {text!r} has an empty item", fix="separate the values with single commas, e.g. 1,64,4096")
-    values = [parse_int(v) for v in items]
+    values = [parse_int(v) for v in list_items(name, text, "1,64,4096")]
     if any(v is None for v in values):
         raise RouteToolError(f"{name} {text!r} is not a comma-separated list of integers", fix="e.g. 1,64,4096")
     if any(v < 1 for v in values):
@@ -274,10 +271,7 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
         topk_list = topk_list or [router.topk]
     expert_list = expert_list or [128, 256, 384, 512]
     topk_list = topk_list or [8]
-    dtype_list = split_items(dtypes)
-    if dtype_list is None:  # an empty item was dropped silently ("fp32,,bf16" ran as fp32,bf16)
-        raise RouteToolError(f"--dtype {dtypes!r} has an empty item", fix="separate the values with single commas, "
-                                                                          "e.g. fp32,bf16")
+    dtype_list = list_items("--dtype", dtypes, "fp32,bf16")  # "fp32,,bf16" ran as fp32,bf16
     unknown = [d for d in dtype_list if d not in DTYPES]
     if unknown:
         raise RouteToolError(f"--dtype {dtypes!r}", fix=f"use a comma-separated subset of {', '.join(DTYPES)}")

@@ -21,7 +21,7 @@ from routetool.cli_numbers import INT, IntRange
 from routetool.errors import EXIT_OK, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS
-from routetool.numtext import parse_float, parse_int, split_items
+from routetool.numtext import list_items, parse_float, parse_int
 from routetool.report import markup_safe, user_text
 
 _CTX = {"help_option_names": ["-h", "--help"]}
@@ -34,20 +34,10 @@ def _progress(enabled: bool) -> Progress:
     )
 
 
-def _items(option: str, spec: str, example: str) -> list[str]:
-    """The comma-separated items of an option; an empty item (``8,,16``, ``8,``) is an error, as
-    for synth's ``--prefill``: a list with a hole is a typo, never a shorter list."""
-    items = split_items(spec)
-    if items is None:
-        raise RouteToolError(f"{option} {spec!r} has an empty item", fix=f"separate the values with single commas, e.g. "
-                                                                          f"{option} {example}")
-    return items
-
-
 def _int_list(option: str, spec: str | None) -> list[int] | None:
     if spec is None or spec.strip().lower() in ("", "auto"):
         return None
-    values = [parse_int(v) for v in _items(option, spec, "8,16")]
+    values = [parse_int(v) for v in list_items(option, spec, f"{option} 8,16")]
     if any(v is None for v in values):
         raise RouteToolError(f"{option} {spec!r} is not a list of integers", fix=f"use e.g. {option} 8,16")
     if any(v < 1 for v in values):
@@ -58,7 +48,7 @@ def _int_list(option: str, spec: str | None) -> list[int] | None:
 def _float_list(option: str, spec: str) -> list[float]:
     if spec.strip().lower() in ("", "none"):
         return []
-    values = [parse_float(v) for v in _items(option, spec, "1.0,1.25,2")]
+    values = [parse_float(v) for v in list_items(option, spec, f"{option} 1.0,1.25,2")]
     if any(v is None for v in values):
         raise RouteToolError(f"{option} {spec!r} is not a list of numbers", fix=f"use e.g. {option} 1.0,1.25,2")
     if any(not v > 0 for v in values):

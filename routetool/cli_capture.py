@@ -19,7 +19,7 @@ from rich.console import Console
 
 from routetool.cli_numbers import FLOAT, IntRange
 from routetool.errors import RouteToolError, printable
-from routetool.numtext import number_problem, parse_int, split_items
+from routetool.numtext import list_items, number_problem, parse_int
 from routetool.report import markup_safe
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
@@ -35,8 +35,7 @@ def _torch_dtype(name: str):
 def _parse_chunks(text: str) -> tuple[int, ...]:
     if text.strip().lower() in ("", "none", "0"):
         return ()
-    items = split_items(text)  # None for an empty item, as in "8,,8": an error, as in balance's lists
-    values = [parse_int(x) for x in items] if items is not None else [None]
+    values = [parse_int(x) for x in list_items("--prefill", text, "512,512,97")]
     if any(v is None for v in values):
         raise RouteToolError(f"--prefill {text!r}: expected token counts like 384,128 (or none)",
                              fix="e.g. --prefill 512,512,97")

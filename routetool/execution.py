@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -164,7 +164,7 @@ def _importable(folder: str) -> Iterator[None]:
             pass
 
 
-def load_kernel(spec: str) -> tuple[str, RoutingFn]:
+def load_kernel(spec: str, *, also: Sequence[str] = ()) -> tuple[str, RoutingFn]:
     """Resolve a kernel: a variant name of :data:`kernel.VARIANTS` or ``module:function``.
 
     ``module`` may be an importable module name or a path to a ``.py`` file. While the module
@@ -172,13 +172,16 @@ def load_kernel(spec: str) -> tuple[str, RoutingFn]:
     first on ``sys.path``, as Python has it for a script or for ``python -m``, so that the
     module can import the modules beside it; ``sys.path`` is restored afterwards. The function
     must take the seed's signature (``gating_output, bias, topk, route_scale, ...``) and
-    return ``(topk_weights, topk_ids)``. Call :func:`select_execution` first.
+    return ``(topk_weights, topk_ids)``. Call :func:`select_execution` first. ``also``: the
+    other names the caller accepts (bench's ``torch``, ``torch-compile``), listed with the
+    variants when ``spec`` is none of them.
 
     Returns:
         ``(name, function)``.
 
     Raises:
-        RouteToolError: unknown variant, unimportable module, missing function.
+        RouteToolError: unknown variant, a path that is no ``.py`` file and no importable module
+            (``README.md:fn``), unimportable module, missing function.
     """
     import kernel
 
@@ -187,15 +190,20 @@ def load_kernel(spec: str) -> tuple[str, RoutingFn]:
     if ":" not in spec:
         raise RouteToolError(
             f"unknown kernel {spec!r}",
-            fix=f"use one of {', '.join(kernel.VARIANT_NAMES)} or module:function",
+            fix=f"use one of {', '.join((*kernel.VARIANT_NAMES, *also))} or module:function",
         )
     module_name, _, func_name = spec.rpartition(":")
+    not_python = RouteToolError("is not a .py file or an importable module", path=module_name,
+                                fix="name a Python file, --kernel path/to/kernel.py:function, or a module on the "
+                                    "path, --kernel package.module:function")
     try:
         if module_name.endswith(".py") or os.sep in module_name:
             path = os.path.abspath(module_name)
-            if not os.path.isfile(path):
+            if not os.path.exists(path):
                 raise RouteToolError("no such file", path=module_name, fix="check the --kernel path")
             spec_obj = importlib.util.spec_from_file_location(f"routetool_user_kernel_{abs(hash(path))}", path)
+            if not os.path.isfile(path) or spec_obj is None:  # a folder, or no Python suffix (README.md)
+                raise not_python
             module = importlib.util.module_from_spec(spec_obj)
             with _importable(os.path.dirname(path)):  # its own modules beside it, as python runs a script
                 spec_obj.loader.exec_module(module)
@@ -205,6 +213,9 @@ def load_kernel(spec: str) -> tuple[str, RoutingFn]:
     except RouteToolError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the user's module's
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if missing and os.path.exists(module_name) and (module_name + ".").startswith(missing + "."):
+            raise not_python from None  # a file beside that is no module (README.md:fn), not a missing dependency
         raise RouteToolError(f"cannot import ({first_line(exc)})", path=module_name,
                              fix="check the module and its dependencies") from None
     fn = getattr(module, func_name, None)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+from routetool.errors import RouteToolError
+
 _INT = re.compile(r"[-+]?[0-9]+")
 _FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 _SPECIAL = re.compile(r"[-+]?(?:nan|inf|infinity)", re.IGNORECASE)
@@ -84,7 +86,29 @@ def index_problem(text: str) -> str:
 
 
 def split_items(text: str) -> list[str] | None:
-    """The comma-separated items of ``text``, stripped; None when an item is empty
-    (``"8,,16"``, ``"8,"``, ``",8"``): a list with a hole is a typo, never dropped silently."""
-    items = [x.strip() for x in text.split(",")]
-    return None if any(not x for x in items) else items
+    """The comma-separated items of ``text``, as written; None when an item is empty or blank
+    (``"8,,16"``, ``"8,"``, ``",8"``, ``"8, ,16"``): a list with a hole is a typo, never dropped silently."""
+    items = text.split(",")
+    return None if any(not x.strip() for x in items) else items
+
+
+def list_items(option: str, text: str, example: str, *, noun: str = "values") -> list[str]:
+    """The comma-separated items of the list option ``option`` (``--ep-size``), checked as every
+    list option checks them: no empty item (:func:`split_items`) and, as for a single number
+    (:func:`number_problem`), no spaces around an item (``"0, 1"``, ``" 4"``): ``int()`` would
+    read them, and a list is written without them. ``example`` is a correct list for the fix.
+
+    Raises:
+        RouteToolError: an empty item, or an item with whitespace around it (the message names
+            the option and the item, and the list written without the spaces).
+    """
+    items = split_items(text)
+    if items is None:
+        raise RouteToolError(f"{option} {text!r} has an empty item",
+                             fix=f"separate the {noun} with single commas, e.g. {example}")
+    spaced = next((x for x in items if x != x.strip()), None)
+    if spaced is not None:
+        plain = ",".join(x.strip() for x in items)
+        raise RouteToolError(f"{option} {text!r}: the item {spaced!r} has spaces around it",
+                             fix=f"write the list without spaces: {option} {plain}")
+    return items

@@ -24,7 +24,7 @@ from routetool.compare import (
 from routetool.errors import KernelError, RouteToolError, first_line
 from routetool.execution import Execution, RoutingFn
 from routetool.load import LoadStats, expert_counts, load_stats
-from routetool.numtext import parse_int, split_items
+from routetool.numtext import list_items, parse_int
 from routetool.timing import Latency, cuda_graph_latency, synchronize
 from routetool.trace import RouterConfig, Trace
 
@@ -151,6 +151,9 @@ class ReplayResult:
         weights_semantics: of the recorded weights: ``renormalized`` (as the kernel) or
             ``unnormalized`` (raw top-k scores x route_scale; then kernel vs recorded compares
             ids only, and recorded vs reference compares against the raw scores).
+        router_parameters: the trace's ``router_parameters`` metadata, set when only E and K
+            of ``router`` are real (an imported ids-only trace: ``unknown (...)``; the other
+            values are placeholders), else None.
     """
 
     trace: str
@@ -166,6 +169,7 @@ class ReplayResult:
     latency: list[ShapeLatency] | None
     latency_note: str
     weights_semantics: str = "renormalized"
+    router_parameters: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -188,7 +192,8 @@ class ReplayResult:
 def parse_layers(spec: str | None, available: Sequence[int], path: object = None) -> list[int]:
     """Parse ``--layers`` (``"all"``, ``"3"``, ``"0,2,5-7"``) against the trace's layers.
     ``None`` means all layers; an empty spec (``""``) or an empty item (``"1,,2"``, ``"1,"``)
-    is refused, as every list option refuses one (:func:`routetool.numtext.split_items`).
+    or an item with spaces around it (``"0, 1"``) is refused, as every list option refuses
+    them (:func:`routetool.numtext.list_items`).
 
     Raises:
         RouteToolError: malformed or empty spec, or a layer the trace does not hold.
@@ -197,18 +202,16 @@ def parse_layers(spec: str | None, available: Sequence[int], path: object = None
         return list(available)
     if not spec.strip():
         raise RouteToolError(f"--layers {spec!r} is empty", fix="name layers, e.g. 0,2,5-7, or all")
-    if split_items(spec) is None:
-        raise RouteToolError(f"--layers {spec!r} has an empty item", fix="separate the layers with single commas, "
-                                                                          "e.g. 0,2,5-7")
-    def number(text: str) -> int:  # plain ASCII decimal: int() would read "1_0" as 10
-        value = parse_int(text.strip())
+    parts = list_items("--layers", spec, "0,2,5-7", noun="layers")
+
+    def number(text: str) -> int:  # plain ASCII decimal: int() would read "1_0" or "1 " as 1
+        value = parse_int(text)
         if value is None:
             raise ValueError(text)
         return value
 
     chosen: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
+    for part in parts:
         try:
             if "-" in part[1:]:
                 lo, hi = part.split("-", 1) if not part.startswith("-") else (part, "")
@@ -473,6 +476,7 @@ def replay_trace(
         latency=latency,
         latency_note=note,
         weights_semantics=semantics,
+        router_parameters=trace.meta.extra.get("router_parameters"),
     )
 
 

@@ -5,10 +5,11 @@ Nothing below this module knows about rich; nothing here computes results.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from rich import box
@@ -107,11 +108,62 @@ _NAMES = {
 }
 
 
+class _WholeWordTable(Table):
+    """A rich Table that never cuts a word of a cell, so never a number (``1,044,480``): rich
+    narrows the widest columns below their longest word when a table is wider than the
+    terminal and ends the word with "…". Here a column narrows only down to its longest word
+    (a header of several words wraps); a table whose longest words alone are wider than the
+    terminal is shown as several tables of consecutive columns, each repeating the first
+    (the row's name: layer, family, kernel)."""
+
+    def __rich_console__(self, console, options):
+        if not self.columns or any(c.width is not None for c in self.columns):  # widths already fitted
+            yield from super().__rich_console__(console, options)
+            return
+        wide = options.update_width(1 << 20)
+        pads = [self._get_padding_width(c._index) for c in self.columns]
+        ranges = [self._measure_column(console, wide, c) for c in self.columns]
+        need = [r.minimum - pad for r, pad in zip(ranges, pads)]  # content widths: the longest word
+        room = options.max_width - self._extra_width
+        if sum(r.maximum for r in ranges) <= room:
+            yield from super().__rich_console__(console, options)
+        elif sum(need) + sum(pads) <= room:
+            widths = [r.maximum - pad for r, pad in zip(ranges, pads)]
+            for _ in range(sum(widths) + sum(pads) - room):  # narrow the column with the most room to spare
+                i = max(range(len(widths)), key=lambda j: widths[j] - need[j])
+                widths[i] -= 1
+            yield from self._with_widths(console, options, widths)
+        else:
+            groups, group = [], [0]
+            for i in range(1, len(self.columns)):  # 1 for the padding and 1 for the rule of each column
+                if len(group) > 1 and sum(need[j] + 2 for j in (*group, i)) > room:
+                    groups.append(group)
+                    group = [0]
+                group.append(i)
+            groups.append(group)
+            for n, group in enumerate(groups):
+                part = copy.copy(self)
+                part.columns = [replace(self.columns[j], _index=k) for k, j in enumerate(group)]
+                part.title = self.title if n == 0 else None
+                yield from part._with_widths(console, options, [need[j] for j in group])
+
+    def _with_widths(self, console, options, widths):
+        """Render with the given content widths (padding not included)."""
+        columns = self.columns
+        self.columns = [replace(c, width=max(1, w)) for c, w in zip(columns, widths)]
+        try:
+            yield from console.render(self, options)
+        finally:
+            self.columns = columns
+
+
 def table(title: str | Text, columns: list[str], left: tuple[str, ...] = ()) -> Table:
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-              collapse_padding=True)
+    """A report table: ``columns`` right-aligned (numbers) except those in ``left``; a cell's
+    words, numbers included, are never cut (:class:`_WholeWordTable`)."""
+    t = _WholeWordTable(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+                        collapse_padding=True)
     for col in columns:
-        t.add_column(col, justify="left" if col in left else "right")
+        t.add_column(col, justify="left" if col in left else "right", overflow="fold")
     return t
 
 
@@ -142,9 +194,13 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     header = Table.grid(padding=(0, 2))
     header.add_row("trace", user_text(result.trace))
     header.add_row("model", user_text(result.model or "-"))
-    header.add_row("router", f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} "
-                             f"route_scale={r.route_scale:g} multiplier={r.router_output_multiplier} "
-                             f"eps={r.router_score_division_eps}")
+    if result.router_parameters is not None:  # an imported ids-only trace: the rest are placeholders
+        header.add_row("router", user_text(f"E={r.num_experts} topk={r.topk}; router parameters "
+                                           f"{result.router_parameters}"))
+    else:
+        header.add_row("router", f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} "
+                                 f"route_scale={r.route_scale:g} multiplier={r.router_output_multiplier} "
+                                 f"eps={r.router_score_division_eps}")
     header.add_row("kernel", user_text(f"{result.kernel} on {ex.device_name}"))
     header.add_row("ties", f"tie-equivalent within {result.tie_ulps:g} float32 ulps")
     console.print(Panel(header, title="routetool replay", expand=False))

@@ -448,6 +448,12 @@ class Trace:
         offsets: tuple[int, ...] = (0, T)
         if "step_offsets" in h:
             shape, dtype = h["step_offsets"]
+            if T == 0 and dtype in _ID_DTYPES and len(shape) == 1 and shape[0] < 2:  # [0]: num_steps + 1 for no step
+                rows = "gating_output" if "gating_output" in h else "topk_ids"
+                raise self._fail(p + "step_offsets", f"is {_dtype_name(dtype)} {list(shape)}, but the layer holds no "
+                                 f"token rows ({p}{rows} is {list(h[rows][0])}): step_offsets marks the steps of a "
+                                 "layer with tokens", fix="leave step_offsets out for a layer without tokens, or "
+                                                          "re-capture the trace with tokens in every layer")
             if dtype not in _ID_DTYPES or len(shape) != 1 or shape[0] < 2:
                 raise self._fail(p + "step_offsets", f"is {_dtype_name(dtype)} {list(shape)}; expected int64 [num_steps + 1]")
             offsets = tuple(int(v) for v in self._file.get_tensor(p + "step_offsets").tolist())

@@ -4,6 +4,7 @@ sweep with correctness first."""
 import csv
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from click.testing import CliRunner
 import mutants
 from conftest import HAS_CUDA
 from helpers import make_trace
-from routetool.bench import check_fits, point_bytes, trace_step_shapes
+from kernel import VARIANT_NAMES
+from routetool.bench import TORCH_KERNELS, check_fits, point_bytes, trace_step_shapes
 from routetool.cli import main
 from routetool.errors import RouteToolError
 from routetool.trace import LayerArrays
@@ -30,7 +32,9 @@ def test_bench_bad_options_exit_2():
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--kernel", "nosuch"], "unknown kernel 'nosuch'"),
+    # torch and torch-compile were accepted but not listed ("use one of tiled, seed or module:function")
+    (["--kernel", "nosuch"], "unknown kernel 'nosuch' (use one of tiled, seed, torch, torch-compile or "
+                             "module:function)"),
     (["--kernel", "./no_such_file.py:fn"], "no such file"),
     (["--baseline", "nosuch"], "--baseline 'nosuch' is not among the timed kernels"),
     (["--topk", "300", "--experts", "256"], "every --topk (300) exceeds every expert count (256)"),
@@ -39,6 +43,15 @@ def test_bench_option_mistakes_show_on_any_machine(args, words):
     # checked before the GPU is looked for, so that a CPU-only machine reports them too
     res = CliRunner().invoke(main, ["bench", "--tokens", "1", "--no-progress", *args])
     assert res.exit_code == 2 and words in res.output, res.output
+
+
+def test_every_kernel_bench_accepts_is_named_in_its_help_and_its_unknown_kernel_error():
+    names = (*VARIANT_NAMES, *TORCH_KERNELS)
+    error = CliRunner().invoke(main, ["bench", "--kernel", "nosuch", "--no-progress"]).output
+    help_text = CliRunner().invoke(main, ["bench", "--help"], terminal_width=200, max_content_width=200).output
+    for text in (error, help_text):
+        words = set(re.split(r"[\s,:()\[\]]+", text))
+        assert set(names) <= words, (names, text)
 
 
 @pytest.mark.parametrize("args, words", [

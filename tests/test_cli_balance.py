@@ -257,6 +257,18 @@ def test_import_refusing_counts_suggests_the_options_it_was_given(tmp_path):
 
 
 @pytest.mark.skipif(not (REALDATA / "expert-counts.olmoe-paper.json").is_file(), reason="needs ../shared/realdata")
+def test_balance_tables_at_80_columns_cut_no_number(monkeypatch):
+    # the tables ended numbers with "…" at 80 columns: tokens 1,044,…, assign 8,355,…, header max/me…
+    monkeypatch.setenv("COLUMNS", "80")
+    res = run("balance", REALDATA / "expert-counts.olmoe-paper.json", "--select", "olmoe-1b-7b-0924", "--topk", "8",
+              "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output and max(map(len, res.output.splitlines())) <= 80, res.output
+    for number in ("1,044,480", "8,355,840", "25,067,520", "11:273,925,", "1,547,770", "max/mean"):
+        assert number in res.output.split(), number
+
+
+@pytest.mark.skipif(not (REALDATA / "expert-counts.olmoe-paper.json").is_file(), reason="needs ../shared/realdata")
 def test_import_refusing_the_olmoe_paper_counts_keeps_select(tmp_path):
     path = REALDATA / "expert-counts.olmoe-paper.json"
     res = run("import", path, "--select", "olmoe-1b-7b-0924", "-o", tmp_path / "x.safetensors")

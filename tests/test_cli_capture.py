@@ -110,7 +110,8 @@ def test_disk_full_leaves_the_existing_file_intact(tmp_path, monkeypatch):
     (["--padding", "fraction:2"], ["--padding 'fraction:2'", "[0, 1)"]),
     (["--topk", "60"], ["topk=60 must be in [1, num_experts=48]"]),
     (["--prefill", "64,x"], ["--prefill '64,x'"]),
-    (["--prefill", "8,,8"], ["--prefill '8,,8'", "expected token counts"]),
+    (["--prefill", "8,,8"], ["--prefill '8,,8' has an empty item (separate the values with single commas, "
+                             "e.g. 512,512,97)"]),
     (["--route-scale", "0"], ["route_scale=0.0 must be finite and > 0"]),
     # more non-finite rows than the batch has (they were made silently fewer)
     (["--prefill", "8", "--decode-steps", "0", "--nonfinite", "50"],

@@ -5,13 +5,18 @@ digits of other scripts (Arabic-Indic "١", fullwidth "１"), underscores ("1_0"
 whitespace (" 1"): `synth --affinity ١` ran with 1, `synth --ties 1_0` with 10.
 """
 
+from pathlib import Path
+
 import click
 import pytest
 from click.testing import CliRunner
 
 from routetool.cli import main
 from routetool.cli_numbers import FLOAT, INT, FloatRange, IntRange
-from routetool.numtext import number_problem
+from routetool.errors import RouteToolError
+from routetool.numtext import list_items, number_problem
+
+TINY = Path(__file__).resolve().parents[1] / "traces" / "deepseek-v3-hf-tiny.safetensors"
 
 ARABIC_ONE = "\u0661"  # ١
 FULLWIDTH_ONE = "\uff11"  # １
@@ -119,3 +124,37 @@ def test_loose_numbers_are_one_line_errors(tmp_path, monkeypatch, args, fragment
     assert len(lines) == 1 and lines[0].startswith("routetool: error: "), res.output
     assert fragment in lines[0]
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+@pytest.mark.parametrize("args, fragment", [
+    # list items were stripped ("0, 1" read as 0,1) while a single number with spaces was refused
+    (["balance", str(TINY), "--ep-size", " 4"], "--ep-size ' 4': the item ' 4' has spaces around it (write the list "
+                                                "without spaces: --ep-size 4)"),
+    (["balance", str(TINY), "--capacity-factor", "1.0 ,2"], "--capacity-factor '1.0 ,2': the item '1.0 '"),
+    (["balance", str(TINY), "--layers", "1,\t2"], "--layers '1,\\t2': the item '\\t2' has spaces around it"),
+    (["replay", str(TINY), "--layers", "1, 2"], ("--layers '1, 2': the item ' 2' has spaces around it (write the list "
+                                                 "without spaces: --layers 1,2)")),
+    (["replay", str(TINY), "--layers", "1 -2"], "--layers '1 -2': cannot parse '1 -2'"),  # inside a range too
+    (["synth", "-o", "z.safetensors", "--prefill", " 8"], "--prefill ' 8': the item ' 8' has spaces around it"),
+    (["bench", "--tokens", "1, 64"], "--tokens '1, 64': the item ' 64'"),
+    (["bench", "--experts", "256 "], "--experts '256 ': the item '256 '"),
+    (["bench", "--topk", " 8"], "--topk ' 8': the item ' 8'"),
+    (["bench", "--dtype", "fp32, bf16"], "--dtype 'fp32, bf16': the item ' bf16' has spaces around it"),
+])
+def test_list_items_with_spaces_are_refused_as_single_numbers_are(tmp_path, monkeypatch, args, fragment):
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, [*args, "--no-progress"], prog_name="routetool", catch_exceptions=False)
+    assert res.exit_code == 2, res.output
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"routetool: error: {fragment}"), res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_list_items():
+    assert list_items("--x", "8,16", "8,16") == ["8", "16"]
+    for text in ("8,,16", "8,", ",8", "8, ,16"):
+        with pytest.raises(RouteToolError, match="has an empty item"):
+            list_items("--x", text, "8,16")
+    with pytest.raises(RouteToolError, match=r"the item ' 16' has spaces around it \(write the list without spaces: "
+                                             r"--x 8,16\)"):
+        list_items("--x", "8, 16", "8,16")

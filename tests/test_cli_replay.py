@@ -16,6 +16,7 @@ from conftest import HAS_CUDA
 from helpers import make_trace
 from routetool.cli import main
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, metadata_dict
+from test_imports import write_mixtral_like
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = sorted((ROOT / "traces").glob("*.safetensors"))
@@ -401,6 +402,21 @@ def test_a_kernel_module_that_exits_on_import_is_one_line_exit_2(tmp_path):
     assert res.exit_code == 2 and "cannot import (SystemExit: 0)" in res.output
 
 
+@pytest.mark.parametrize("name", ["notes.md", "sub/notes.md", "sub"])
+def test_a_kernel_path_that_is_no_python_file_is_named_as_such(tmp_path, monkeypatch, name):
+    # README.md:fn said "cannot import (AttributeError: 'NoneType' object has no attribute 'loader')"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "notes.md").write_text("# notes\n")
+    (tmp_path / "sub" / "notes.md").write_text("# notes\n")
+    trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    res = _run("replay", trace, "--device", DEVICE, "--no-progress", "--kernel", f"{name}{os.sep * (name == 'sub')}:fn")
+    assert res.exit_code == 2 and res.output.strip() == (
+        f"routetool: error: {name}{os.sep * (name == 'sub')}: is not a .py file or an importable module (name a "
+        "Python file, --kernel path/to/kernel.py:function, or a module on the path, --kernel "
+        "package.module:function)"), res.output
+
+
 def test_a_file_name_over_the_system_limit_is_one_line_exit_2(tmp_path):
     res = _run("info", tmp_path / ("a" * 300 + ".safetensors"))
     lines = [line for line in res.output.splitlines() if line.strip()]
@@ -648,3 +664,21 @@ def test_at_most_five_invalid_recorded_rows_are_kept_per_layer(tmp_path):
     assert [(r["step"], r["row"]) for r in layer["recorded_invalid_first_rows"]] == [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4)]
     assert all(r["topk_weights"] is None for r in layer["recorded_invalid_first_rows"])  # no weights recorded
     assert "First invalid recorded rows: 5 of 8" in res.stderr
+
+
+def test_the_replay_header_of_an_imported_ids_only_trace_says_the_router_parameters_are_unknown(tmp_path):
+    # the header showed the placeholders "sigmoid route_scale=1 multiplier=None eps=None" as if real
+    src = tmp_path / "m.jsonl"
+    write_mixtral_like(src)
+    out = tmp_path / "m.safetensors"
+    assert _run("import", src, "-o", out).exit_code == 0
+    res = _run("replay", out, "--device", DEVICE, "--no-progress", "--no-latency")
+    assert res.exit_code == 0, res.output
+    header = " ".join(res.output.split("Summary")[0].replace("│", " ").split())
+    assert "router E=8 topk=2; router parameters unknown (ids-only import: only num_experts and topk are real)" \
+        in header, res.output
+    assert "route_scale" not in header and "sigmoid" not in header, res.output
+    # a trace with its router parameters shows them
+    res = _run("replay", ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors", "--device", DEVICE, "--no-progress",
+               "--no-latency", "--layers", "1")
+    assert "sigmoid route_scale=2.5" in res.output, res.output

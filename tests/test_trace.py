@@ -88,6 +88,13 @@ BROKEN = [
     ({**GOOD, "layers.0.is_padding": torch.zeros(4)}, {}, "layers.0.is_padding: is float32"),
     ({**GOOD, "layers.0.step_offsets": torch.tensor([0, 3])}, {}, "layers.0.step_offsets: runs from 0 to 3"),
     ({**GOOD, "layers.0.step_offsets": torch.tensor([0, 3, 3, 4])}, {}, "not strictly increasing"),
+    # a layer of no rows with step_offsets [0] was "is int64 [1]; expected int64 [num_steps + 1]", and [1] is that
+    ({"layers.0.gating_output": torch.zeros((0, E)), "layers.0.step_offsets": torch.tensor([0])}, {},
+     "layers.0.step_offsets: is int64 [1], but the layer holds no token rows (layers.0.gating_output is [0, 8]): "
+     "step_offsets marks the steps of a layer with tokens (leave step_offsets out for a layer without tokens, or "
+     "re-capture the trace with tokens in every layer)"),
+    ({"layers.0.topk_ids": torch.zeros((0, K), dtype=torch.int32), "layers.0.step_offsets": torch.tensor([0])}, {},
+     f"the layer holds no token rows (layers.0.topk_ids is [0, {K}])"),
     ({**GOOD, "layers.0.topk_ids": torch.zeros((4, 3), dtype=torch.int32)}, {}, "layers.0.topk_ids: has shape [4, 3]"),
     ({**GOOD, "layers.0.topk_weights": torch.zeros((4, K))}, {}, "layers.0.topk_ids: missing"),
     ({**GOOD, "layers.0.extra": torch.zeros(1)}, {}, "layers.0.extra: unknown tensor name"),
