@@ -117,7 +117,9 @@ class _WholeWordTable(Table):
     (the row's name: layer, family, kernel)."""
 
     def __rich_console__(self, console, options):
-        if not self.columns or any(c.width is not None for c in self.columns):  # widths already fitted
+        if (not self.columns or any(c.width is not None for c in self.columns)  # widths already fitted
+                or not all(hasattr(Table, m) for m in ("_measure_column", "_get_padding_width", "_extra_width"))):
+            # (the measuring uses rich's own column measure; a rich without it folds long cells instead)
             yield from super().__rich_console__(console, options)
             return
         wide = options.update_width(1 << 20)
