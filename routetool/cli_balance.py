@@ -14,7 +14,6 @@ from pathlib import Path
 
 import click
 import torch
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from routetool.cli_numbers import INT, IntRange
@@ -22,7 +21,7 @@ from routetool.errors import EXIT_OK, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS
 from routetool.numtext import list_items, parse_float, parse_int
-from routetool.report import markup_safe, user_text
+from routetool.report import Console, markup_safe, user_text
 
 _CTX = {"help_option_names": ["-h", "--help"]}
 

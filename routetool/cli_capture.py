@@ -15,12 +15,11 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from routetool.cli_numbers import FLOAT, IntRange
 from routetool.errors import RouteToolError, printable
 from routetool.numtext import list_items, number_problem, parse_int
-from routetool.report import markup_safe
+from routetool.report import Console, markup_safe
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
            "bf16": "bfloat16", "fp16": "float16"}

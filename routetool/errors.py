@@ -8,6 +8,22 @@ EXIT_FINDINGS = 1
 """The check ran and found problems (real mismatches, invalid outputs, failed cases)."""
 EXIT_USAGE = 2
 """Bad usage or bad input (unreadable trace, wrong tensor, impossible parameter)."""
+EXIT_SIGNAL = 128
+"""Stopped by a signal: the exit code is this plus the signal's number, as a shell reports a
+process the signal killed (130 Ctrl-C/SIGINT, 141 a closed output pipe/SIGPIPE, 143 SIGTERM)."""
+
+
+class Terminated(BaseException):
+    """A termination signal (SIGTERM) arrived: raised by routetool's handler for it, so that the
+    run unwinds like on Ctrl-C (temporary files removed, a capture's index finished).
+
+    A :class:`BaseException`, like :class:`KeyboardInterrupt`: the ``except Exception`` that
+    catches a kernel's failures lets it through. ``signum``: the signal's number.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
 
 
 class RouteToolError(Exception):

@@ -54,6 +54,7 @@ import csv
 import json
 import math
 import re
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -781,7 +782,11 @@ def _torch_load(path: Path):
         raise RouteToolError("is not a torch.save file (neither a zip archive nor a pickle), so not an SGLang dump",
                              path=path, fix="pass an SGLang expert-distribution dump (.pt), or the file's --format")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch warns (on stderr, naming its own source file) about a pickle protocol other
+            # than 2 before it loads or refuses the file; the outcome is reported in one line
+            warnings.filterwarnings("ignore", message=r"Detected pickle protocol", category=UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - pickle errors of any kind are bad input
         raise RouteToolError(f"cannot load with torch.load(weights_only=True) ({type(exc).__name__}: "
                              f"{one_line(exc, 100)})", path=path,

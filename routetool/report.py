@@ -6,14 +6,17 @@ Nothing below this module knows about rich; nothing here computes results.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
+import os
 import re
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from rich import box
-from rich.console import Console, Group
+from rich.console import Console as RichConsole
+from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -23,6 +26,17 @@ from routetool.errors import printable
 from routetool.files import atomic_write
 from routetool.load import LoadStats
 from routetool.replay import ReplayResult
+
+
+class Console(RichConsole):
+    """rich's console, except that a write to a closed pipe raises :class:`BrokenPipeError`
+    (rich itself exits with code 1, which routetool keeps for "the check found a problem");
+    the ``routetool`` group turns it into exit code 141."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more to write there
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
 
 REPLAY_SCHEMA = "routetool.replay/1"
 _BLOCKS = " ▁▂▃▄▅▆▇█"

@@ -2,7 +2,10 @@
 (and on the real ones when present)."""
 
 import json
+import os
+import pickle
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -577,6 +580,17 @@ def test_not_an_sglang_dump(tmp_path):
     with pytest.raises(RouteToolError, match="weights_only=True") as info:
         read_dump(path)
     assert "\n" not in str(info.value) and len(str(info.value)) < 400
+
+
+def test_a_refused_pickle_is_one_error_and_no_torch_warning(tmp_path):
+    # torch.load warns about a pickle protocol other than 2 (on stderr, with its own file name)
+    path = tmp_path / "e.pt"
+    path.write_bytes(pickle.dumps(os.getcwd, protocol=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RouteToolError, match="weights_only=True"):
+            read_dump(path)
+    assert [str(w.message) for w in caught] == []
 
 
 # -- counts JSON --------------------------------------------------------------------------------
