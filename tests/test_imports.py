@@ -189,6 +189,16 @@ def test_jsonl_integral_floats_are_integers(tmp_path):
     assert r.layers[2].topk_ids.tolist() == [[3, 2]]
 
 
+def _refused_in_one_line(path, text):
+    """Write ``text`` to ``path``; the message of the one-line ``RouteToolError`` that reading it raises."""
+    path.write_text(text)
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
 @pytest.mark.parametrize("line, words", [
     # numbers written as JSON strings used to be read as numbers, silently
     ('{"topk_ids": ["3", 1]}', 'line 1: expert id "3" in topk_ids is a string, not a JSON number (write expert ids '
@@ -206,11 +216,8 @@ def test_jsonl_integral_floats_are_integers(tmp_path):
 ])
 def test_jsonl_numbers_are_json_numbers_and_keys_unique(tmp_path, line, words):
     path = tmp_path / "s.jsonl"
-    path.write_text(line + "\n" + '{"topk_ids": [0, 1]}\n')
-    with pytest.raises(RouteToolError) as info:
-        read_dump(path)
-    text = str(info.value)
-    assert text.startswith(f"{path}: ") and words in text and "\n" not in text, text
+    text = _refused_in_one_line(path, line + "\n" + '{"topk_ids": [0, 1]}\n')
+    assert text.startswith(f"{path}: ") and words in text, text
 
 
 @pytest.mark.parametrize("lines, words", [
@@ -231,11 +238,8 @@ def test_jsonl_numbers_are_json_numbers_and_keys_unique(tmp_path, line, words):
 ])
 def test_jsonl_two_keys_for_one_field_are_refused(tmp_path, lines, words):
     path = tmp_path / "k.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(RouteToolError) as info:
-        read_dump(path)
-    text = str(info.value)
-    assert text.startswith(f"{path}: ") and words in text and "\n" not in text, text
+    text = _refused_in_one_line(path, "\n".join(lines) + "\n")
+    assert text.startswith(f"{path}: ") and words in text, text
 
 
 def test_jsonl_not_utf8_names_the_line(tmp_path):
@@ -359,11 +363,8 @@ def test_csv_wrong_numbers(tmp_path, body, words):
     ('1,0,x,"[1, 2_0]"\n', "x.csv: line 2: expert id '2_0' in 'Activated Expert IDs' is not an integer"),
 ])
 def test_csv_layers_and_ids_are_plain_and_spelled_once(tmp_path, body, words):
-    path = tmp_path / "x.csv"
-    path.write_text(DS_HEADER + body)
-    with pytest.raises(RouteToolError) as info:
-        read_dump(path)
-    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+    text = _refused_in_one_line(tmp_path / "x.csv", DS_HEADER + body)
+    assert words in text, text
 
 
 @pytest.mark.parametrize("header, words", [
@@ -377,11 +378,8 @@ def test_csv_layers_and_ids_are_plain_and_spelled_once(tmp_path, body, words):
     ("Layer ID,Batch Number,topk_ids,topk_ids\n", "the columns 'topk_ids' and 'topk_ids' both give the expert ids"),
 ])
 def test_csv_two_columns_for_one_field_are_refused(tmp_path, header, words):
-    path = tmp_path / "x.csv"
-    path.write_text(header + '1,0,"[1, 2]","[3, 4]"\n')
-    with pytest.raises(RouteToolError) as info:
-        read_dump(path)
-    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+    text = _refused_in_one_line(tmp_path / "x.csv", header + '1,0,"[1, 2]","[3, 4]"\n')
+    assert words in text, text
 
 
 def test_csv_folder_layer_spelled_two_ways_names_both_files(tmp_path):
