@@ -55,9 +55,10 @@ def time_fn(fn, xs, bias, T, K, **kw):
 def check(fn, x, bias, K, **kw):
     """No mismatch or invalid row and weights within tolerance (tie-aware, as replay checks)."""
     w, ids = fn(x, bias, K, 2.5, **kw)
-    rw, rids = musespark1x_routing_reference(x, bias, K, 2.5)
+    pad = kw.get("is_padding")
+    rw, rids = musespark1x_routing_reference(x, bias, K, 2.5, is_padding=pad)
     scores = normalized_scores(x)
-    cmp = compare_step(ids, w, rids, rw, scores, biased_scores(scores, bias), None, tie_ulps=16,
+    cmp = compare_step(ids, w, rids, rw, scores, biased_scores(scores, bias), pad, tie_ulps=16,
                        tolerance=weight_tolerance(torch.float32, 2.5))
     bad = (cmp.row_class == RowClass.MISMATCH) | (cmp.row_class == RowClass.INVALID) | cmp.weight_over_tol
     return not bool(bad.any())
@@ -121,6 +122,8 @@ def main():
                     help="comma-separated num_warps:programs_per_sm:max_registers[:dynamic_tiles 0|1] for --two-level "
                          "(instead of --per-sm x --max-registers with one warp per program)")
     ap.add_argument("--experts", default=None, help="comma-separated E:dtype shapes for --two-level, e.g. 256:fp32,384:fp32")
+    ap.add_argument("--padding", type=float, default=0.0,
+                    help="pass an is_padding mask with this fraction of the rows padded (random; 0: no mask)")
     ap.add_argument("--variant", default="",
                     help="comma-separated NAME=INT module switches of kernel.routing to set first (experiments, "
                          "e.g. RCP_FMA_SLICES=4); recorded in the CSV's variant column")
@@ -156,6 +159,10 @@ def main():
             break
         K = 8
         xs, bias = rotating_inputs(T, E, dtype)
+        pad_kw = {}
+        if args.padding:
+            g = torch.Generator(device="cuda").manual_seed(T + E)
+            pad_kw = {"is_padding": torch.rand(T, device="cuda", generator=g) < args.padding}
         floor_us = (T * E * xs[0].element_size() + T * K * 8) / (copy_gbps * 1e3)
         if args.two_level:
             cands = [("tiled", default_config(1, E, dtype)), ("tiled", default_config(4096, E, dtype, topk=K + 100))]
@@ -169,7 +176,7 @@ def main():
         best = None
         for name, cfg in cands:
             fn = fused_musespark1x_routing_seed if name == "seed" else fused_musespark1x_routing
-            kw = {} if cfg is None else {"config": cfg}
+            kw = ({} if cfg is None else {"config": cfg}) | (pad_kw if name == "tiled" else {})
             ok = check(fn, xs[0], bias, K, **kw)  # the whole shape: the persistent loop and its tile claims
             p10, p50, p90 = time_fn(fn, xs, bias, T, K, **kw) if ok else (float("nan"),) * 3
             row = dict(variant=name + (f"[{args.variant}]" if args.variant and name == "tiled" else ""), num_tokens=T, num_experts=E, topk=K, dtype=str(dtype).removeprefix("torch."),
@@ -178,7 +185,7 @@ def main():
                        programs_per_sm=cfg.programs_per_sm if cfg else "",
                        max_registers=cfg.max_registers if cfg else "",
                        dynamic_tiles=cfg.dynamic_tiles if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
-                       floor_us=floor_us, is_default=cfg == default_config(T, E, dtype, topk=K) if cfg else "")
+                       floor_us=floor_us, padding=args.padding, is_default=cfg == default_config(T, E, dtype, topk=K) if cfg else "")
             rows.append(row)
             if ok and name == "tiled" and (best is None or p50 < best["p50_us"]):
                 best = row

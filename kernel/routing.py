@@ -616,7 +616,7 @@ def _two_level_kernel(
     PERSISTENT: tl.constexpr,
     PING_PONG: tl.constexpr,  # persistent loop over two tiles per iteration (see below)
     counter_ptr=None,  # DYNAMIC: TILE_GROUPS * 32 int32 (tile_counters), zero at launch and left zero
-    DYNAMIC: tl.constexpr = False,  # PING_PONG loop claiming tiles from the counters (see below)
+    DYNAMIC: tl.constexpr = False,  # persistent loop claiming tiles from the counters (see below)
     TILE_GROUPS: tl.constexpr = 16,
 ):
     """Two-level algorithm over tiles of ``BLOCK_T`` tokens.
@@ -627,11 +627,11 @@ def _two_level_kernel(
     work on this one. With ``PING_PONG`` the loop takes two tiles per iteration, alternating
     between two register sets, so no logits are copied between iterations (chosen while a
     thread holds at most :data:`PING_PONG_MAX_SLICES` logit slices: beyond that the second
-    set costs more registers, and resident programs, than the copies). With ``DYNAMIC``
-    (and ``PING_PONG``) a program takes two tiles by index and then claims pairs of tiles
-    from ``counter_ptr``: the static split left SMs idle for 13% of the kernel and 24 of 32
-    warps resident on average (the programs launched last ended last; Nsight Compute,
-    benchmarks/NOTES.md), the claimed one 29 of 32.
+    set costs more registers, and resident programs, than the copies). With ``DYNAMIC`` a
+    persistent program takes two tiles by index and then claims tiles from ``counter_ptr``,
+    pairs of them with ``PING_PONG``, one at a time without: the static split left SMs idle
+    for 13% of the kernel and 24 of 32 warps resident on average (the programs launched last
+    ended last; Nsight Compute, benchmarks/NOTES.md), the claimed one 29 of 32.
 
     Expert ``e`` of a row sits in column ``e % WIDTH`` of slice ``e // WIDTH``. Slices are
     streamed once; each column keeps its two best (score, expert) entries in order and the
@@ -653,25 +653,34 @@ def _two_level_kernel(
                           MASK_EXPERTS, BLOCK_T)
         if DYNAMIC:
             # Programs fall in TILE_GROUPS groups (pid % TILE_GROUPS), group g owning the tiles
-            # g + TILE_GROUPS * j. A program's first two tiles are static (j = q and q + P, for its
-            # index q among the P programs of its group); later pairs j = 2 P + 2 c, + 1 come from its
-            # group's counter (c = claim), each claim issued a pair ahead of its use. So programs that
-            # started early or met easy tiles take more, and all end together; one counter per group
-            # keeps the atomics on one address few.
-            G = tl.num_programs(0)
+            # g + TILE_GROUPS * j (j < T). A program's first two tiles are static (j = q and q + P, for its
+            # index q among the P programs of its group); later ones come from its group's counter, each
+            # claim issued a tile (one-tile loop) or a pair of tiles (PING_PONG) ahead of its use. So
+            # programs that started early or met easy tiles take more, and all end together; one counter
+            # per group keeps the atomics on one address few. The grid is smaller than the tile count,
+            # so P <= T in every group.
             g = pid % TILE_GROUPS
             q = pid // TILE_GROUPS
-            P = (G - g + TILE_GROUPS - 1) // TILE_GROUPS
+            P = (tl.num_programs(0) - g + TILE_GROUPS - 1) // TILE_GROUPS
             T = (num_tiles - g + TILE_GROUPS - 1) // TILE_GROUPS
             group_ptr = counter_ptr + g * 32  # one 128-byte line per group
-            # Each program claims until one claim fails (returns no pair), so a launch makes exactly
-            # D + P claims in a group (D: its dynamic pairs); the program whose claim returns the last
-            # value, D + P - 1, knows every other claim is done and sets the counter back to 0 for the
-            # next launch.
-            D = (tl.maximum(T - 2 * P, 0) + 1) // 2
+            # A program claims only where the iteration that reads the claim will run, and stops after
+            # the first claim that fails (returns no tile), so a launch makes exactly D + C claims in a
+            # group (D: its dynamic tiles or pairs, C: its programs that claim at all); the program whose
+            # claim returns the last value, D + C - 1, knows every other claim is done and sets the
+            # counter back to 0 for the next launch.
+            if PING_PONG:
+                # Pairs j = 2 P + 2 c, + 1 for claim c, claimed a pair ahead; every program claims.
+                D = (tl.maximum(T - 2 * P, 0) + 1) // 2
+                C = P
+            else:
+                # One tile per iteration, j = 2 P + c for claim c, claimed two tiles ahead; a program
+                # claims only if its second static tile exists (q + P < T).
+                D = tl.maximum(T - 2 * P, 0)
+                C = tl.minimum(P, T - P)
             a_j = q
             b_j = q + P
-            claim = _claim_tile(group_ptr, q >= 0)
+            claim = _claim_tile(group_ptr, (a_j if PING_PONG else b_j) < T)
             while a_j < T:
                 ys = _load_slices(gating_output_ptr, g + TILE_GROUPS * b_j, num_tokens, num_experts, stride_gm,
                                   stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
@@ -683,24 +692,26 @@ def _two_level_kernel(
                     FAST_MATH,
                 )
                 c = _claimed(claim)
-                tl.atomic_xchg(group_ptr, 0, mask=c == D + P - 1, sem="relaxed")
-                a_j = 2 * P + 2 * c
-                xs = _load_slices(gating_output_ptr, g + TILE_GROUPS * a_j, num_tokens, num_experts, stride_gm,
-                                  stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
-                if b_j < T:
-                    _two_level_tile(
-                        g + TILE_GROUPS * b_j, ys, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr,
-                        is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk,
-                        stride_im, stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK,
-                        WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
-                        FAST_MATH,
-                    )
-                b_j = a_j + 1
-                claim = _claim_tile(group_ptr, a_j < T)
-            # A program whose first tile lies past its group's end never read its claim, which may be
-            # the group's last (a persistent grid has fewer programs than tiles, so none does; the
-            # count must close all the same).
-            tl.atomic_xchg(group_ptr, 0, mask=(q >= T) & (_claimed(claim) == D + P - 1), sem="relaxed")
+                tl.atomic_xchg(group_ptr, 0, mask=c == D + C - 1, sem="relaxed")
+                if PING_PONG:
+                    a_j = 2 * P + 2 * c
+                    xs = _load_slices(gating_output_ptr, g + TILE_GROUPS * a_j, num_tokens, num_experts,
+                                      stride_gm, stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                    if b_j < T:
+                        _two_level_tile(
+                            g + TILE_GROUPS * b_j, ys, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr,
+                            is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk,
+                            stride_im, stride_ik, stride_pad, router_output_multiplier, route_scale,
+                            division_eps, TOPK, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE,
+                            HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+                        )
+                    b_j = a_j + 1
+                    claim = _claim_tile(group_ptr, a_j < T)
+                else:
+                    xs = ys
+                    a_j = b_j
+                    b_j = tl.minimum(2 * P + c, T)  # (no claim read: c = 2**28, no tile)
+                    claim = _claim_tile(group_ptr, b_j < T)
         elif PING_PONG:
             # Two tiles per iteration, in two register sets: each set is refilled once its tile
             # is done, so nothing is copied between iterations (twice the code, and the registers
@@ -770,12 +781,13 @@ class LaunchConfig:
         max_registers: registers per thread the compiler may use (``maxnreg``; 0: its
             choice). Fewer registers let more programs reside on an SM.
         dynamic_tiles: ``"two_level"`` on a persistent grid only: each program takes its first
-            two tiles by index and claims the rest, two at a time, from atomic counters
-            (:func:`_two_level_kernel`), so that programs that started early or met easy tiles
-            take more and all end together. Applies where the persistent loop holds two
-            tiles (:data:`PING_PONG_MAX_SLICES`), programs average at least
-            :data:`DYNAMIC_TILES_FROM` tiles, and the launch has its stream's counters (see
-            :func:`tile_counters`); elsewhere the launch takes every grid-th tile.
+            two tiles by index and claims the rest from atomic counters (two at a time where
+            the persistent loop holds two tiles, :data:`PING_PONG_MAX_SLICES`, one at a time
+            for more experts; :func:`_two_level_kernel`), so that programs that started early
+            or met easy tiles take more and all end together. Applies where programs average
+            at least :data:`DYNAMIC_TILES_FROM` tiles and the launch has its stream's
+            counters (see :func:`tile_counters`); elsewhere the launch takes every grid-th
+            tile.
     """
 
     block_t: int
@@ -798,7 +810,10 @@ DYNAMIC_TILES_FROM = 8
 """Fewest tiles per program (on average) for which a launch claims tiles dynamically. On an
 H200 (4224 programs): at 16384 tokens (3.9 per program) the static loop was faster (10.6
 against 11.4 us at E=256), at 32768 (7.8) the two were within 1% at E=256 and claiming lost
-4% at E=128, from 49152 (11.6) claiming won (24.7 against 26.0 us; 31.1 against 34.0 at 65536)."""
+4% at E=128, from 49152 (11.6) claiming won (24.7 against 26.0 us; 31.1 against 34.0 at 65536).
+The one-tile loop of 257-512 experts (3696 programs at 384 experts) claimed won at 32768 and
+65536 tokens (384 experts: 22.3 against 23.6 us, 39.9 against 42.3; 512 experts at 65536:
+51.8 against 55.9)."""
 
 _TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -1061,7 +1076,7 @@ def fused_musespark1x_routing(
         persistent = grid < num_tiles
         ping_pong = persistent and num_slices * config.block_t <= PING_PONG_MAX_SLICES * config.num_warps
         dynamic = {}
-        if config.dynamic_tiles and ping_pong and not _INTERPRETED and num_tiles >= DYNAMIC_TILES_FROM * grid:
+        if config.dynamic_tiles and persistent and not _INTERPRETED and num_tiles >= DYNAMIC_TILES_FROM * grid:
             counters = tile_counters(gating_output.device,
                                      allocate=not torch.cuda.is_current_stream_capturing())
             if counters is not None:

@@ -121,6 +121,11 @@ DYNAMIC = [
     (9000, 200, 6, torch.float16, 4, dict(router_output_multiplier=1.7, router_score_division_eps=1e-3)),
     (5000, 60, 4, torch.float32, 1, {}),
     (4097, 256, 1, torch.float32, 31, {}),  # 4097 tiles over 4092 programs: no pair left to claim
+    # more than 256 experts: the one-tile loop, claiming one tile at a time
+    (65536, 384, 8, torch.float32, 28, {}),
+    (5000, 384, 8, torch.bfloat16, 28, dict(router_score_normalization="softmax")),  # T < 2 P: not all claim
+    (12345, 500, 8, torch.float16, 32, dict(router_output_multiplier=1.7, router_score_division_eps=1e-3)),
+    (4225, 300, 2, torch.float32, 32, {}),  # 4225 tiles over 4224 programs: one program claims, in vain
 ]
 
 
@@ -133,6 +138,7 @@ def test_dynamic_tiles_match_reference_and_leave_counters_zero(T, E, K, dtype, p
     bias = torch.randn(E, device="cuda", generator=g) * 0.05
     config = LaunchConfig(block_t=1, chunk=32, num_warps=1, algorithm="two_level", programs_per_sm=per_sm,
                           dynamic_tiles=True)
+    assert routing.tile_counters(torch.device("cuda")) is not None  # (the launch claims: counters exist)
     for rep in range(3):  # back to back: each launch must find the counters at zero
         logits = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
         pad = torch.rand(T, device="cuda", generator=g) < 0.05
