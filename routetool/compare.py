@@ -6,10 +6,12 @@ rounding) differently. Each token row is therefore put in one class:
 
 * ``exact``: same ids in the same order;
 * ``reordered``: same set of experts, another order;
-* ``tie_equivalent``: different experts, but every pick's biased score (by the reference's
-  scores) is at least the expected k-th biased score, up to a tolerance of ``tie_ulps``
-  float32 ulps at the magnitude of the scores involved (0 = exact ties only);
-* ``mismatch``: a pick whose biased score is below the expected k-th one: a real error;
+* ``tie_equivalent``: different experts with the same biased scores (by the reference's
+  scores): sorted, the picks' biased scores equal the expected picks' ones pick by pick, up
+  to a tolerance of ``tie_ulps`` float32 ulps at the magnitude of the scores involved
+  (0 = exact ties only), so every difference lies inside a tie;
+* ``mismatch``: other experts whose biased scores differ from the expected picks' (a pick
+  below the expected k-th score, or an expected pick above it left out): a real error;
 * ``invalid``: an id out of range, a duplicate id, -1 on an unpadded row, a non-finite or
   negative weight, or a padded row not exactly -1 / 0.0;
 * ``padded``: a padded row correctly set to -1 / 0.0.
@@ -179,19 +181,21 @@ def compare_step(
     safe_exp = exp_ids.clamp(0, E - 1)
     exact = (ids == exp_ids).all(-1)
     same_set = (sorted_ids == exp_ids.sort(dim=-1).values).all(-1)
-    b_exp = biased.gather(1, safe_exp)
-    kth_pos = b_exp.argmin(dim=-1, keepdim=True)
-    kth_b = b_exp.gather(1, kth_pos)
-    kth_s = scores.gather(1, safe_exp.gather(1, kth_pos))
-    b_test = biased.gather(1, safe_ids)
-    s_test = scores.gather(1, safe_ids)
-    magnitude = torch.stack([kth_b.abs().expand_as(b_test), kth_s.expand_as(b_test), b_test.abs(), s_test], 0).amax(0)
+    # Other experts are equivalent when the two sets hold the same biased scores: sorted, pick
+    # by pick, equal or within the tolerance (every difference lies inside a tie). Comparing
+    # only against the expected k-th score would pass a set that drops a higher expert for
+    # one tied at the boundary, and any set at all when the expected picks are the wrong ones.
+    b_exp, order_exp = biased.gather(1, safe_exp).sort(dim=-1, descending=True)
+    s_exp = scores.gather(1, safe_exp.gather(1, order_exp))
+    b_test, order_test = biased.gather(1, safe_ids).sort(dim=-1, descending=True)
+    s_test = scores.gather(1, safe_ids.gather(1, order_test))
+    magnitude = torch.stack([b_exp.abs(), s_exp, b_test.abs(), s_test], 0).amax(0)
     magnitude = torch.where(torch.isfinite(magnitude), magnitude, 0.0)
     tol = tie_ulps * FLOAT32_EPS * magnitude
     # -inf == -inf counts as a tie (rows of non-finite logits); the subtraction would give NaN.
-    tie_ok = (b_test >= kth_b) | (b_test >= kth_b - tol)
-    tie_equiv = tie_ok.all(-1)
-    exact_tie = (b_test >= kth_b).all(-1)
+    equal = b_test == b_exp
+    tie_equiv = (equal | ((b_test - b_exp).abs() <= tol)).all(-1)
+    exact_tie = equal.all(-1)
 
     row_class = torch.full((n,), int(RowClass.MISMATCH), dtype=torch.int8, device=device)
     row_class = torch.where(tie_equiv, int(RowClass.TIE_EQUIVALENT), row_class)

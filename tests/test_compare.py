@@ -47,6 +47,24 @@ def test_exact_ties_only_with_zero_tolerance():
     assert RowClass(int(cmp.row_class[0])) == RowClass.MISMATCH
 
 
+def test_tie_equivalence_is_the_same_scores_not_just_above_the_kth():
+    """Equivalent sets hold the same biased scores; picks above the expected k-th are not enough."""
+    scores = torch.tensor([
+        [0.9, 0.5, 0.5, 0.2],  # a tied boundary expert picked, but the best one (0.9) left out
+        [0.9, 0.8, 0.1, 0.2],  # expected (e.g. a recorded output) holds a wrong pick (0.1): test is right
+        [0.9, 0.5, 0.5, 0.5],  # three tied at the boundary: any one of them is equivalent
+    ])
+    expected = torch.tensor([[0, 1], [0, 2], [0, 1]])
+    test = torch.tensor([[2, 1], [0, 1], [3, 0]])
+    cmp = compare_step(test, None, expected, None, scores, scores, None, tie_ulps=16, tolerance=None)
+    classes = [RowClass(int(c)) for c in cmp.row_class]
+    assert classes == [RowClass.MISMATCH, RowClass.MISMATCH, RowClass.TIE_EQUIVALENT]
+    assert cmp.exact_tie.tolist() == [False, False, True]
+    # and symmetric: the two outputs swapped give the same classes
+    swapped = compare_step(expected, None, test, None, scores, scores, None, tie_ulps=16, tolerance=None)
+    assert swapped.row_class.tolist() == cmp.row_class.tolist()
+
+
 def test_weight_errors_matched_by_expert_id():
     scores = torch.tensor([[0.9, 0.8, 0.1, 0.2]])
     exp_ids, exp_w = torch.tensor([[0, 1]]), torch.tensor([[0.6, 0.4]])
