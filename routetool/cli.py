@@ -74,6 +74,8 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:  # (click would write an empty line before its Abort)
+            raise Terminated(signal.SIGINT) from None
         except RouteToolError as exc:
             click.echo(f"routetool: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
@@ -104,7 +106,11 @@ class _Group(click.Group):
             click.echo("routetool: aborted", err=True)
             return EXIT_SIGNAL + signal.SIGINT
         except Terminated as exc:
-            click.echo(f"routetool: terminated by {signal.Signals(exc.signum).name}", err=True)
+            if exc.signum == signal.SIGINT:  # on a terminal, after the echoed ^C
+                click.echo(("\n" if sys.stderr is not None and sys.stderr.isatty() else "") + "routetool: aborted",
+                           err=True)
+            else:
+                click.echo(f"routetool: terminated by {signal.Signals(exc.signum).name}", err=True)
             return EXIT_SIGNAL + exc.signum
         except click.ClickException as exc:
             click.echo(printable(f"routetool: error: {exc.format_message()}"), err=True)

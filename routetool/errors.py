@@ -15,7 +15,8 @@ process the signal killed (130 Ctrl-C/SIGINT, 141 a closed output pipe/SIGPIPE, 
 
 class Terminated(BaseException):
     """A termination signal (SIGTERM) arrived: raised by routetool's handler for it, so that the
-    run unwinds like on Ctrl-C (temporary files removed, a capture's index finished).
+    run unwinds like on Ctrl-C (temporary files removed, a capture's index finished). Ctrl-C's
+    ``KeyboardInterrupt`` is turned into one with ``signum`` SIGINT once the run has unwound.
 
     A :class:`BaseException`, like :class:`KeyboardInterrupt`: the ``except Exception`` that
     catches a kernel's failures lets it through. ``signum``: the signal's number.
