@@ -298,7 +298,7 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
         KernelError: (exit 1: the check found a problem with the kernel) the function raised
             anything else (``SystemExit`` included), wrote into its inputs (compared bit for
             bit before and after the call, as replay and validate do), returned something other
-            than an integer tensor of shape ``[n, topk]`` on ``gating``'s device (or, from
+            than an int32/int64 tensor of shape ``[n, topk]`` on ``gating``'s device (or, from
             :func:`route_fn_from`, weights of another shape), or ids that are invalid on an unpadded row
             (:func:`routetool.compare.invalid_reasons`: out of range, -1, one expert twice).
             The message names the function, the layer and the step (and the first invalid row).
@@ -331,9 +331,9 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
     if tuple(ids.shape) != (n, topk):
         raise KernelError(f"{name} returned topk_ids of shape {list(ids.shape)} on {where}; expected [{n}, {topk}]",
                           failure_class="wrong_shape", path=path, fix=_FIX_KERNEL)
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise KernelError(f"{name} returned topk_ids of dtype {ids.dtype} on {where}; expected integers",
-                          failure_class="wrong_shape", path=path, fix="return int32/int64 expert ids")
+    if ids.dtype not in (torch.int32, torch.int64):  # as validate and replay check
+        raise KernelError(f"{name} returned topk_ids of dtype {ids.dtype} on {where}; expected int32 or int64",
+                          failure_class="wrong_dtype", path=path, fix="return int32/int64 expert ids")
     if ids.device != gating.device:
         raise KernelError(f"{name} returned topk_ids on device {ids.device} on {where}; its inputs are on device "
                           f"{gating.device}", failure_class="wrong_device", path=path,
@@ -1201,7 +1201,7 @@ def route_fn_from(fn, router, *, kernel: bool = False) -> RouteFn:
     replay calls kernels (:func:`routetool.replay.call_kernel`: ``topk_weights=None`` and
     ``topk_ids=None`` passed too); otherwise the PyTorch reference, which takes no output
     buffers. Exceptions propagate; something other than a pair, or (from a kernel) weights that
-    are not a float tensor of the ids' shape, raises :class:`RoutingOutputError`.
+    are not a float32 tensor of the ids' shape, raises :class:`RoutingOutputError`.
     :func:`call_route` (used by :class:`TraceSource`) turns them, written inputs, wrong shapes
     and invalid ids into one-line errors naming the function, the layer and the step."""
     kwargs = router.kernel_kwargs()
@@ -1212,10 +1212,11 @@ def route_fn_from(fn, router, *, kernel: bool = False) -> RouteFn:
             raise RoutingOutputError(f"returned {type(out).__name__}, expected (topk_weights, topk_ids)")
         w, ids = out
         if kernel and isinstance(ids, torch.Tensor) and not (
-                isinstance(w, torch.Tensor) and w.is_floating_point() and w.shape == ids.shape):
+                isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.shape == ids.shape):
             got = f"{list(w.shape)} {str(w.dtype).removeprefix('torch.')}" if isinstance(w, torch.Tensor) \
                 else type(w).__name__
-            raise RoutingOutputError(f"returned topk_weights {got}, expected float {list(ids.shape)} like its topk_ids")
+            raise RoutingOutputError(f"returned topk_weights {got}, expected float32 {list(ids.shape)} like its "
+                                     "topk_ids")
         return ids
 
     return route

@@ -181,7 +181,7 @@ def load_kernel(spec: str, *, also: Sequence[str] = ()) -> tuple[str, RoutingFn]
 
     Raises:
         RouteToolError: unknown variant, a path that is no ``.py`` file and no importable module
-            (``README.md:fn``), unimportable module, missing function.
+            (``README.md:fn``, a folder), unimportable module, missing function.
     """
     import kernel
 
@@ -210,6 +210,8 @@ def load_kernel(spec: str, *, also: Sequence[str] = ()) -> tuple[str, RoutingFn]
         else:
             with _importable(os.getcwd()):  # as `python -m` and `python -c` (a console script does not)
                 module = importlib.import_module(module_name)
+            if getattr(module, "__file__", None) is None:  # a folder without __init__.py: a namespace package
+                raise not_python
     except RouteToolError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the user's module's

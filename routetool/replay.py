@@ -308,15 +308,17 @@ def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: tor
                           fix="a routing kernel may write only topk_weights and topk_ids")
     n, k = gating.shape[0], router.topk
     ok = isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
+    failure = "wrong_shape"
     if ok:
         w, ids = out
-        ok = (tuple(w.shape) == (n, k) and tuple(ids.shape) == (n, k) and w.is_floating_point()
-              and not ids.is_floating_point() and ids.dtype != torch.bool)
+        ok = tuple(w.shape) == (n, k) and tuple(ids.shape) == (n, k)
+        if ok and (w.dtype != torch.float32 or ids.dtype not in (torch.int32, torch.int64)):  # as validate checks
+            ok, failure = False, "wrong_dtype"
     if not ok:
         got = (", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor)
                          else type(t).__name__ for t in out) if isinstance(out, (tuple, list)) else type(out).__name__)
-        raise KernelError(f"kernel {name!r} returned ({got}) on {where}; expected (topk_weights float [{n}, {k}], "
-                          f"topk_ids int [{n}, {k}])", failure_class="wrong_shape", path=path, tensor=tensor,
+        raise KernelError(f"kernel {name!r} returned ({got}) on {where}; expected (topk_weights float32 [{n}, {k}], "
+                          f"topk_ids int32 or int64 [{n}, {k}])", failure_class=failure, path=path, tensor=tensor,
                           fix="return (topk_weights, topk_ids)")
     elsewhere = outputs_elsewhere(gating.device, topk_weights=out[0], topk_ids=out[1])
     if elsewhere:

@@ -333,11 +333,15 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
             # Text: "[nan, 1]" would be read as rich markup
             rt.add_row(str(r.layer), str(r.step), str(r.row), ", ".join(r.reasons), Text(str(r.topk_ids)), Text(weights))
         console.print(rt)
+    # Nothing compared: every replayed layer is ids-only, or holds logits for no rows at all.
+    why = ("hold no logits" if all(layer.ids_only for layer in result.layers) else
+           "hold no rows" if not any(layer.ids_only for layer in result.layers) else
+           "hold no logits or no rows")
     if result.compared_rows == 0 and not result.ok:
-        console.print(Text("FAIL: the replayed layers hold no logits, and some recorded outputs are invalid; exit code 1",
+        console.print(Text(f"FAIL: the replayed layers {why}, and some recorded outputs are invalid; exit code 1",
                            style="bold red"))
     elif result.compared_rows == 0:
-        console.print(Text("NOTHING COMPARED: the replayed layers hold no logits", style="bold yellow"))
+        console.print(Text(f"NOTHING COMPARED: the replayed layers {why}", style="bold yellow"))
     elif result.ok:
         console.print(Text("PASS: no real mismatch, no invalid output, weights within tolerance", style="bold green"))
     else:

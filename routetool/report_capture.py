@@ -62,8 +62,15 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
     header.add_row("size", f"{fmt_bytes(info.size_bytes)} ({info.size_bytes:,} bytes)")
     header.add_row("format", f"routetool-trace v{info.format_version}")
     header.add_row("model", user_text(info.model or "-"))
-    header.add_row("router", _router_line(info.router))
+    unknown = info.metadata.get("router_parameters")
+    if unknown is not None:  # an ids-only import: only E and topk are real, the rest are placeholders
+        header.add_row("router", user_text(f"E={info.router.num_experts} topk={info.router.topk}; "
+                                           f"router parameters {unknown}"))
+    else:
+        header.add_row("router", _router_line(info.router))
     for key in sorted(info.metadata):
+        if key == "router_parameters" and unknown is not None:
+            continue  # (said on the router line)
         header.add_row(user_text(key), user_text(info.metadata[key]))
     header.add_row("provenance", user_text(info.provenance or "-"))
     header.add_row("layers", f"{len(info.layers)}: {', '.join(str(x.layer) for x in info.layers)}")

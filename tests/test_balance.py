@@ -415,12 +415,12 @@ def test_bias_effect_routing_is_checked_too(tmp_path):
 
 
 def test_route_fn_from_checks_a_kernels_weights():
-    # a kernel's weights are checked as replay checks them: a float tensor of the ids' shape
+    # a kernel's weights are checked as replay checks them: a float32 tensor of the ids' shape
     def swapped(g, b, *a, **k):
         return torch.zeros(g.shape[0], 1, dtype=torch.int32), torch.zeros(g.shape[0], 1)
 
     route = route_fn_from(swapped, RouterConfig(num_experts=4, topk=1, route_scale=1.0), kernel=True)
-    with pytest.raises(TypeError, match=r"returned topk_weights \[2, 1\] int32, expected float \[2, 1\]"):
+    with pytest.raises(TypeError, match=r"returned topk_weights \[2, 1\] int32, expected float32 \[2, 1\]"):
         route(torch.zeros(2, 4), torch.zeros(4), None)
 
 

@@ -624,6 +624,12 @@ def twice(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=No
 def wide_weights(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
     w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
     return torch.zeros(w.shape[0], 3), i
+def uint8_ids(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
+    return w, i.to(torch.uint8)
+def float64_weights(gating_output, bias, topk, route_scale, topk_weights=None, topk_ids=None, **kwargs):
+    w, i = ref(gating_output, bias, topk, route_scale, **kwargs)
+    return w.double(), i
 def on_meta(gating_output, bias, *args, topk_weights=None, topk_ids=None, **kwargs):
     w, i = ref(gating_output, bias, *args, **kwargs)
     return w.to("meta"), i.to("meta")
@@ -641,8 +647,11 @@ def on_meta(gating_output, bias, *args, topk_weights=None, topk_ids=None, **kwar
     ("ansi", [r"failed on layer 0, step 0 (RuntimeError: \x1b[2J\x1b[31mscreen cleared\x00)"]),
     ("exits", ["failed on layer 0, step 0 (SystemExit: 0)"]),
     ("scribble_padding", ["wrote into its input is_padding on layer 0, step 0"]),
-    ("wide_weights", ["returned topk_weights [16, 3] float32, expected float [16, 2] like its topk_ids",
+    ("wide_weights", ["returned topk_weights [16, 3] float32, expected float32 [16, 2] like its topk_ids",
                       "on layer 0, step 0"]),
+    # other dtypes than validate's passed, or failed on a padded row (uint8 cannot hold -1)
+    ("uint8_ids", ["returned topk_ids of dtype torch.uint8 on layer 0, step 0; expected int32 or int64"]),
+    ("float64_weights", ["returned topk_weights [16, 2] float64, expected float32 [16, 2] like its topk_ids"]),
     # invalid ids were left out of the counts: exit 0 with wrong statistics
     ("plus_1000", ["returned invalid topk_ids on layer 0, step 0, row 0: [10",
                    "hold an id outside [0, 8); 16 of the step's 16 rows are invalid (fix the kernel"]),

@@ -183,6 +183,13 @@ def test_ids_only_trace_counts_load_and_says_what_is_skipped(tmp_path):
     assert "(recorded ids)" in res.stderr
 
 
+def test_a_layer_of_zero_rows_is_said_to_hold_no_rows_not_no_logits(tmp_path):
+    path = make_trace(tmp_path / "empty.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8))})
+    res = _run("replay", path, "--device", DEVICE, "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert "NOTHING COMPARED: the replayed layers hold no rows" in res.output, res.output
+
+
 def test_ids_only_trace_with_invalid_recorded_outputs_fails(tmp_path):
     # recorded weights NaN or negative and a repeated id: found without logits or a reference
     ids = torch.tensor([[0, 1], [1, 1], [2, 3], [1, 7]], dtype=torch.int32)
@@ -244,6 +251,12 @@ def _kernels_file(tmp_path):
         "    w, ids = ref(gating_output, bias, topk, route_scale, router_output_multiplier,\n"
         "                 router_score_normalization, router_score_division_eps, is_padding=is_padding)\n"
         "    return w[:-1], ids[:-1]\n"
+        "def int8_ids(g, b, topk, route_scale, *a, **k):\n"
+        "    w, ids = ref(g, b, topk, route_scale)\n"
+        "    return w, ids.to(torch.int8)\n"
+        "def float64_weights(g, b, topk, route_scale, *a, **k):\n"
+        "    w, ids = ref(g, b, topk, route_scale)\n"
+        "    return w.double(), ids\n"
         "def no_defaults(gating_output, bias, topk, route_scale, router_output_multiplier,\n"
         "                router_score_normalization, router_score_division_eps, topk_weights, topk_ids, *,\n"
         "                is_padding):\n"
@@ -256,7 +269,11 @@ def _kernels_file(tmp_path):
 @pytest.mark.parametrize("fn,message", [("raises", "crashed on layer 1 step 0 (RuntimeError: boom)"),
                                         ("exits", "crashed on layer 1 step 0 (SystemExit: 0)"),
                                         ("zeroes_bias", "wrote into its input bias on layer 1 step 0"),
-                                        ("short", "returned ((383, 8) float32, (383, 8) int32) on layer 1 step 0")])
+                                        ("short", "returned ((383, 8) float32, (383, 8) int32) on layer 1 step 0"),
+                                        # other dtypes passed replay while validate failed them (wrong_dtype)
+                                        ("int8_ids", "returned ((384, 8) float32, (384, 8) int8) on layer 1 step 0; "
+                                                     "expected (topk_weights float32 [384, 8], topk_ids int32 or int64"),
+                                        ("float64_weights", "returned ((384, 8) float64, (384, 8) int32) on layer 1")])
 def test_failing_user_kernel_is_one_line_exit_1(tmp_path, fn, message):
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
     kernel = f"{_kernels_file(tmp_path)}:{fn}"
@@ -264,7 +281,8 @@ def test_failing_user_kernel_is_one_line_exit_1(tmp_path, fn, message):
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 1 and len(lines) == 1 and message in lines[0], res.output
     res = _run("validate", trace, "--suite", "none", "--kernel", kernel, "--no-progress", "--device", DEVICE)
-    assert res.exit_code == 1 and any(c in res.output for c in ("crash", "wrong_shape", "modified_input"))
+    assert res.exit_code == 1 and any(c in res.output for c in ("crash", "wrong_shape", "wrong_dtype",
+                                                                "modified_input"))
 
 
 def test_outputs_on_another_device_are_one_line_exit_1(tmp_path):
@@ -402,17 +420,18 @@ def test_a_kernel_module_that_exits_on_import_is_one_line_exit_2(tmp_path):
     assert res.exit_code == 2 and "cannot import (SystemExit: 0)" in res.output
 
 
-@pytest.mark.parametrize("name", ["notes.md", "sub/notes.md", "sub"])
+@pytest.mark.parametrize("name", ["notes.md", "sub/notes.md", "sub/", "sub"])
 def test_a_kernel_path_that_is_no_python_file_is_named_as_such(tmp_path, monkeypatch, name):
-    # README.md:fn said "cannot import (AttributeError: 'NoneType' object has no attribute 'loader')"
+    # README.md:fn said "cannot import (AttributeError: 'NoneType' object has no attribute 'loader')"; a bare
+    # folder name was imported as a namespace package: "has no function 'fn'"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sub").mkdir()
     (tmp_path / "notes.md").write_text("# notes\n")
     (tmp_path / "sub" / "notes.md").write_text("# notes\n")
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
-    res = _run("replay", trace, "--device", DEVICE, "--no-progress", "--kernel", f"{name}{os.sep * (name == 'sub')}:fn")
+    res = _run("replay", trace, "--device", DEVICE, "--no-progress", "--kernel", f"{name}:fn")
     assert res.exit_code == 2 and res.output.strip() == (
-        f"routetool: error: {name}{os.sep * (name == 'sub')}: is not a .py file or an importable module (name a "
+        f"routetool: error: {name}: is not a .py file or an importable module (name a "
         "Python file, --kernel path/to/kernel.py:function, or a module on the path, --kernel "
         "package.module:function)"), res.output
 
@@ -682,3 +701,10 @@ def test_the_replay_header_of_an_imported_ids_only_trace_says_the_router_paramet
     res = _run("replay", ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors", "--device", DEVICE, "--no-progress",
                "--no-latency", "--layers", "1")
     assert "sigmoid route_scale=2.5" in res.output, res.output
+    # info's header said the placeholders too
+    res = _run("info", out)
+    assert res.exit_code == 0, res.output
+    header = " ".join(res.output.replace("│", " ").split())
+    assert "router E=8 topk=2; router parameters unknown (ids-only import: only num_experts and topk are real)" \
+        in header, res.output
+    assert "route_scale" not in header and "sigmoid" not in header, res.output
