@@ -14,7 +14,13 @@ from routetool.cli import _Group
 from routetool.cli_balance import balance, import_
 from routetool.trace import LayerArrays, RouterConfig, Trace
 from tests.helpers import make_trace
-from tests.test_imports import write_deepseek_like, write_mixtral_like, write_qwen_like, write_sglang_stat
+from tests.test_imports import (
+    write_deepseek_like,
+    write_mixtral_like,
+    write_qwen_like,
+    write_sglang_per_token,
+    write_sglang_stat,
+)
 
 REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
 
@@ -568,6 +574,76 @@ def test_dump_options_on_a_trace_are_refused(tmp_path, args, flags):
     trace = tmp_path / "ids.safetensors"
     _ids_trace(trace)
     _one_line_error(run("balance", trace, *args, "--no-progress"), flags, "to routing dumps, not to a trace")
+
+
+def _dump(tmp_path, kind):
+    """A small dump of each kind that reads its own options (see imports.OPTIONS_READ)."""
+    if kind == "jsonl":
+        path = tmp_path / "q.jsonl"
+        write_qwen_like(path)
+    elif kind == "csv":
+        path = tmp_path / "ds"
+        write_deepseek_like(path)
+    elif kind == "sglang-per-token":
+        path = tmp_path / "pt.pt"
+        write_sglang_per_token(path)
+    elif kind == "sglang-stat":
+        path = tmp_path / "stat.pt"
+        write_sglang_stat(path)
+    elif kind == "sglang-per-pass":
+        path = tmp_path / "pp.pt"
+        torch.save({"records": [{"forward_pass_id": 0, "rank": 0,
+                                 "global_physical_count": torch.tensor([[1, 0, 2, 1]], dtype=torch.int32)}]}, path)
+    else:
+        from tests.test_imports import _counts_doc
+
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps(_counts_doc()["mixtral"]))
+    return path
+
+
+TOKEN_ROWS = "(it reads --num-experts, --topk, --skip-rows, --drop-repeats)"
+
+
+@pytest.mark.parametrize("kind, args, line", [
+    # --select (which chooses the tables of a counts JSON file) ran on token rows: exit 0, nothing said
+    ("jsonl", ["--select", "foo"], f"q.jsonl: --select does not apply to a jsonl dump {TOKEN_ROWS} (drop --select)"),
+    ("csv", ["--select", "foo"], f"ds: --select does not apply to a csv dump {TOKEN_ROWS} (drop --select)"),
+    ("sglang-per-token", ["--select", "x"], f"pt.pt: --select does not apply to an sglang dump {TOKEN_ROWS} (drop "
+                                            "--select)"),
+    # --skip-rows and --drop-repeats (filters of token rows) on counts: the same numbers as without them
+    ("counts", ["--skip-rows", "100000"], "c.json: --skip-rows does not apply to a counts-json file of per-expert "
+                                          "counts (it reads --num-experts, --topk, --select) (drop --skip-rows)"),
+    ("counts", ["--skip-rows", "0", "--drop-repeats", "1"],  # given, even at the default value
+     "c.json: --skip-rows, --drop-repeats do not apply to a counts-json file of per-expert counts (it reads "
+     "--num-experts, --topk, --select) (drop --skip-rows, --drop-repeats)"),
+    ("sglang-stat", ["--drop-repeats", "64"], "stat.pt: --drop-repeats does not apply to an sglang stat dump of "
+                                              "per-expert counts (it reads --num-experts, --topk) (drop --drop-repeats)"),
+    ("sglang-per-pass", ["--skip-rows", "1"], "pp.pt: --skip-rows does not apply to an sglang per-pass dump of "
+                                              "per-expert counts (it reads --num-experts, --topk) (drop --skip-rows)"),
+])
+@pytest.mark.parametrize("command", ["balance", "import"])
+def test_dump_options_a_format_does_not_read_are_refused(tmp_path, command, kind, args, line):
+    # they used to be ignored silently (the docs call that an error for every option)
+    path = _dump(tmp_path, kind)
+    out = ["-o", tmp_path / "x.safetensors"] if command == "import" else ["--no-progress"]
+    res = run(command, path, *args, *out)
+    _one_line_error(res)
+    assert res.output.strip() == f"routetool: error: {tmp_path}/{line}", res.output
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("kind, args", [
+    ("jsonl", ["--num-experts", "16", "--topk", "4", "--skip-rows", "0", "--drop-repeats", "64"]),
+    ("csv", ["--num-experts", "64", "--skip-rows", "1", "--drop-repeats", "2"]),
+    ("sglang-per-token", ["--num-experts", "4", "--topk", "2", "--skip-rows", "1", "--drop-repeats", "0"]),
+    ("sglang-stat", ["--num-experts", "8", "--topk", "2"]),
+    ("sglang-per-pass", ["--num-experts", "4", "--topk", "1"]),
+    ("counts", ["--num-experts", "8", "--topk", "2", "--select", "book"]),
+])
+def test_dump_options_a_format_reads_are_accepted(tmp_path, kind, args):
+    res = run("balance", _dump(tmp_path, kind), *args, "--ep-size", "2", "--no-progress")
+    assert res.exit_code == 0, res.output
 
 
 KERNELS = '''
