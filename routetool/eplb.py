@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError, first_line
+from routetool.files import refuse_special_file
 from routetool.jsonstrict import DuplicateKey, unique_keys
 
 PLACEMENT_SCHEMA = "routetool.placement/1"
@@ -439,7 +440,7 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     order. The GPU count comes from ``num_gpus`` in the file, else from ``num_gpus``.
 
     Raises:
-        RouteToolError: unreadable file, missing keys, values of the wrong type (ids that are
+        RouteToolError: unreadable file (a FIFO, device or socket included), missing keys, values of the wrong type (ids that are
             not integers, ``num_gpus`` that is not a positive integer ...), a layer without a
             row, a logical expert with no slot, more than :func:`max_redundant` redundant
             slots, slots not divisible by the GPUs; one line
@@ -447,6 +448,7 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     """
     path = Path(path)
     fix_file = "fix the file, or write one with `routetool balance --eplb-out`"
+    refuse_special_file(path, fix="pass a placement file written by `routetool balance --eplb-out`")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
     except FileNotFoundError:

@@ -67,6 +67,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
+from routetool.files import refuse_special_file
 from routetool.jsonstrict import DuplicateKey, unique_keys
 from routetool.numtext import parse_float, parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
@@ -267,6 +268,25 @@ class ImportedCounts:
 
 # ---------------------------------------------------------------------------------------
 # format detection
+_DUMP_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".pt", ".pth")
+"""The files of a dump folder that the readers read."""
+
+
+def _refuse_special_files(path: Path) -> None:
+    """A dump, or a file a dump folder holds for the readers, that is a FIFO, device or socket
+    is refused before anything opens it (reading one could block forever) or names it by its
+    extension alone (``x.safetensors`` as a trace)."""
+    fix = "write it to a regular file and pass that"
+    refuse_special_file(path, fix=fix)
+    if path.is_dir():
+        try:
+            entries = [p for p in path.iterdir() if p.suffix.lower() in _DUMP_SUFFIXES]
+        except OSError:
+            return  # the folder's reader names why it cannot be listed
+        for p in entries:
+            refuse_special_file(p, fix=fix)
+
+
 def _is_trace_index(path: Path) -> bool:
     """A sharded-trace index: JSON whose top-level ``format`` is ``routetool-trace-index``."""
     try:
@@ -281,10 +301,12 @@ def detect_format(path: Path) -> str:
     """The reader for ``path`` (file or folder) by extension, then by content.
 
     Raises:
-        RouteToolError: missing path, or nothing recognisable.
+        RouteToolError: missing path, a FIFO, device or socket (also as a dump file of a
+            folder), or nothing recognisable.
     """
     if not path.exists():
         raise RouteToolError("no such file or folder", path=path, fix="check the path")
+    _refuse_special_files(path)
     if path.is_dir():
         try:
             kinds = {p.suffix.lower() for p in path.iterdir() if p.is_file() and not p.name.startswith(".")}
@@ -1228,7 +1250,8 @@ def resolve_format(path: str | Path, fmt: str = "auto") -> str:
     against what the file clearly is (a routetool trace or not).
 
     Raises:
-        RouteToolError: missing path; ``--format trace`` for a file that is not a trace; a dump
+        RouteToolError: missing path; a FIFO, device or socket (also as a dump file of a
+            folder); ``--format trace`` for a file that is not a trace; a dump
             format for a file that is a trace; nothing recognisable.
     """
     path = Path(path)
@@ -1238,6 +1261,7 @@ def resolve_format(path: str | Path, fmt: str = "auto") -> str:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
     if not path.exists():
         raise RouteToolError("no such file or folder", path=path, fix="check the path")
+    _refuse_special_files(path)
     detected = _detected(path)
     if fmt == "trace" and detected != "trace":
         looks = f" (its content looks like {detected})" if detected else ""

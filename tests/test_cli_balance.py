@@ -1,6 +1,7 @@
 """`routetool balance` and `routetool import` through click's CliRunner, asserting real numbers."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -644,6 +645,42 @@ def test_dump_options_a_format_does_not_read_are_refused(tmp_path, command, kind
 def test_dump_options_a_format_reads_are_accepted(tmp_path, kind, args):
     res = run("balance", _dump(tmp_path, kind), *args, "--ep-size", "2", "--no-progress")
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("name, args", [
+    # reading it blocked forever
+    ("ff.jsonl", ["import", "{fifo}", "-o", "{out}"]),
+    ("ff.jsonl", ["balance", "{fifo}", "--no-progress"]),
+    ("ff.jsonl", ["import", "{fifo}", "--format", "jsonl", "-o", "{out}"]),
+    ("ff.json", ["balance", "{fifo}", "--no-progress"]),  # (a .json is read to tell a trace index from counts)
+    # named by its extension alone: 'is already a routetool trace'
+    ("ff.safetensors", ["import", "{fifo}", "-o", "{out}"]),
+    # a FIFO among the files of a dump folder
+    ("dump/b.csv", ["balance", "{folder}", "--no-progress"]),
+    ("dump/b.csv", ["import", "{folder}", "-o", "{out}"]),
+])
+def test_a_fifo_dump_is_refused_at_once(tmp_path, name, args):
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    (folder / "a.csv").write_text('Batch Number,Layer ID,Activated Expert IDs\n0,0,"[1, 2]"\n')
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    out = tmp_path / "x.safetensors"
+    res = run(*(a.format(fifo=fifo, out=out, folder=folder) for a in args))
+    _one_line_error(res)
+    assert res.output.strip() == (f"routetool: error: {fifo}: is not a regular file (a FIFO, device or socket); "
+                                  "reading it could block (write it to a regular file and pass that)")
+    assert fifo.is_fifo() and not out.exists()
+
+
+def test_a_fifo_placement_is_refused_at_once(tmp_path):
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    fifo = tmp_path / "p.json"
+    os.mkfifo(fifo)
+    _one_line_error(run("balance", trace, "--ep-size", "2", "--placement", fifo, "--no-progress"),
+                    f"{fifo}: is not a regular file (a FIFO, device or socket); reading it could block (pass a "
+                    "placement file written by `routetool balance --eplb-out`)")
 
 
 KERNELS = '''
