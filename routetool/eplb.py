@@ -313,11 +313,15 @@ def _rebalance_layer(weights: torch.Tensor, num_physical: int, num_groups: int, 
 
 
 def check_eplb_config(num_experts: int, num_redundant: int, num_groups: int, num_nodes: int,
-                      num_gpus: int, policy: str) -> str:
+                      num_gpus: int, policy: str, *, redundant_implied_by: str | None = None) -> str:
     """Validate an EPLB configuration and resolve ``policy`` (auto|hierarchical|global).
 
     ``auto`` is DeepSeek's rule: hierarchical when the number of nodes divides the number of
     expert groups (and there is more than one node), else global.
+
+    ``redundant_implied_by``: the option that gave ``num_gpus`` (``--gpus``) when
+    ``num_redundant`` is not given but its default, one redundant expert per GPU; messages
+    then name that option, which the user gave, instead of ``--redundant``.
 
     Returns:
         ``"hierarchical"`` or ``"global"``.
@@ -330,6 +334,11 @@ def check_eplb_config(num_experts: int, num_redundant: int, num_groups: int, num
     if policy not in POLICIES:
         raise RouteToolError(f"unknown EPLB policy {policy!r}", fix="use auto, hierarchical or global")
     limit = max_redundant(num_experts)
+    if num_redundant > limit and redundant_implied_by is not None:
+        raise RouteToolError(f"EPLB: {redundant_implied_by} {num_gpus} implies --redundant {num_redundant} by default "
+                             f"(one redundant expert per GPU), over the limit of {limit:,} redundant experts "
+                             f"({MAX_REDUNDANT_PER_EXPERT} per logical expert, {num_experts} experts)",
+                             fix=f"pass fewer {redundant_implied_by}, or an explicit --redundant of at most {limit:,}")
     if num_redundant > limit:
         raise RouteToolError(f"EPLB: --redundant {num_redundant} is over the limit of {limit:,} redundant experts "
                              f"({MAX_REDUNDANT_PER_EXPERT} per logical expert, {num_experts} experts)",
@@ -339,8 +348,9 @@ def check_eplb_config(num_experts: int, num_redundant: int, num_groups: int, num
     if num_redundant < 0:
         problems.append(f"redundant experts {num_redundant} must be >= 0")
     if num_gpus < 1 or P % num_gpus:
-        problems.append(f"{P} physical experts ({num_experts} + {num_redundant} redundant) must be a multiple "
-                        f"of the {num_gpus} GPUs")
+        default = ", one per GPU by default" if redundant_implied_by is not None else ""
+        problems.append(f"{P} physical experts ({num_experts} + {num_redundant} redundant{default}) must be a "
+                        f"multiple of the {num_gpus} GPUs")
     if num_nodes < 1 or num_gpus % num_nodes:
         problems.append(f"{num_gpus} GPUs must be a multiple of the {num_nodes} nodes")
     if num_groups < 1 or num_experts % num_groups:

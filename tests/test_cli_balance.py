@@ -117,6 +117,10 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
                                                       "experts (3 per logical expert, 4 experts) (pass --redundant 12 "
                                                       "or fewer"),
     (["--gpus", "4", "--redundant", "99999996"], "--redundant 99999996 is over the limit of 12"),
+    # --gpus alone named --redundant, which the user never gave (its default is one per GPU)
+    (["--gpus", "1000"], "routetool: error: EPLB: --gpus 1000 implies --redundant 1000 by default (one redundant "
+                         "expert per GPU), over the limit of 12 redundant experts (3 per logical expert, 4 experts) "
+                         "(pass fewer --gpus, or an explicit --redundant of at most 12)"),
     (["--reference", "--recorded"], "exclude each other"),
     (["--reference"], "ids-only trace"),
     # an explicit --kernel on an ids-only trace was ignored (the recorded ids were used)
