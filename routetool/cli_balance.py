@@ -20,7 +20,7 @@ from routetool.cli_numbers import INT, IntRange
 from routetool.errors import EXIT_OK, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS, READING_OPTIONS
-from routetool.numtext import list_items, parse_float, parse_int
+from routetool.numtext import list_items, parse_float, parse_int, refuse_repeats
 from routetool.report import Console, markup_safe, user_text
 
 _CTX = {"help_option_names": ["-h", "--help"]}
@@ -41,7 +41,7 @@ def _int_list(option: str, spec: str | None) -> list[int] | None:
         raise RouteToolError(f"{option} {spec!r} is not a list of integers", fix=f"use e.g. {option} 8,16")
     if any(v < 1 for v in values):
         raise RouteToolError(f"{option} {spec!r}: values must be >= 1", fix=f"use e.g. {option} 8,16")
-    return values
+    return refuse_repeats(option, spec, values)
 
 
 def _float_list(option: str, spec: str) -> list[float]:
