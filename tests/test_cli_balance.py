@@ -515,6 +515,21 @@ def test_plot_dash_is_refused(tmp_path):
     _one_line_error(run("balance", trace, "--plot", "-", "--no-progress"), "--plot needs a folder")
 
 
+def test_plot_empty_path_is_refused(tmp_path, monkeypatch):
+    # --plot '' wrote the figures into the current folder
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    res = run("balance", trace, "--ep-size", "2", "--plot", "", "--no-progress")
+    _one_line_error(res)
+    assert res.output.strip() == ("routetool: error: '': --plot needs a folder; an empty path names none (name a "
+                                  "folder, e.g. --plot figs, or --plot . for the current folder)")
+    assert list(cwd.iterdir()) == []
+
+
 def test_plot_figure_cannot_be_another_output(tmp_path):
     pytest.importorskip("matplotlib")
     trace = tmp_path / "ids.safetensors"
