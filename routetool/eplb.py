@@ -443,14 +443,18 @@ def placement_document(placement: Placement, **extra) -> dict:
 
 def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gpus: int | None = None) -> Placement:
     """Read a placement JSON (``routetool.placement/1``, or any JSON object with a
-    ``physical_to_logical_map``) for the given layers.
+    ``physical_to_logical_map`` and no ``schema``) for the given layers.
 
-    Rows are matched to layers by the file's ``layers`` list; without one, a single row
-    applies to every layer, and otherwise there must be one row per analysed layer, in
-    order. The GPU count comes from ``num_gpus`` in the file, else from ``num_gpus``.
+    ``physical_to_logical_map`` holds one row (a list of P logical expert ids) per layer, as
+    vLLM's and SGLang's map of that name. Rows are matched to layers by the file's ``layers``
+    list; without one, a single row applies to every layer, and otherwise there must be one
+    row per analysed layer, in order. The GPU count comes from ``num_gpus`` in the file, else
+    from ``num_gpus``.
 
     Raises:
-        RouteToolError: unreadable file (a FIFO, device or socket included), missing keys, values of the wrong type (ids that are
+        RouteToolError: unreadable file (a FIFO, device or socket included), a ``schema``
+            other than :data:`PLACEMENT_SCHEMA`, a flat ``physical_to_logical_map`` (one
+            list of ids instead of one list per layer), missing keys, values of the wrong type (ids that are
             not integers, ``num_gpus`` that is not a positive integer ...), a layer without a
             row, a logical expert with no slot, more than :func:`max_redundant` redundant
             slots, slots not divisible by the GPUs; one line
@@ -469,12 +473,17 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise RouteToolError(f"not a readable JSON file ({first_line(exc, 120, with_type=False)})", path=path,
                              fix="pass a placement written by `routetool balance --eplb-out`") from None
+    if isinstance(doc, dict) and "schema" in doc and doc["schema"] != PLACEMENT_SCHEMA:
+        raise RouteToolError(f"schema is {_short(doc['schema'])}; expected {json.dumps(PLACEMENT_SCHEMA)}", path=path,
+                             fix="pass a placement written by `routetool balance --eplb-out`, or a file in its format")
     if not isinstance(doc, dict) or "physical_to_logical_map" not in doc:
         raise RouteToolError("has no physical_to_logical_map", path=path,
                              fix="pass a placement written by `routetool balance --eplb-out`")
     raw = doc["physical_to_logical_map"]
     if isinstance(raw, list) and raw and not any(isinstance(r, list) for r in raw):
-        raw = [raw]
+        raise RouteToolError(f"physical_to_logical_map is one flat list of {len(raw)} values; expected one list of "
+                             "logical expert ids per layer ([[...], ...], as vLLM and SGLang write it)", path=path,
+                             fix="write one row per layer, or [[...]] for one row that applies to every layer")
     if not isinstance(raw, list) or not raw or not all(isinstance(r, list) and r for r in raw):
         raise RouteToolError("physical_to_logical_map is not a non-empty list of non-empty integer lists", path=path,
                              fix=fix_file)

@@ -400,6 +400,14 @@ def test_huge_num_experts_is_a_clear_error(tmp_path):
     ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": True}, "num_gpus is true; expected a positive integer"),
     ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 0}, "num_gpus is 0; expected a positive integer"),
     ({"physical_to_logical_map": [[0, 0.5, 2, 3]], "num_gpus": 2}, "physical_to_logical_map[0][1] is 0.5"),
+    # another schema, and a flat map (one list of ids, not one per layer), were accepted
+    ({"schema": "other/9", "physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 2},
+     "p.json: schema is \"other/9\"; expected \"routetool.placement/1\" (pass a placement written by `routetool "
+     "balance --eplb-out`, or a file in its format)"),
+    ({"physical_to_logical_map": [0, 1, 2, 3], "num_gpus": 2},
+     "p.json: physical_to_logical_map is one flat list of 4 values; expected one list of logical expert ids per "
+     "layer ([[...], ...], as vLLM and SGLang write it) (write one row per layer, or [[...]] for one row that "
+     "applies to every layer)"),
 ])
 def test_bad_placement_file_is_one_line(tmp_path, doc, words):
     trace = tmp_path / "ids.safetensors"
