@@ -998,7 +998,9 @@ def analyze_balance(
         if gpus is None:
             raise RouteToolError("EPLB needs a GPU count", fix="pass --gpus or --ep-size")
         redundant = eo.num_redundant if eo.num_redundant is not None else gpus
-        check_eplb_config(E, redundant, eo.num_groups, eo.num_nodes, gpus, eo.policy)
+        check_eplb_config(E, redundant, eo.num_groups, eo.num_nodes, gpus, eo.policy,
+                          redundant_implied_by=None if eo.num_redundant is not None
+                          else "--gpus" if eo.num_gpus else "--ep-size")
         if E % gpus:
             raise RouteToolError(f"EPLB: {E} experts cannot be placed contiguously on {gpus} GPUs for the 'before' figure",
                                  fix="choose --gpus dividing the expert count")

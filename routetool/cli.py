@@ -18,7 +18,7 @@ from routetool.cli_numbers import INT, FloatRange
 from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_SIGNAL, EXIT_USAGE, RouteToolError, Terminated, printable
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.report import Console, markup_safe
-from routetool.numtext import list_items, parse_int
+from routetool.numtext import list_items, parse_int, refuse_repeats
 
 
 def _raise_terminated(signum: int, frame) -> None:
@@ -268,22 +268,13 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     click.get_current_context().exit(EXIT_OK if result.ok else EXIT_FINDINGS)
 
 
-def _refuse_repeats(name: str, text: str, values: list) -> list:
-    """``values`` (a sweep list of bench), refused when one is named twice: it would time the same
-    points twice, and a repeat is more likely a typo (``64,64`` for ``64,640``) than meant."""
-    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
-    if repeated is not None:
-        raise RouteToolError(f"{name} {text!r} names {repeated} twice", fix="name each value once")
-    return values
-
-
 def _int_list(text: str, name: str) -> list[int]:
     values = [parse_int(v) for v in list_items(name, text, "1,64,4096")]
     if any(v is None for v in values):
         raise RouteToolError(f"{name} {text!r} is not a comma-separated list of integers", fix="e.g. 1,64,4096")
     if any(v < 1 for v in values):
         raise RouteToolError(f"{name} {text!r} needs positive integers", fix="e.g. 1,64,4096")
-    return _refuse_repeats(name, text, values)
+    return refuse_repeats(name, text, values)
 
 
 @main.command()
@@ -343,7 +334,7 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
     unknown = [d for d in dtype_list if d not in DTYPES]
     if unknown:
         raise RouteToolError(f"--dtype {dtypes!r}", fix=f"use a comma-separated subset of {', '.join(DTYPES)}")
-    _refuse_repeats("--dtype", dtypes, dtype_list)
+    refuse_repeats("--dtype", dtypes, dtype_list)
     points = sum(1 for e in expert_list for k in topk_list if k <= e)
     if not points:
         raise RouteToolError(f"every --topk ({', '.join(map(str, topk_list))}) exceeds every expert count "

@@ -19,8 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from routetool.cli_numbers import INT, IntRange
 from routetool.errors import EXIT_OK, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
-from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS
-from routetool.numtext import list_items, parse_float, parse_int
+from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS, READING_OPTIONS
+from routetool.numtext import list_items, parse_float, parse_int, refuse_repeats
 from routetool.report import Console, markup_safe, user_text
 
 _CTX = {"help_option_names": ["-h", "--help"]}
@@ -41,7 +41,7 @@ def _int_list(option: str, spec: str | None) -> list[int] | None:
         raise RouteToolError(f"{option} {spec!r} is not a list of integers", fix=f"use e.g. {option} 8,16")
     if any(v < 1 for v in values):
         raise RouteToolError(f"{option} {spec!r}: values must be >= 1", fix=f"use e.g. {option} 8,16")
-    return values
+    return refuse_repeats(option, spec, values)
 
 
 def _float_list(option: str, spec: str) -> list[float]:
@@ -66,8 +66,10 @@ def _stats_device(choice: str) -> torch.device:
 def _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model=None):
     from routetool.imports import ImportOptions
 
+    ctx = click.get_current_context()
     return ImportOptions(format=fmt, num_experts=num_experts, topk=topk, skip_rows=skip_rows,
-                         drop_repeats=drop_repeats, select=select, model=model)
+                         drop_repeats=drop_repeats, select=select, model=model,
+                         given=frozenset(name for name in READING_OPTIONS if _given(ctx, name)))
 
 
 def _dump_options(f):
@@ -91,10 +93,6 @@ def _dump_options(f):
     return f
 
 
-_DUMP_OPTIONS = {"num_experts": "--num-experts", "topk": "--topk", "skip_rows": "--skip-rows",
-                 "drop_repeats": "--drop-repeats", "select": "--select"}
-
-
 def _given(ctx: click.Context, name: str) -> bool:
     """Whether the user gave option ``name`` (not its default)."""
     return ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT,
@@ -106,7 +104,7 @@ def _balance_command(source: Path) -> str:
     (``--select`` above all: a counts file with several models needs it), quoted for a shell."""
     ctx = click.get_current_context()
     parts = ["routetool", "balance", shlex.quote(str(source))]
-    for name, flag in {"fmt": "--format", **_DUMP_OPTIONS}.items():
+    for name, flag in {"fmt": "--format", **READING_OPTIONS}.items():
         if _given(ctx, name):
             parts += [flag, shlex.quote(str(ctx.params[name]))]
     return " ".join(parts)
@@ -115,7 +113,7 @@ def _balance_command(source: Path) -> str:
 def _reject_dump_options(source: Path) -> None:
     """A trace records E, K and its steps: the options for reading dumps do not apply to it."""
     ctx = click.get_current_context()
-    given = [flag for name, flag in _DUMP_OPTIONS.items() if _given(ctx, name)]
+    given = [flag for name, flag in READING_OPTIONS.items() if _given(ctx, name)]
     if given:
         raise RouteToolError(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} to routing dumps, not to a "
                              "trace (a trace records its num_experts, topk and steps)", path=source,

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError, first_line
+from routetool.files import refuse_special_file
 from routetool.jsonstrict import DuplicateKey, unique_keys
 
 PLACEMENT_SCHEMA = "routetool.placement/1"
@@ -312,11 +313,15 @@ def _rebalance_layer(weights: torch.Tensor, num_physical: int, num_groups: int, 
 
 
 def check_eplb_config(num_experts: int, num_redundant: int, num_groups: int, num_nodes: int,
-                      num_gpus: int, policy: str) -> str:
+                      num_gpus: int, policy: str, *, redundant_implied_by: str | None = None) -> str:
     """Validate an EPLB configuration and resolve ``policy`` (auto|hierarchical|global).
 
     ``auto`` is DeepSeek's rule: hierarchical when the number of nodes divides the number of
     expert groups (and there is more than one node), else global.
+
+    ``redundant_implied_by``: the option that gave ``num_gpus`` (``--gpus``) when
+    ``num_redundant`` is not given but its default, one redundant expert per GPU; messages
+    then name that option, which the user gave, instead of ``--redundant``.
 
     Returns:
         ``"hierarchical"`` or ``"global"``.
@@ -329,6 +334,11 @@ def check_eplb_config(num_experts: int, num_redundant: int, num_groups: int, num
     if policy not in POLICIES:
         raise RouteToolError(f"unknown EPLB policy {policy!r}", fix="use auto, hierarchical or global")
     limit = max_redundant(num_experts)
+    if num_redundant > limit and redundant_implied_by is not None:
+        raise RouteToolError(f"EPLB: {redundant_implied_by} {num_gpus} implies --redundant {num_redundant} by default "
+                             f"(one redundant expert per GPU), over the limit of {limit:,} redundant experts "
+                             f"({MAX_REDUNDANT_PER_EXPERT} per logical expert, {num_experts} experts)",
+                             fix=f"pass fewer {redundant_implied_by}, or an explicit --redundant of at most {limit:,}")
     if num_redundant > limit:
         raise RouteToolError(f"EPLB: --redundant {num_redundant} is over the limit of {limit:,} redundant experts "
                              f"({MAX_REDUNDANT_PER_EXPERT} per logical expert, {num_experts} experts)",
@@ -338,8 +348,9 @@ def check_eplb_config(num_experts: int, num_redundant: int, num_groups: int, num
     if num_redundant < 0:
         problems.append(f"redundant experts {num_redundant} must be >= 0")
     if num_gpus < 1 or P % num_gpus:
-        problems.append(f"{P} physical experts ({num_experts} + {num_redundant} redundant) must be a multiple "
-                        f"of the {num_gpus} GPUs")
+        default = ", one per GPU by default" if redundant_implied_by is not None else ""
+        problems.append(f"{P} physical experts ({num_experts} + {num_redundant} redundant{default}) must be a "
+                        f"multiple of the {num_gpus} GPUs")
     if num_nodes < 1 or num_gpus % num_nodes:
         problems.append(f"{num_gpus} GPUs must be a multiple of the {num_nodes} nodes")
     if num_groups < 1 or num_experts % num_groups:
@@ -432,14 +443,18 @@ def placement_document(placement: Placement, **extra) -> dict:
 
 def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gpus: int | None = None) -> Placement:
     """Read a placement JSON (``routetool.placement/1``, or any JSON object with a
-    ``physical_to_logical_map``) for the given layers.
+    ``physical_to_logical_map`` and no ``schema``) for the given layers.
 
-    Rows are matched to layers by the file's ``layers`` list; without one, a single row
-    applies to every layer, and otherwise there must be one row per analysed layer, in
-    order. The GPU count comes from ``num_gpus`` in the file, else from ``num_gpus``.
+    ``physical_to_logical_map`` holds one row (a list of P logical expert ids) per layer, as
+    vLLM's and SGLang's map of that name. Rows are matched to layers by the file's ``layers``
+    list; without one, a single row applies to every layer, and otherwise there must be one
+    row per analysed layer, in order. The GPU count comes from ``num_gpus`` in the file, else
+    from ``num_gpus``.
 
     Raises:
-        RouteToolError: unreadable file, missing keys, values of the wrong type (ids that are
+        RouteToolError: unreadable file (a FIFO, device or socket included), a ``schema``
+            other than :data:`PLACEMENT_SCHEMA`, a flat ``physical_to_logical_map`` (one
+            list of ids instead of one list per layer), missing keys, values of the wrong type (ids that are
             not integers, ``num_gpus`` that is not a positive integer ...), a layer without a
             row, a logical expert with no slot, more than :func:`max_redundant` redundant
             slots, slots not divisible by the GPUs; one line
@@ -447,6 +462,7 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     """
     path = Path(path)
     fix_file = "fix the file, or write one with `routetool balance --eplb-out`"
+    refuse_special_file(path, fix="pass a placement file written by `routetool balance --eplb-out`")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
     except FileNotFoundError:
@@ -457,12 +473,17 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise RouteToolError(f"not a readable JSON file ({first_line(exc, 120, with_type=False)})", path=path,
                              fix="pass a placement written by `routetool balance --eplb-out`") from None
+    if isinstance(doc, dict) and "schema" in doc and doc["schema"] != PLACEMENT_SCHEMA:
+        raise RouteToolError(f"schema is {_short(doc['schema'])}; expected {json.dumps(PLACEMENT_SCHEMA)}", path=path,
+                             fix="pass a placement written by `routetool balance --eplb-out`, or a file in its format")
     if not isinstance(doc, dict) or "physical_to_logical_map" not in doc:
         raise RouteToolError("has no physical_to_logical_map", path=path,
                              fix="pass a placement written by `routetool balance --eplb-out`")
     raw = doc["physical_to_logical_map"]
     if isinstance(raw, list) and raw and not any(isinstance(r, list) for r in raw):
-        raw = [raw]
+        raise RouteToolError(f"physical_to_logical_map is one flat list of {len(raw)} values; expected one list of "
+                             "logical expert ids per layer ([[...], ...], as vLLM and SGLang write it)", path=path,
+                             fix="write one row per layer, or [[...]] for one row that applies to every layer")
     if not isinstance(raw, list) or not raw or not all(isinstance(r, list) and r for r in raw):
         raise RouteToolError("physical_to_logical_map is not a non-empty list of non-empty integer lists", path=path,
                              fix=fix_file)

@@ -56,6 +56,22 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *, suffi
     return path
 
 
+def refuse_special_file(path: str | os.PathLike, *, fix: str) -> None:
+    """Refuse an input path that exists but is neither a regular file nor a folder (a FIFO, a
+    device, a socket, or a link to one), before anything opens it: reading one could block
+    forever, and its name says nothing about what it holds.
+
+    A missing path or a folder is left to the reader, which names them.
+
+    Raises:
+        RouteToolError: naming the path and ``fix``.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_file() and not p.is_dir():
+        raise RouteToolError("is not a regular file (a FIFO, device or socket); reading it could block", path=p,
+                             fix=fix)
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))

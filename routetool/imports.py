@@ -31,6 +31,11 @@ batches whose rows are all identical): ``skip_rows`` drops the first N token row
 file; ``drop_repeats`` drops every run of at least that many consecutive identical rows
 (same layer, ids and weights). Both are reported.
 
+Each format reads only some of the options (:data:`READING_OPTIONS`): token-row dumps (JSON
+lines, CSV, SGLang per-token) ``num_experts``, ``topk``, ``skip_rows`` and ``drop_repeats``;
+counts JSON ``num_experts``, ``topk`` and ``select``; SGLang stat and per-pass dumps
+``num_experts`` and ``topk``. Another one given for a dump is an error, never ignored.
+
 ``num_experts`` / ``topk`` come from the options, else from the file's metadata, else are
 inferred: E = largest id + 1 (with a note: an expert never picked would be missed), K = the
 row width (every row must have the same).
@@ -62,6 +67,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
+from routetool.files import refuse_special_file
 from routetool.jsonstrict import DuplicateKey, unique_keys
 from routetool.numtext import parse_float, parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
@@ -69,6 +75,15 @@ from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 FORMATS = ("auto", "trace", "jsonl", "csv", "sglang", "counts-json")
 DEFAULT_DROP_REPEATS = 64
 """Runs of at least this many identical consecutive rows are dropped as warm-up/dummy rows."""
+READING_OPTIONS = {"num_experts": "--num-experts", "topk": "--topk", "skip_rows": "--skip-rows",
+                   "drop_repeats": "--drop-repeats", "select": "--select"}
+"""The options for reading dumps (:class:`ImportOptions` attribute -> command-line option)."""
+_TOKEN_ROW_OPTIONS = ("num_experts", "topk", "skip_rows", "drop_repeats")
+_COUNTS_OPTIONS = ("num_experts", "topk")
+OPTIONS_READ = {"jsonl": _TOKEN_ROW_OPTIONS, "csv": _TOKEN_ROW_OPTIONS, "sglang": _TOKEN_ROW_OPTIONS,
+                "counts-json": _COUNTS_OPTIONS + ("select",)}
+"""The reading options each dump format uses (SGLang: per-token dumps; its stat and per-pass
+dumps of counts read ``num_experts`` and ``topk`` only)."""
 
 _ID_KEYS = ("topk_ids", "experts", "expert_ids", "selected_experts", "ids")
 _WEIGHT_KEYS = ("topk_weights", "gating_probs", "weights", "routing_weights", "probs")
@@ -166,6 +181,9 @@ class ImportOptions:
         select: for counts JSON, the named tables to use (``model`` or ``model/domain``,
             a prefix of the names' path); None = all, if they agree on E.
         model: model name to record (default: from the file or its name).
+        given: the reading options the user gave (keys of :data:`READING_OPTIONS`), also
+            at their default values; None: those that differ from their defaults. A format
+            that does not read one of them refuses it.
     """
 
     format: str = "auto"
@@ -175,6 +193,7 @@ class ImportOptions:
     drop_repeats: int = DEFAULT_DROP_REPEATS
     select: str | None = None
     model: str | None = None
+    given: frozenset[str] | None = None
 
 
 @dataclass
@@ -249,6 +268,25 @@ class ImportedCounts:
 
 # ---------------------------------------------------------------------------------------
 # format detection
+_DUMP_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".pt", ".pth")
+"""The files of a dump folder that the readers read."""
+
+
+def _refuse_special_files(path: Path) -> None:
+    """A dump, or a file a dump folder holds for the readers, that is a FIFO, device or socket
+    is refused before anything opens it (reading one could block forever) or names it by its
+    extension alone (``x.safetensors`` as a trace)."""
+    fix = "write it to a regular file and pass that"
+    refuse_special_file(path, fix=fix)
+    if path.is_dir():
+        try:
+            entries = [p for p in path.iterdir() if p.suffix.lower() in _DUMP_SUFFIXES]
+        except OSError:
+            return  # the folder's reader names why it cannot be listed
+        for p in entries:
+            refuse_special_file(p, fix=fix)
+
+
 def _is_trace_index(path: Path) -> bool:
     """A sharded-trace index: JSON whose top-level ``format`` is ``routetool-trace-index``."""
     try:
@@ -263,10 +301,12 @@ def detect_format(path: Path) -> str:
     """The reader for ``path`` (file or folder) by extension, then by content.
 
     Raises:
-        RouteToolError: missing path, or nothing recognisable.
+        RouteToolError: missing path, a FIFO, device or socket (also as a dump file of a
+            folder), or nothing recognisable.
     """
     if not path.exists():
         raise RouteToolError("no such file or folder", path=path, fix="check the path")
+    _refuse_special_files(path)
     if path.is_dir():
         try:
             kinds = {p.suffix.lower() for p in path.iterdir() if p.is_file() and not p.name.startswith(".")}
@@ -854,6 +894,7 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     notes: list[str] = []
     model = options.model or path.stem
     if all("logical_count" in obj for _, obj in objs):
+        check_options_read(path, options, _COUNTS_OPTIONS, "an sglang stat dump of per-expert counts")
         return _sglang_stat(path, objs, options, model, notes)
     if any("logical_count" in obj for _, obj in objs):
         raise RouteToolError("the folder mixes stat and per-pass dumps", path=path, fix="read one mode at a time")
@@ -879,6 +920,7 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     records.sort(key=lambda x: (x[0], x[1]))
     if all("topk_ids_of_layer" in r for *_, r in records):
         return _sglang_per_token(path, records, maps, options, model, notes)
+    check_options_read(path, options, _COUNTS_OPTIONS, "an sglang per-pass dump of per-expert counts")
     return _sglang_per_pass(path, records, maps, options, model, notes)
 
 
@@ -1208,7 +1250,8 @@ def resolve_format(path: str | Path, fmt: str = "auto") -> str:
     against what the file clearly is (a routetool trace or not).
 
     Raises:
-        RouteToolError: missing path; ``--format trace`` for a file that is not a trace; a dump
+        RouteToolError: missing path; a FIFO, device or socket (also as a dump file of a
+            folder); ``--format trace`` for a file that is not a trace; a dump
             format for a file that is a trace; nothing recognisable.
     """
     path = Path(path)
@@ -1218,6 +1261,7 @@ def resolve_format(path: str | Path, fmt: str = "auto") -> str:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
     if not path.exists():
         raise RouteToolError("no such file or folder", path=path, fix="check the path")
+    _refuse_special_files(path)
     detected = _detected(path)
     if fmt == "trace" and detected != "trace":
         looks = f" (its content looks like {detected})" if detected else ""
@@ -1247,6 +1291,26 @@ def check_import_options(options: ImportOptions) -> None:
         raise RouteToolError("--skip-rows and --drop-repeats must be >= 0", fix="e.g. --skip-rows 0")
 
 
+def check_options_read(path: Path, options: ImportOptions, read: Iterable[str], what: str) -> None:
+    """Refuse the reading options given for a dump that does not use them (never ignored silently).
+
+    ``read``: the options the dump's reader uses (keys of :data:`READING_OPTIONS`); ``what``:
+    the dump, as the message names it (``a jsonl dump``).
+
+    Raises:
+        RouteToolError: naming the options given in vain, the dump's format and the options it reads.
+    """
+    defaults = ImportOptions()
+    given = [name for name in READING_OPTIONS
+             if (name in options.given if options.given is not None
+                 else getattr(options, name) != getattr(defaults, name))]
+    unused = [READING_OPTIONS[name] for name in given if name not in read]
+    if unused:
+        flags = ", ".join(unused)
+        raise RouteToolError(f"{flags} {'do' if len(unused) > 1 else 'does'} not apply to {what} (it reads "
+                             f"{', '.join(READING_OPTIONS[name] for name in read)})", path=path, fix=f"drop {flags}")
+
+
 def read_dump(path: str | Path, options: ImportOptions | None = None) -> ImportedRouting | ImportedCounts:
     """Read any supported routing dump (not a trace).
 
@@ -1254,7 +1318,8 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
         :class:`ImportedRouting` for per-token ids, :class:`ImportedCounts` for counts.
 
     Raises:
-        RouteToolError: unknown format, a trace, malformed rows (naming the file and line),
+        RouteToolError: unknown format, a trace, a reading option the format does not use
+            (:func:`check_options_read`), malformed rows (naming the file and line),
             numbers that are not what they must be (non-integer or out-of-range ids and layers,
             negative or non-finite counts), E/K contradictions (``topk`` above the expert
             count a counts file holds included). Any other parse failure of the
@@ -1271,6 +1336,9 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
     readers = {"jsonl": read_jsonl, "csv": read_csv, "sglang": read_sglang, "counts-json": read_counts_json}
     if fmt not in readers:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
+    check_options_read(path, options, OPTIONS_READ[fmt], {"sglang": "an sglang dump",
+                                                          "counts-json": "a counts-json file of per-expert counts"}
+                       .get(fmt, f"a {fmt} dump"))
     try:
         result = readers[fmt](path, options)
     except RouteToolError:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from routetool.errors import RouteToolError
+from routetool.files import refuse_special_file
 from routetool.trace import FORMAT_VERSION, RouterConfig
 
 _ST_DTYPE_NAMES = {
@@ -151,10 +151,7 @@ def check_trace_file(path: str | Path) -> None:
     Raises:
         RouteToolError: naming the path and the fix.
     """
-    p = Path(path)
-    if p.exists() and not p.is_file() and not p.is_dir():
-        raise RouteToolError("is not a regular file (a FIFO, device or socket); reading it could block", path=p,
-                             fix="name a .safetensors trace or a sharded trace's index .json")
+    refuse_special_file(path, fix="name a .safetensors trace or a sharded trace's index .json")
 
 
 def _header_dtypes(paths: list[Path]) -> dict[str, str]:

@@ -112,3 +112,17 @@ def list_items(option: str, text: str, example: str, *, noun: str = "values") ->
         raise RouteToolError(f"{option} {text!r}: the item {spaced!r} has spaces around it",
                              fix=f"write the list without spaces: {option} {plain}")
     return items
+
+
+def refuse_repeats(option: str, text: str, values: list) -> list:
+    """``values`` (the items of the list option ``option``, as read from ``text``), refused when
+    one is named twice: bench would time the same points twice and balance report the same EP
+    size twice, and a repeat is more likely a typo (``64,64`` for ``64,640``) than meant.
+
+    Raises:
+        RouteToolError: naming the option, the list and the repeated value.
+    """
+    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if repeated is not None:
+        raise RouteToolError(f"{option} {text!r} names {repeated} twice", fix="name each value once")
+    return values

@@ -33,9 +33,9 @@ def _pyplot():
 
 
 def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
-    """Fail early (before any work): matplotlib missing, ``-`` given, the folder or one of its
-    parents not a folder (a file, a dangling link), the folder not creatable or not writable,
-    a figure already there without ``force``.
+    """Fail early (before any work): matplotlib missing, ``-`` or an empty path given, the
+    folder or one of its parents not a folder (a file, a dangling link), the folder not
+    creatable or not writable, a figure already there without ``force``.
 
     A missing folder and its missing parents are created when the figures are written
     (``mkdir -p``). Writability is probed: the missing folders are created, a temporary file
@@ -49,6 +49,9 @@ def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
     if str(folder) == "-":
         raise RouteToolError("--plot needs a folder; figures cannot go to stdout", path="-",
                              fix="name a folder, e.g. --plot figs")
+    if str(folder) == "":  # (Path("") is the current folder)
+        raise RouteToolError("--plot needs a folder; an empty path names none", path="''",
+                             fix="name a folder, e.g. --plot figs, or --plot . for the current folder")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise RouteToolError("is not a folder", path=folder, fix="name a folder for the figures")

@@ -1,6 +1,7 @@
 """`routetool balance` and `routetool import` through click's CliRunner, asserting real numbers."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,13 @@ from routetool.cli import _Group
 from routetool.cli_balance import balance, import_
 from routetool.trace import LayerArrays, RouterConfig, Trace
 from tests.helpers import make_trace
-from tests.test_imports import write_deepseek_like, write_mixtral_like, write_qwen_like, write_sglang_stat
+from tests.test_imports import (
+    write_deepseek_like,
+    write_mixtral_like,
+    write_qwen_like,
+    write_sglang_per_token,
+    write_sglang_stat,
+)
 
 REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
 
@@ -110,6 +117,10 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
                                                       "experts (3 per logical expert, 4 experts) (pass --redundant 12 "
                                                       "or fewer"),
     (["--gpus", "4", "--redundant", "99999996"], "--redundant 99999996 is over the limit of 12"),
+    # --gpus alone named --redundant, which the user never gave (its default is one per GPU)
+    (["--gpus", "1000"], "routetool: error: EPLB: --gpus 1000 implies --redundant 1000 by default (one redundant "
+                         "expert per GPU), over the limit of 12 redundant experts (3 per logical expert, 4 experts) "
+                         "(pass fewer --gpus, or an explicit --redundant of at most 12)"),
     (["--reference", "--recorded"], "exclude each other"),
     (["--reference"], "ids-only trace"),
     # an explicit --kernel on an ids-only trace was ignored (the recorded ids were used)
@@ -123,6 +134,9 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
                             "--ep-size 8,16)"),
     (["--ep-size", "2,"], "--ep-size '2,' has an empty item"),
     (["--ep-size", ",2"], "--ep-size ',2' has an empty item"),
+    # a repeat was simulated and reported twice (bench refuses repeats in its lists)
+    (["--ep-size", "2,2"], "routetool: error: --ep-size '2,2' names 2 twice (name each value once)"),
+    (["--ep-size", "1,2,02"], "--ep-size '1,2,02' names 2 twice"),
     (["--capacity-factor", "1.0,,2"], "--capacity-factor '1.0,,2' has an empty item (separate the values with "
                                       "single commas, e.g. --capacity-factor 1.0,1.25,2)"),
     # int()/float() read "1_6" as 16 and "1_5" as 15
@@ -386,6 +400,14 @@ def test_huge_num_experts_is_a_clear_error(tmp_path):
     ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": True}, "num_gpus is true; expected a positive integer"),
     ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 0}, "num_gpus is 0; expected a positive integer"),
     ({"physical_to_logical_map": [[0, 0.5, 2, 3]], "num_gpus": 2}, "physical_to_logical_map[0][1] is 0.5"),
+    # another schema, and a flat map (one list of ids, not one per layer), were accepted
+    ({"schema": "other/9", "physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 2},
+     "p.json: schema is \"other/9\"; expected \"routetool.placement/1\" (pass a placement written by `routetool "
+     "balance --eplb-out`, or a file in its format)"),
+    ({"physical_to_logical_map": [0, 1, 2, 3], "num_gpus": 2},
+     "p.json: physical_to_logical_map is one flat list of 4 values; expected one list of logical expert ids per "
+     "layer ([[...], ...], as vLLM and SGLang write it) (write one row per layer, or [[...]] for one row that "
+     "applies to every layer)"),
 ])
 def test_bad_placement_file_is_one_line(tmp_path, doc, words):
     trace = tmp_path / "ids.safetensors"
@@ -501,6 +523,21 @@ def test_plot_dash_is_refused(tmp_path):
     _one_line_error(run("balance", trace, "--plot", "-", "--no-progress"), "--plot needs a folder")
 
 
+def test_plot_empty_path_is_refused(tmp_path, monkeypatch):
+    # --plot '' wrote the figures into the current folder
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    res = run("balance", trace, "--ep-size", "2", "--plot", "", "--no-progress")
+    _one_line_error(res)
+    assert res.output.strip() == ("routetool: error: '': --plot needs a folder; an empty path names none (name a "
+                                  "folder, e.g. --plot figs, or --plot . for the current folder)")
+    assert list(cwd.iterdir()) == []
+
+
 def test_plot_figure_cannot_be_another_output(tmp_path):
     pytest.importorskip("matplotlib")
     trace = tmp_path / "ids.safetensors"
@@ -568,6 +605,112 @@ def test_dump_options_on_a_trace_are_refused(tmp_path, args, flags):
     trace = tmp_path / "ids.safetensors"
     _ids_trace(trace)
     _one_line_error(run("balance", trace, *args, "--no-progress"), flags, "to routing dumps, not to a trace")
+
+
+def _dump(tmp_path, kind):
+    """A small dump of each kind that reads its own options (see imports.OPTIONS_READ)."""
+    if kind == "jsonl":
+        path = tmp_path / "q.jsonl"
+        write_qwen_like(path)
+    elif kind == "csv":
+        path = tmp_path / "ds"
+        write_deepseek_like(path)
+    elif kind == "sglang-per-token":
+        path = tmp_path / "pt.pt"
+        write_sglang_per_token(path)
+    elif kind == "sglang-stat":
+        path = tmp_path / "stat.pt"
+        write_sglang_stat(path)
+    elif kind == "sglang-per-pass":
+        path = tmp_path / "pp.pt"
+        torch.save({"records": [{"forward_pass_id": 0, "rank": 0,
+                                 "global_physical_count": torch.tensor([[1, 0, 2, 1]], dtype=torch.int32)}]}, path)
+    else:
+        from tests.test_imports import _counts_doc
+
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps(_counts_doc()["mixtral"]))
+    return path
+
+
+TOKEN_ROWS = "(it reads --num-experts, --topk, --skip-rows, --drop-repeats)"
+
+
+@pytest.mark.parametrize("kind, args, line", [
+    # --select (which chooses the tables of a counts JSON file) ran on token rows: exit 0, nothing said
+    ("jsonl", ["--select", "foo"], f"q.jsonl: --select does not apply to a jsonl dump {TOKEN_ROWS} (drop --select)"),
+    ("csv", ["--select", "foo"], f"ds: --select does not apply to a csv dump {TOKEN_ROWS} (drop --select)"),
+    ("sglang-per-token", ["--select", "x"], f"pt.pt: --select does not apply to an sglang dump {TOKEN_ROWS} (drop "
+                                            "--select)"),
+    # --skip-rows and --drop-repeats (filters of token rows) on counts: the same numbers as without them
+    ("counts", ["--skip-rows", "100000"], "c.json: --skip-rows does not apply to a counts-json file of per-expert "
+                                          "counts (it reads --num-experts, --topk, --select) (drop --skip-rows)"),
+    ("counts", ["--skip-rows", "0", "--drop-repeats", "1"],  # given, even at the default value
+     "c.json: --skip-rows, --drop-repeats do not apply to a counts-json file of per-expert counts (it reads "
+     "--num-experts, --topk, --select) (drop --skip-rows, --drop-repeats)"),
+    ("sglang-stat", ["--drop-repeats", "64"], "stat.pt: --drop-repeats does not apply to an sglang stat dump of "
+                                              "per-expert counts (it reads --num-experts, --topk) (drop --drop-repeats)"),
+    ("sglang-per-pass", ["--skip-rows", "1"], "pp.pt: --skip-rows does not apply to an sglang per-pass dump of "
+                                              "per-expert counts (it reads --num-experts, --topk) (drop --skip-rows)"),
+])
+@pytest.mark.parametrize("command", ["balance", "import"])
+def test_dump_options_a_format_does_not_read_are_refused(tmp_path, command, kind, args, line):
+    # they used to be ignored silently (the docs call that an error for every option)
+    path = _dump(tmp_path, kind)
+    out = ["-o", tmp_path / "x.safetensors"] if command == "import" else ["--no-progress"]
+    res = run(command, path, *args, *out)
+    _one_line_error(res)
+    assert res.output.strip() == f"routetool: error: {tmp_path}/{line}", res.output
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("kind, args", [
+    ("jsonl", ["--num-experts", "16", "--topk", "4", "--skip-rows", "0", "--drop-repeats", "64"]),
+    ("csv", ["--num-experts", "64", "--skip-rows", "1", "--drop-repeats", "2"]),
+    ("sglang-per-token", ["--num-experts", "4", "--topk", "2", "--skip-rows", "1", "--drop-repeats", "0"]),
+    ("sglang-stat", ["--num-experts", "8", "--topk", "2"]),
+    ("sglang-per-pass", ["--num-experts", "4", "--topk", "1"]),
+    ("counts", ["--num-experts", "8", "--topk", "2", "--select", "book"]),
+])
+def test_dump_options_a_format_reads_are_accepted(tmp_path, kind, args):
+    res = run("balance", _dump(tmp_path, kind), *args, "--ep-size", "2", "--no-progress")
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("name, args", [
+    # reading it blocked forever
+    ("ff.jsonl", ["import", "{fifo}", "-o", "{out}"]),
+    ("ff.jsonl", ["balance", "{fifo}", "--no-progress"]),
+    ("ff.jsonl", ["import", "{fifo}", "--format", "jsonl", "-o", "{out}"]),
+    ("ff.json", ["balance", "{fifo}", "--no-progress"]),  # (a .json is read to tell a trace index from counts)
+    # named by its extension alone: 'is already a routetool trace'
+    ("ff.safetensors", ["import", "{fifo}", "-o", "{out}"]),
+    # a FIFO among the files of a dump folder
+    ("dump/b.csv", ["balance", "{folder}", "--no-progress"]),
+    ("dump/b.csv", ["import", "{folder}", "-o", "{out}"]),
+])
+def test_a_fifo_dump_is_refused_at_once(tmp_path, name, args):
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    (folder / "a.csv").write_text('Batch Number,Layer ID,Activated Expert IDs\n0,0,"[1, 2]"\n')
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    out = tmp_path / "x.safetensors"
+    res = run(*(a.format(fifo=fifo, out=out, folder=folder) for a in args))
+    _one_line_error(res)
+    assert res.output.strip() == (f"routetool: error: {fifo}: is not a regular file (a FIFO, device or socket); "
+                                  "reading it could block (write it to a regular file and pass that)")
+    assert fifo.is_fifo() and not out.exists()
+
+
+def test_a_fifo_placement_is_refused_at_once(tmp_path):
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    fifo = tmp_path / "p.json"
+    os.mkfifo(fifo)
+    _one_line_error(run("balance", trace, "--ep-size", "2", "--placement", fifo, "--no-progress"),
+                    f"{fifo}: is not a regular file (a FIFO, device or socket); reading it could block (pass a "
+                    "placement file written by `routetool balance --eplb-out`)")
 
 
 KERNELS = '''

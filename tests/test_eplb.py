@@ -182,6 +182,18 @@ def test_redundant_over_the_limit_is_refused_first(E, R, G):
                                "fraction of the experts)")
 
 
+def test_redundant_implied_by_the_gpus_names_the_gpus():
+    # --gpus 1000 alone said '--redundant 1000 is over the limit', an option the user never gave
+    with pytest.raises(RouteToolError) as info:
+        check_eplb_config(60, 1000, 1, 1, 1000, "auto", redundant_implied_by="--gpus")
+    assert str(info.value) == ("EPLB: --gpus 1000 implies --redundant 1000 by default (one redundant expert per GPU), "
+                               "over the limit of 180 redundant experts (3 per logical expert, 60 experts) (pass fewer "
+                               "--gpus, or an explicit --redundant of at most 180)")
+    with pytest.raises(RouteToolError, match=r"240 physical experts \(60 \+ 180 redundant, one per GPU by default\) "
+                                             "must be a multiple of the 180 GPUs"):
+        check_eplb_config(60, 180, 1, 1, 180, "auto", redundant_implied_by="--gpus")
+
+
 def test_redundant_at_the_limit_is_accepted():
     assert max_redundant(60) == 180
     assert check_eplb_config(60, 180, 1, 1, 4, "auto") == "global"
@@ -232,6 +244,11 @@ def test_placement_json_roundtrip(tmp_path):
     ({"physical_to_logical_map": [[0, 1, 2, -1]], "num_gpus": 2}, [0], r"\[0\]\[3\] is -1: outside"),
     ({"physical_to_logical_map": [[0, 1, 2, 3], [0, 1]], "num_gpus": 2}, [0], "different lengths"),
     ({"physical_to_logical_map": "0,1,2,3", "num_gpus": 2}, [0], "not a non-empty list"),
+    ({"physical_to_logical_map": [0, 1, 2, 3], "num_gpus": 2}, [0], "one flat list of 4 values; expected one list"),
+    ({"physical_to_logical_map": [0, [1, 2, 3, 0]], "num_gpus": 2}, [0], "not a non-empty list"),
+    ({"schema": "other/9", "physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 2}, [0],
+     'schema is "other/9"; expected "routetool.placement/1"'),
+    ({"schema": None, "physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 2}, [0], "schema is null; expected"),
     ({"physical_to_logical_map": [[0, 1, 2, 3]], "layers": ["a"], "num_gpus": 2}, [0], "'layers' is"),
     ({"physical_to_logical_map": [[0, 1, 2, 3]], "layers": 0, "num_gpus": 2}, [0], "'layers' is"),
     ({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 2, "num_nodes": "x"}, [0], "num_nodes is"),

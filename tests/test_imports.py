@@ -13,6 +13,7 @@ import torch
 
 from routetool.errors import RouteToolError
 from routetool.imports import (
+    DEFAULT_DROP_REPEATS,
     ImportedCounts,
     ImportedRouting,
     ImportOptions,
@@ -613,6 +614,24 @@ def test_counts_json_select_model_and_domain(tmp_path):
     assert one.layers[7].tolist() == [[1 + e for e in range(8)]]
     with pytest.raises(RouteToolError, match="matches no table"):
         read_dump(path, ImportOptions(select="switch"))
+
+
+def test_reading_options_a_format_does_not_use_are_refused(tmp_path):
+    # skip_rows and drop_repeats filter token rows: on counts they were ignored silently
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"0": [1, 2, 3]}))
+    with pytest.raises(RouteToolError) as info:
+        read_dump(path, ImportOptions(skip_rows=5))  # without `given`: the options off their defaults
+    assert str(info.value) == (f"{path}: --skip-rows does not apply to a counts-json file of per-expert counts (it "
+                               "reads --num-experts, --topk, --select) (drop --skip-rows)")
+    defaults = ImportOptions(skip_rows=0, drop_repeats=DEFAULT_DROP_REPEATS)
+    assert read_dump(path, defaults).layers[0].tolist() == [[1, 2, 3]]
+    with pytest.raises(RouteToolError, match="--drop-repeats does not apply"):  # given, at its default value
+        read_dump(path, ImportOptions(given=frozenset({"drop_repeats"})))
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"topk_ids": [1, 2]}\n')
+    with pytest.raises(RouteToolError, match="--select does not apply to a jsonl dump"):
+        read_dump(q, ImportOptions(select="x"))
 
 
 def test_counts_json_list_form(tmp_path):
