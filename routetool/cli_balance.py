@@ -52,7 +52,7 @@ def _float_list(option: str, spec: str) -> list[float]:
         raise RouteToolError(f"{option} {spec!r} is not a list of numbers", fix=f"use e.g. {option} 1.0,1.25,2")
     if any(not v > 0 for v in values):
         raise RouteToolError(f"{option} {spec!r}: factors must be > 0", fix=f"use e.g. {option} 1.0,1.25,2")
-    return values
+    return refuse_repeats(option, spec, values)
 
 
 def _stats_device(choice: str) -> torch.device:

@@ -137,6 +137,7 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
     # a repeat was simulated and reported twice (bench refuses repeats in its lists)
     (["--ep-size", "2,2"], "routetool: error: --ep-size '2,2' names 2 twice (name each value once)"),
     (["--ep-size", "1,2,02"], "--ep-size '1,2,02' names 2 twice"),
+    (["--capacity-factor", "1.0,1"], "--capacity-factor '1.0,1' names 1.0 twice (name each value once)"),
     (["--capacity-factor", "1.0,,2"], "--capacity-factor '1.0,,2' has an empty item (separate the values with "
                                       "single commas, e.g. --capacity-factor 1.0,1.25,2)"),
     # int()/float() read "1_6" as 16 and "1_5" as 15
