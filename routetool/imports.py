@@ -31,7 +31,7 @@ batches whose rows are all identical): ``skip_rows`` drops the first N token row
 file; ``drop_repeats`` drops every run of at least that many consecutive identical rows
 (same layer, ids and weights). Both are reported.
 
-Each format reads only some of the options (:data:`READING_OPTIONS`): token-row dumps (JSON
+Each format reads only some of the options (:data:`OPTIONS_READ`): token-row dumps (JSON
 lines, CSV, SGLang per-token) ``num_experts``, ``topk``, ``skip_rows`` and ``drop_repeats``;
 counts JSON ``num_experts``, ``topk`` and ``select``; SGLang stat and per-pass dumps
 ``num_experts`` and ``topk``. Another one given for a dump is an error, never ignored.
