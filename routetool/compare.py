@@ -29,7 +29,12 @@ from enum import IntEnum
 
 import torch
 
-FLOAT32_EPS = 2.0**-23
+def float32_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The float32 ulp (spacing of float32 numbers) at magnitude ``|x|``: ``2^(e - 23)`` for
+    ``2^e <= |x| < 2^(e+1)``, and ``2^-149`` (the smallest subnormal) below ``2^-126``."""
+    tiny = torch.finfo(torch.float32).tiny
+    _, exponent = torch.frexp(x.abs().float().clamp_min(tiny))  # |x| = m * 2^exponent, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exponent - 24)
 
 
 class RowClass(IntEnum):
@@ -191,7 +196,7 @@ def compare_step(
     s_test = scores.gather(1, safe_ids.gather(1, order_test))
     magnitude = torch.stack([b_exp.abs(), s_exp, b_test.abs(), s_test], 0).amax(0)
     magnitude = torch.where(torch.isfinite(magnitude), magnitude, 0.0)
-    tol = tie_ulps * FLOAT32_EPS * magnitude
+    tol = tie_ulps * float32_ulp(magnitude)
     # -inf == -inf counts as a tie (rows of non-finite logits); the subtraction would give NaN.
     equal = b_test == b_exp
     tie_equiv = (equal | ((b_test - b_exp).abs() <= tol)).all(-1)

@@ -329,60 +329,76 @@ def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float
 
 def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, *,
                    tie_ulps: float, label: str | None = None) -> list[CaseResult]:
-    """One case per layer of a trace, judged by a replay (no latency).
+    """One case per layer of a trace: the kernel on every captured step, each output judged as a
+    suite case's is (:func:`evaluate`: the reference, the invalid-row reasons, padding, and the
+    weights against the kernel's own picks, tie-equivalent rows included).
 
     ``label``: the family is ``trace:LABEL`` (default: the trace's file name; see
-    :func:`trace_labels` for several traces).
+    :func:`trace_labels` for several traces). Offending rows are numbered by their row in the
+    layer (counted over all its steps), as replay numbers them.
 
     Raises:
         RouteToolError: the trace cannot be read (bad input, not a verdict).
     """
-    from routetool.replay import replay_trace
+    from routetool.replay import run_kernel_checked
     from routetool.trace import open_trace
 
     with open_trace(path) as trace:
         family = f"trace:{label or trace.display_path.name}"
-        start = time.perf_counter()
-        try:
-            result = replay_trace(trace, kernel_name, fn, execution, tie_ulps=tie_ulps, measure_latency=False)
-        except KernelError as exc:
-            return [CaseResult(family=family, name=f"{family}/all-layers", description="replay of every layer",
-                               verdict="fail", failure_classes=[exc.failure_class], message=str(exc),
-                               duration_s=time.perf_counter() - start)]
-        except RouteToolError as exc:
-            if "rejected" not in str(exc):
-                raise
-            dtypes = {str(trace.info(layer).gating_dtype).removeprefix("torch.") for layer in trace.layers}
-            documented = any(rejection_documented(fn, d) for d in dtypes)
-            return [CaseResult(family=family, name=f"{family}/all-layers", description="replay of every layer",
-                               verdict="rejected" if documented else "fail",
-                               failure_classes=[] if documented else ["rejected_undocumented"],
-                               message=str(exc), duration_s=time.perf_counter() - start)]
+        router = trace.meta.router
+        device = execution.device
         out = []
-        for layer in result.layers:
-            if layer.ids_only:
-                out.append(CaseResult(family=family, name=f"{family}/layer{layer.layer}",
-                                      description=f"layer {layer.layer}: ids only", verdict="skipped",
+        for layer in trace.layers:
+            name = f"{family}/layer{layer}"
+            info = trace.info(layer)
+            if not info.has_logits:
+                out.append(CaseResult(family=family, name=name, description=f"layer {layer}: ids only",
+                                      verdict="skipped",
                                       message="the layer holds no logits (an ids-only trace): nothing to validate"))
                 continue
-            s = layer.kernel_vs_reference
-            classes = (["mismatch"] if s.mismatch else []) + [f"invalid:{r}" for r, n in s.invalid_reasons.items() if n]
-            if s.weight_rows_over_tolerance:
-                classes.append("weight_error")
-            if layer.padded_rows_ok != layer.padded_rows:
-                classes.append("invalid:bad_padding")
+            description = f"layer {layer}: {info.num_tokens} tokens in {info.num_steps} steps"
+            start = time.perf_counter()
+            bias = trace.bias(layer).to(device)
+            classes: list[str] = []
+            tie_rows = 0
+            rows: list[RowReport] = []
+            first_row = 0
+            try:
+                for step in trace.steps(layer):
+                    gating = step.gating_output.to(device)
+                    pad = step.is_padding.to(device) if step.is_padding is not None else None
+                    w, ids = run_kernel_checked(fn, kernel_name, gating, bias, pad, router,
+                                                where=f"layer {layer} step {step.index}", path=trace.display_path,
+                                                tensor=f"layers.{layer}.gating_output")
+                    inp = CaseInput(gating_output=gating, bias=bias, is_padding=pad, **router.kernel_kwargs())
+                    step_classes, step_ties, step_rows = evaluate(inp, w, ids, tie_ulps=tie_ulps)
+                    classes += step_classes
+                    tie_rows += step_ties
+                    for r in step_rows[:max(0, 3 - len(rows))]:
+                        r.row += first_row
+                        rows.append(r)
+                    first_row += step.num_tokens
+            except KernelError as exc:
+                out.append(CaseResult(family=family, name=name, description=description, verdict="fail",
+                                      failure_classes=[exc.failure_class], message=str(exc),
+                                      duration_s=time.perf_counter() - start))
+                continue
+            except RouteToolError as exc:
+                if "rejected" not in str(exc):
+                    raise
+                documented = rejection_documented(fn, str(info.gating_dtype).removeprefix("torch."))
+                out.append(CaseResult(family=family, name=name, description=description,
+                                      verdict="rejected" if documented else "fail",
+                                      failure_classes=[] if documented else ["rejected_undocumented"],
+                                      message=str(exc), duration_s=time.perf_counter() - start))
+                continue
             classes = list(dict.fromkeys(classes))
-            verdict = "fail" if classes else ("pass_tie" if s.tie_equivalent else "pass")
-            rows = [RowReport(row=f.row, failure_class=f.row_class, is_padding=False, top_inputs=[],
-                              expected_ids=f.expected_ids, got_ids=f.test_ids,
-                              expected_weights=f.expected_weights or [], got_weights=f.test_weights or [])
-                    for f in s.failures[:3]]
+            verdict = "fail" if classes else ("pass_tie" if tie_rows else "pass")
             out.append(CaseResult(
-                family=family, name=f"{family}/layer{layer.layer}",
-                description=f"layer {layer.layer}: {layer.num_tokens} tokens in {layer.num_steps} steps",
-                verdict=verdict, tie_rows=s.tie_equivalent, failure_classes=classes,
-                message=", ".join(classes) or (f"{s.tie_equivalent} tie-equivalent rows" if s.tie_equivalent else ""),
-                rows=rows, duration_s=(time.perf_counter() - start) / max(1, len(result.layers)),
+                family=family, name=name, description=description, verdict=verdict, tie_rows=tie_rows,
+                failure_classes=classes,
+                message=", ".join(classes) or (f"{tie_rows} tie-equivalent rows" if tie_rows else ""),
+                rows=rows, duration_s=time.perf_counter() - start,
             ))
         return out
 

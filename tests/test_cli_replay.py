@@ -306,7 +306,9 @@ def test_outputs_on_another_device_are_one_line_exit_1(tmp_path):
     cases = json.loads(res.stdout)["cases"]
     assert {c["failure_classes"][0] for c in cases} == {"wrong_device"}
     assert "returned topk_weights and topk_ids on device meta" in cases[0]["message"]
-    assert "returned topk_weights and topk_ids on device meta on layer 1 step 0" in cases[-1]["message"]
+    trace_cases = [c for c in cases if c["family"].startswith("trace:")]
+    assert [c["name"].rsplit("/", 1)[1] for c in trace_cases] == ["layer1", "layer2", "layer3"]  # one per layer
+    assert "returned topk_weights and topk_ids on device meta on layer 1 step 0" in trace_cases[0]["message"]
 
 
 def test_a_kernel_imports_the_modules_beside_it(tmp_path, monkeypatch):

@@ -65,6 +65,18 @@ def test_tie_equivalence_is_the_same_scores_not_just_above_the_kth():
     assert swapped.row_class.tolist() == cmp.row_class.tolist()
 
 
+def test_tie_ulps_counts_float32_ulps_at_the_scores_magnitude():
+    # the tolerance was tie_ulps * 2^-23 * magnitude: up to twice tie_ulps real ulps in [0.5, 1)
+    best = torch.tensor(0.99)
+    ulp = float(torch.nextafter(best, torch.tensor(2.0)) - best)
+    for n, cls in ((16, RowClass.TIE_EQUIVALENT), (17, RowClass.MISMATCH), (31, RowClass.MISMATCH)):
+        scores = torch.tensor([[float(best), float(best) - n * ulp, 0.1]])
+        assert float(scores[0, 0] - scores[0, 1]) == n * ulp  # exactly n ulps apart
+        cmp = compare_step(torch.tensor([[1]]), None, torch.tensor([[0]]), None, scores, scores, None,
+                           tie_ulps=16, tolerance=None)
+        assert RowClass(int(cmp.row_class[0])) == cls, n
+
+
 def test_weight_errors_matched_by_expert_id():
     scores = torch.tensor([[0.9, 0.8, 0.1, 0.2]])
     exp_ids, exp_w = torch.tensor([[0, 1]]), torch.tensor([[0.6, 0.4]])

@@ -5,13 +5,16 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import mutants
 from conftest import DEVICE, HAS_CUDA
+from helpers import make_trace
 from routetool.cli import main
 from routetool.execution import select_execution
 from routetool.suite import FAMILIES, build_suite
+from routetool.trace import LayerArrays
 from routetool.validate import rejection_documented, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +150,40 @@ def test_traces_are_validated_layer_by_layer(execution):
     assert not bad.ok and "weight_error" in _classes(bad)
     bf16 = ROOT / "traces" / "musespark1x-synth-bf16.safetensors"
     rej = validate(kernel.variant("seed"), "seed", execution, cases=[], traces=[bf16])
-    assert [c.verdict for c in rej.cases] == ["rejected"]
+    assert {c.verdict for c in rej.cases} == {"rejected"} and len(rej.cases) == 4  # one case per layer
+
+
+def test_trace_cases_check_the_weights_of_tie_rows_and_report_rows_as_suite_cases_do(execution, tmp_path):
+    # a trace was judged by replay's summary alone: weights of tie-equivalent rows went unchecked (a
+    # kernel breaking ties toward the highest expert with wrong weights on those rows passed), and
+    # its offending rows had is_padding False, no top_inputs and a row class as failure class
+    from kernel.reference import musespark1x_routing_reference as ref
+
+    g = torch.zeros(12, 8)
+    g[:, 0] = 3.0
+    g[:, 5] = g[:, 6] = 1.0  # experts 5 and 6 tie for the second place
+    pad = torch.zeros(12, dtype=torch.bool)
+    pad[10:] = True
+    path = make_trace(tmp_path / "ties.safetensors", {0: LayerArrays(gating_output=g, is_padding=pad,
+                                                                      step_offsets=torch.tensor([0, 6, 12]))})
+
+    def tie_high_bad_weights(gating_output, bias, topk, route_scale, *args, is_padding=None, **kwargs):
+        w, ids = ref(gating_output, bias, topk, route_scale, is_padding=is_padding)
+        tied = (ids == 5).any(-1)
+        ids = torch.where(ids == 5, 6, ids)  # the other expert of the tie: still tie-equivalent
+        return torch.where(tied[:, None] & (ids >= 0), w * 1.5, w), ids
+
+    def pad_ids_only(gating_output, bias, topk, route_scale, *args, is_padding=None, **kwargs):
+        w, ids = ref(gating_output, bias, topk, route_scale)
+        return w, torch.where(is_padding[:, None], -1, ids)  # weights of padded rows left
+
+    bad = validate(tie_high_bad_weights, "tie_high", execution, cases=[], traces=[path]).cases[0]
+    assert bad.verdict == "fail" and "weights_not_renormalized_unbiased" in bad.failure_classes, bad
+    padded = validate(pad_ids_only, "pad_ids_only", execution, cases=[], traces=[path]).cases[0]
+    assert padded.failure_classes == ["invalid:bad_padding"], padded
+    row = padded.rows[0]
+    assert (row.row, row.failure_class, row.is_padding) == (10, "invalid:bad_padding", True)
+    assert [x["expert"] for x in row.top_inputs][:1] == [0]
 
 
 def _mutant_path():
