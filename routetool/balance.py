@@ -45,7 +45,7 @@ from routetool.eplb import (
 from routetool.errors import KernelError, RouteToolError, first_line
 from routetool.imports import ImportedCounts, ImportedRouting
 from routetool.load import LoadStats, load_stats
-from routetool.replay import call_kernel, input_snapshot, modified_inputs
+from routetool.replay import KERNEL_ID_DTYPES, KERNEL_WEIGHT_DTYPE, call_kernel, input_snapshot, modified_inputs
 from routetool.trace import Trace
 
 PHASES = ("prefill", "decode")
@@ -331,7 +331,7 @@ def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating:
     if tuple(ids.shape) != (n, topk):
         raise KernelError(f"{name} returned topk_ids of shape {list(ids.shape)} on {where}; expected [{n}, {topk}]",
                           failure_class="wrong_shape", path=path, fix=_FIX_KERNEL)
-    if ids.dtype not in (torch.int32, torch.int64):  # as validate and replay check
+    if ids.dtype not in KERNEL_ID_DTYPES:
         raise KernelError(f"{name} returned topk_ids of dtype {ids.dtype} on {where}; expected int32 or int64",
                           failure_class="wrong_dtype", path=path, fix="return int32/int64 expert ids")
     if ids.device != gating.device:
@@ -1214,7 +1214,7 @@ def route_fn_from(fn, router, *, kernel: bool = False) -> RouteFn:
             raise RoutingOutputError(f"returned {type(out).__name__}, expected (topk_weights, topk_ids)")
         w, ids = out
         if kernel and isinstance(ids, torch.Tensor) and not (
-                isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.shape == ids.shape):
+                isinstance(w, torch.Tensor) and w.dtype == KERNEL_WEIGHT_DTYPE and w.shape == ids.shape):
             got = f"{list(w.shape)} {str(w.dtype).removeprefix('torch.')}" if isinstance(w, torch.Tensor) \
                 else type(w).__name__
             raise RoutingOutputError(f"returned topk_weights {got}, expected float32 {list(ids.shape)} like its "

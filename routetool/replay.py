@@ -312,7 +312,7 @@ def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: tor
     if ok:
         w, ids = out
         ok = tuple(w.shape) == (n, k) and tuple(ids.shape) == (n, k)
-        if ok and (w.dtype != torch.float32 or ids.dtype not in (torch.int32, torch.int64)):  # as validate checks
+        if ok and (w.dtype != KERNEL_WEIGHT_DTYPE or ids.dtype not in KERNEL_ID_DTYPES):
             ok, failure = False, "wrong_dtype"
     if not ok:
         got = (", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor)
@@ -326,6 +326,12 @@ def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: tor
                           failure_class="wrong_device", path=path, tensor=tensor,
                           fix="return the outputs on the device of gating_output")
     return out[0], out[1]
+
+
+KERNEL_WEIGHT_DTYPE = torch.float32
+KERNEL_ID_DTYPES = (torch.int32, torch.int64)
+"""The dtypes of a routing kernel's outputs (the seed's and the project's): replay, validate and
+balance hold every kernel to them (``wrong_dtype``)."""
 
 
 def outputs_elsewhere(device: torch.device, **outputs: torch.Tensor) -> str:

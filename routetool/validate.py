@@ -34,7 +34,7 @@ import torch
 from routetool.compare import INVALID_REASONS, RowClass, compare_step, weight_tolerance
 from routetool.errors import KernelError, RouteToolError
 from routetool.execution import Execution, RoutingFn
-from routetool.replay import _first_line
+from routetool.replay import KERNEL_ID_DTYPES, KERNEL_WEIGHT_DTYPE, _first_line
 from routetool.suite import Case, CaseInput
 
 REJECTION_TYPES = (ValueError, TypeError, NotImplementedError)
@@ -153,7 +153,7 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
     T, K = inp.gating_output.shape[0], inp.topk
     if tuple(weights.shape) != (T, K) or tuple(ids.shape) != (T, K):
         return ["wrong_shape"], 0, []
-    if weights.dtype != torch.float32 or ids.dtype not in (torch.int32, torch.int64):
+    if weights.dtype != KERNEL_WEIGHT_DTYPE or ids.dtype not in KERNEL_ID_DTYPES:
         return ["wrong_dtype"], 0, []
     device = inp.gating_output.device
     if weights.device != device or ids.device != device:

@@ -608,29 +608,32 @@ def test_dump_options_on_a_trace_are_refused(tmp_path, args, flags):
     _one_line_error(run("balance", trace, *args, "--no-progress"), flags, "to routing dumps, not to a trace")
 
 
+def _sglang_per_pass(path):
+    torch.save({"records": [{"forward_pass_id": 0, "rank": 0,
+                             "global_physical_count": torch.tensor([[1, 0, 2, 1]], dtype=torch.int32)}]}, path)
+
+
+def _counts_json(path):
+    from tests.test_imports import _counts_doc
+
+    path.write_text(json.dumps(_counts_doc()["mixtral"]))
+
+
+_DUMPS = {  # kind: (file name, writer)
+    "jsonl": ("q.jsonl", write_qwen_like),
+    "csv": ("ds", write_deepseek_like),
+    "sglang-per-token": ("pt.pt", write_sglang_per_token),
+    "sglang-stat": ("stat.pt", write_sglang_stat),
+    "sglang-per-pass": ("pp.pt", _sglang_per_pass),
+    "counts": ("c.json", _counts_json),
+}
+
+
 def _dump(tmp_path, kind):
     """A small dump of each kind that reads its own options (see imports.OPTIONS_READ)."""
-    if kind == "jsonl":
-        path = tmp_path / "q.jsonl"
-        write_qwen_like(path)
-    elif kind == "csv":
-        path = tmp_path / "ds"
-        write_deepseek_like(path)
-    elif kind == "sglang-per-token":
-        path = tmp_path / "pt.pt"
-        write_sglang_per_token(path)
-    elif kind == "sglang-stat":
-        path = tmp_path / "stat.pt"
-        write_sglang_stat(path)
-    elif kind == "sglang-per-pass":
-        path = tmp_path / "pp.pt"
-        torch.save({"records": [{"forward_pass_id": 0, "rank": 0,
-                                 "global_physical_count": torch.tensor([[1, 0, 2, 1]], dtype=torch.int32)}]}, path)
-    else:
-        from tests.test_imports import _counts_doc
-
-        path = tmp_path / "c.json"
-        path.write_text(json.dumps(_counts_doc()["mixtral"]))
+    name, write = _DUMPS[kind]
+    path = tmp_path / name
+    write(path)
     return path
 
 
