@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from routetool import __version__
 from routetool.cli_numbers import INT, FloatRange
+from routetool.cli_paths import PATH, PATH_TEXT
 from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_SIGNAL, EXIT_USAGE, RouteToolError, Terminated, printable
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.report import Console, markup_safe
@@ -151,7 +152,7 @@ def _finite(ctx, param, value):
 
 
 @main.command()
-@click.argument("trace", type=click.Path(path_type=Path, dir_okay=True))
+@click.argument("trace", type=PATH)
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
               help="cuda: compiled kernels and latency; cpu: the Triton interpreter (no latency); auto: cuda if present.")
 @click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
@@ -164,7 +165,7 @@ def _finite(ctx, param, value):
               help="Near-tie tolerance in float32 ulps for the tie-equivalent class (0 = exact ties only).")
 @click.option("--latency/--no-latency", default=True, show_default=True,
               help="Time each distinct step shape under CUDA graphs (GPU only).")
-@click.option("--json", "json_path", default=None, metavar="PATH",
+@click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH",
               help="Also write the results as JSON to PATH ('-' = stdout; the tables then go to stderr).")
 @click.option("--force", is_flag=True, help="Replace an existing --json file.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
@@ -208,7 +209,7 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
 
 
 @main.command()
-@click.argument("traces", nargs=-1, type=click.Path(path_type=Path))
+@click.argument("traces", nargs=-1, type=PATH)
 @click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
               help="Kernel under test: a variant (tiled, seed) or module:function with the seed's signature.")
 @click.option("--suite", type=click.Choice(["quick", "full", "none"]), default="quick", show_default=True,
@@ -219,8 +220,8 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
               help="cuda: compiled kernels, CUDA-graph cases; cpu: the Triton interpreter; auto: cuda if present.")
 @click.option("--tie-ulps", type=FloatRange(min=0, max=1e6), default=16.0, show_default=True, callback=_finite,
               help="Near-tie tolerance in float32 ulps for tie-equivalent rows (0 = exact ties only).")
-@click.option("--json", "json_path", default=None, metavar="PATH", help="Write verdicts as JSON ('-' = stdout).")
-@click.option("--junit", "junit_path", default=None, metavar="PATH", help="Write verdicts as JUnit XML ('-' = stdout).")
+@click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH", help="Write verdicts as JSON ('-' = stdout).")
+@click.option("--junit", "junit_path", type=PATH_TEXT, default=None, metavar="PATH", help="Write verdicts as JUnit XML ('-' = stdout).")
 @click.option("--force", is_flag=True, help="Replace existing --json/--junit files.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: tuple[str, ...], device: str,
@@ -280,7 +281,7 @@ def _int_list(text: str, name: str) -> list[int]:
 @main.command()
 @click.option("--tokens", default="1,8,64,256,1024,4096,16384,65536", show_default=True,
               help="Comma-separated num_tokens to sweep (each at most 16777216, 2^24).")
-@click.option("--trace", "trace_path", type=click.Path(path_type=Path), default=None,
+@click.option("--trace", "trace_path", type=PATH, default=None,
               help="Also sweep the step shapes of this trace (and use its num_experts/topk unless given).")
 @click.option("--experts", default=None, help="Comma-separated num_experts [default: 128,256,384,512].")
 @click.option("--topk", "topks", default=None, help="Comma-separated topk [default: 8].")
@@ -293,8 +294,8 @@ def _int_list(text: str, name: str) -> list[int]:
 @click.option("--graph/--no-graph", default=True, show_default=True, help="Time under CUDA-graph replay.")
 @click.option("--rep-ms", type=FloatRange(min=1, max=60_000), default=20.0, show_default=True, callback=_finite,
               help="Timing budget per point and kernel, in milliseconds (1-60000).")
-@click.option("--csv", "csv_path", default=None, metavar="PATH", help="Write the long-format CSV ('-' = stdout).")
-@click.option("--json", "json_path", default=None, metavar="PATH", help="Write the results as JSON ('-' = stdout).")
+@click.option("--csv", "csv_path", type=PATH_TEXT, default=None, metavar="PATH", help="Write the long-format CSV ('-' = stdout).")
+@click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH", help="Write the results as JSON ('-' = stdout).")
 @click.option("--force", is_flag=True, help="Replace existing output files.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str | None, dtypes: str,

@@ -17,6 +17,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from routetool.cli_numbers import INT, IntRange
+from routetool.cli_paths import PATH, PATH_TEXT
 from routetool.errors import EXIT_OK, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
 from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS, READING_OPTIONS
@@ -141,7 +142,7 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
 
 
 @click.command("balance", context_settings=_CTX)
-@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("source", type=PATH)
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
               help="Where routing and statistics run (auto: cuda if present).")
 @click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
@@ -154,7 +155,7 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
               help="Show one layer in detail (windows, EPLB placement, expert and rank bars); the rest still covers --layers.")
 @click.option("--ep-size", "ep_spec", default=None, metavar="N[,N...]",
               help="EP sizes to simulate with contiguous placement (default: the largest of 8, 4, 2, 1 dividing E).")
-@click.option("--placement", "placement_path", type=click.Path(path_type=Path), default=None,
+@click.option("--placement", "placement_path", type=PATH, default=None,
               help="Also simulate this placement JSON (e.g. one written by --eplb-out).")
 @click.option("--windows", type=IntRange(min=1), default=8, show_default=True,
               help="At most this many windows of consecutive steps (cut by rows; empty ones dropped) for drift over time.")
@@ -172,10 +173,10 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
               help="EPLB expert groups (DeepSeek-V3: 8).")
 @click.option("--eplb-policy", type=click.Choice(("auto", "hierarchical", "global")), default="auto",
               show_default=True, help="auto: hierarchical when nodes > 1 divide the groups, else global.")
-@click.option("--eplb-out", default=None, metavar="PATH", help="Write the EPLB placement as JSON.")
+@click.option("--eplb-out", type=PATH_TEXT, default=None, metavar="PATH", help="Write the EPLB placement as JSON.")
 @click.option("--bias-effect/--no-bias-effect", default=True, show_default=True,
               help="Route again with the bias zeroed (traces with logits only).")
-@click.option("--json", "json_path", default=None, metavar="PATH",
+@click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH",
               help="Also write the results as JSON to PATH ('-' = stdout; the tables then go to stderr).")
 @click.option("--plot", "plot_dir", default=None, metavar="DIR", help="Write PNG figures into DIR (needs matplotlib).")
 @click.option("--force", is_flag=True, help="Replace existing --json/--eplb-out/--plot outputs.")
@@ -332,8 +333,8 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
 
 
 @click.command("import", context_settings=_CTX)
-@click.argument("source", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
+@click.argument("source", type=PATH)
+@click.option("-o", "--output", "output", required=True, type=PATH,
               help="The ids-only trace to write (.safetensors).")
 @_dump_options
 @click.option("--model", default=None, help="Model name to record (default: from the file, else its name).")

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from routetool.cli_numbers import FLOAT, IntRange
+from routetool.cli_paths import PATH, PATH_TEXT
 from routetool.errors import RouteToolError, printable
 from routetool.numtext import list_items, number_problem, parse_int
 from routetool.report import Console, markup_safe
@@ -131,7 +132,7 @@ def _std(ctx, param, value):
 # ---------------------------------------------------------------------------------------
 # routetool synth
 @click.command()
-@click.option("-o", "--output", "--out", "out", type=click.Path(path_type=Path), required=True,
+@click.option("-o", "--output", "--out", "out", type=PATH, required=True,
               help="Trace file to write (.safetensors). --out is an alias.")
 @click.option("--layers", "num_layers", type=IntRange(1, 1024), default=4, show_default=True,
               help="MoE layers (1-1024).")
@@ -225,10 +226,10 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
 # ---------------------------------------------------------------------------------------
 # routetool info
 @click.command()
-@click.argument("trace", type=click.Path(path_type=Path, dir_okay=True))
+@click.argument("trace", type=PATH)
 @click.option("--scan", is_flag=True,
               help="Also read the data (one step at a time) to count padded rows and rows with non-finite logits.")
-@click.option("--json", "json_path", default=None, metavar="PATH",
+@click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH",
               help="Also write the facts as JSON to PATH ('-' = stdout; the tables then go to stderr).")
 @click.option("--force", is_flag=True, help="Replace an existing --json file.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr (--scan).")
@@ -267,9 +268,9 @@ MAX_CAPTURE_LOGITS = 2**30
 
 
 @capture.command("hf")
-@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+@click.option("--model", "model_path", type=PATH, default=None,
               help="Local checkpoint folder (from_pretrained, local files only).")
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+@click.option("--config", "config_path", type=PATH, default=None,
               help="A config.json (or a folder with one): seeded random weights.")
 @click.option("--arch", type=click.Choice(["deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe", "mixtral"]),
               default=None, help="A small built-in config of this architecture: seeded random weights.")
@@ -292,7 +293,7 @@ MAX_CAPTURE_LOGITS = 2**30
               help="Tokens per prompt (consecutive slices of the text).")
 @click.option("--max-new-tokens", type=IntRange(0, 1 << 16), default=8, show_default=True,
               help="Greedy tokens to generate: 1 prefill step + (N - 1) decode steps (0: one forward pass).")
-@click.option("-o", "--output", "--out", "out", type=click.Path(path_type=Path), required=True,
+@click.option("-o", "--output", "--out", "out", type=PATH, required=True,
               help="Trace file to write (.safetensors). --out is an alias.")
 @click.option("--model-name", default=None, help="Model name in the trace metadata.")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")

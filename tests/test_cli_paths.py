@@ -1,0 +1,59 @@
+"""An empty file or folder name is refused as such (routetool.cli_paths).
+
+``Path("")`` is ``Path(".")``: `routetool balance ''` read the current folder and then said it
+held no dump, `replay --json ''` said the current folder was a directory.
+"""
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from routetool.cli import main
+from routetool.cli_paths import EMPTY, PATH, PATH_TEXT, NonEmptyPath, NonEmptyText
+
+
+def _path_params():
+    """(command path, parameter) for every parameter that names a file or folder."""
+    found = []
+
+    def walk(command, path):
+        for param in command.params:
+            if isinstance(param.type, click.Path) or getattr(param, "metavar", None) == "PATH":
+                found.append((path, param))
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(main, "routetool")
+    return found
+
+
+def test_every_path_parameter_refuses_the_empty_name():
+    found = _path_params()
+    names = {f"{path} {param.name}" for path, param in found}
+    for expected in ("routetool replay trace", "routetool replay json_path", "routetool validate traces",
+                     "routetool validate junit_path", "routetool bench csv_path", "routetool bench trace_path",
+                     "routetool balance source", "routetool balance eplb_out", "routetool import output",
+                     "routetool synth out", "routetool info trace", "routetool capture hf model_path"):
+        assert expected in names, expected
+    for path, param in found:
+        assert isinstance(param.type, (NonEmptyPath, NonEmptyText)), (path, param.name)
+        with pytest.raises(click.BadParameter, match="an empty name is no path"):
+            param.type.convert("", param, None)
+
+
+def test_the_types_still_convert_names():
+    assert str(PATH.convert("traces/x.safetensors", None, None)) == "traces/x.safetensors"
+    assert PATH_TEXT.convert("-", None, None) == "-"
+
+
+@pytest.mark.parametrize("args", [
+    ["balance", ""], ["import", "", "-o", "out.safetensors"], ["replay", ""], ["info", ""], ["validate", ""],
+    ["synth", "-o", ""], ["replay", "x.safetensors", "--json", ""], ["bench", "--csv", ""],
+])
+def test_an_empty_name_is_a_one_line_usage_error(args, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and EMPTY in lines[0], result.output
+    assert list(tmp_path.iterdir()) == []
