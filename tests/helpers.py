@@ -32,3 +32,12 @@ def make_trace(path, layers: dict[int, LayerArrays], router: RouterConfig | None
     meta = TraceMeta(model=meta_kw.pop("model", "test"), router=router,
                      provenance=meta_kw.pop("provenance", "made by a test"), extra=meta_kw)
     return write_trace(path, meta, layers, force=True)
+
+
+def command_params(command, keep, path="routetool"):
+    """``(command path, parameter)`` for every parameter of ``command`` and its subcommands for which
+    ``keep(parameter)`` is true, e.g. ``command_params(routetool.cli.main, lambda p: p.name == "json_path")``."""
+    found = [(path, param) for param in command.params if keep(param)]
+    for name, sub in getattr(command, "commands", {}).items():
+        found += command_params(sub, keep, f"{path} {name}")
+    return found

@@ -15,6 +15,7 @@ from routetool.cli import main
 from routetool.cli_numbers import FLOAT, INT, FloatRange, IntRange
 from routetool.errors import RouteToolError
 from routetool.numtext import list_items, number_problem
+from tests.helpers import command_params
 
 TINY = Path(__file__).resolve().parents[1] / "traces" / "deepseek-v3-hf-tiny.safetensors"
 
@@ -25,17 +26,8 @@ LOOSE = [ARABIC_ONE, FULLWIDTH_ONE, "1_0", " 1", "1 ", "\t1"]
 
 def _numeric_options():
     """(command path, option) for every option of every command whose type is a click number type."""
-    found = []
-
-    def walk(command, path):
-        for param in command.params:
-            if isinstance(param, click.Option) and isinstance(param.type, click.types._NumberParamTypeBase):
-                found.append((path, param))
-        for name, sub in getattr(command, "commands", {}).items():
-            walk(sub, f"{path} {name}")
-
-    walk(main, "routetool")
-    return found
+    return command_params(main, lambda p: isinstance(p, click.Option)
+                          and isinstance(p.type, click.types._NumberParamTypeBase))
 
 
 def test_every_numeric_option_is_found():

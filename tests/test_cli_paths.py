@@ -10,21 +10,12 @@ from click.testing import CliRunner
 
 from routetool.cli import main
 from routetool.cli_paths import EMPTY, PATH, PATH_TEXT, NonEmptyPath, NonEmptyText
+from tests.helpers import command_params
 
 
 def _path_params():
     """(command path, parameter) for every parameter that names a file or folder."""
-    found = []
-
-    def walk(command, path):
-        for param in command.params:
-            if isinstance(param.type, click.Path) or getattr(param, "metavar", None) == "PATH":
-                found.append((path, param))
-        for name, sub in getattr(command, "commands", {}).items():
-            walk(sub, f"{path} {name}")
-
-    walk(main, "routetool")
-    return found
+    return command_params(main, lambda p: isinstance(p.type, click.Path) or getattr(p, "metavar", None) == "PATH")
 
 
 def test_every_path_parameter_refuses_the_empty_name():
