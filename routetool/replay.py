@@ -72,7 +72,7 @@ class LayerReplay:
         reference_vs_recorded / kernel_vs_recorded: against the production outputs stored
             in the trace, when it has them.
         expert_counts: tokens per expert from the kernel's ids (padded rows excluded); for an
-            ids-only layer, from the recorded ids.
+            ids-only layer, from the recorded ids of its valid rows (invalid ones left out).
         load: statistics of ``expert_counts``.
         ids_only: the layer has no logits (an imported routing dump): nothing was compared
             or timed, only the recorded ids' load counted.
@@ -490,7 +490,7 @@ def replay_trace(
 
 def _ids_only_layer(trace: Trace, res: LayerReplay, E: int, device: torch.device,
                     progress: Callable[[int], None] | None) -> LayerReplay:
-    """A layer without logits: only the load of the recorded ids, nothing to compare or time."""
+    """A layer without logits: only the load of the recorded ids (valid, unpadded rows), nothing to compare or time."""
     res.ids_only = True
     counts = torch.zeros(E, dtype=torch.int64, device=device)
     invalid = torch.zeros(len(INVALID_REASONS), dtype=torch.int64, device=device)
@@ -511,10 +511,11 @@ def _ids_only_layer(trace: Trace, res: LayerReplay, E: int, device: torch.device
                     topk_ids=[int(v) for v in ids[r].tolist()],
                     topk_weights=None if weights is None else [float(v) for v in weights[r].float().tolist()],
                 ))
+        keep = ~bad  # an invalid row's ids say nothing about the load (a repeated id would count twice)
         if pad is not None:
             res.padded_rows += int(pad.sum())
-            ids = ids[~pad]
-        counts += expert_counts(ids, E)
+            keep &= ~pad
+        counts += expert_counts(ids[keep], E)
         if progress is not None:
             progress(step.num_tokens)
     res.expert_counts = counts.tolist()

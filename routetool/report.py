@@ -199,7 +199,7 @@ def _summary_column(s: ComparisonSummary) -> list:
         fmt_float(s.weight_max_abs_err),
         fmt_float(s.weight_max_rel_err),
         _count(s.weight_rows_over_tolerance, bad=True),
-        Text("pass", style="green") if s.ok else Text("FAIL", style="bold red"),
+        Text("-", style="dim") if not s.rows else Text("pass", style="green") if s.ok else Text("FAIL", style="bold red"),
     ]
 
 
@@ -269,7 +269,7 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     for layer in bad_recorded:
         why = ", ".join(f"{r}: {n:,}" for r, n in layer.recorded_invalid.items() if n)
         console.print(Text(f"• layer {layer.layer}: {layer.recorded_invalid_rows:,} rows of the recorded outputs are "
-                           f"invalid ({why})", style="bold red"))
+                           f"invalid ({why}); its load leaves them out", style="bold red"))
     nonfinite = sum(layer.nonfinite_rows for layer in result.layers)
     if nonfinite:
         findings.append(f"{nonfinite:,} rows have non-finite logits (NaN/inf); the reference routes them by the "

@@ -202,6 +202,13 @@ def test_ids_only_trace_with_invalid_recorded_outputs_fails(tmp_path):
     assert {k: v for k, v in layer["recorded_invalid"].items() if v} == {
         "duplicate_id": 1, "nonfinite_weight": 1, "negative_weight": 1}
     assert "3 rows of the recorded outputs are invalid" in res.stderr and "FAIL" in res.stderr
+    # the load counts the one valid row only (the repeated id would have counted twice)
+    assert layer["expert_counts_tokens"] == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert "its load leaves them out" in res.stderr
+    # nothing was compared, so the Summary shows no verdict of its own (not "pass" above a FAIL)
+    summary = res.stderr.split("Summary")[1].split("Per layer")[0]
+    verdict = [line for line in summary.splitlines() if line.strip().startswith("verdict")]
+    assert len(verdict) == 1 and verdict[0].split()[-1] == "-", summary
 
 
 def test_usage_errors_exit_2(tmp_path):
