@@ -38,6 +38,8 @@ def _bal(value: float | None) -> Text:
 
 
 def _spark(values: list[float | None], lo: float | None = None, hi: float | None = None) -> Text:
+    """One block per value between ``lo`` and ``hi`` (default: their min and max; None is ``·``).
+    All equal: full blocks, or the lowest where they are all 0 (no load is not a full bar)."""
     vals = [v for v in values if v is not None]
     if not vals:
         return Text("-", style="dim")
@@ -48,7 +50,7 @@ def _spark(values: list[float | None], lo: float | None = None, hi: float | None
         if v is None:
             out.append("·", style="dim")
             continue
-        level = 7 if hi <= lo else round(7 * (v - lo) / (hi - lo))
+        level = (7 if v else 0) if hi <= lo else round(7 * (v - lo) / (hi - lo))
         out.append(_LEVELS[max(0, min(7, level))], style="cyan")
     return out
 
@@ -79,7 +81,7 @@ def rank_bars(assignments: list[float], title: str, tokens_received: list[int] |
             line.append(f"  ({tokens_received[r]:,} tokens)", style="dim")
         lines.append(line)
     foot = Text(f"mean {mean:,.1f} assignments/rank, max {peak:,.0f}; balancedness "
-                f"{(mean / peak if peak else 0):.3f}", style="dim")
+                + (f"{mean / peak:.3f}" if peak else "- (no assignments)"), style="dim")
     return Panel(Group(*lines, foot), title=title, expand=False)
 
 
@@ -104,7 +106,7 @@ def heat_strip(result: BalanceResult, width: int = 128) -> Panel:
             else:
                 lvl = max(0, min(7, round(7 * v / peak))) if peak else 0
                 line.append(_LEVELS[lvl], style="red" if v >= 2 else "cyan")
-        line.append(f" {x.load.imbalance:.2f}", style="dim")
+        line.append(f" {x.load.imbalance:.2f}" if x.load.imbalance is not None else " -", style="dim")
         lines.append(line)
     note = ("one column per expert" if per == 1 else f"one column per {per} experts (their max)")
     lines.append(Text(f"{note}; height = tokens / layer mean (tallest = {peak:.2f}x); red >= 2x mean; · idle; "
@@ -163,7 +165,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
             r = x.ranks[i]
             q = r.step_balancedness
             t.add_row(str(x.layer), _bal(r.balancedness), _f(q.min), _f(q.p10), _f(q.p50), _f(q.p90), _f(q.mean),
-                      str(r.hottest_rank), _pct(r.hottest_share), _spark(r.assignments, lo=0.0),
+                      str(r.hottest_rank) if r.hottest_rank is not None else "-", _pct(r.hottest_share), _spark(r.assignments, lo=0.0),
                       style=_focus(x, layer))
         if several:
             q = ep.balancedness

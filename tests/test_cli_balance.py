@@ -404,6 +404,41 @@ def test_one_layer_has_no_summary_rows_and_no_footnote_for_them(tmp_path, monkey
         assert _table_rows(res.output, title) == ["0"], title
     assert "'layers' row" not in res.output
 
+def test_a_counts_file_without_traffic_shows_undefined_statistics(tmp_path, monkeypatch):
+    # max/mean, entropy and Gini were 0, the rank sparkline full bars ████, EPLB 0×5 (every
+    # redundant slot on expert 0), the rank bars "balancedness 0.000"
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.chdir(tmp_path)  # the notes name the source as given: z.json
+    Path("z.json").write_text('{"0": [0, 0, 0, 0]}')
+    out = tmp_path / "z.out.json"
+    res = run("balance", "z.json", "--json", out, "--no-progress")
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    for load in (d["all_layers"], d["layers"][0]["load"]):
+        assert [load[k] for k in ("imbalance_max_over_mean", "cv", "normalized_entropy", "gini")] == [None] * 4
+        assert load["assignments"] == 0 and load["idle_experts"] == [0, 1, 2, 3]
+    rank = d["layers"][0]["ranks"][0]
+    assert rank["hottest_rank"] is None and rank["balancedness_mean_over_max"] is None
+    assert d["layers"][0]["windows"][0]["imbalance_max_over_mean"] is None
+    assert d["eplb"]["layers"][0]["replicated"] == [{"expert": e, "replicas": 2} for e in range(4)]
+    assert d["notes"][0].startswith("z.json holds no traffic")
+    load_row = next(ln for ln in res.output.splitlines() if ln.split()[:4] == ["0", "1", "-", "0"])
+    assert load_row.split()[4:9] == ["-", "-", "-", "-", "4"]          # max/mean CV entropy Gini idle
+    ep_row = next(ln for ln in res.output.splitlines() if ln.split()[:2] == ["0", "-"] and "▁▁▁▁" in ln)
+    assert ep_row.split()[7:10] == ["-", "-", "▁▁▁▁"]                   # hottest rank, share, rank loads
+    assert "0×2, 1×2, 2×2, 3×2" in res.output and "0×5" not in res.output and "█" * 4 not in res.output
+    assert "balancedness - (no assignments)" in res.output
+    assert "• z.json holds no traffic (0 assignments in the analysed layers)" in res.output.replace("\n", " ")
+
+
+def test_sparkline_of_no_load_is_flat_and_low():
+    from routetool.report_balance import _spark
+
+    assert _spark([0.0, 0.0, 0.0], lo=0.0).plain == "▁▁▁"
+    assert _spark([2.0, 2.0], lo=0.0).plain == "██"          # equal, nonzero: full
+    assert _spark([0.0, 4.0], lo=0.0).plain == "▁█"
+    assert _spark([None, None]).plain == "-"
+
 # -- bad input from a new user's reports: one line, exit 2, nothing written ----------------------
 def _one_line_error(res, *words, exit_code=2):
     assert res.exit_code == exit_code, res.output
