@@ -11,7 +11,8 @@ Definitions (docs/balance.md):
 
 * *assignments*: (token, expert) pairs; a token routed to K experts makes K.
 * *imbalance*: max / mean assignments per expert; *CV*: std / mean; *normalized entropy*:
-  entropy / log E; *Gini* of the per-expert loads (see :func:`routetool.load.load_stats`).
+  entropy / log E; *Gini* of the per-expert loads (see :func:`routetool.load.load_stats`);
+  all four None where there is no traffic (no assignments), as balancedness is.
 * *balancedness*: mean / max assignments per EP rank (vLLM, SGLang). Per layer it is given
   for the layer's whole traffic (``balancedness``) and per step (forward pass), summarised
   over the steps as min / p10 / p50 / p90 / mean (SGLang logs the per-pass value).
@@ -601,7 +602,8 @@ class RankLoad:
         tokens_received: ``[N]`` distinct tokens per rank, or None (replicas or no ids).
         balancedness: mean / max of ``assignments`` (whole layer), None if empty.
         step_balancedness: per-step balancedness summarised over steps.
-        hottest_rank: rank with the most assignments; hottest_share: its fraction of all.
+        hottest_rank: rank with the most assignments; hottest_share: its fraction of all;
+            both None when the layer has no assignments.
     """
 
     placement: str
@@ -610,7 +612,7 @@ class RankLoad:
     tokens_received: list[int] | None
     balancedness: float | None
     step_balancedness: Quantiles
-    hottest_rank: int
+    hottest_rank: int | None
     hottest_share: float | None
 
 
@@ -622,7 +624,7 @@ class WindowLoad:
         index, first_step, last_step, label: where it is. tokens: unpadded tokens (None
         when unknown, e.g. counts without topk; the windows of a layer sum to its tokens).
         assignments: total assignments.
-        imbalance, cv: of the window's expert histogram. balancedness: at the first EP
+        imbalance, cv: of the window's expert histogram (None without assignments). balancedness: at the first EP
         placement. tv_distance: from the layer's whole-traffic distribution.
         top_expert: the busiest expert of the window.
     """
@@ -633,8 +635,8 @@ class WindowLoad:
     label: str
     tokens: int | None
     assignments: int
-    imbalance: float
-    cv: float
+    imbalance: float | None
+    cv: float | None
     balancedness: float | None
     tv_distance: float | None
     top_expert: int | None
@@ -648,8 +650,8 @@ class PhaseLoad:
     steps: int
     tokens: int
     assignments: int
-    imbalance: float
-    cv: float
+    imbalance: float | None
+    cv: float | None
     balancedness: float | None
     step_balancedness_mean: float | None
     top_expert: int | None
@@ -950,9 +952,20 @@ class _LayerAccumulator:
                 self.picks += 1
 
 
-def _stats_row(counts: torch.Tensor) -> tuple[float, float, int | None]:
+def _stats_row(counts: torch.Tensor) -> tuple[float | None, float | None, int | None]:
     st = load_stats(counts, top_n=1)
     return st.imbalance, st.cv, (st.hottest[0][0] if st.hottest else None)
+
+
+def _no_traffic_note(source: str, empty: list[int], num_layers: int, eplb: bool) -> str:
+    """The note for analysed layers that hold no assignments (all of them, or some)."""
+    if len(empty) == num_layers:
+        return (f"{source} holds no traffic (0 assignments in the analysed layers): its load statistics and "
+                "balancedness are undefined (-, null in JSON)"
+                + ("; EPLB placed the experts as for an even load (nothing to fit)" if eplb else ""))
+    names = ", ".join(map(str, empty[:20])) + (" ..." if len(empty) > 20 else "")
+    return (f"layer(s) {names} hold no traffic (0 assignments): their load statistics and balancedness are "
+            "undefined (-, null in JSON)" + ("; EPLB placed their experts as for an even load" if eplb else ""))
 
 
 def analyze_balance(
@@ -1031,6 +1044,10 @@ def analyze_balance(
         results.append(res)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    empty = [r.layer for r in results if r.assignments == 0]
+    if empty:  # before the others when nothing at all was routed: it says what every '-' means
+        notes.insert(0 if len(empty) == len(results) else len(notes),
+                     _no_traffic_note(source.path, empty, len(results), options.eplb is not None))
     if uncounted_total:
         notes.append(f"{uncounted_total:,} expert ids outside [0, {E}) on unpadded rows were not counted")
 
@@ -1070,12 +1087,12 @@ def _finish_layer(layer: int, acc: _LayerAccumulator, placements: list[Placement
     step_bal = acc.step_bal.cpu()
     for i, p in enumerate(placements):
         rt = acc.rank_totals[i].cpu()
-        hot = int(torch.argmax(rt)) if rt.numel() else 0
+        hot = int(torch.argmax(rt)) if rt.numel() and rt.sum() > 0 else None
         recv = acc.received[i].cpu().tolist() if acc.received[i] is not None and acc.ids_seen else None
         ranks.append(RankLoad(
             placement=p.name, num_ranks=p.num_gpus, assignments=rt.tolist(), tokens_received=recv,
             balancedness=finite_or_none(balancedness(rt)), step_balancedness=Quantiles.of(step_bal[i, :acc.steps]),
-            hottest_rank=hot, hottest_share=float(rt[hot] / rt.sum()) if rt.sum() > 0 else None,
+            hottest_rank=hot, hottest_share=float(rt[hot] / rt.sum()) if hot is not None else None,
         ))
     # windows
     wc = acc.windows.cpu()
@@ -1148,13 +1165,20 @@ def _finish_layer(layer: int, acc: _LayerAccumulator, placements: list[Placement
     )
 
 
+def _even_where_empty(load: torch.Tensor) -> torch.Tensor:
+    """``[L, E]`` load for EPLB to fit, with a row of no traffic replaced by an even load: there is
+    nothing to fit, and on all-zero loads every tie would go to the lowest expert (expert 0 took
+    every redundant slot); an even load spreads the replicas over the experts in turn."""
+    return torch.where(load.sum(-1, keepdim=True) > 0, load, torch.ones_like(load))
+
+
 def _eplb_whatif(layers: list[int], results: list[LayerBalance], window_counts: dict[int, torch.Tensor],
                  options: BalanceOptions, E: int) -> EplbResult:
     eo = options.eplb
     gpus = eo.num_gpus or options.ep_sizes[0]
     redundant = eo.num_redundant if eo.num_redundant is not None else gpus
     weights = torch.tensor([r.counts for r in results], dtype=torch.float64)
-    placement = rebalance_experts(weights, redundant, num_gpus=gpus, num_nodes=eo.num_nodes,
+    placement = rebalance_experts(_even_where_empty(weights), redundant, num_gpus=gpus, num_nodes=eo.num_nodes,
                                   num_groups=eo.num_groups, policy=eo.policy, layers=layers)
     before = contiguous_placement(layers, E, gpus)
     out = []
@@ -1167,7 +1191,7 @@ def _eplb_whatif(layers: list[int], results: list[LayerBalance], window_counts: 
         hb = ha = None
         if wc.shape[0] >= 2:
             half = wc.shape[0] // 2
-            fit = rebalance_experts(wc[:half].sum(0, keepdim=True), redundant, num_gpus=gpus, num_nodes=eo.num_nodes,
+            fit = rebalance_experts(_even_where_empty(wc[:half].sum(0, keepdim=True)), redundant, num_gpus=gpus, num_nodes=eo.num_nodes,
                                     num_groups=eo.num_groups, policy=eo.policy, layers=[layer])
             test = wc[half:].sum(0)
             hb = finite_or_none(balancedness(test @ mb))

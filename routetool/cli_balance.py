@@ -152,7 +152,8 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
 @click.option("--recorded", is_flag=True, help="Use the trace's recorded topk_ids instead of routing the logits.")
 @click.option("--layers", "layers_spec", default="all", show_default=True, help="Layers, e.g. 0,2,5-7.")
 @click.option("--layer", "focus_layer", type=INT, default=None,
-              help="Show one layer in detail (windows, EPLB placement, expert and rank bars); the rest still covers --layers.")
+              help="Also show layer L (one of --layers) in detail: its windows, EPLB placement per GPU, expert and "
+                   "rank bars, its row in bold; every table still covers all of --layers.")
 @click.option("--ep-size", "ep_spec", default=None, metavar="N[,N...]",
               help="EP sizes to simulate with contiguous placement (default: the largest of 8, 4, 2, 1 dividing E).")
 @click.option("--placement", "placement_path", type=PATH, default=None,

@@ -30,10 +30,12 @@ class LoadStats:
     Attributes:
         assignments: total (token, expert) assignments counted.
         max_load / mean_load: tokens on the busiest expert / per expert on average.
-        imbalance: max_load / mean_load (1.0 = perfectly even; 0 when nothing was routed).
+        imbalance: max_load / mean_load (1.0 = perfectly even).
         cv: coefficient of variation, population std / mean.
         normalized_entropy: entropy of the load distribution / log(E) (1.0 = even).
         gini: Gini coefficient of the per-expert loads (0 = even, -> 1 = one expert).
+        The four ratios are None when nothing was routed (no assignments: a load
+        distribution with mean 0 has none of them; 0 would read as a perfectly even load).
         hottest: ``(expert, tokens)`` of the most loaded experts, busiest first.
         idle: experts that received no token.
     """
@@ -42,10 +44,10 @@ class LoadStats:
     assignments: int
     max_load: int
     mean_load: float
-    imbalance: float
-    cv: float
-    normalized_entropy: float
-    gini: float
+    imbalance: float | None
+    cv: float | None
+    normalized_entropy: float | None
+    gini: float | None
     hottest: list[tuple[int, int]]
     idle: list[int]
 
@@ -68,7 +70,7 @@ def load_stats(counts: torch.Tensor, top_n: int = 5) -> LoadStats:
         cv = float(c.std(unbiased=False) / mean)
         imbalance = max_load / mean
     else:
-        norm_entropy = gini = cv = imbalance = 0.0
+        norm_entropy = gini = cv = imbalance = None
     order = torch.argsort(-c, stable=True)[: min(top_n, E)]
     return LoadStats(
         num_experts=E,

@@ -38,6 +38,8 @@ def _bal(value: float | None) -> Text:
 
 
 def _spark(values: list[float | None], lo: float | None = None, hi: float | None = None) -> Text:
+    """One block per value between ``lo`` and ``hi`` (default: their min and max; None is ``·``).
+    All equal: full blocks, or the lowest where they are all 0 (no load is not a full bar)."""
     vals = [v for v in values if v is not None]
     if not vals:
         return Text("-", style="dim")
@@ -48,7 +50,7 @@ def _spark(values: list[float | None], lo: float | None = None, hi: float | None
         if v is None:
             out.append("·", style="dim")
             continue
-        level = 7 if hi <= lo else round(7 * (v - lo) / (hi - lo))
+        level = (7 if v else 0) if hi <= lo else round(7 * (v - lo) / (hi - lo))
         out.append(_LEVELS[max(0, min(7, level))], style="cyan")
     return out
 
@@ -60,10 +62,9 @@ def _bar(value: float, peak: float, width: int = 30, style: str = "cyan") -> Tex
     return t
 
 
-def _shown_layers(result: BalanceResult, layer: int | None) -> list[LayerBalance]:
-    if layer is not None:
-        return [x for x in result.layers if x.layer == layer]
-    return result.layers
+def _focus(x: LayerBalance, layer: int | None) -> str | None:
+    """Row style of ``x`` in a per-layer table: bold for the layer shown in detail (``--layer``)."""
+    return "bold" if x.layer == layer else None
 
 
 def rank_bars(assignments: list[float], title: str, tokens_received: list[int] | None = None) -> Panel:
@@ -80,7 +81,7 @@ def rank_bars(assignments: list[float], title: str, tokens_received: list[int] |
             line.append(f"  ({tokens_received[r]:,} tokens)", style="dim")
         lines.append(line)
     foot = Text(f"mean {mean:,.1f} assignments/rank, max {peak:,.0f}; balancedness "
-                f"{(mean / peak if peak else 0):.3f}", style="dim")
+                + (f"{mean / peak:.3f}" if peak else "- (no assignments)"), style="dim")
     return Panel(Group(*lines, foot), title=title, expand=False)
 
 
@@ -105,7 +106,7 @@ def heat_strip(result: BalanceResult, width: int = 128) -> Panel:
             else:
                 lvl = max(0, min(7, round(7 * v / peak))) if peak else 0
                 line.append(_LEVELS[lvl], style="red" if v >= 2 else "cyan")
-        line.append(f" {x.load.imbalance:.2f}", style="dim")
+        line.append(f" {x.load.imbalance:.2f}" if x.load.imbalance is not None else " -", style="dim")
         lines.append(line)
     note = ("one column per expert" if per == 1 else f"one column per {per} experts (their max)")
     lines.append(Text(f"{note}; height = tokens / layer mean (tallest = {peak:.2f}x); red >= 2x mean; · idle; "
@@ -115,7 +116,12 @@ def heat_strip(result: BalanceResult, width: int = 128) -> Panel:
 
 
 def render_balance(result: BalanceResult, console: Console, layer: int | None = None) -> None:
-    """Print the balance report: header, expert load, EP ranks, EPLB, bias, capacity, drift, bars."""
+    """Print the balance report: header, expert load, EP ranks, EPLB, bias, capacity, drift, bars.
+
+    Every per-layer table covers all of ``result.layers`` (with its ``all``/``layers``/``mean``
+    row when there are several); ``layer`` (``--layer L``, one of them) adds that layer's detail:
+    its row in bold, its EPLB placement per GPU, its windows, its expert and rank bars.
+    """
     header = Table.grid(padding=(0, 2))
     header.add_row("input", user_text(f"{result.source} ({result.kind})"))
     header.add_row("model", user_text(result.model or "-"))
@@ -132,17 +138,18 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
                                  + (f" ({rate:,.0f} {unit})" if rate else ""))
     console.print(Panel(header, title="routetool balance", expand=False))
 
-    shown = _shown_layers(result, layer)
+    several = len(result.layers) > 1
+    focus = next((x for x in result.layers if x.layer == layer), None) if layer is not None else None
     # expert load
     t = table("Expert load per layer (assignments = token-expert pairs)",
                ["layer", "steps", "tokens", "assign", "max/mean", "CV", "entropy", "Gini", "idle", "hottest e:assign"],
                left=("hottest e:assign",))
-    for x in shown:
+    for x in result.layers:
         hot = ", ".join(f"{e}:{c:,}" for e, c in x.load.hottest)
         t.add_row(str(x.layer), str(x.num_steps), f"{x.tokens:,}" if x.tokens is not None else "-",
                   f"{x.assignments:,}", _f(x.load.imbalance), _f(x.load.cv), _f(x.load.normalized_entropy),
-                  _f(x.load.gini), str(len(x.load.idle)), hot)
-    if layer is None and len(result.layers) > 1:
+                  _f(x.load.gini), str(len(x.load.idle)), hot, style=_focus(x, layer))
+    if several:
         tl = result.total_load
         t.add_row(Text("all", style="bold"), "", "", f"{tl.assignments:,}", _f(tl.imbalance), _f(tl.cv),
                   _f(tl.normalized_entropy), _f(tl.gini), str(len(tl.idle)),
@@ -154,19 +161,22 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
         t = table(f"EP ranks: {ep.placement} (balancedness = mean/max assignments per rank)",
                    ["layer", "balancedness", "step min", "p10", "p50", "p90", "mean", "hottest rank", "share",
                     "rank loads"], left=("rank loads",))
-        for x in shown:
+        for x in result.layers:
             r = x.ranks[i]
             q = r.step_balancedness
             t.add_row(str(x.layer), _bal(r.balancedness), _f(q.min), _f(q.p10), _f(q.p50), _f(q.p90), _f(q.mean),
-                      str(r.hottest_rank), _pct(r.hottest_share), _spark(r.assignments, lo=0.0))
-        if layer is None and len(result.layers) > 1:
+                      str(r.hottest_rank) if r.hottest_rank is not None else "-", _pct(r.hottest_share), _spark(r.assignments, lo=0.0),
+                      style=_focus(x, layer))
+        if several:
             q = ep.balancedness
             t.add_row(Text("layers", style="bold"), _bal(q.mean), _f(q.min), _f(q.p10), _f(q.p50), _f(q.p90),
                       _f(ep.step_balancedness_mean), f"worst L{ep.worst_layer}" if ep.worst_layer is not None else "-",
                       "", "", end_section=True)
         console.print(t)
-        console.print(Text("'layers' row: mean, min, p10, p50, p90 of the per-layer balancedness; its 'mean' column: "
-                           "mean per-step balancedness over layers (SGLang's average balancedness)", style="dim"))
+        if several:
+                console.print(Text("'layers' row: mean, min, p10, p50, p90 of the per-layer balancedness; its 'mean' "
+                               "column: mean per-step balancedness over layers (SGLang's average balancedness)",
+                               style="dim"))
 
     # EPLB
     if result.eplb is not None:
@@ -176,27 +186,27 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
                    ["layer", "before", "after", "max rank before", "after", "windows before", "after",
                     "holdout before", "after", "replicated e×n"], left=("replicated e×n",))
         by_layer = {x.layer: x for x in e.layers}
-        for x in shown:
+        for x in result.layers:
             y = by_layer[x.layer]
             rep = ", ".join(f"{le}×{n}" for le, n in y.replicated[:6]) + (" ..." if len(y.replicated) > 6 else "")
             t.add_row(str(y.layer), _bal(y.balancedness_before), _bal(y.balancedness_after),
                       f"{y.max_rank_load_before:,.0f}", f"{y.max_rank_load_after:,.0f}",
                       _bal(y.window_balancedness_before), _bal(y.window_balancedness_after),
-                      _bal(y.holdout_before), _bal(y.holdout_after), rep or "-")
-        if layer is None and len(result.layers) > 1:
+                      _bal(y.holdout_before), _bal(y.holdout_after), rep or "-", style=_focus(x, layer))
+        if several:
             t.add_row(Text("mean", style="bold"), _bal(e.summary_before.mean), _bal(e.summary_after.mean),
                       "", "", "", "", "", "", "", end_section=True)
         console.print(t)
         console.print(Text("before: contiguous placement on the same GPUs; after: EPLB fitted on this traffic "
                            "(in-sample); windows: mean over windows; holdout: fitted on the first half of the windows, "
                            "measured on the second", style="dim"))
-        if layer is not None and shown:
+        if focus is not None:
             p = e.placement
-            y = by_layer[shown[0].layer]
-            phy = p.physical_to_logical[p.row(shown[0].layer)].tolist()
-            cnt = p.logical_count[p.row(shown[0].layer)].tolist()
+            y = by_layer[focus.layer]
+            phy = p.physical_to_logical[p.row(focus.layer)].tolist()
+            cnt = p.logical_count[p.row(focus.layer)].tolist()
             per = p.experts_per_gpu
-            pt = table(f"EPLB placement of layer {shown[0].layer} (physical slots per GPU; e×n = expert with n replicas)",
+            pt = table(f"EPLB placement of layer {focus.layer} (physical slots per GPU; e×n = expert with n replicas)",
                         ["GPU", "load before", "after", "logical experts in its slots"],
                         left=("logical experts in its slots",))
             for g in range(p.num_gpus):
@@ -208,7 +218,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
         console.print(Text(f"EPLB: {result.eplb_note}", style="dim"))
 
     # bias
-    biased = [x for x in shown if x.bias is not None]
+    biased = [x for x in result.layers if x.bias is not None]
     if biased:
         t = table("Router bias effect: routed with the trace's bias vs bias zeroed",
                    ["layer", "max/mean bias", "zeroed", "CV bias", "zeroed", "balancedness bias", "zeroed",
@@ -217,7 +227,8 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
             b = x.bias
             t.add_row(str(x.layer), _f(b.load_with.imbalance), _f(b.load_without.imbalance), _f(b.load_with.cv),
                       _f(b.load_without.cv), _bal(b.balancedness_with), _bal(b.balancedness_without),
-                      _bal(b.step_balancedness_with), _bal(b.step_balancedness_without), _pct(b.changed_fraction))
+                      _bal(b.step_balancedness_with), _bal(b.step_balancedness_without), _pct(b.changed_fraction),
+                      style=_focus(x, layer))
         console.print(t)
         console.print(Text(f"bias effect: {result.bias_note}; balancedness at {result.ep[0].placement}"
                            if result.ep else f"bias effect: {result.bias_note}", style="dim"))
@@ -230,29 +241,29 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
         for f in result.capacity_factors:
             cols += [f"cf {f:g} dropped", "experts", "steps"]
         t = table("Capacity overflow: assignments over ceil(cf x assignments / E) per expert and step", cols)
-        for x in shown:
+        for x in result.layers:
             cells = [str(x.layer)]
             for c in x.capacity:
                 cells += [Text(f"{c.dropped:,} ({_pct(c.dropped_fraction)})", style="red" if c.dropped else "dim"),
                           str(c.experts_overflowing), str(c.steps_overflowing)]
-            t.add_row(*cells)
+            t.add_row(*cells, style=_focus(x, layer))
         console.print(t)
 
     # drift
     t = table("Drift: prefill vs decode, and over windows of consecutive steps",
                ["layer", "prefill max/mean", "bal", "decode max/mean", "bal", "TV(prefill,decode)",
                 "windows", "max/mean per window", "max TV vs layer"], left=("max/mean per window",))
-    for x in shown:
+    for x in result.layers:
         ph = {p.phase: p for p in x.phases}
         pre, dec = ph.get("prefill"), ph.get("decode")
         tvs = [w.tv_distance for w in x.windows if w.tv_distance is not None]
         t.add_row(str(x.layer), _f(pre.imbalance) if pre else "-", _bal(pre.balancedness) if pre else Text("-"),
                   _f(dec.imbalance) if dec else "-", _bal(dec.balancedness) if dec else Text("-"),
                   _f(x.phase_tv_distance), str(len(x.windows)), _spark([w.imbalance for w in x.windows]),
-                  _f(max(tvs)) if tvs else "-")
+                  _f(max(tvs)) if tvs else "-", style=_focus(x, layer))
     console.print(t)
-    if layer is not None and shown:
-        x = shown[0]
+    if focus is not None:
+        x = focus
         wt = table(f"Windows of layer {x.layer}", ["window", "steps", "tokens", "assign", "max/mean", "CV",
                                                     "balancedness", "TV vs layer", "top expert"])
         for w in x.windows:
@@ -261,19 +272,18 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
                        str(w.top_expert) if w.top_expert is not None else "-")
         console.print(wt)
 
-    # bars
-    if layer is None:
-        console.print(heat_strip(result))
-        console.print(histogram_renderable(result.total_counts, "Expert load, all layers summed (assignments)"))
-        if result.ep:
-            tot = [sum(x.ranks[0].assignments[r] for x in result.layers) for r in range(result.ep[0].num_ranks)]
-            console.print(rank_bars(tot, f"Rank load, all layers summed ({result.ep[0].placement})"))
-    elif shown:
-        x = shown[0]
-        console.print(histogram_renderable(x.counts, f"Expert load, layer {x.layer} (assignments)"))
-        for r in x.ranks:
-            console.print(rank_bars(r.assignments, f"Rank load, layer {x.layer} ({r.placement})", r.tokens_received))
-    if result.eplb is not None and len(shown) > 1:
+    # bars: all layers, then the --layer in detail
+    console.print(heat_strip(result))
+    console.print(histogram_renderable(result.total_counts, "Expert load, all layers summed (assignments)"))
+    if result.ep:
+        tot = [sum(x.ranks[0].assignments[r] for x in result.layers) for r in range(result.ep[0].num_ranks)]
+        console.print(rank_bars(tot, f"Rank load, all layers summed ({result.ep[0].placement})"))
+    if focus is not None:
+        console.print(histogram_renderable(focus.counts, f"Expert load, layer {focus.layer} (assignments)"))
+        for r in focus.ranks:
+            console.print(rank_bars(r.assignments, f"Rank load, layer {focus.layer} ({r.placement})",
+                                    r.tokens_received))
+    if result.eplb is not None and several:
         lines = []
         # two bars per line, each up to 25 cells: narrower on a narrow terminal so that a
         # layer stays on one line (labels, values and the panel's border take 37 cells)

@@ -19,6 +19,7 @@ from routetool.balance import (
 )
 from routetool.errors import EXIT_FINDINGS, EXIT_USAGE, KernelError, RouteToolError
 from routetool.imports import ImportedCounts, ImportedLayer, ImportedRouting
+from routetool.load import load_stats
 from routetool.trace import LayerArrays, RouterConfig, Trace
 from tests.helpers import make_trace
 
@@ -145,6 +146,52 @@ def test_counts_source_capacity_from_assignments():
     assert x.ranks[0].tokens_received is None  # counts have no per-token ids
     assert x.ranks[0].balancedness == pytest.approx(8 / 12)  # ranks [6+2+2+2, 2+2] = [12, 4]
 
+
+# -- no traffic: statistics undefined, not 0 ----------------------------------------------------
+def _counts(layers: dict[int, list[list[int]]]) -> CountsSource:
+    return CountsSource(ImportedCounts(source="z.json", format="counts-json", model="m", num_experts=4, topk=None,
+                                       layers={x: torch.tensor(m) for x, m in layers.items()},
+                                       step_labels=[str(i) for i in range(len(next(iter(layers.values()))))]))
+
+
+def test_load_statistics_without_traffic_are_undefined():
+    # max/mean, CV, entropy and Gini of an all-zero histogram were 0 (0 reads as a perfectly even load)
+    st = load_stats(torch.zeros(4, dtype=torch.int64))
+    assert (st.imbalance, st.cv, st.normalized_entropy, st.gini) == (None, None, None, None)
+    assert (st.assignments, st.max_load, st.mean_load, st.hottest, st.idle) == (0, 0, 0.0, [], [0, 1, 2, 3])
+    one = load_stats(torch.tensor([0, 0, 3, 0]))  # one expert: defined, the extreme values
+    assert (one.imbalance, one.normalized_entropy, one.gini) == (pytest.approx(4.0), 0.0, pytest.approx(0.75))
+
+
+def test_a_source_without_traffic(device):
+    # EPLB put every redundant slot on expert 0 (ties to the lowest index on an all-zero load): an
+    # even load spreads them, one per expert; hottest rank 0 of nothing is no hottest rank
+    r = analyze_balance(_counts({0: [[0, 0, 0, 0]]}),
+                        BalanceOptions(ep_sizes=[2], windows=2, eplb=EplbOptions(num_redundant=4)), device)
+    x = r.layers[0]
+    assert (x.load.imbalance, x.load.cv, x.load.normalized_entropy, x.load.gini) == (None,) * 4
+    assert r.total_load.imbalance is None and r.total_load.gini is None
+    assert x.ranks[0].balancedness is None and x.ranks[0].hottest_rank is None and x.ranks[0].hottest_share is None
+    assert [(w.imbalance, w.cv, w.top_expert) for w in x.windows] == [(None, None, None)]
+    assert r.eplb.layers[0].replicated == [(0, 2), (1, 2), (2, 2), (3, 2)]
+    assert r.eplb.layers[0].balancedness_after is None
+    assert r.notes[0].startswith("z.json holds no traffic (0 assignments in the analysed layers)")
+
+
+def test_a_layer_without_traffic_among_others(device):
+    # layer 1 has traffic, layer 0 none: layer 0's statistics are undefined, the rest as usual; the
+    # holdout of layer 1 is fitted on window "0", which is empty: an even load there too
+    r = analyze_balance(_counts({0: [[0, 0, 0, 0], [0, 0, 0, 0]], 1: [[0, 0, 0, 0], [1, 2, 3, 4]]}),
+                        BalanceOptions(ep_sizes=[2], windows=2, eplb=EplbOptions(num_redundant=2)), device)
+    empty, busy = r.layers
+    assert empty.load.imbalance is None and busy.load.imbalance == pytest.approx(1.6)
+    assert r.ep[0].worst_layer == 1 and r.ep[0].balancedness.count == 1
+    assert r.eplb.layers[0].replicated == [(0, 2), (1, 2)]
+    assert r.eplb.layers[1].replicated == [(2, 2), (3, 2)]  # 4/2 = 2 ties with 3: e3, then e2
+    # holdout fitted on an even load: e0, e1 replicated, GPUs {e2, e0, e0} | {e3, e1, e1}; measured on
+    # [1,2,3,4]: 4 | 6 -> 5/6 (fitted on zeros, e0 took both replicas: 3.67 | 6.33 -> 0.79)
+    assert r.eplb.layers[1].holdout_after == pytest.approx(5 / 6)
+    assert any(n.startswith("layer(s) 0 hold no traffic (0 assignments)") for n in r.notes)
 
 # -- traces: routing sources, padding, bias effect ---------------------------------------------
 def _bias_trace(path):

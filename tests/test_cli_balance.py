@@ -342,6 +342,103 @@ def test_layer_detail_shows_the_eplb_placement(tmp_path):
     assert "Windows of layer 0" in res.output
 
 
+def _two_layer_trace(path):
+    # layer 0 as _ids_trace (counts [4,2,2,2]); layer 1: [[1,2],[1,3]], [[2,3],[1,0],[1,2]] -> [1,4,3,2]
+    ids1 = torch.tensor([[1, 2], [1, 3], [2, 3], [1, 0], [1, 2]], dtype=torch.int32)
+    ids0 = torch.tensor([[0, 1], [0, 2], [0, 1], [2, 3], [0, 3]], dtype=torch.int32)
+    make_trace(path, {x: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 2, 5]))
+                      for x, ids in ((0, ids0), (1, ids1))},
+               router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
+
+
+def _table_rows(output, title):
+    """The first cell of each body row of the table titled ``title`` (between its rule and the next blank line)."""
+    lines = output.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.strip().startswith(title))
+    rule = next(i for i in range(start, len(lines)) if "───" in lines[i])
+    rows = []
+    for ln in lines[rule + 1:]:
+        if not ln.strip():
+            break
+        rows.append(ln.split()[0])
+    return rows
+
+
+PER_LAYER_TABLES = {  # title -> the summary row it has with several layers
+    "Expert load per layer": "all", "EP ranks: contiguous ep=2": "layers", "EPLB what-if": "mean",
+    "Capacity overflow": None, "Drift: prefill vs decode": None,
+}
+
+
+def test_layer_detail_keeps_every_layer_in_the_tables(tmp_path, monkeypatch):
+    # --layer 1 showed only layer 1 in every per-layer table and dropped the 'all'/'layers'/'mean'
+    # rows (the 'layers' footnote stayed); the tables cover --layers, --layer adds layer 1's detail
+    monkeypatch.setenv("COLUMNS", "200")  # no cell wraps onto a second line
+    trace = tmp_path / "two.safetensors"
+    _two_layer_trace(trace)
+    plain = run("balance", trace, "--ep-size", "2", "--no-progress")
+    res = run("balance", trace, "--ep-size", "2", "--layer", "1", "--no-progress")
+    assert plain.exit_code == 0 and res.exit_code == 0, res.output
+    for title, summary in PER_LAYER_TABLES.items():
+        rows = ["0", "1"] + ([summary] if summary else [])
+        assert _table_rows(res.output, title) == rows == _table_rows(plain.output, title), title
+    assert "'layers' row: mean" in res.output
+    # the detail of layer 1, added after what every run shows
+    for detail in ("EPLB placement of layer 1", "Windows of layer 1", "Expert load, layer 1 (assignments)",
+                   "Rank load, layer 1 (contiguous ep=2)"):
+        assert detail in res.output and detail not in plain.output, detail
+    for whole in ("Expert load per layer (layer x expert)", "Expert load, all layers summed",
+                  "Rank load, all layers summed", "Balancedness per layer, before / after EPLB"):
+        assert whole in res.output and whole in plain.output, whole
+    assert "mean 2.5 assignments/expert, max 4, total 10 assignments" in res.output  # layer 1: [1,4,3,2]
+    assert "(layer 0" not in res.output and "layer 0 (" not in res.output
+
+
+def test_one_layer_has_no_summary_rows_and_no_footnote_for_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    trace = tmp_path / "ids.safetensors"
+    _ids_trace(trace)
+    res = run("balance", trace, "--ep-size", "2", "--layer", "0", "--no-progress")
+    assert res.exit_code == 0, res.output
+    for title in PER_LAYER_TABLES:
+        assert _table_rows(res.output, title) == ["0"], title
+    assert "'layers' row" not in res.output
+
+def test_a_counts_file_without_traffic_shows_undefined_statistics(tmp_path, monkeypatch):
+    # max/mean, entropy and Gini were 0, the rank sparkline full bars ████, EPLB 0×5 (every
+    # redundant slot on expert 0), the rank bars "balancedness 0.000"
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.chdir(tmp_path)  # the notes name the source as given: z.json
+    Path("z.json").write_text('{"0": [0, 0, 0, 0]}')
+    out = tmp_path / "z.out.json"
+    res = run("balance", "z.json", "--json", out, "--no-progress")
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    for load in (d["all_layers"], d["layers"][0]["load"]):
+        assert [load[k] for k in ("imbalance_max_over_mean", "cv", "normalized_entropy", "gini")] == [None] * 4
+        assert load["assignments"] == 0 and load["idle_experts"] == [0, 1, 2, 3]
+    rank = d["layers"][0]["ranks"][0]
+    assert rank["hottest_rank"] is None and rank["balancedness_mean_over_max"] is None
+    assert d["layers"][0]["windows"][0]["imbalance_max_over_mean"] is None
+    assert d["eplb"]["layers"][0]["replicated"] == [{"expert": e, "replicas": 2} for e in range(4)]
+    assert d["notes"][0].startswith("z.json holds no traffic")
+    load_row = next(ln for ln in res.output.splitlines() if ln.split()[:4] == ["0", "1", "-", "0"])
+    assert load_row.split()[4:9] == ["-", "-", "-", "-", "4"]          # max/mean CV entropy Gini idle
+    ep_row = next(ln for ln in res.output.splitlines() if ln.split()[:2] == ["0", "-"] and "▁▁▁▁" in ln)
+    assert ep_row.split()[7:10] == ["-", "-", "▁▁▁▁"]                   # hottest rank, share, rank loads
+    assert "0×2, 1×2, 2×2, 3×2" in res.output and "0×5" not in res.output and "█" * 4 not in res.output
+    assert "balancedness - (no assignments)" in res.output
+    assert "• z.json holds no traffic (0 assignments in the analysed layers)" in res.output.replace("\n", " ")
+
+
+def test_sparkline_of_no_load_is_flat_and_low():
+    from routetool.report_balance import _spark
+
+    assert _spark([0.0, 0.0, 0.0], lo=0.0).plain == "▁▁▁"
+    assert _spark([2.0, 2.0], lo=0.0).plain == "██"          # equal, nonzero: full
+    assert _spark([0.0, 4.0], lo=0.0).plain == "▁█"
+    assert _spark([None, None]).plain == "-"
+
 # -- bad input from a new user's reports: one line, exit 2, nothing written ----------------------
 def _one_line_error(res, *words, exit_code=2):
     assert res.exit_code == exit_code, res.output
