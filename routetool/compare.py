@@ -150,6 +150,7 @@ def compare_step(
     *,
     tie_ulps: float,
     tolerance: WeightTolerance | None,
+    own_weights: torch.Tensor | None = None,
     row_chunk: int = 16384,
 ) -> StepComparison:
     """Classify each row of ``test`` against ``expected``.
@@ -165,6 +166,10 @@ def compare_step(
         is_padding: ``[n]`` bool or None.
         tie_ulps: near-tie tolerance in float32 ulps (0 = exact ties only).
         tolerance: weight tolerance (None skips weight checks).
+        own_weights: ``[n, K]`` the weights ``test_ids`` should carry, position by position
+            (:func:`own_pick_weights`), or None. Given, a tie-equivalent row's weights are
+            checked against them (it picked other experts than ``expected``, so no weight of
+            the row matches an expected one); without them such rows' weights go unchecked.
         row_chunk: rows per internal chunk for the ``[n, E]`` temporaries.
 
     Returns:
@@ -216,7 +221,7 @@ def compare_step(
         ew = expected_weights.to(device=device, dtype=torch.float32)
         # Weights are compared where both outputs hold the same experts. A tie-equivalent row
         # picked another expert, which changes the renormalisation of every weight of the row:
-        # its weights are checked against its own picks instead (validate's invariant).
+        # its weights are checked against its own picks instead (``own_weights``), below.
         comparable = ~pad & ~invalid & same_set
         abs_parts, rel_parts, over_parts = [], [], []
         for lo in range(0, n, row_chunk):
@@ -237,10 +242,44 @@ def compare_step(
         abs_err = torch.cat(abs_parts) if abs_parts else empty
         rel_err = torch.cat(rel_parts) if rel_parts else empty
         over = torch.cat(over_parts) if over_parts else empty.bool()
+        if own_weights is not None:
+            tie = (row_class == int(RowClass.TIE_EQUIVALENT))[:, None]
+            own = own_weights.to(device=device, dtype=torch.float32)
+            err = torch.where(tie, (tw - own).abs(), 0.0)
+            rel = torch.where(tie, err / own.abs().clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+            abs_err = torch.maximum(abs_err, err.amax(-1))
+            rel_err = torch.maximum(rel_err, rel.amax(-1))
+            over = over | (tie & (err > tolerance.atol + tolerance.rtol * own.abs())).any(-1)
     return StepComparison(
         row_class=row_class, invalid_mask=reasons, exact_tie=exact_tie,
         weight_abs_err=abs_err, weight_rel_err=rel_err, weight_over_tol=over,
     )
+
+
+def own_pick_weights(scores: torch.Tensor, ids: torch.Tensor, route_scale: float, division_eps: float | None,
+                     renormalized: bool = True) -> torch.Tensor:
+    """The weights a row's picks ``ids`` carry under the routing semantics (docs/semantics.md).
+
+    Args:
+        scores: ``[n, E]`` float32 unbiased scores.
+        ids: ``[n, K]`` int picks (out-of-range ids, e.g. the -1 of padded rows, read expert 0:
+            callers mask such rows).
+        route_scale: the factor on the weights.
+        division_eps: the optional term added to the denominator.
+        renormalized: ``route_scale * s / (sum of the row's picked s + eps)`` (0 where that
+            denominator is 0), as the kernel computes them; False: ``route_scale * s``, the raw
+            top-k scores some engines record (``weights_semantics=unnormalized``).
+
+    Returns:
+        ``[n, K]`` float32, position by position with ``ids``.
+    """
+    picked = scores.gather(1, ids.long().clamp(0, max(0, scores.shape[1] - 1)))
+    if not renormalized:
+        return picked * route_scale
+    denom = picked.sum(-1, keepdim=True)
+    if division_eps is not None:
+        denom = denom + division_eps
+    return torch.where(denom > 0, picked * (route_scale / torch.where(denom > 0, denom, 1.0)), 0.0)
 
 
 @dataclass

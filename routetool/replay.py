@@ -19,6 +19,7 @@ from routetool.compare import (
     coarser_dtype,
     compare_step,
     invalid_reasons,
+    own_pick_weights,
     weight_tolerance,
 )
 from routetool.errors import KernelError, RouteToolError, first_line
@@ -415,7 +416,10 @@ def replay_trace(
             scores = normalized_scores(gating, router.router_score_normalization, router.router_output_multiplier)
             biased = biased_scores(scores, bias)
 
-            cmp = compare_step(ids, w, ref_ids, ref_w, scores, biased, pad, tie_ulps=tie_ulps, tolerance=kernel_tol)
+            eps = router.router_score_division_eps
+            kernel_own = own_pick_weights(scores, ids, router.route_scale, eps)
+            cmp = compare_step(ids, w, ref_ids, ref_w, scores, biased, pad, tie_ulps=tie_ulps, tolerance=kernel_tol,
+                               own_weights=kernel_own)
             res.kernel_vs_reference.add(cmp, layer=layer, step=step.index, start=step.start, test_ids=ids,
                                         test_weights=w, expected_ids=ref_ids, expected_weights=ref_w, tolerance=kernel_tol)
             if step.recorded_ids is not None:
@@ -424,19 +428,21 @@ def replay_trace(
                 rec_tol: WeightTolerance | None = None
                 if rec_w is not None:
                     rec_tol = weight_tolerance(coarser_dtype(rec_w.dtype, torch.float32), router.route_scale)
-                pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, ref_w),
-                         (res.kernel_vs_recorded, ids, w, rec_ids, rec_w)]
+                # A tie-equivalent row's weights are checked against its own picks (own_pick_weights).
+                recorded_own = own_pick_weights(scores, rec_ids, router.route_scale, eps, renormalized=not unnormalized)
+                pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, ref_w, recorded_own),
+                         (res.kernel_vs_recorded, ids, w, rec_ids, rec_w, kernel_own)]
                 if unnormalized:
                     # Production kept the raw top-k scores (times route_scale): compare like with
                     # like. The kernel always renormalises, so against it only ids are compared.
-                    raw = scores.gather(1, ref_ids.clamp_min(0).long()) * router.route_scale
+                    raw = own_pick_weights(scores, ref_ids, router.route_scale, eps, renormalized=False)
                     if pad is not None:
                         raw = torch.where(pad[:, None], 0.0, raw)
-                    pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, raw),
-                             (res.kernel_vs_recorded, ids, None, rec_ids, None)]
-                for summary, test_ids, test_w, exp_ids, exp_w in pairs:
+                    pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, raw, recorded_own),
+                             (res.kernel_vs_recorded, ids, None, rec_ids, None, None)]
+                for summary, test_ids, test_w, exp_ids, exp_w, own in pairs:
                     c = compare_step(test_ids, test_w, exp_ids, exp_w, scores, biased, pad,
-                                     tie_ulps=tie_ulps, tolerance=rec_tol)
+                                     tie_ulps=tie_ulps, tolerance=rec_tol, own_weights=own)
                     summary.add(c, layer=layer, step=step.index, start=step.start, test_ids=test_ids,
                                 test_weights=test_w, expected_ids=exp_ids, expected_weights=exp_w, tolerance=rec_tol)
 

@@ -717,3 +717,34 @@ def test_the_replay_header_of_an_imported_ids_only_trace_says_the_router_paramet
     assert "router E=8 topk=2; router parameters unknown (ids-only import: only num_experts and topk are real)" \
         in header, res.output
     assert "route_scale" not in header and "sigmoid" not in header, res.output
+
+
+def _tie_row_trace(path, recorded_scale=1.0, unnormalized=False):
+    """A trace whose recorded row 1 breaks an exact tie at the k-th place the other way (tie-equivalent),
+    its weights times ``recorded_scale``; row 0 is recorded exactly."""
+    router = RouterConfig(num_experts=8, topk=3, route_scale=2.5)
+    g = torch.full((2, 8), -4.0)
+    g[:, 0], g[:, 1] = 3.0, 2.0
+    g[:, 5] = g[:, 6] = 0.5  # experts 5 and 6 tie for the 3rd place; the rule picks 5
+    s = torch.sigmoid(g)
+    ids = torch.tensor([[0, 1, 5], [0, 1, 6]], dtype=torch.int32)
+    picked = s.gather(1, ids.long())
+    w = picked * 2.5 if unnormalized else picked * 2.5 / picked.sum(-1, keepdim=True)
+    w[1] *= recorded_scale
+    extra = {"weights_semantics": "unnormalized"} if unnormalized else {}
+    return make_trace(path, {0: LayerArrays(gating_output=g, topk_ids=ids, topk_weights=w)}, router=router, **extra)
+
+
+@pytest.mark.parametrize("unnormalized", [False, True])
+def test_recorded_tie_equivalent_rows_have_their_weights_checked_against_their_own_picks(tmp_path, unnormalized):
+    ok = _run("replay", _tie_row_trace(tmp_path / "ok.safetensors", unnormalized=unnormalized), "--device", DEVICE,
+              "--no-progress", "--no-latency", "--json", "-")
+    assert ok.exit_code == 0, ok.output
+    totals = json.loads(ok.stdout)["totals"]["reference_vs_recorded"]
+    assert totals["tie_equivalent"] == 1 and totals["weight_rows_over_tolerance"] == 0
+    bad = _run("replay", _tie_row_trace(tmp_path / "bad.safetensors", 2.0, unnormalized), "--device", DEVICE,
+               "--no-progress", "--no-latency", "--json", "-")
+    assert bad.exit_code == 1, bad.output
+    totals = json.loads(bad.stdout)["totals"]["reference_vs_recorded"]
+    assert totals["tie_equivalent"] == 1 and totals["weight_rows_over_tolerance"] == 1
+    assert totals["weight_max_rel_err"] == pytest.approx(1.0, rel=1e-5)

@@ -2,7 +2,8 @@
 
 import torch
 
-from routetool.compare import INVALID_REASONS, ComparisonSummary, RowClass, compare_step, weight_tolerance
+from routetool.compare import (INVALID_REASONS, ComparisonSummary, RowClass, compare_step, own_pick_weights,
+                               weight_tolerance)
 
 E, K = 6, 2
 # scores per row (unbiased; bias 0 so biased == scores)
@@ -91,6 +92,34 @@ def test_weight_errors_matched_by_expert_id():
                            tolerance=weight_tolerance(dtype, 1.0))
         assert abs(float(cmp.weight_abs_err[0]) - 1e-3) < 1e-6
         assert bool(cmp.weight_over_tol[0]) is over
+
+
+def test_tie_equivalent_rows_weights_are_checked_against_their_own_picks():
+    scores = torch.tensor([[0.9, 0.5, 0.5, 0.2]])  # experts 1 and 2 tie for the 2nd place
+    exp_ids, test_ids = torch.tensor([[0, 1]]), torch.tensor([[0, 2]])
+    own = own_pick_weights(scores, test_ids, 2.0, None)
+    assert torch.allclose(own, torch.tensor([[0.9, 0.5]]) * 2.0 / 1.4)
+    tol = weight_tolerance(torch.float32, 2.0)
+    exp_w = own_pick_weights(scores, exp_ids, 2.0, None)
+    right = compare_step(test_ids, own, exp_ids, exp_w, scores, scores, None, tie_ulps=0, tolerance=tol,
+                         own_weights=own)
+    assert RowClass(int(right.row_class[0])) == RowClass.TIE_EQUIVALENT and not right.weight_over_tol[0]
+    doubled = own * 2
+    # without own_weights nothing of the row is compared (no expert matches by id and weight)...
+    unchecked = compare_step(test_ids, doubled, exp_ids, exp_w, scores, scores, None, tie_ulps=0, tolerance=tol)
+    assert not unchecked.weight_over_tol[0]
+    # ...with them the doubled weights are found
+    wrong = compare_step(test_ids, doubled, exp_ids, exp_w, scores, scores, None, tie_ulps=0, tolerance=tol,
+                         own_weights=own)
+    assert wrong.weight_over_tol[0] and abs(float(wrong.weight_rel_err[0]) - 1.0) < 1e-6
+
+
+def test_own_pick_weights_eps_zero_denominator_and_unnormalized():
+    scores = torch.tensor([[0.6, 0.2, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    ids = torch.tensor([[0, 1], [2, 3]])
+    w = own_pick_weights(scores, ids, 1.5, 0.2)
+    assert torch.allclose(w[0], torch.tensor([0.6, 0.2]) * 1.5 / 1.0) and (w[1] == 0).all()
+    assert torch.allclose(own_pick_weights(scores, ids, 1.5, None, renormalized=False)[0], torch.tensor([0.9, 0.3]))
 
 
 def test_summary_counts_and_failures():
