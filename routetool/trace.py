@@ -39,10 +39,22 @@ _ST_DTYPES = {
 }
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int32, torch.int64)
+_OFFSET_DTYPES = (torch.int64, torch.int32)
+_LAYOUT_FIX = "store it with that dtype and shape (docs/trace-format.md, the table of tensors)"
+_FIELD_DTYPES = {  # what each tensor may be stored as (docs/trace-format.md, the table of tensors)
+    "gating_output": _FLOAT_DTYPES, "bias": _FLOAT_DTYPES, "is_padding": (torch.bool,),
+    "step_offsets": _OFFSET_DTYPES, "topk_ids": _ID_DTYPES, "topk_weights": _FLOAT_DTYPES,
+}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _dtypes_text(field_name: str) -> str:
+    """The dtypes a layer tensor accepts, in words: ``float32, bfloat16 or float16``."""
+    names = [_dtype_name(d) for d in _FIELD_DTYPES[field_name]]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 @dataclass(frozen=True)
@@ -169,6 +181,30 @@ class LayerArrays:
 
 _PLAIN_NUMBER_FIX = ("write the value as a plain decimal number (ASCII digits 0-9, e.g. 8 or 2.5; no underscores, "
                      "spaces or other scripts' digits)")
+_PLAIN_INT_FIX = ("write the value as a plain decimal integer (ASCII digits 0-9, e.g. 8; no decimal point, underscores, "
+                  "spaces or other scripts' digits)")
+
+_REQUIRED_KEYS = {
+    # key: (what to add, its meaning), for the message naming a missing key (docs/trace-format.md)
+    "format": (f'format="{FORMAT_NAME}"', "the file is a routetool trace"),
+    "format_version": (f'format_version="{FORMAT_VERSION}"', "the trace format version it follows"),
+    "num_experts": ("num_experts=<E>", "E, the routed experts per layer: gating_output's columns"),
+    "topk": ("topk=<K>", "K, the experts picked per token, 1 <= K <= num_experts"),
+    "route_scale": ("route_scale=<factor>", "the factor on the renormalised weights, routed_scaling_factor, "
+                                            "finite and > 0; 1 for none"),
+}
+_FINITE_FIX = {
+    "route_scale": "write a finite number > 0 (1 for no scaling)",
+    "router_output_multiplier": "write a finite number, or leave the key out for no multiplier",
+    "router_score_division_eps": "write a finite number >= 0, or leave the key out for no eps",
+}
+
+
+def _missing_key(path: Path, key: str, prefix: str = "") -> RouteToolError:
+    """The one-line error for a required metadata key that is absent: the key to add and its meaning."""
+    add, meaning = _REQUIRED_KEYS[key]
+    return RouteToolError(f"{prefix}metadata key {key!r} is missing", path=path, tensor="__metadata__",
+                          fix=f"add {add} to the metadata: {meaning}; see docs/trace-format.md")
 
 
 def _parse_float(path: Path, key: str, raw: str | None, *, optional: bool) -> float | None:
@@ -177,8 +213,7 @@ def _parse_float(path: Path, key: str, raw: str | None, *, optional: bool) -> fl
     if raw is None:
         if optional:
             return None
-        raise RouteToolError(f"missing metadata key {key!r}", path=path, tensor="__metadata__",
-                             fix="write traces with routetool's writer")
+        raise _missing_key(path, key)
     if raw == "":
         raise RouteToolError(f"metadata {key}='' is empty, not a number", path=path, tensor="__metadata__",
                              fix="write a plain decimal number" + (", or leave the key out for none" if optional else ""))
@@ -188,18 +223,17 @@ def _parse_float(path: Path, key: str, raw: str | None, *, optional: bool) -> fl
                              fix=_PLAIN_NUMBER_FIX)
     if not math.isfinite(value):
         raise RouteToolError(f"metadata {key}={raw!r} is not finite", path=path, tensor="__metadata__",
-                             fix="fix the metadata value")
+                             fix=_FINITE_FIX[key])
     return value
 
 
 def _parse_int(path: Path, key: str, raw: str | None) -> int:
     if raw is None:
-        raise RouteToolError(f"missing metadata key {key!r}", path=path, tensor="__metadata__",
-                             fix="write traces with routetool's writer")
+        raise _missing_key(path, key)
     value = parse_int(raw)
     if value is None:
         raise RouteToolError(f"metadata {key}={raw!r} is not a plain decimal integer", path=path, tensor="__metadata__",
-                             fix=_PLAIN_NUMBER_FIX)
+                             fix=_PLAIN_INT_FIX)
     return value
 
 
@@ -231,17 +265,23 @@ def parse_metadata(path: Path, raw: Mapping[str, str] | None) -> TraceMeta:
             impossible router configuration (topk > num_experts, route_scale <= 0 ...).
     """
     raw = dict(raw or {})
-    if raw.get("format") != FORMAT_NAME:
-        found = raw.get("format")
+    if "format" not in raw:
+        raise _missing_key(path, "format", prefix="not a routetool trace: ")
+    if raw["format"] != FORMAT_NAME:
         raise RouteToolError(
-            f"not a routetool trace (metadata format={found!r}, expected {FORMAT_NAME!r})",
+            f"not a routetool trace (metadata format={raw['format']!r}, expected {FORMAT_NAME!r})",
             path=path, tensor="__metadata__",
-            fix="make traces with `routetool synth`, the capture API or `routetool import`",
+            fix=f'write format="{FORMAT_NAME}" in a trace that follows docs/trace-format.md, or make traces with '
+                "`routetool synth`, the capture API or `routetool import`",
         )
-    if raw.get("format_version") != FORMAT_VERSION:
+    if "format_version" not in raw:
+        raise _missing_key(path, "format_version")
+    if raw["format_version"] != FORMAT_VERSION:
         raise RouteToolError(
-            f"trace format version {raw.get('format_version')!r} is not supported (this routetool reads {FORMAT_VERSION!r})",
-            path=path, tensor="__metadata__", fix="upgrade routetool or re-export the trace",
+            f"trace format version {raw['format_version']!r} is not supported (this routetool reads {FORMAT_VERSION!r})",
+            path=path, tensor="__metadata__",
+            fix=f'a trace that follows docs/trace-format.md says format_version="{FORMAT_VERSION}"; '
+                "for a trace of a newer format, upgrade routetool",
         )
     router = RouterConfig(
         num_experts=_parse_int(path, "num_experts", raw.get("num_experts")),
@@ -257,7 +297,9 @@ def parse_metadata(path: Path, raw: Mapping[str, str] | None) -> TraceMeta:
     semantics = raw.get("weights_semantics")
     if semantics is not None and semantics not in WEIGHTS_SEMANTICS:
         raise RouteToolError(f"metadata weights_semantics={semantics!r} is not one of {', '.join(WEIGHTS_SEMANTICS)}",
-                             path=path, tensor="__metadata__", fix="fix the metadata value")
+                             path=path, tensor="__metadata__",
+                             fix="write renormalized (route_scale * s_i / (sum of picked s + eps), the default) or "
+                                 "unnormalized (route_scale * s_i) for the recorded topk_weights; see docs/trace-format.md")
     known = {"format", "format_version", "model", "num_layers", "num_experts", "topk", "route_scale",
              "router_score_normalization", "router_output_multiplier", "router_score_division_eps", "provenance"}
     return TraceMeta(
@@ -340,11 +382,12 @@ class Trace:
         declared = self._file.metadata().get("num_layers")
         if declared is not None and parse_int(declared) is None:
             raise RouteToolError(f"metadata num_layers={declared!r} is not a plain decimal integer",
-                                 path=self.display_path, tensor="__metadata__", fix=_PLAIN_NUMBER_FIX)
+                                 path=self.display_path, tensor="__metadata__", fix=_PLAIN_INT_FIX)
         if declared is not None and parse_int(declared) != len(self.layers):
             raise RouteToolError(
                 f"metadata num_layers={declared} but the file holds {len(self.layers)} layers",
-                path=self.display_path, tensor="__metadata__", fix="re-export the trace",
+                path=self.display_path, tensor="__metadata__",
+                fix=f"write num_layers={len(self.layers)}, or leave the key out (it is optional)",
             )
 
     # -- context manager -------------------------------------------------------------------
@@ -387,14 +430,16 @@ class Trace:
             sl = self._file.get_slice(name)
             st_dtype = sl.get_dtype()
             if st_dtype not in _ST_DTYPES:
-                raise RouteToolError(f"unsupported dtype {st_dtype}", path=self.display_path, tensor=name,
-                                     fix="store it as one of the dtypes in docs/trace-format.md")
+                raise RouteToolError(f"has dtype {st_dtype}; expected {_dtypes_text(m.group(2))}",
+                                     path=self.display_path, tensor=name,
+                                     fix="store it in one of those dtypes (docs/trace-format.md)")
             layers.setdefault(value, {})[m.group(2)] = (tuple(sl.get_shape()), _ST_DTYPES[st_dtype])
         if not layers:
             raise RouteToolError("the trace holds no layers", path=self.display_path, fix="capture at least one MoE layer")
         return layers
 
     def _fail(self, tensor: str, message: str, fix: str = "re-capture or re-export the trace") -> RouteToolError:
+        """A one-line error naming the file and ``tensor``; ``fix`` defaults to re-making the trace."""
         return RouteToolError(message, path=self.display_path, tensor=tensor, fix=fix)
 
     def _check_layer(self, layer: int) -> LayerInfo:
@@ -407,37 +452,45 @@ class Trace:
         if "gating_output" in h:
             shape, dtype = h["gating_output"]
             if len(shape) != 2:
-                raise self._fail(p + "gating_output", f"has shape {list(shape)}; expected [num_tokens, num_experts={E}]")
-            if dtype not in _FLOAT_DTYPES:
-                raise self._fail(p + "gating_output", f"has dtype {_dtype_name(dtype)}; expected float32, bfloat16 or float16")
+                raise self._fail(p + "gating_output", f"has shape {list(shape)}; expected [num_tokens, num_experts={E}]",
+                                 fix=_LAYOUT_FIX)
+            if dtype not in _FIELD_DTYPES["gating_output"]:
+                raise self._fail(p + "gating_output", f"has dtype {_dtype_name(dtype)}; expected {_dtypes_text('gating_output')}",
+                                 fix=_LAYOUT_FIX)
             if shape[1] != E:
                 raise self._fail(p + "gating_output", f"has {shape[1]} experts but metadata num_experts={E}",
                                  fix="every layer must have num_experts columns; fix the metadata or the tensor")
             T = shape[0]
             gating_dtype = dtype
         elif "topk_ids" not in h:
-            raise self._fail(p + "gating_output", "missing (the layer has neither gating_output nor topk_ids)")
+            raise self._fail(p + "gating_output", "missing (the layer has neither gating_output nor topk_ids)",
+                             fix=f"add {p}gating_output [T, num_experts={E}], or {p}topk_ids [T, topk={K}] for an "
+                                 "ids-only layer")
         for name in ("topk_ids", "topk_weights"):
             if name not in h:
                 continue
             shape, dtype = h[name]
-            ok_dtypes = _ID_DTYPES if name == "topk_ids" else _FLOAT_DTYPES
-            if dtype not in ok_dtypes:
-                expect = "int32 or int64" if name == "topk_ids" else "float32, bfloat16 or float16"
-                raise self._fail(p + name, f"has dtype {_dtype_name(dtype)}; expected {expect}")
+            if dtype not in _FIELD_DTYPES[name]:
+                raise self._fail(p + name, f"has dtype {_dtype_name(dtype)}; expected {_dtypes_text(name)}",
+                                 fix=_LAYOUT_FIX)
             if len(shape) != 2 or shape[1] != K or (T is not None and shape[0] != T):
-                raise self._fail(p + name, f"has shape {list(shape)}; expected [num_tokens={T if T is not None else 'T'}, topk={K}]")
+                raise self._fail(p + name, f"has shape {list(shape)}; expected [num_tokens={T if T is not None else 'T'}, topk={K}]",
+                                 fix=_LAYOUT_FIX)
             T = shape[0] if T is None else T
         if "topk_weights" in h and "topk_ids" not in h:
-            raise self._fail(p + "topk_ids", "missing while topk_weights is present")
+            raise self._fail(p + "topk_ids", "missing while topk_weights is present",
+                             fix=f"add {p}topk_ids [T, topk={K}], or leave {p}topk_weights out")
         if "is_padding" in h:
             shape, dtype = h["is_padding"]
-            if dtype != torch.bool or shape != (T,):
-                raise self._fail(p + "is_padding", f"is {_dtype_name(dtype)} {list(shape)}; expected bool [{T}]")
+            if dtype not in _FIELD_DTYPES["is_padding"] or shape != (T,):
+                raise self._fail(p + "is_padding", f"is {_dtype_name(dtype)} {list(shape)}; "
+                                                   f"expected {_dtypes_text('is_padding')} [{T}]",
+                                 fix=_LAYOUT_FIX)
         if "bias" in h:
             shape, dtype = h["bias"]
-            if dtype not in _FLOAT_DTYPES or shape != (E,):
-                raise self._fail(p + "bias", f"is {_dtype_name(dtype)} {list(shape)}; expected float32/bfloat16/float16 [{E}]")
+            if dtype not in _FIELD_DTYPES["bias"] or shape != (E,):
+                raise self._fail(p + "bias", f"is {_dtype_name(dtype)} {list(shape)}; expected {_dtypes_text('bias')} [{E}]",
+                                 fix=_LAYOUT_FIX)
             bias = self._file.get_tensor(p + "bias").float()
             if not torch.isfinite(bias).all():
                 bad = int((~torch.isfinite(bias)).sum())
@@ -448,14 +501,16 @@ class Trace:
         offsets: tuple[int, ...] = (0, T)
         if "step_offsets" in h:
             shape, dtype = h["step_offsets"]
-            if T == 0 and dtype in _ID_DTYPES and len(shape) == 1 and shape[0] < 2:  # [0]: num_steps + 1 for no step
+            if T == 0 and dtype in _OFFSET_DTYPES and len(shape) == 1 and shape[0] < 2:  # [0]: num_steps + 1 for no step
                 rows = "gating_output" if "gating_output" in h else "topk_ids"
                 raise self._fail(p + "step_offsets", f"is {_dtype_name(dtype)} {list(shape)}, but the layer holds no "
                                  f"token rows ({p}{rows} is {list(h[rows][0])}): step_offsets marks the steps of a "
                                  "layer with tokens", fix="leave step_offsets out for a layer without tokens, or "
                                                           "re-capture the trace with tokens in every layer")
-            if dtype not in _ID_DTYPES or len(shape) != 1 or shape[0] < 2:
-                raise self._fail(p + "step_offsets", f"is {_dtype_name(dtype)} {list(shape)}; expected int64 [num_steps + 1]")
+            if dtype not in _FIELD_DTYPES["step_offsets"] or len(shape) != 1 or shape[0] < 2:
+                raise self._fail(p + "step_offsets", f"is {_dtype_name(dtype)} {list(shape)}; "
+                                                     f"expected {_dtypes_text('step_offsets')} [num_steps + 1]",
+                                 fix=_LAYOUT_FIX)
             offsets = tuple(int(v) for v in self._file.get_tensor(p + "step_offsets").tolist())
             if offsets[0] != 0 or offsets[-1] != T:
                 raise self._fail(p + "step_offsets", f"runs from {offsets[0]} to {offsets[-1]}; expected 0 to num_tokens={T}")

@@ -82,11 +82,33 @@ BROKEN = [
     ({**GOOD, "layers.0.gating_output": torch.zeros((4, 7))}, {}, "layers.0.gating_output: has 7 experts"),
     ({**GOOD, "layers.0.gating_output": torch.zeros((4, E), dtype=torch.int32)}, {}, "has dtype int32"),
     ({**GOOD, "layers.0.gating_output": torch.zeros(4 * E)}, {}, "layers.0.gating_output: has shape [32]"),
-    ({"layers.0.bias": torch.zeros(E)}, {}, "layers.0.gating_output: missing"),
+    ({"layers.0.bias": torch.zeros(E)}, {}, "layers.0.gating_output: missing (the layer has neither gating_output "
+                                            "nor topk_ids) (add layers.0.gating_output [T, num_experts=8], or "
+                                            "layers.0.topk_ids [T, topk=2] for an ids-only layer)"),
     ({**GOOD, "layers.0.bias": torch.zeros(E + 1)}, {}, "layers.0.bias: is float32 [9]"),
     ({**GOOD, "layers.0.bias": torch.full((E,), float("nan"))}, {}, "layers.0.bias: has 8 non-finite"),
     ({**GOOD, "layers.0.is_padding": torch.zeros(4)}, {}, "layers.0.is_padding: is float32"),
     ({**GOOD, "layers.0.step_offsets": torch.tensor([0, 3])}, {}, "layers.0.step_offsets: runs from 0 to 3"),
+    # each dtype message lists exactly what docs/trace-format.md accepts: int32 offsets are read, and
+    # "expected int64" hid that
+    ({**GOOD, "layers.0.step_offsets": torch.tensor([0, 4], dtype=torch.int16)}, {},
+     "layers.0.step_offsets: is int16 [2]; expected int64 or int32 [num_steps + 1]"),
+    ({**GOOD, "layers.0.step_offsets": torch.tensor([0.0, 4.0])}, {},
+     "layers.0.step_offsets: is float32 [2]; expected int64 or int32 [num_steps + 1]"),
+    ({**GOOD, "layers.0.bias": torch.zeros(E, dtype=torch.float64)}, {},
+     "layers.0.bias: is float64 [8]; expected float32, bfloat16 or float16 [8]"),
+    ({**GOOD, "layers.0.is_padding": torch.zeros(4, dtype=torch.uint8)}, {},
+     "layers.0.is_padding: is uint8 [4]; expected bool [4]"),
+    ({**GOOD, "layers.0.gating_output": torch.zeros((4, E), dtype=torch.float64)}, {},
+     "layers.0.gating_output: has dtype float64; expected float32, bfloat16 or float16"),
+    ({**GOOD, "layers.0.topk_ids": torch.zeros((4, K), dtype=torch.int16)}, {},
+     "layers.0.topk_ids: has dtype int16; expected int32 or int64"),
+    ({**GOOD, "layers.0.topk_ids": torch.zeros((4, K), dtype=torch.int32),
+      "layers.0.topk_weights": torch.zeros((4, K), dtype=torch.float64)}, {},
+     "layers.0.topk_weights: has dtype float64; expected float32, bfloat16 or float16"),
+    # a dtype routetool has no name for (uint16) named the docs, not the dtypes the tensor accepts
+    ({**GOOD, "layers.0.step_offsets": torch.tensor([0, 4], dtype=torch.uint16)}, {},
+     "layers.0.step_offsets: has dtype U16; expected int64 or int32 (store it in one of those dtypes"),
     ({**GOOD, "layers.0.step_offsets": torch.tensor([0, 3, 3, 4])}, {}, "not strictly increasing"),
     # a layer of no rows with step_offsets [0] was "is int64 [1]; expected int64 [num_steps + 1]", and [1] is that
     ({"layers.0.gating_output": torch.zeros((0, E)), "layers.0.step_offsets": torch.tensor([0])}, {},
@@ -96,16 +118,43 @@ BROKEN = [
     ({"layers.0.topk_ids": torch.zeros((0, K), dtype=torch.int32), "layers.0.step_offsets": torch.tensor([0])}, {},
      f"the layer holds no token rows (layers.0.topk_ids is [0, {K}])"),
     ({**GOOD, "layers.0.topk_ids": torch.zeros((4, 3), dtype=torch.int32)}, {}, "layers.0.topk_ids: has shape [4, 3]"),
-    ({**GOOD, "layers.0.topk_weights": torch.zeros((4, K))}, {}, "layers.0.topk_ids: missing"),
+    ({**GOOD, "layers.0.topk_weights": torch.zeros((4, K))}, {},
+     "layers.0.topk_ids: missing while topk_weights is present (add layers.0.topk_ids [T, topk=2], or leave "
+     "layers.0.topk_weights out)"),
     ({**GOOD, "layers.0.extra": torch.zeros(1)}, {}, "layers.0.extra: unknown tensor name"),
     ({**GOOD, "layers.1.gating_output": torch.zeros((2, E + 1))}, {"num_layers": "2"}, "layers.1.gating_output: has 9"),
     (GOOD, {"topk": "9"}, "topk=9 must be in [1, num_experts=8]"),
     (GOOD, {"route_scale": "nan"}, "route_scale='nan' is not finite"),
-    (GOOD, {"route_scale": None}, "missing metadata key 'route_scale'"),
+    # a missing required key names the key to add and its meaning; the fix offered was "write traces with
+    # routetool's writer", of no help to a trace written by hand from docs/trace-format.md
+    (GOOD, {"route_scale": None}, "__metadata__: metadata key 'route_scale' is missing (add route_scale=<factor> to "
+                                  "the metadata: the factor on the renormalised weights, routed_scaling_factor"),
+    (GOOD, {"num_experts": None}, "__metadata__: metadata key 'num_experts' is missing (add num_experts=<E> to the "
+                                  "metadata: E, the routed experts per layer: gating_output's columns"),
+    (GOOD, {"topk": None}, "__metadata__: metadata key 'topk' is missing (add topk=<K> to the metadata: K, the "
+                           "experts picked per token, 1 <= K <= num_experts"),
+    # a missing format_version was "version None is not supported (upgrade routetool ...)": the wrong fix
+    (GOOD, {"format_version": None}, "__metadata__: metadata key 'format_version' is missing (add "
+                                     'format_version="1" to the metadata'),
+    # a missing format was "metadata format=None, expected 'routetool-trace'"
+    (GOOD, {"format": None}, "__metadata__: not a routetool trace: metadata key 'format' is missing (add "
+                             'format="routetool-trace" to the metadata'),
     (GOOD, {"router_score_normalization": "tanh"}, "must be sigmoid or softmax"),
-    (GOOD, {"format": "other"}, "not a routetool trace"),
-    (GOOD, {"format_version": "9"}, "format version '9' is not supported"),
-    (GOOD, {"num_layers": "3"}, "num_layers=3 but the file holds 1"),
+    (GOOD, {"format": "other"}, "not a routetool trace (metadata format='other', expected 'routetool-trace') "
+                                '(write format="routetool-trace" in a trace that follows docs/trace-format.md'),
+    (GOOD, {"format_version": "9"}, "format version '9' is not supported (this routetool reads '1') (a trace that "
+                                    'follows docs/trace-format.md says format_version="1"; for a trace of a newer '
+                                    "format, upgrade routetool)"),
+    (GOOD, {"num_layers": "3"}, "num_layers=3 but the file holds 1 layers (write num_layers=1, or leave the key out"),
+    (GOOD, {"weights_semantics": "raw"}, "weights_semantics='raw' is not one of renormalized, unnormalized (write "
+                                         "renormalized (route_scale * s_i / (sum of picked s + eps), the default) or "
+                                         "unnormalized (route_scale * s_i)"),
+    # a non-finite value: the fix says what the key accepts (it was "fix the metadata value")
+    (GOOD, {"route_scale": "inf"}, "route_scale='inf' is not finite (write a finite number > 0"),
+    (GOOD, {"router_output_multiplier": "nan"}, "router_output_multiplier='nan' is not finite (write a finite "
+                                                "number, or leave the key out for no multiplier)"),
+    (GOOD, {"router_score_division_eps": "-inf"}, "router_score_division_eps='-inf' is not finite (write a finite "
+                                                  "number >= 0, or leave the key out for no eps)"),
     (GOOD, {"num_experts": "eight"}, "num_experts='eight' is not a plain decimal integer"),
     # Python's int()/float() accept underscores and any script's digits: "2_5" was read as 25
     (GOOD, {"route_scale": "2_5"}, "__metadata__: metadata route_scale='2_5' is not a plain decimal number "
@@ -119,6 +168,9 @@ BROKEN = [
     (GOOD, {"router_score_division_eps": ""}, "metadata router_score_division_eps='' is empty, not a number"),
     (GOOD, {"route_scale": ""}, "metadata route_scale='' is empty, not a number (write a plain decimal number)"),
     (GOOD, {"topk": "\uff12"}, "topk='\uff12' is not a plain decimal integer"),
+    # an integer key's fix gave 2.5 as an example of a plain decimal number
+    (GOOD, {"topk": "2.5"}, "topk='2.5' is not a plain decimal integer (write the value as a plain decimal integer "
+                            "(ASCII digits 0-9, e.g. 8; no decimal point"),
     (GOOD, {"num_experts": "0_8"}, "num_experts='0_8' is not a plain decimal integer"),
     (GOOD, {"num_layers": "\u0661"}, "num_layers='\u0661' is not a plain decimal integer"),
     # one layer under two names: the second silently replaced the first one's tensors
