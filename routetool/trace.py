@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write
+from routetool.files import atomic_write, check_output_folder
 from routetool.numtext import index_problem, parse_float, parse_int
 
 FORMAT_NAME = "routetool-trace"
@@ -551,9 +551,7 @@ def write_trace(
         raise RouteToolError("already exists", path=path, fix="choose another path or pass --force to replace it")
     if path.is_dir():
         raise RouteToolError("is a directory", path=path, fix="name a file")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise RouteToolError("folder does not exist", path=folder, fix="create it first")
+    check_output_folder(path.parent)
     problems = router_config_errors(meta.router)
     if problems:
         raise RouteToolError("; ".join(problems), path=path, tensor="__metadata__", fix="fix the router parameters")
