@@ -184,6 +184,11 @@ class ImportOptions:
         given: the reading options the user gave (keys of :data:`READING_OPTIONS`), also
             at their default values; None: those that differ from their defaults. A format
             that does not read one of them refuses it.
+        refuse_counts: None to read dumps of per-expert counts; else the fix to name when
+            one is refused (``import``: a trace needs per-token ids). The refusal comes as
+            soon as the dump is recognised as counts, before ``select`` and the other
+            reading options are applied to it (a file of several models is refused as
+            counts, not asked for ``--select``).
     """
 
     format: str = "auto"
@@ -194,6 +199,15 @@ class ImportOptions:
     select: str | None = None
     model: str | None = None
     given: frozenset[str] | None = None
+    refuse_counts: str | None = None
+
+
+def _refuse_counts(path: Path, options: ImportOptions, also: str = "") -> None:
+    """Refuse a dump of per-expert counts when ``options.refuse_counts`` asks for per-token ids
+    (``also``: more of the fix, e.g. the ``--select`` a file of several models needs)."""
+    if options.refuse_counts is not None:
+        raise RouteToolError("holds per-expert counts, not per-token expert ids: a trace cannot be made from it",
+                             path=path, fix=options.refuse_counts + also)
 
 
 @dataclass
@@ -894,6 +908,7 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     notes: list[str] = []
     model = options.model or path.stem
     if all("logical_count" in obj for _, obj in objs):
+        _refuse_counts(path, options)
         check_options_read(path, options, _COUNTS_OPTIONS, "an sglang stat dump of per-expert counts")
         return _sglang_stat(path, objs, options, model, notes)
     if any("logical_count" in obj for _, obj in objs):
@@ -920,6 +935,7 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     records.sort(key=lambda x: (x[0], x[1]))
     if all("topk_ids_of_layer" in r for *_, r in records):
         return _sglang_per_token(path, records, maps, options, model, notes)
+    _refuse_counts(path, options)
     check_options_read(path, options, _COUNTS_OPTIONS, "an sglang per-pass dump of per-expert counts")
     return _sglang_per_pass(path, records, maps, options, model, notes)
 
@@ -1203,12 +1219,13 @@ def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
     for n, t in tables:
         widths["/".join(n)] = max(max(v) for v in t.values() if v) + 1
     E = options.num_experts or max(widths.values())
-    groups = {n[0] if len(n) > 1 else "" for n, _ in tables}
-    if options.num_experts is None and len(set(widths.values())) > 1:
-        first = sorted(groups)
+    groups = sorted({n[0] if len(n) > 1 else "" for n, _ in tables})
+    several = options.num_experts is None and len(set(widths.values())) > 1
+    choose = f"one with --select (e.g. {', '.join(groups[:4])})"
+    _refuse_counts(path, options, f", choosing {choose}" if several else "")  # (before the models' E is asked for)
+    if several:
         raise RouteToolError(f"the tables have different expert counts ({sorted(set(widths.values()))}): "
-                             "several models in one file", path=path,
-                             fix=f"choose one with --select (e.g. {', '.join(first[:4])})")
+                             "several models in one file", path=path, fix=f"choose {choose}")
     if max(widths.values()) > E:
         raise RouteToolError(f"expert id {max(widths.values()) - 1} >= --num-experts {E}", path=path,
                              fix="fix --num-experts")
@@ -1319,7 +1336,8 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
 
     Raises:
         RouteToolError: unknown format, a trace, a reading option the format does not use
-            (:func:`check_options_read`), malformed rows (naming the file and line),
+            (:func:`check_options_read`), a dump of per-expert counts where
+            ``options.refuse_counts`` asks for per-token ids, malformed rows (naming the file and line),
             numbers that are not what they must be (non-integer or out-of-range ids and layers,
             negative or non-finite counts), E/K contradictions (``topk`` above the expert
             count a counts file holds included). Any other parse failure of the
@@ -1336,9 +1354,10 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
     readers = {"jsonl": read_jsonl, "csv": read_csv, "sglang": read_sglang, "counts-json": read_counts_json}
     if fmt not in readers:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
-    check_options_read(path, options, OPTIONS_READ[fmt], {"sglang": "an sglang dump",
-                                                          "counts-json": "a counts-json file of per-expert counts"}
-                       .get(fmt, f"a {fmt} dump"))
+    if not (fmt == "counts-json" and options.refuse_counts is not None):  # (refused as counts, whatever the options)
+        check_options_read(path, options, OPTIONS_READ[fmt], {"sglang": "an sglang dump",
+                                                              "counts-json": "a counts-json file of per-expert counts"}
+                           .get(fmt, f"a {fmt} dump"))
     try:
         result = readers[fmt](path, options)
     except RouteToolError:
