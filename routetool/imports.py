@@ -38,7 +38,8 @@ counts JSON ``num_experts``, ``topk`` and ``select``; SGLang stat and per-pass d
 
 ``num_experts`` / ``topk`` come from the options, else from the file's metadata, else are
 inferred: E = largest id + 1 (with a note: an expert never picked would be missed), K = the
-row width (every row must have the same).
+row width (every row must have the same: the first row of another width is named, with the
+first row's).
 
 Numbers are checked, not coerced: expert ids and layers must be integers (``3`` or ``3.0``,
 never ``1.5``, ``true`` or NaN), ids in ``[0, E)`` with E at most :data:`MAX_EXPERTS`, layers
@@ -420,11 +421,13 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
         raise RouteToolError(f"topk={K} (from the file's metadata) is not in [1, {MAX_EXPERTS:,}]", path=source,
                              fix="pass the model's --topk")
     if K is None:
-        widths = {len(r.ids) for r in rows}
-        if len(widths) != 1:
-            raise RouteToolError(f"rows have different numbers of expert ids ({sorted(widths)})", path=source,
-                                 fix="pass --topk K (rows with another width are then an error)")
-        K = widths.pop()
+        first = rows[0]
+        odd = next((r for r in rows if len(r.ids) != len(first.ids)), None)
+        if odd is not None:  # named like a row of the wrong width under --topk
+            raise RouteToolError(f"{odd.where}: {len(odd.ids)} expert ids, where the first row ({first.where}) has "
+                                 f"{len(first.ids)}", path=source,
+                                 fix="every row lists topk expert ids: fix the row, or pass the model's --topk")
+        K = len(first.ids)
         notes.append(f"topk={K} taken from the row width")
     max_id = -1
     for r in rows:
