@@ -60,6 +60,7 @@ import csv
 import json
 import math
 import re
+import shlex
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -368,6 +369,40 @@ def detect_format(path: Path) -> str:
         return "sglang"
     raise RouteToolError("cannot tell the format from the name or content", path=path,
                          fix="pass --format jsonl|csv|sglang|counts-json")
+
+
+_DUMP_KINDS = {  # format: (a file, a folder)
+    "jsonl": ("a JSON-lines routing dump", "a folder of JSON-lines routing dumps"),
+    "csv": ("a CSV routing dump", "a folder of CSV routing dumps"),
+    "sglang": ("an SGLang routing dump (.pt)", "a folder of SGLang routing dumps (.pt)"),
+}
+"""The dumps a trace command recognises and names (:func:`refuse_dump_as_trace`)."""
+
+
+def refuse_dump_as_trace(path: str | Path, display_path: object = None) -> None:
+    """Refuse, for a command that reads traces, a path that :func:`detect_format` takes for a
+    dump of token rows (JSON lines, CSV or a folder of them, an SGLang ``.pt``), naming the
+    commands that read it: a trace reader would only say that it is no safetensors file or
+    no JSON trace index.
+
+    Counts JSON is not named: a ``.json`` file that is no dump is read as a trace index, and
+    the index reader says what is wrong with it. Anything :func:`detect_format` refuses (a
+    missing path, a FIFO) is left to the trace reader, which names it.
+
+    Raises:
+        RouteToolError: naming ``display_path`` (default ``path``), what it looks like, and
+            ``routetool import PATH -o trace.safetensors`` / ``routetool balance PATH``.
+    """
+    path = Path(path)
+    kinds = _DUMP_KINDS.get(_detected(path)) if path.exists() else None
+    if kinds is None:
+        return
+    kind = kinds[path.is_dir()]
+    shown = display_path if display_path is not None else path
+    quoted = shlex.quote(str(shown))
+    raise RouteToolError(f"looks like {kind}, not a routetool trace", path=shown,
+                         fix=f"convert it with `routetool import {quoted} -o trace.safetensors`, or analyse its load "
+                             f"with `routetool balance {quoted}`")
 
 
 # ---------------------------------------------------------------------------------------

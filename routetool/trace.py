@@ -582,12 +582,19 @@ def open_trace(path: str | os.PathLike, *, display_path: str | os.PathLike | Non
     interface: ``path``, ``display_path``, ``meta``, ``layers``, ``info(L)``, ``bias(L)``,
     ``steps(L)``, ``read_rows(L, start, stop)``, ``total_tokens``, ``close()``, context manager.
 
+    A routing dump that ``routetool import`` reads (JSON lines, CSV, SGLang ``.pt``) is refused
+    as such, naming ``routetool import`` and ``routetool balance``
+    (:func:`routetool.imports.refuse_dump_as_trace`).
+
     Raises:
-        RouteToolError: as :class:`Trace` or :class:`~routetool.sharded.ShardedTrace` do.
+        RouteToolError: as :class:`Trace` or :class:`~routetool.sharded.ShardedTrace` do; a
+            routing dump.
     """
+    from routetool.imports import refuse_dump_as_trace
     from routetool.sharded import ShardedTrace, looks_like_index
 
     p = Path(path)
+    refuse_dump_as_trace(p, display_path)
     if p.is_file() and looks_like_index(p) or (not p.exists() and p.suffix.lower() == ".json"):
         return ShardedTrace(p, display_path=display_path)
     return Trace(p, display_path=display_path)
