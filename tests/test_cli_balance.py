@@ -291,6 +291,22 @@ def test_import_refuses_a_counts_file_of_several_models_as_counts_first(tmp_path
     assert res.exit_code == 0, res.output
 
 
+def test_import_summary_at_80_columns_shows_the_dump_path_on_one_line(tmp_path, monkeypatch):
+    # the path was the title of the narrow layer table, wrapped into pieces of its 31 columns:
+    # "Imported", "/work/shared/realdata/olmoe-1b-", "7b.layer0.gsm8k.jsonl (jsonl):", ...
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "80")
+    (tmp_path / "dumps").mkdir()
+    write_mixtral_like(tmp_path / "dumps" / "mixtral-8x7b-instruct.layer0.humaneval.jsonl")
+    res = run("import", "dumps/mixtral-8x7b-instruct.layer0.humaneval.jsonl", "-o", "m.safetensors")
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(map(len, lines)) <= 80, res.output
+    assert "routetool import" in lines[0]
+    assert any("input  dumps/mixtral-8x7b-instruct.layer0.humaneval.jsonl (jsonl)" in ln for ln in lines), res.output
+    assert lines[-1] == "wrote m.safetensors (ids-only trace)"
+
+
 @pytest.mark.skipif(not (REALDATA / "expert-counts.olmoe-paper.json").is_file(), reason="needs ../shared/realdata")
 def test_balance_tables_at_80_columns_cut_no_number(monkeypatch):
     # the tables ended numbers with "…" at 80 columns: tokens 1,044,…, assign 8,355,…, header max/me…
