@@ -20,7 +20,7 @@ from routetool.cli_numbers import INT, IntRange
 from routetool.cli_paths import PATH, PATH_TEXT
 from routetool.errors import EXIT_OK, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
-from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS, READING_OPTIONS
+from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS
 from routetool.numtext import list_items, parse_float, parse_int, refuse_repeats
 from routetool.report import Console, markup_safe, user_text
 
@@ -64,13 +64,14 @@ def _stats_device(choice: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if has_cuda and choice != "cpu" else torch.device("cpu")
 
 
-def _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model=None):
+def _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model=None, refuse_counts=None):
     from routetool.imports import ImportOptions
 
     ctx = click.get_current_context()
     return ImportOptions(format=fmt, num_experts=num_experts, topk=topk, skip_rows=skip_rows,
                          drop_repeats=drop_repeats, select=select, model=model,
-                         given=frozenset(name for name in READING_OPTIONS if _given(ctx, name)))
+                         given=frozenset(name for name in READING_OPTIONS if _given(ctx, name)),
+                         refuse_counts=refuse_counts)
 
 
 def _dump_options(f):
@@ -101,12 +102,13 @@ def _given(ctx: click.Context, name: str) -> bool:
 
 
 def _balance_command(source: Path) -> str:
-    """``routetool balance SOURCE`` with the options for reading dumps the user gave this command
-    (``--select`` above all: a counts file with several models needs it), quoted for a shell."""
+    """``routetool balance SOURCE`` for a dump of per-expert counts, with the options for reading
+    one that the user gave this command (``--select`` above all: a counts file with several
+    models needs it; those that only dumps of token rows read are left out), quoted for a shell."""
     ctx = click.get_current_context()
     parts = ["routetool", "balance", shlex.quote(str(source))]
     for name, flag in {"fmt": "--format", **READING_OPTIONS}.items():
-        if _given(ctx, name):
+        if _given(ctx, name) and (name == "fmt" or name in OPTIONS_READ["counts-json"]):
             parts += [flag, shlex.quote(str(ctx.params[name]))]
     return " ".join(parts)
 
@@ -349,15 +351,14 @@ def import_(source: Path, output: Path, fmt: str, num_experts, topk, skip_rows, 
     cannot become a trace: analyse them directly with `routetool balance FILE`.
     """
     from routetool.files import check_output_paths
-    from routetool.imports import ImportedCounts, read_dump, write_imported_trace
+    from routetool.imports import read_dump, write_imported_trace
     from routetool.report_balance import render_import
 
     # before any work: '-' is refused (a trace is a file), and the dump is never the output
     check_output_paths([output], force=force, inputs=[source], allow_stdout=False)
-    imported = read_dump(source, _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model))
-    if isinstance(imported, ImportedCounts):
-        raise RouteToolError("holds per-expert counts, not per-token expert ids: a trace cannot be made from it",
-                             path=source, fix=f"analyse it directly: {_balance_command(source)}")
+    # a dump of per-expert counts is refused as soon as it is recognised, before --select and the like apply
+    imported = read_dump(source, _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model,
+                                                 refuse_counts=f"analyse it directly: {_balance_command(source)}"))
     write_imported_trace(imported, output, force=force)
     render_import(imported, str(output), Console())
     click.get_current_context().exit(EXIT_OK)

@@ -72,6 +72,33 @@ def refuse_special_file(path: str | os.PathLike, *, fix: str) -> None:
                              fix=fix)
 
 
+def check_output_folder(folder: str | os.PathLike) -> None:
+    """Refuse an output's folder that is not there: missing, or a file (or a link to nothing)
+    where a folder belongs, itself or one of its parents (``notes.txt/out.json``).
+
+    The one check of an output's folder, for every command and writer: the message names the
+    path that is in the way, with the fix.
+
+    Raises:
+        RouteToolError: ``is a file, not a folder`` / ``is a link to a missing path, not a
+            folder`` naming that path, or ``folder does not exist`` naming ``folder``.
+    """
+    folder = Path(folder) if str(folder) else Path(".")
+    if folder.is_dir():
+        return
+    blocker = folder
+    while not blocker.exists() and not blocker.is_symlink() and blocker != blocker.parent:
+        blocker = blocker.parent
+    if blocker.is_symlink() and not blocker.exists():
+        raise RouteToolError("is a link to a missing path, not a folder", path=blocker,
+                             fix="choose another output path, or make the link point to a folder")
+    if blocker.exists() and not blocker.is_dir():
+        kind = "a file" if blocker.is_file() else "a FIFO, device or socket"
+        raise RouteToolError(f"is {kind}, not a folder", path=blocker,
+                             fix="choose another output path")
+    raise RouteToolError("folder does not exist", path=folder, fix="create it first")
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
@@ -93,7 +120,8 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
         RouteToolError: ``-`` where a file is needed; two outputs naming the same file; an
             output that is an input or an existing file of an input folder; an existing file
             (or link) without ``force``; a directory; a FIFO, device or socket; a missing or
-            unwritable folder (probed by creating a temporary file).
+            unwritable folder (probed by creating a temporary file), or a file where a folder
+            belongs (:func:`check_output_folder`).
     """
     from routetool.sharded import listed_shard_files  # (sharded imports this module)
 
@@ -127,8 +155,7 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
         if (p.exists() or p.is_symlink()) and not force:  # (a dangling link too)
             raise RouteToolError("already exists", path=p, fix="choose another path or pass --force to replace it")
         folder = p.parent if str(p.parent) else Path(".")
-        if not folder.is_dir():
-            raise RouteToolError("folder does not exist", path=folder, fix="create it first")
+        check_output_folder(folder)
         try:
             fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=folder)
             os.close(fd)

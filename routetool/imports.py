@@ -38,7 +38,8 @@ counts JSON ``num_experts``, ``topk`` and ``select``; SGLang stat and per-pass d
 
 ``num_experts`` / ``topk`` come from the options, else from the file's metadata, else are
 inferred: E = largest id + 1 (with a note: an expert never picked would be missed), K = the
-row width (every row must have the same).
+row width (every row must have the same: the first row of another width is named, with the
+first row's).
 
 Numbers are checked, not coerced: expert ids and layers must be integers (``3`` or ``3.0``,
 never ``1.5``, ``true`` or NaN), ids in ``[0, E)`` with E at most :data:`MAX_EXPERTS`, layers
@@ -59,6 +60,7 @@ import csv
 import json
 import math
 import re
+import shlex
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -184,6 +186,11 @@ class ImportOptions:
         given: the reading options the user gave (keys of :data:`READING_OPTIONS`), also
             at their default values; None: those that differ from their defaults. A format
             that does not read one of them refuses it.
+        refuse_counts: None to read dumps of per-expert counts; else the fix to name when
+            one is refused (``import``: a trace needs per-token ids). The refusal comes as
+            soon as the dump is recognised as counts, before ``select`` and the other
+            reading options are applied to it (a file of several models is refused as
+            counts, not asked for ``--select``).
     """
 
     format: str = "auto"
@@ -194,6 +201,15 @@ class ImportOptions:
     select: str | None = None
     model: str | None = None
     given: frozenset[str] | None = None
+    refuse_counts: str | None = None
+
+
+def _refuse_counts(path: Path, options: ImportOptions, also: str = "") -> None:
+    """Refuse a dump of per-expert counts when ``options.refuse_counts`` asks for per-token ids
+    (``also``: more of the fix, e.g. the ``--select`` a file of several models needs)."""
+    if options.refuse_counts is not None:
+        raise RouteToolError("holds per-expert counts, not per-token expert ids: a trace cannot be made from it",
+                             path=path, fix=options.refuse_counts + also)
 
 
 @dataclass
@@ -355,6 +371,40 @@ def detect_format(path: Path) -> str:
                          fix="pass --format jsonl|csv|sglang|counts-json")
 
 
+_DUMP_KINDS = {  # format: (a file, a folder)
+    "jsonl": ("a JSON-lines routing dump", "a folder of JSON-lines routing dumps"),
+    "csv": ("a CSV routing dump", "a folder of CSV routing dumps"),
+    "sglang": ("an SGLang routing dump (.pt)", "a folder of SGLang routing dumps (.pt)"),
+}
+"""The dumps a trace command recognises and names (:func:`refuse_dump_as_trace`)."""
+
+
+def refuse_dump_as_trace(path: str | Path, display_path: object = None) -> None:
+    """Refuse, for a command that reads traces, a path that :func:`detect_format` takes for a
+    dump of token rows (JSON lines, CSV or a folder of them, an SGLang ``.pt``), naming the
+    commands that read it: a trace reader would only say that it is no safetensors file or
+    no JSON trace index.
+
+    Counts JSON is not named: a ``.json`` file that is no dump is read as a trace index, and
+    the index reader says what is wrong with it. Anything :func:`detect_format` refuses (a
+    missing path, a FIFO) is left to the trace reader, which names it.
+
+    Raises:
+        RouteToolError: naming ``display_path`` (default ``path``), what it looks like, and
+            ``routetool import PATH -o trace.safetensors`` / ``routetool balance PATH``.
+    """
+    path = Path(path)
+    kinds = _DUMP_KINDS.get(_detected(path)) if path.exists() else None
+    if kinds is None:
+        return
+    kind = kinds[path.is_dir()]
+    shown = display_path if display_path is not None else path
+    quoted = shlex.quote(str(shown))
+    raise RouteToolError(f"looks like {kind}, not a routetool trace", path=shown,
+                         fix=f"convert it with `routetool import {quoted} -o trace.safetensors`, or analyse its load "
+                             f"with `routetool balance {quoted}`")
+
+
 # ---------------------------------------------------------------------------------------
 # shared row handling
 @dataclass
@@ -406,11 +456,13 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
         raise RouteToolError(f"topk={K} (from the file's metadata) is not in [1, {MAX_EXPERTS:,}]", path=source,
                              fix="pass the model's --topk")
     if K is None:
-        widths = {len(r.ids) for r in rows}
-        if len(widths) != 1:
-            raise RouteToolError(f"rows have different numbers of expert ids ({sorted(widths)})", path=source,
-                                 fix="pass --topk K (rows with another width are then an error)")
-        K = widths.pop()
+        first = rows[0]
+        odd = next((r for r in rows if len(r.ids) != len(first.ids)), None)
+        if odd is not None:  # named like a row of the wrong width under --topk
+            raise RouteToolError(f"{odd.where}: {len(odd.ids)} expert ids, where the first row ({first.where}) has "
+                                 f"{len(first.ids)}", path=source,
+                                 fix="every row lists topk expert ids: fix the row, or pass the model's --topk")
+        K = len(first.ids)
         notes.append(f"topk={K} taken from the row width")
     max_id = -1
     for r in rows:
@@ -894,6 +946,7 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     notes: list[str] = []
     model = options.model or path.stem
     if all("logical_count" in obj for _, obj in objs):
+        _refuse_counts(path, options)
         check_options_read(path, options, _COUNTS_OPTIONS, "an sglang stat dump of per-expert counts")
         return _sglang_stat(path, objs, options, model, notes)
     if any("logical_count" in obj for _, obj in objs):
@@ -920,6 +973,7 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     records.sort(key=lambda x: (x[0], x[1]))
     if all("topk_ids_of_layer" in r for *_, r in records):
         return _sglang_per_token(path, records, maps, options, model, notes)
+    _refuse_counts(path, options)
     check_options_read(path, options, _COUNTS_OPTIONS, "an sglang per-pass dump of per-expert counts")
     return _sglang_per_pass(path, records, maps, options, model, notes)
 
@@ -1203,12 +1257,13 @@ def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
     for n, t in tables:
         widths["/".join(n)] = max(max(v) for v in t.values() if v) + 1
     E = options.num_experts or max(widths.values())
-    groups = {n[0] if len(n) > 1 else "" for n, _ in tables}
-    if options.num_experts is None and len(set(widths.values())) > 1:
-        first = sorted(groups)
+    groups = sorted({n[0] if len(n) > 1 else "" for n, _ in tables})
+    several = options.num_experts is None and len(set(widths.values())) > 1
+    choose = f"one with --select (e.g. {', '.join(groups[:4])})"
+    _refuse_counts(path, options, f", choosing {choose}" if several else "")  # (before the models' E is asked for)
+    if several:
         raise RouteToolError(f"the tables have different expert counts ({sorted(set(widths.values()))}): "
-                             "several models in one file", path=path,
-                             fix=f"choose one with --select (e.g. {', '.join(first[:4])})")
+                             "several models in one file", path=path, fix=f"choose {choose}")
     if max(widths.values()) > E:
         raise RouteToolError(f"expert id {max(widths.values()) - 1} >= --num-experts {E}", path=path,
                              fix="fix --num-experts")
@@ -1319,7 +1374,8 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
 
     Raises:
         RouteToolError: unknown format, a trace, a reading option the format does not use
-            (:func:`check_options_read`), malformed rows (naming the file and line),
+            (:func:`check_options_read`), a dump of per-expert counts where
+            ``options.refuse_counts`` asks for per-token ids, malformed rows (naming the file and line),
             numbers that are not what they must be (non-integer or out-of-range ids and layers,
             negative or non-finite counts), E/K contradictions (``topk`` above the expert
             count a counts file holds included). Any other parse failure of the
@@ -1336,9 +1392,10 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
     readers = {"jsonl": read_jsonl, "csv": read_csv, "sglang": read_sglang, "counts-json": read_counts_json}
     if fmt not in readers:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
-    check_options_read(path, options, OPTIONS_READ[fmt], {"sglang": "an sglang dump",
-                                                          "counts-json": "a counts-json file of per-expert counts"}
-                       .get(fmt, f"a {fmt} dump"))
+    if not (fmt == "counts-json" and options.refuse_counts is not None):  # (refused as counts, whatever the options)
+        check_options_read(path, options, OPTIONS_READ[fmt], {"sglang": "an sglang dump",
+                                                              "counts-json": "a counts-json file of per-expert counts"}
+                           .get(fmt, f"a {fmt} dump"))
     try:
         result = readers[fmt](path, options)
     except RouteToolError:

@@ -425,10 +425,15 @@ def balance_json(result: BalanceResult, include_placement: bool = True) -> dict:
 # ---------------------------------------------------------------------------------------
 # import
 def render_import(imported: ImportedRouting | ImportedCounts, out: str | None, console: Console) -> None:
-    """Print what an import read (and where it wrote the trace)."""
-    t = table(user_text(f"Imported {imported.source} ({imported.format}): {imported.model}"),
-               ["layer", "tokens", "steps", "weights"] if isinstance(imported, ImportedRouting)
-               else ["layer", "steps", "assignments"])
+    """Print what an import read (and where it wrote the trace): the dump in a header panel,
+    as the other commands show their inputs (a long path takes the terminal's width there,
+    not a narrow table's), then the layers."""
+    header = Table.grid(padding=(0, 2))
+    header.add_row("input", user_text(f"{imported.source} ({imported.format})"))
+    header.add_row("model", user_text(imported.model or "-"))
+    console.print(Panel(header, title="routetool import", expand=False))
+    t = table("Per layer", ["layer", "tokens", "steps", "weights"] if isinstance(imported, ImportedRouting)
+              else ["layer", "steps", "assignments"])
     if isinstance(imported, ImportedRouting):
         for layer, x in list(imported.layers.items())[:_MAX_LAYER_ROWS]:
             t.add_row(str(layer), f"{x.num_tokens:,}", str(x.num_steps), "yes" if x.topk_weights is not None else "no")

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write
+from routetool.files import atomic_write, check_output_folder
 from routetool.numtext import index_problem, parse_float, parse_int
 
 FORMAT_NAME = "routetool-trace"
@@ -606,9 +606,7 @@ def write_trace(
         raise RouteToolError("already exists", path=path, fix="choose another path or pass --force to replace it")
     if path.is_dir():
         raise RouteToolError("is a directory", path=path, fix="name a file")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise RouteToolError("folder does not exist", path=folder, fix="create it first")
+    check_output_folder(path.parent)
     problems = router_config_errors(meta.router)
     if problems:
         raise RouteToolError("; ".join(problems), path=path, tensor="__metadata__", fix="fix the router parameters")
@@ -639,12 +637,19 @@ def open_trace(path: str | os.PathLike, *, display_path: str | os.PathLike | Non
     interface: ``path``, ``display_path``, ``meta``, ``layers``, ``info(L)``, ``bias(L)``,
     ``steps(L)``, ``read_rows(L, start, stop)``, ``total_tokens``, ``close()``, context manager.
 
+    A routing dump that ``routetool import`` reads (JSON lines, CSV, SGLang ``.pt``) is refused
+    as such, naming ``routetool import`` and ``routetool balance``
+    (:func:`routetool.imports.refuse_dump_as_trace`).
+
     Raises:
-        RouteToolError: as :class:`Trace` or :class:`~routetool.sharded.ShardedTrace` do.
+        RouteToolError: as :class:`Trace` or :class:`~routetool.sharded.ShardedTrace` do; a
+            routing dump.
     """
+    from routetool.imports import refuse_dump_as_trace
     from routetool.sharded import ShardedTrace, looks_like_index
 
     p = Path(path)
+    refuse_dump_as_trace(p, display_path)
     if p.is_file() and looks_like_index(p) or (not p.exists() and p.suffix.lower() == ".json"):
         return ShardedTrace(p, display_path=display_path)
     return Trace(p, display_path=display_path)

@@ -271,6 +271,42 @@ def test_import_refusing_counts_suggests_the_options_it_was_given(tmp_path):
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.parametrize("extra", [[], ["--skip-rows", "3"]], ids=["plain", "token-row option"])
+def test_import_refuses_a_counts_file_of_several_models_as_counts_first(tmp_path, extra):
+    # import asked for --select first ("the tables have different expert counts ([8, 64]): several
+    # models in one file"), and only then said that counts cannot become a trace; an option only
+    # token-row dumps read (--skip-rows) was named first, and then suggested to balance, which refuses it
+    from tests.test_imports import _counts_doc
+
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps(_counts_doc()))
+    res = run("import", path, *extra, "-o", tmp_path / "x.safetensors")
+    _one_line_error(res, f"{path}: holds per-expert counts, not per-token expert ids: a trace cannot be made from it "
+                         f"(analyse it directly: routetool balance {path}, choosing one with --select (e.g. mixtral, "
+                         "olmoe))")
+    assert not (tmp_path / "x.safetensors").exists()
+    # balance keeps asking for --select, and reads the file with it
+    _one_line_error(run("balance", path, "--no-progress"), "several models in one file (choose one with --select")
+    res = run("balance", path, "--select", "mixtral", "--ep-size", "2", "--no-progress")
+    assert res.exit_code == 0, res.output
+
+
+def test_import_summary_at_80_columns_shows_the_dump_path_on_one_line(tmp_path, monkeypatch):
+    # the path was the title of the narrow layer table, wrapped into pieces of its 31 columns:
+    # "Imported", "/work/shared/realdata/olmoe-1b-", "7b.layer0.gsm8k.jsonl (jsonl):", ...
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "80")
+    (tmp_path / "dumps").mkdir()
+    write_mixtral_like(tmp_path / "dumps" / "mixtral-8x7b-instruct.layer0.humaneval.jsonl")
+    res = run("import", "dumps/mixtral-8x7b-instruct.layer0.humaneval.jsonl", "-o", "m.safetensors")
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(map(len, lines)) <= 80, res.output
+    assert "routetool import" in lines[0]
+    assert any("input  dumps/mixtral-8x7b-instruct.layer0.humaneval.jsonl (jsonl)" in ln for ln in lines), res.output
+    assert lines[-1] == "wrote m.safetensors (ids-only trace)"
+
+
 @pytest.mark.skipif(not (REALDATA / "expert-counts.olmoe-paper.json").is_file(), reason="needs ../shared/realdata")
 def test_balance_tables_at_80_columns_cut_no_number(monkeypatch):
     # the tables ended numbers with "…" at 80 columns: tokens 1,044,…, assign 8,355,…, header max/me…
@@ -761,6 +797,10 @@ def test_dump_options_a_format_does_not_read_are_refused(tmp_path, command, kind
     out = ["-o", tmp_path / "x.safetensors"] if command == "import" else ["--no-progress"]
     res = run(command, path, *args, *out)
     _one_line_error(res)
+    if command == "import" and kind in ("counts", "sglang-stat", "sglang-per-pass"):
+        # import refuses counts first, whatever the options; the balance it names reads none of these
+        line = (f"{path.name}: holds per-expert counts, not per-token expert ids: a trace cannot be made from it "
+                f"(analyse it directly: routetool balance {path})")
     assert res.output.strip() == f"routetool: error: {tmp_path}/{line}", res.output
     assert not (tmp_path / "x.safetensors").exists()
 

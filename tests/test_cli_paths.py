@@ -4,6 +4,8 @@
 held no dump, `replay --json ''` said the current folder was a directory.
 """
 
+from pathlib import Path
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -48,3 +50,28 @@ def test_an_empty_name_is_a_one_line_usage_error(args, tmp_path, monkeypatch):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and EMPTY in lines[0], result.output
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [
+    ["replay", "TRACE", "--no-latency", "--no-progress", "--json", "OUT"],
+    ["validate", "TRACE", "--suite", "none", "--no-progress", "--junit", "OUT"],
+    ["balance", "TRACE", "--no-progress", "--json", "OUT"],
+    ["balance", "TRACE", "--no-progress", "--eplb-out", "OUT"],
+    ["info", "TRACE", "--json", "OUT"],
+    ["synth", "-o", "OUT", "--experts", "8", "--topk", "2", "--prefill", "4", "--decode-steps", "0"],
+    ["import", "DUMP", "-o", "OUT"],
+])
+def test_an_output_under_a_file_is_named_as_a_file(args, tmp_path):
+    # was "notes.txt: folder does not exist (create it first)", for a folder that is a file
+    trace = Path(__file__).resolve().parents[1] / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    dump = tmp_path / "d.jsonl"
+    dump.write_text('{"topk_ids": [1, 2]}\n')
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("keep")
+    swap = {"TRACE": str(trace), "DUMP": str(dump), "OUT": str(blocker / "sub" / "out.json")}
+    result = CliRunner().invoke(main, [swap.get(a, a) for a in args])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert lines == [f"routetool: error: {blocker}: is a file, not a folder (choose another output path)"], \
+        result.output
+    assert blocker.read_text() == "keep"

@@ -16,7 +16,7 @@ from conftest import HAS_CUDA
 from helpers import make_trace
 from routetool.cli import main
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, metadata_dict
-from test_imports import write_mixtral_like
+from test_imports import write_deepseek_like, write_mixtral_like, write_sglang_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = sorted((ROOT / "traces").glob("*.safetensors"))
@@ -748,3 +748,24 @@ def test_recorded_tie_equivalent_rows_have_their_weights_checked_against_their_o
     totals = json.loads(bad.stdout)["totals"]["reference_vs_recorded"]
     assert totals["tie_equivalent"] == 1 and totals["weight_rows_over_tolerance"] == 1
     assert totals["weight_max_rel_err"] == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind, name, write", [
+    # the dump of the report: replay said "not a JSON trace index (Extra data: line 2 column 1 ...)"
+    ("a JSON-lines routing dump", "m.jsonl", write_mixtral_like),
+    ("a JSON-lines routing dump", "m.log", write_mixtral_like),  # found by content, as import finds it
+    ("a folder of CSV routing dumps", "ds", write_deepseek_like),  # was "is a directory, not a trace file"
+    ("an SGLang routing dump (.pt)", "pt.pt", write_sglang_per_token),
+])
+@pytest.mark.parametrize("command", [
+    ["replay", "DUMP", "--no-latency", "--no-progress"], ["info", "DUMP"],
+    ["validate", "DUMP", "--suite", "none", "--no-progress"], ["bench", "--trace", "DUMP", "--no-progress"],
+])
+def test_trace_commands_name_a_routing_dump_and_the_commands_that_read_it(tmp_path, command, kind, name, write):
+    dump = tmp_path / name
+    write(dump)
+    res = _run(*[dump if a == "DUMP" else a for a in command])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [
+        f"routetool: error: {dump}: looks like {kind}, not a routetool trace (convert it with `routetool import {dump} "
+        f"-o trace.safetensors`, or analyse its load with `routetool balance {dump}`)"], res.output

@@ -151,7 +151,11 @@ def test_jsonl_with_token_batches_per_line(tmp_path):
     (['{"topk_ids": [1, 1]}'], {}, "line 1: duplicate expert id"),
     (['{"topk_ids": [1, 9]}'], {"num_experts": 8}, "line 1: expert id 9 >= num_experts=8"),
     (['{"topk_ids": [1, -2]}'], {}, "line 1: negative expert id"),
-    (['{"topk_ids": [1, 2]}', '{"topk_ids": [3]}'], {}, "different numbers of expert ids"),
+    # without --topk, the first row of another width is named, with the first row (was: "rows have
+    # different numbers of expert ids ([1, 2])", naming no line)
+    (['{"topk_ids": [1, 2]}', '{"topk_ids": [3, 4]}', '{"topk_ids": [3]}'], {},
+     r"line 3: 1 expert ids, where the first row \(line 1\) has 2 \(every row lists topk expert ids: fix the row, "
+     r"or pass the model's --topk\)"),
     (['{"other": 1}'], {}, "no token rows left"),
     # parse failures that used to be tracebacks
     (['{"topk_ids": [1, 2]}', '{"topk_ids": []}'], {}, r"line 2: no expert ids \(an empty list\)"),
@@ -452,6 +456,19 @@ def test_csv_folder_names_the_file_of_a_bad_row(tmp_path):
     (tmp_path / "b.csv").write_text(DS_HEADER + '1,0,x,"[]"\n')
     with pytest.raises(RouteToolError, match="b.csv line 2: no expert ids"):
         read_dump(tmp_path)
+
+
+def test_csv_folder_row_widths_name_both_files_and_lines(tmp_path):
+    # was "rows have different numbers of expert ids ([3, 6])", naming neither file nor line
+    (tmp_path / "a.csv").write_text(DS_HEADER + '1,0,x,"[1, 2, 3, 4, 5, 6]"\n1,0,y,"[2, 3, 4, 5, 6, 7]"\n')
+    (tmp_path / "z.csv").write_text(DS_HEADER + '1,0,x,"[1, 2, 3]"\n')
+    with pytest.raises(RouteToolError) as exc:
+        read_dump(tmp_path)
+    assert str(exc.value) == (f"{tmp_path}: z.csv line 2: 3 expert ids, where the first row (a.csv line 2) has 6 "
+                              "(every row lists topk expert ids: fix the row, or pass the model's --topk)")
+    # with --topk the row is named against it, as before
+    with pytest.raises(RouteToolError, match="z.csv line 2: 3 expert ids, expected topk=6"):
+        read_dump(tmp_path, ImportOptions(topk=6))
 
 
 def test_csv_not_utf8_names_the_line(tmp_path):

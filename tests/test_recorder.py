@@ -381,6 +381,9 @@ def test_outputs_are_never_overwritten_without_force(fake_module, tmp_path):
 @pytest.mark.parametrize("make, kwargs, message", [
     (lambda p: p / "run.safetensors", {}, "name its index file"),
     (lambda p: p / "missing" / "run.json", {}, "folder does not exist"),
+    # a file where the folder belongs: named as a file, not as a missing folder
+    (lambda p: (p / "notes.txt").write_text("x") and p / "notes.txt" / "run.json", {},
+     "notes.txt: is a file, not a folder"),
     (lambda p: p / "run.json", dict(num_layers=None), "give num_layers"),
     (lambda p: p / "run.json", dict(num_layers=3, layer_ids=[0, 1]), "layer_ids has 2"),
     (lambda p: p / "run.json", dict(every_n_steps=0), "every_n_steps"),

@@ -55,6 +55,11 @@ def test_writer_refuses_to_overwrite(tmp_path):
     assert path.read_bytes() == before
     with pytest.raises(RouteToolError, match="folder does not exist"):
         write_trace(tmp_path / "nope" / "t.safetensors", meta, {0: _layer()})
+    (tmp_path / "notes.txt").write_text("x")
+    for out in (tmp_path / "notes.txt" / "t.safetensors", tmp_path / "notes.txt" / "sub" / "t.safetensors"):
+        with pytest.raises(RouteToolError, match=r"notes\.txt: is a file, not a folder \(choose another output path"):
+            write_trace(out, meta, {0: _layer()})
+    assert (tmp_path / "notes.txt").read_text() == "x"
 
 
 def test_writer_validates_before_replacing(tmp_path):

@@ -76,6 +76,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
+from routetool.files import check_output_folder
 from routetool.sharded import shard_path, write_index
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors, write_trace
 
@@ -359,8 +360,7 @@ class RoutingRecorder:
         if out.is_dir():
             raise RouteToolError("is a directory", path=out, fix="name the index file, e.g. run.json")
         folder = out.parent if str(out.parent) else Path(".")
-        if not folder.is_dir():
-            raise RouteToolError("folder does not exist", path=folder, fix="create it first")
+        check_output_folder(folder)
         if not os.access(folder, os.W_OK):
             raise RouteToolError("folder is not writable", path=folder, fix="choose a writable folder")
         if not self.force:
