@@ -164,21 +164,27 @@ def _input_sets(T: int, E: int, K: int, dtype: torch.dtype, l2_bytes: int, seed:
     return sets
 
 
+def _call_args(bk: BenchKernel, inp: CaseInput) -> tuple[tuple, dict]:
+    """``bk.fn``'s arguments for ``inp``, by the documented convention: the logits and the bias by
+    position, every other parameter by keyword; the torch reference allocates its own outputs."""
+    kwargs = inp.kwargs()
+    if bk.name not in TORCH_KERNELS:
+        kwargs.update(topk_weights=inp.topk_weights, topk_ids=inp.topk_ids)
+        if bk.pdl is not None:
+            kwargs["use_pdl"] = bk.pdl
+    return (inp.gating_output, inp.bias), kwargs
+
+
 def _time(bk: BenchKernel, sets: list[CaseInput], use_graph: bool, rep_ms: float) -> Latency:
     import triton.testing
 
     state = {"i": 0}
-    extra = {} if bk.pdl is None else {"use_pdl": bk.pdl}
-    is_torch = bk.name in TORCH_KERNELS
+    calls = [_call_args(bk, inp) for inp in sets]
 
     def call():
-        inp = sets[state["i"] % len(sets)]
+        args, kwargs = calls[state["i"] % len(calls)]
         state["i"] += 1
-        if is_torch:
-            bk.fn(inp.gating_output, inp.bias, inp.topk, inp.route_scale)
-        else:
-            bk.fn(inp.gating_output, inp.bias, inp.topk, inp.route_scale, topk_weights=inp.topk_weights,
-                  topk_ids=inp.topk_ids, **extra)
+        bk.fn(*args, **kwargs)
 
     if use_graph:
         return cuda_graph_latency(call, rep_ms=rep_ms)
@@ -229,13 +235,9 @@ def run_bench(
                         row = BenchRow(kernel=bk.name, pdl=bk.pdl, num_tokens=T, num_experts=E, topk=K, dtype=dname,
                                        cuda_graph=use_graph, status="ok", bytes_moved=bytes_moved)
                         inp = sets[0]
-                        extra = {} if bk.pdl is None else {"use_pdl": bk.pdl}
                         try:
-                            if bk.name in TORCH_KERNELS:
-                                w, ids = bk.fn(inp.gating_output, inp.bias, K, inp.route_scale)
-                            else:
-                                w, ids = bk.fn(inp.gating_output, inp.bias, K, inp.route_scale,
-                                               topk_weights=inp.topk_weights, topk_ids=inp.topk_ids, **extra)
+                            args, kwargs = _call_args(bk, inp)
+                            w, ids = bk.fn(*args, **kwargs)
                             classes, _, _ = evaluate(inp, w, ids, tie_ulps=tie_ulps)
                             if classes:
                                 row.status = "failed: " + ", ".join(classes)

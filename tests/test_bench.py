@@ -14,9 +14,10 @@ import mutants
 from conftest import HAS_CUDA
 from helpers import make_trace
 from kernel import VARIANT_NAMES
-from routetool.bench import TORCH_KERNELS, check_fits, point_bytes, trace_step_shapes
+from routetool.bench import TORCH_KERNELS, BenchKernel, _call_args, check_fits, point_bytes, trace_step_shapes
 from routetool.cli import main
 from routetool.errors import RouteToolError
+from routetool.suite import CaseInput
 from routetool.trace import LayerArrays
 
 
@@ -144,3 +145,25 @@ def test_bench_refuses_a_point_larger_than_the_free_gpu_memory():
     assert res.exit_code == 2, res.output
     assert "16,777,216 tokens x 1,048,576 experts (fp32, topk 8) need 65,537.0 GiB" in res.output
     assert "GiB free (lower --tokens or --experts" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_bench_calls_a_kernel_by_the_documented_convention():
+    # the logits and the bias by position, every other parameter by keyword (bench passed topk and
+    # route_scale by position and left the rest at the function's defaults)
+    seen = {}
+
+    def kernel(gating_output, bias, *, topk, route_scale, router_output_multiplier, router_score_normalization,
+               router_score_division_eps, topk_weights, topk_ids, is_padding):
+        seen.update(topk=topk, route_scale=route_scale, multiplier=router_output_multiplier,
+                    normalization=router_score_normalization, eps=router_score_division_eps, pad=is_padding,
+                    buffers=(topk_weights, topk_ids))
+        return topk_weights, topk_ids
+
+    inp = CaseInput(gating_output=torch.zeros(4, 8), bias=torch.zeros(8), topk=2, route_scale=2.5,
+                    topk_weights=torch.empty(4, 2), topk_ids=torch.empty(4, 2, dtype=torch.int32))
+    args, kwargs = _call_args(BenchKernel("mine", kernel), inp)
+    kernel(*args, **kwargs)
+    assert seen == dict(topk=2, route_scale=2.5, multiplier=None, normalization="sigmoid", eps=None, pad=None,
+                        buffers=(inp.topk_weights, inp.topk_ids))
+    assert _call_args(BenchKernel("tiled", kernel, pdl=False), inp)[1]["use_pdl"] is False
+    assert "topk_weights" not in _call_args(BenchKernel("torch", kernel), inp)[1]
