@@ -176,7 +176,8 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     For every layer and captured step: classifies each token row (exact, reordered,
     tie-equivalent, mismatch, invalid), checks padding and weights, builds expert-load
     histograms, and on a GPU times each distinct step shape. Exit 1 on a real mismatch,
-    invalid output or weight outside tolerance.
+    invalid output or weight outside tolerance, or a kernel that fails (crashes, rejects the
+    trace without documenting it); exit 2 when it rejects the trace as its docstring documents.
     """
     from routetool.execution import load_kernel, select_execution
     from routetool.files import check_output_paths

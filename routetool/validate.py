@@ -34,10 +34,15 @@ import torch
 from routetool.compare import INVALID_REASONS, RowClass, compare_step, weight_tolerance
 from routetool.errors import KernelError, RouteToolError
 from routetool.execution import Execution, RoutingFn
-from routetool.replay import KERNEL_ID_DTYPES, KERNEL_WEIGHT_DTYPE, _first_line
+from routetool.replay import (
+    KERNEL_ID_DTYPES,
+    KERNEL_WEIGHT_DTYPE,
+    REJECTION_TYPES,
+    _first_line,
+    rejection_documented,
+)
 from routetool.suite import Case, CaseInput
 
-REJECTION_TYPES = (ValueError, TypeError, NotImplementedError)
 VERDICTS = ("pass", "pass_tie", "rejected", "fail", "skipped")
 
 
@@ -96,12 +101,6 @@ class ValidateResult:
             counts[c.verdict] += 1
             counts["tie_rows"] += c.tie_rows
         return out
-
-
-def rejection_documented(fn: RoutingFn, feature: str | None) -> bool:
-    """Whether ``fn``'s docstring names ``feature`` (case-insensitive), i.e. documents it."""
-    doc = (getattr(fn, "__doc__", None) or "").lower()
-    return bool(feature) and feature.lower() in doc
 
 
 def _call(fn: RoutingFn, inp: CaseInput, check_inputs: bool = True):
