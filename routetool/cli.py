@@ -229,9 +229,10 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
              tie_ulps: float, json_path: str | None, junit_path: str | None, force: bool, progress: bool) -> None:
     """Validate a routing kernel before deployment, on the edge-case suite and on TRACES.
 
-    Every case ends in pass, pass with tie-equivalent rows, a documented rejection, or
-    fail (with the failure class, the first offending rows, their inputs and both outputs).
-    Exit 0 when nothing failed, 1 otherwise.
+    Every case ends in pass, pass with tie-equivalent rows, a documented rejection (of a suite
+    case's unusual input; a kernel that rejects a trace fails), skipped, or fail (with the failure
+    class, the first offending rows, their inputs and both outputs). Exit 0 when nothing failed,
+    1 otherwise.
     """
     from routetool.execution import load_kernel, select_execution
     from routetool.files import check_output_paths
