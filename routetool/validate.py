@@ -13,8 +13,8 @@ Each case ends in one verdict:
   input: a kernel that rejects any step of a trace's layer fails that case, whether it
   documents the rejection (``rejected_documented``, e.g. the seed and bf16 logits) or not
   (``rejected_undocumented``);
-* ``skipped``: the case needs a GPU (large sizes, CUDA graphs), or a trace's layer holds no
-  logits (an ids-only trace).
+* ``skipped``: the case needs a GPU (large sizes, CUDA graphs), or a trace's layer holds
+  nothing to route (no logits, an ids-only trace; or no token rows).
 
 Checks on every output (failure class in brackets): shapes and dtypes [wrong_shape, wrong_dtype];
 the device of the inputs [wrong_device];
@@ -344,7 +344,8 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
     A trace is production input: a kernel that rejects a step fails the layer's case, with
     ``rejected_documented`` when its docstring names the logits' dtype as unsupported (the seed
     and bf16 logits) and ``rejected_undocumented`` otherwise (:func:`routetool.replay.run_kernel_checked`).
-    A layer without logits (ids-only) is ``skipped``: the kernel has nothing to route there.
+    A layer without logits (ids-only) or without token rows is ``skipped``: the kernel has
+    nothing to route there.
 
     Raises:
         RouteToolError: the trace cannot be read (bad input, not a verdict).
@@ -364,6 +365,11 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
                 out.append(CaseResult(family=family, name=name, description=f"layer {layer}: ids only",
                                       verdict="skipped",
                                       message="the layer holds no logits (an ids-only trace): nothing to validate"))
+                continue
+            if info.num_tokens == 0:
+                out.append(CaseResult(family=family, name=name, description=f"layer {layer}: no token rows",
+                                      verdict="skipped",
+                                      message="the layer holds no token rows: nothing to validate"))
                 continue
             description = f"layer {layer}: {info.num_tokens} tokens in {info.num_steps} steps"
             start = time.perf_counter()

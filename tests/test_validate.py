@@ -248,6 +248,25 @@ def test_a_run_that_routed_nothing_says_nothing_validated(execution, tmp_path):
     assert result.ok and "NOTHING VALIDATED: all 2 cases were skipped or rejected" in text and "PASS" not in text
 
 
+def test_a_layer_of_zero_rows_is_skipped_not_passed(execution, tmp_path):
+    # a layer of zero token rows was "pass" though the kernel was never called: "PASS: 1 cases"
+    empty = make_trace(tmp_path / "t_empty.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8))})
+    src = _rejecting_kernels(tmp_path)
+    res = CliRunner().invoke(main, ["validate", str(empty), "--suite", "none", "--kernel", f"{src}:must_not_be_called",
+                                    "--device", DEVICE.type, "--no-progress", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    case = json.loads(res.stdout)["cases"][0]
+    assert (case["verdict"], case["description"]) == ("skipped", "layer 0: no token rows")
+    assert case["message"] == "the layer holds no token rows: nothing to validate"
+    assert "NOTHING VALIDATED: all 1 cases were skipped" in res.stderr and "PASS" not in res.stderr
+    # beside a layer with rows, the empty one is skipped and the other validated
+    g = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    mixed = make_trace(tmp_path / "mixed.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8)),
+                                                        1: LayerArrays(gating_output=g)})
+    result = validate(mutants.correct, "reference", execution, cases=[], traces=[mixed])
+    assert [c.verdict for c in result.cases] == ["skipped", "pass"] and result.ok
+
+
 def _mutant_path():
     return f"{ROOT / 'tests' / 'mutants.py'}:biased_weights"
 
