@@ -176,7 +176,8 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     For every layer and captured step: classifies each token row (exact, reordered,
     tie-equivalent, mismatch, invalid), checks padding and weights, builds expert-load
     histograms, and on a GPU times each distinct step shape. Exit 1 on a real mismatch,
-    invalid output or weight outside tolerance.
+    invalid output or weight outside tolerance, or a kernel that fails (crashes, rejects the
+    trace without documenting it); exit 2 when it rejects the trace as its docstring documents.
     """
     from routetool.execution import load_kernel, select_execution
     from routetool.files import check_output_paths
@@ -228,9 +229,10 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
              tie_ulps: float, json_path: str | None, junit_path: str | None, force: bool, progress: bool) -> None:
     """Validate a routing kernel before deployment, on the edge-case suite and on TRACES.
 
-    Every case ends in pass, pass with tie-equivalent rows, a documented rejection, or
-    fail (with the failure class, the first offending rows, their inputs and both outputs).
-    Exit 0 when nothing failed, 1 otherwise.
+    Every case ends in pass, pass with tie-equivalent rows, a documented rejection (of a suite
+    case's unusual input; a kernel that rejects a trace fails), skipped, or fail (with the failure
+    class, the first offending rows, their inputs and both outputs). Exit 0 when nothing failed,
+    1 otherwise.
     """
     from routetool.execution import load_kernel, select_execution
     from routetool.files import check_output_paths

@@ -61,7 +61,9 @@ class KernelError(RouteToolError):
 
     Reported in one line like bad input, but with exit code 1: the check found a problem
     with the kernel, not with the user's input. ``failure_class`` is one of validate's classes:
-    ``crash``, ``modified_input``, ``wrong_shape``, ``wrong_device``.
+    ``crash``, ``modified_input``, ``wrong_shape``, ``wrong_dtype``, ``wrong_device``,
+    ``rejected_undocumented`` (a rejection of an input the kernel does not document as
+    unsupported).
     """
 
     exit_code = EXIT_FINDINGS
@@ -69,6 +71,17 @@ class KernelError(RouteToolError):
     def __init__(self, message: str, *, failure_class: str, **kw):
         super().__init__(message, **kw)
         self.failure_class = failure_class
+
+
+class KernelRejection(RouteToolError):
+    """The kernel under test refused an input that its docstring names as unsupported (the seed
+    kernel and bfloat16 logits): a documented restriction, reported like bad input (exit 2) by
+    replay, where the fix is another kernel or another trace. ``routetool validate`` fails the
+    trace's case with ``failure_class`` (``rejected_documented``): a kernel that cannot route
+    production input must not pass validation.
+    """
+
+    failure_class = "rejected_documented"
 
 
 def printable(text: str) -> str:

@@ -22,7 +22,7 @@ from routetool.compare import (
     own_pick_weights,
     weight_tolerance,
 )
-from routetool.errors import KernelError, RouteToolError, first_line
+from routetool.errors import KernelError, KernelRejection, RouteToolError, first_line
 from routetool.execution import Execution, RoutingFn
 from routetool.load import LoadStats, expert_counts, load_stats
 from routetool.numtext import list_items, parse_int
@@ -277,6 +277,29 @@ def call_kernel(fn: RoutingFn, gating: torch.Tensor, bias: torch.Tensor, pad: to
     return fn(gating, bias, topk_weights=None, topk_ids=None, is_padding=pad, **router.kernel_kwargs())
 
 
+REJECTION_TYPES = (ValueError, TypeError, NotImplementedError)
+"""The exceptions by which a kernel rejects an input; whether it documents the rejection is
+:func:`rejection_documented`'s question. Anything else a kernel raises is a crash."""
+
+
+def rejection_documented(fn: RoutingFn, feature: str | None) -> bool:
+    """Whether ``fn``'s docstring names ``feature`` (case-insensitive), i.e. documents it.
+
+    ``feature`` is the unusual property of the rejected input (``"bfloat16"``, ``"int64"``,
+    ``"non-contiguous"``); ``None`` for an input without one (float32 logits in ordinary
+    layouts), whose rejection is never documented: every routing kernel must take it.
+    """
+    doc = (getattr(fn, "__doc__", None) or "").lower()
+    return bool(feature) and feature.lower() in doc
+
+
+def dtype_feature(dtype: torch.dtype) -> str | None:
+    """The unusual feature of ``gating_output`` in ``dtype``, for :func:`rejection_documented`:
+    its name for bfloat16 and float16 (``"bfloat16"``), None for float32, which every kernel must
+    route (as validate's ``dtypes`` family has it)."""
+    return None if dtype == torch.float32 else str(dtype).removeprefix("torch.")
+
+
 def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
                        router: RouterConfig, *, where: str, path: object = None,
                        tensor: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,19 +309,29 @@ def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: tor
         ``(topk_weights, topk_ids)`` of shape ``[n, topk]``.
 
     Raises:
-        RouteToolError: the kernel rejected the input with ``ValueError`` (exit 2: bad usage,
-            e.g. the seed and bf16 logits).
-        KernelError: the kernel raised anything else (``SystemExit`` included), wrote into
-            its inputs (``modified_input``), returned something other than two ``[n, topk]``
-            tensors (float weights, integer ids) (``wrong_shape``), or returned them on another
-            device than its inputs' (``wrong_device``) (exit 1).
+        KernelRejection: the kernel rejected the input (:data:`REJECTION_TYPES`) and its
+            docstring names the input's dtype as unsupported (:func:`rejection_documented`,
+            :func:`dtype_feature`; e.g. the seed and bf16 logits): exit 2, bad usage.
+        KernelError: the kernel rejected the input without documenting it
+            (``rejected_undocumented``: e.g. any rejection of float32 logits), raised anything
+            else (``SystemExit`` included; ``crash``), wrote into its inputs (``modified_input``),
+            returned something other than two ``[n, topk]`` tensors (``wrong_shape``), float32
+            weights and int32/int64 ids (``wrong_dtype``), or returned them on another device
+            than its inputs' (``wrong_device``) (exit 1).
     """
     before = input_snapshot(gating_output=gating, bias=bias, is_padding=pad)
     try:
         out = call_kernel(fn, gating, bias, pad, router)
-    except ValueError as exc:
-        raise RouteToolError(f"kernel {name!r} rejected {where} ({_first_line(exc)})", path=path, tensor=tensor,
-                             fix="choose another --kernel, or a trace the kernel supports") from None
+    except REJECTION_TYPES as exc:
+        feature = dtype_feature(gating.dtype)
+        if rejection_documented(fn, feature):
+            raise KernelRejection(f"kernel {name!r} rejected {where} ({_first_line(exc)})", path=path, tensor=tensor,
+                                  fix="choose another --kernel, or a trace the kernel supports") from None
+        fix = (f"fix the kernel, or name {feature} in its docstring as unsupported" if feature
+               else "fix the kernel: every routing kernel must route float32 logits")
+        raise KernelError(f"kernel {name!r} rejected {where} ({_first_line(exc)}), a rejection its docstring "
+                          f"does not document", failure_class="rejected_undocumented", path=path, tensor=tensor,
+                          fix=fix) from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - whatever the kernel under test raises is reported
         raise KernelError(f"kernel {name!r} crashed on {where} ({_first_line(exc)})", failure_class="crash",
                           path=path, tensor=tensor, fix="fix the kernel") from None
@@ -375,8 +408,10 @@ def replay_trace(
         A :class:`ReplayResult`.
 
     Raises:
-        RouteToolError: the kernel rejecting the trace's inputs (ValueError).
-        KernelError: the kernel crashing or returning outputs of the wrong shape or on the wrong device.
+        KernelRejection: the kernel rejecting the trace's inputs as its docstring documents (exit 2).
+        KernelError: the kernel rejecting them without documenting it, crashing, writing into its
+            inputs or returning outputs of the wrong shape, dtype or device (exit 1; see
+            :func:`run_kernel_checked`).
     """
     from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
 

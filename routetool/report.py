@@ -500,6 +500,9 @@ def render_validate(result, console: Console, show_failures: int = 15) -> None:
     n = len(result.cases)
     if result.ok and all(c.verdict == "skipped" for c in result.cases):
         console.print(Text(f"NOTHING VALIDATED: all {n} cases were skipped (see above)", style="bold yellow"))
+    elif result.ok and not any(c.verdict in ("pass", "pass_tie") for c in result.cases):
+        console.print(Text(f"NOTHING VALIDATED: all {n} cases were skipped or rejected (see above)",
+                           style="bold yellow"))
     elif result.ok:
         console.print(Text(f"PASS: {n} cases, nothing failed", style="bold green"))
     else:

@@ -5,11 +5,16 @@ Each case ends in one verdict:
 * ``pass``; ``pass_tie``: passed, with rows that differ from the reference only inside a tie
   (their count is reported);
 * ``fail``: with the failure classes, the first offending rows, their inputs and both outputs;
-* ``rejected``: the kernel raised ValueError/TypeError/NotImplementedError. It counts as a
-  pass only when the kernel documents the restriction: its docstring names the case's
-  unusual feature (e.g. ``bfloat16``, ``int64``, ``non-contiguous``); any other exception,
-  or a rejection of an input the kernel does not document as unsupported, is a failure;
-* ``skipped``: the case needs a GPU (large sizes, CUDA graphs).
+* ``rejected``: the kernel raised ValueError/TypeError/NotImplementedError on a suite case's
+  unusual input. It counts as a pass only when the kernel documents the restriction: its
+  docstring names the case's unusual feature (e.g. ``bfloat16``, ``int64``,
+  ``non-contiguous``); any other exception, or a rejection of an input the kernel does not
+  document as unsupported, is a failure (``rejected_undocumented``). A trace is production
+  input: a kernel that rejects any step of a trace's layer fails that case, whether it
+  documents the rejection (``rejected_documented``, e.g. the seed and bf16 logits) or not
+  (``rejected_undocumented``);
+* ``skipped``: the case needs a GPU (large sizes, CUDA graphs), or a trace's layer holds
+  nothing to route (no logits, an ids-only trace; or no token rows).
 
 Checks on every output (failure class in brackets): shapes and dtypes [wrong_shape, wrong_dtype];
 the device of the inputs [wrong_device];
@@ -32,12 +37,17 @@ from dataclasses import dataclass, field
 import torch
 
 from routetool.compare import INVALID_REASONS, RowClass, compare_step, weight_tolerance
-from routetool.errors import KernelError, RouteToolError
+from routetool.errors import KernelError, KernelRejection, RouteToolError
 from routetool.execution import Execution, RoutingFn
-from routetool.replay import KERNEL_ID_DTYPES, KERNEL_WEIGHT_DTYPE, _first_line
+from routetool.replay import (
+    KERNEL_ID_DTYPES,
+    KERNEL_WEIGHT_DTYPE,
+    REJECTION_TYPES,
+    _first_line,
+    rejection_documented,
+)
 from routetool.suite import Case, CaseInput
 
-REJECTION_TYPES = (ValueError, TypeError, NotImplementedError)
 VERDICTS = ("pass", "pass_tie", "rejected", "fail", "skipped")
 
 
@@ -96,12 +106,6 @@ class ValidateResult:
             counts[c.verdict] += 1
             counts["tie_rows"] += c.tie_rows
         return out
-
-
-def rejection_documented(fn: RoutingFn, feature: str | None) -> bool:
-    """Whether ``fn``'s docstring names ``feature`` (case-insensitive), i.e. documents it."""
-    doc = (getattr(fn, "__doc__", None) or "").lower()
-    return bool(feature) and feature.lower() in doc
 
 
 def _call(fn: RoutingFn, inp: CaseInput, check_inputs: bool = True):
@@ -337,6 +341,12 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
     :func:`trace_labels` for several traces). Offending rows are numbered by their row in the
     layer (counted over all its steps), as replay numbers them.
 
+    A trace is production input: a kernel that rejects a step fails the layer's case, with
+    ``rejected_documented`` when its docstring names the logits' dtype as unsupported (the seed
+    and bf16 logits) and ``rejected_undocumented`` otherwise (:func:`routetool.replay.run_kernel_checked`).
+    A layer without logits (ids-only) or without token rows is ``skipped``: the kernel has
+    nothing to route there.
+
     Raises:
         RouteToolError: the trace cannot be read (bad input, not a verdict).
     """
@@ -355,6 +365,11 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
                 out.append(CaseResult(family=family, name=name, description=f"layer {layer}: ids only",
                                       verdict="skipped",
                                       message="the layer holds no logits (an ids-only trace): nothing to validate"))
+                continue
+            if info.num_tokens == 0:
+                out.append(CaseResult(family=family, name=name, description=f"layer {layer}: no token rows",
+                                      verdict="skipped",
+                                      message="the layer holds no token rows: nothing to validate"))
                 continue
             description = f"layer {layer}: {info.num_tokens} tokens in {info.num_steps} steps"
             start = time.perf_counter()
@@ -378,19 +393,10 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
                         r.row += first_row
                         rows.append(r)
                     first_row += step.num_tokens
-            except KernelError as exc:
+            except (KernelError, KernelRejection) as exc:  # a rejection, documented or not, fails too
                 out.append(CaseResult(family=family, name=name, description=description, verdict="fail",
                                       failure_classes=[exc.failure_class], message=str(exc),
                                       duration_s=time.perf_counter() - start))
-                continue
-            except RouteToolError as exc:
-                if "rejected" not in str(exc):
-                    raise
-                documented = rejection_documented(fn, str(info.gating_dtype).removeprefix("torch."))
-                out.append(CaseResult(family=family, name=name, description=description,
-                                      verdict="rejected" if documented else "fail",
-                                      failure_classes=[] if documented else ["rejected_undocumented"],
-                                      message=str(exc), duration_s=time.perf_counter() - start))
                 continue
             classes = list(dict.fromkeys(classes))
             verdict = "fail" if classes else ("pass_tie" if tie_rows else "pass")

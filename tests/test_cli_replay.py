@@ -134,6 +134,41 @@ def test_seed_variant_rejects_bf16_trace_with_exit_2():
     assert "kernel 'seed' rejected layer 0" in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.parametrize("fn, dtype, code, words", [
+    # validate's rule: a rejection is documented when the docstring names the input's unusual
+    # feature (bfloat16 here); float32 logits have none, so naming "float32" documents nothing
+    ("names_bf16", torch.bfloat16, 2, "rejected layer 0 step 0 (ValueError: no bf16) (choose another --kernel"),
+    ("names_bf16", torch.float32, 1, "rejected layer 0 step 0 (ValueError: no bf16), a rejection its docstring "
+                                     "does not document (fix the kernel: every routing kernel must route float32"),
+    ("names_float32", torch.float32, 1, "(ValueError: no), a rejection its docstring does not document"),
+    ("nodoc", torch.bfloat16, 1, "(NotImplementedError: later), a rejection its docstring does not document (fix "
+                                 "the kernel, or name bfloat16 in its docstring as unsupported)"),
+    ("type_error", torch.float32, 1, "(TypeError: bad), a rejection its docstring does not document"),
+])
+def test_a_rejection_is_bad_input_only_when_the_kernel_documents_it(tmp_path, fn, dtype, code, words):
+    # any ValueError was "rejected ... (choose another --kernel ...)", exit 2, while validate
+    # failed the same thing as rejected_undocumented: a finding about the kernel, exit 1
+    src = tmp_path / "rejecting.py"
+    src.write_text(
+        "def names_bf16(g, b, topk, route_scale, *a, **k):\n"
+        "    \"\"\"Routing; bfloat16 logits are not supported.\"\"\"\n"
+        "    raise ValueError('no bf16')\n"
+        "def names_float32(g, b, topk, route_scale, *a, **k):\n"
+        "    \"\"\"Routing of float32 logits.\"\"\"\n"
+        "    raise ValueError('no')\n"
+        "def nodoc(g, b, topk, route_scale, *a, **k):\n"
+        "    raise NotImplementedError('later')\n"
+        "def type_error(g, b, topk, route_scale, *a, **k):\n"
+        "    raise TypeError('bad')\n"
+    )
+    g = torch.randn(12, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    trace = make_trace(tmp_path / "t.safetensors", {0: LayerArrays(gating_output=g)})
+    res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{src}:{fn}", "--no-progress", "--no-latency")
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == code and len(lines) == 1 and words in lines[0], res.output
+    assert lines[0].startswith(f"routetool: error: {trace}: layers.0.gating_output: kernel ")
+
+
 def test_seed_variant_replays_fp32_trace():
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
     res = _run("replay", trace, "--device", DEVICE, "--kernel", "seed", "--layers", "1", "--no-progress",
@@ -264,6 +299,8 @@ def _kernels_file(tmp_path):
         "def float64_weights(g, b, topk, route_scale, *a, **k):\n"
         "    w, ids = ref(g, b, topk, route_scale)\n"
         "    return w.double(), ids\n"
+        "def rejects(g, b, topk, route_scale, *a, **k):\n"
+        "    raise ValueError('boom')\n"
         "def no_defaults(gating_output, bias, topk, route_scale, router_output_multiplier,\n"
         "                router_score_normalization, router_score_division_eps, topk_weights, topk_ids, *,\n"
         "                is_padding):\n"
@@ -280,7 +317,11 @@ def _kernels_file(tmp_path):
                                         # other dtypes passed replay while validate failed them (wrong_dtype)
                                         ("int8_ids", "returned ((384, 8) float32, (384, 8) int8) on layer 1 step 0; "
                                                      "expected (topk_weights float32 [384, 8], topk_ids int32 or int64"),
-                                        ("float64_weights", "returned ((384, 8) float64, (384, 8) int32) on layer 1")])
+                                        ("float64_weights", "returned ((384, 8) float64, (384, 8) int32) on layer 1"),
+                                        # an undocumented rejection of float32 logits was bad input (exit 2)
+                                        ("rejects", "rejected layer 1 step 0 (ValueError: boom), a rejection its "
+                                                    "docstring does not document (fix the kernel: every routing "
+                                                    "kernel must route float32 logits)")])
 def test_failing_user_kernel_is_one_line_exit_1(tmp_path, fn, message):
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
     kernel = f"{_kernels_file(tmp_path)}:{fn}"
@@ -289,7 +330,7 @@ def test_failing_user_kernel_is_one_line_exit_1(tmp_path, fn, message):
     assert res.exit_code == 1 and len(lines) == 1 and message in lines[0], res.output
     res = _run("validate", trace, "--suite", "none", "--kernel", kernel, "--no-progress", "--device", DEVICE)
     assert res.exit_code == 1 and any(c in res.output for c in ("crash", "wrong_shape", "wrong_dtype",
-                                                                "modified_input"))
+                                                                "modified_input", "rejected_undocumented"))
 
 
 def test_outputs_on_another_device_are_one_line_exit_1(tmp_path):

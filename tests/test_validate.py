@@ -150,7 +150,8 @@ def test_traces_are_validated_layer_by_layer(execution):
     assert not bad.ok and "weight_error" in _classes(bad)
     bf16 = ROOT / "traces" / "musespark1x-synth-bf16.safetensors"
     rej = validate(kernel.variant("seed"), "seed", execution, cases=[], traces=[bf16])
-    assert {c.verdict for c in rej.cases} == {"rejected"} and len(rej.cases) == 4  # one case per layer
+    assert len(rej.cases) == 4 and not rej.ok  # one case per layer, each failed: see the test below
+    assert {(c.verdict, tuple(c.failure_classes)) for c in rej.cases} == {("fail", ("rejected_documented",))}
 
 
 def test_trace_cases_check_the_weights_of_tie_rows_and_report_rows_as_suite_cases_do(execution, tmp_path):
@@ -184,6 +185,86 @@ def test_trace_cases_check_the_weights_of_tie_rows_and_report_rows_as_suite_case
     row = padded.rows[0]
     assert (row.row, row.failure_class, row.is_padding) == (10, "invalid:bad_padding", True)
     assert [x["expert"] for x in row.top_inputs][:1] == [0]
+
+
+def _rejecting_kernels(tmp_path):
+    src = tmp_path / "rejecting.py"
+    src.write_text(
+        "def claims_all_dtypes(gating_output, bias, topk, route_scale, *a, **k):\n"
+        "    \"\"\"Top-k routing for float32, bfloat16 and float16 router logits.\"\"\"\n"
+        "    raise ValueError('not implemented yet')\n"
+        "def nodoc(gating_output, bias, topk, route_scale, *a, **k):\n"
+        "    raise NotImplementedError('later')\n"
+        "def must_not_be_called(gating_output, bias, topk, route_scale, *a, **k):\n"
+        "    raise RuntimeError('called')\n"
+    )
+    return src
+
+
+def _two_dtype_traces(tmp_path):
+    g = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
+    return (make_trace(tmp_path / "t_fp32.safetensors", {0: LayerArrays(gating_output=g)}),
+            make_trace(tmp_path / "t_bf16.safetensors", {0: LayerArrays(gating_output=g.bfloat16())}))
+
+
+def test_a_kernel_that_rejects_a_trace_fails_documented_or_not(execution, tmp_path):
+    # a trace case whose kernel rejected every step passed ("rejected"), and the run said PASS,
+    # whenever the trace's dtype name stood anywhere in the docstring: "float32" in one that
+    # claims to support it, and the seed's documented bf16 restriction. A trace is production
+    # input: a kernel that cannot route it fails
+    import kernel
+
+    fp32, bf16 = _two_dtype_traces(tmp_path)
+    rej = validate(kernel.variant("seed"), "seed", execution, cases=[], traces=[bf16])
+    assert not rej.ok and [(c.verdict, c.failure_classes) for c in rej.cases] == [("fail", ["rejected_documented"])]
+    assert "kernel 'seed' rejected layer 0 step 0 (ValueError: gating_output dtype bfloat16" in rej.cases[0].message
+    src = _rejecting_kernels(tmp_path)
+    for fn, classes in (("claims_all_dtypes", ["rejected_undocumented", "rejected_documented"]),
+                        ("nodoc", ["rejected_undocumented", "rejected_undocumented"])):
+        res = CliRunner().invoke(main, ["validate", str(fp32), str(bf16), "--suite", "none", "--kernel", f"{src}:{fn}",
+                                        "--device", DEVICE.type, "--no-progress", "--json", "-"])
+        assert res.exit_code == 1, res.output
+        doc = json.loads(res.stdout)
+        assert doc["verdict"] == "fail" and [c["verdict"] for c in doc["cases"]] == ["fail", "fail"]
+        assert [c["failure_classes"] for c in doc["cases"]] == [[cls] for cls in classes], doc["cases"]
+        assert "FAIL: 2 of 2 cases failed" in res.stderr and "PASS" not in res.stderr
+    # the suite's rule is unchanged: its bf16 case's documented rejection passes (the input is synthetic)
+    bf16_cases = [c for c in QUICK if c.name.startswith("dtypes/bfloat16")]
+    suite = validate(kernel.variant("seed"), "seed", execution, cases=bf16_cases)
+    assert suite.ok and {c.verdict for c in suite.cases} == {"rejected"}
+
+
+def test_a_run_that_routed_nothing_says_nothing_validated(execution, tmp_path):
+    # documented rejections and skips alone ended in "PASS: n cases, nothing failed"
+    import kernel
+
+    from routetool.report import Console, render_validate
+
+    bf16_cases = [c for c in QUICK if c.name.startswith("dtypes/bfloat16")]
+    result = validate(kernel.variant("seed"), "seed", execution, cases=bf16_cases)
+    console = Console(width=100, record=True, color_system=None)
+    render_validate(result, console)
+    text = console.export_text()
+    assert result.ok and "NOTHING VALIDATED: all 2 cases were skipped or rejected" in text and "PASS" not in text
+
+
+def test_a_layer_of_zero_rows_is_skipped_not_passed(execution, tmp_path):
+    # a layer of zero token rows was "pass" though the kernel was never called: "PASS: 1 cases"
+    empty = make_trace(tmp_path / "t_empty.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8))})
+    src = _rejecting_kernels(tmp_path)
+    res = CliRunner().invoke(main, ["validate", str(empty), "--suite", "none", "--kernel", f"{src}:must_not_be_called",
+                                    "--device", DEVICE.type, "--no-progress", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    case = json.loads(res.stdout)["cases"][0]
+    assert (case["verdict"], case["description"]) == ("skipped", "layer 0: no token rows")
+    assert case["message"] == "the layer holds no token rows: nothing to validate"
+    assert "NOTHING VALIDATED: all 1 cases were skipped" in res.stderr and "PASS" not in res.stderr
+    # beside a layer with rows, the empty one is skipped and the other validated
+    g = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    mixed = make_trace(tmp_path / "mixed.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8)),
+                                                        1: LayerArrays(gating_output=g)})
+    result = validate(mutants.correct, "reference", execution, cases=[], traces=[mixed])
+    assert [c.verdict for c in result.cases] == ["skipped", "pass"] and result.ok
 
 
 def _mutant_path():
