@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from routetool.compare import INVALID_REASONS, RowClass, compare_step, weight_tolerance
+from routetool.compare import INVALID_REASONS, RowClass, compare_step, own_pick_weights, weight_tolerance
 from routetool.errors import KernelError, KernelRejection, RouteToolError
 from routetool.execution import Execution, RoutingFn
 from routetool.replay import (
@@ -186,18 +186,13 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
     # Invariants on the kernel's own picks (valid, unpadded rows).
     pad = inp.is_padding if inp.is_padding is not None else torch.zeros(T, dtype=torch.bool, device=device)
     valid = ~pad & (cmp.row_class != RowClass.INVALID)
-    safe = ids.long().clamp(0, max(0, scores.shape[1] - 1))
-    picked = scores.gather(1, safe)
-    denom = picked.sum(-1, keepdim=True)
-    if inp.router_score_division_eps is not None:
-        denom = denom + inp.router_score_division_eps
-    expected = torch.where(denom > 0, picked * (inp.route_scale / torch.where(denom > 0, denom, 1.0)), 0.0)
+    expected = own_pick_weights(scores, ids, inp.route_scale, inp.router_score_division_eps)
     w = weights.float()
     off = (w - expected).abs() > tol.atol + tol.rtol * expected.abs()
     flag("weights_not_renormalized_unbiased", valid & off.any(-1))
     if inp.router_score_division_eps is None:
         sums = w.sum(-1)
-        nonzero = picked.sum(-1) > 0
+        nonzero = expected.sum(-1) > 0  # some picked score is > 0
         flag("weight_sum", valid & nonzero & ((sums - inp.route_scale).abs() > 1e-5 * inp.route_scale * max(1, K / 8)))
 
     reports = []
