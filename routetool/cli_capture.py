@@ -119,13 +119,11 @@ def _affinity(ctx, param, value):
 
 def _std(ctx, param, value):
     """``--router-std`` / ``--bias-std``: None or a finite number in [0, 10]."""
-    from routetool.capture.hf import MAX_STD
+    from routetool.capture.hf import std_problem
 
-    if value is None:
-        return None
-    if not (math.isfinite(value) and 0 <= value <= MAX_STD):
-        raise RouteToolError(f"{param.opts[0]} {value!r} must be a finite number in [0, {MAX_STD:g}]",
-                             fix=f"e.g. {param.opts[0]} 0.25 (0 keeps HF's initialisation)")
+    problem = None if value is None else std_problem(param.opts[0], value)
+    if problem:
+        raise RouteToolError(problem[0], fix=problem[1])
     return value
 
 
@@ -336,8 +334,8 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
         source = config_path if config_path is not None else " ".join([f"--arch {arch}",
                                                                        *(f"--set {o}" for o in overrides)])
         hf.check_model_config(config, source)
-        rs = 0.25 if router_std is None else router_std
-        bs = 0.02 if bias_std is None else bias_std
+        rs = hf.ROUTER_STD if router_std is None else router_std
+        bs = hf.BIAS_STD if bias_std is None else bias_std
         _check_capture_size(hf, config, batch, prompt_tokens, max_new_tokens, source)
         model = hf.build_model(config, seed=seed, router_std=rs, bias_std=bs,
                                dtype=torch_dtype or _torch_dtype("float32"), source=source)

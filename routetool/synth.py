@@ -249,6 +249,9 @@ def check_spec(spec: SynthSpec) -> None:
     if wrong or not all(_is_int(c) for c in spec.prefill_chunks):
         raise _bad(f"{', '.join(wrong) or 'prefill chunks'} must be integers")
     problems = router_config_errors(spec.router)
+    if spec.router.router_output_multiplier == 0:
+        problems.append("router_output_multiplier=0 (--multiplier) makes every logit 0 and every score equal: each row "
+                        "ties all experts, so no skew can be made; leave --multiplier out, or give it a non-zero value")
     if spec.router.num_experts > MAX_EXPERTS:
         problems.append(f"num_experts={spec.router.num_experts:,} (--experts) is above the limit {MAX_EXPERTS:,}")
     if not 1 <= spec.num_layers <= MAX_LAYERS:

@@ -523,6 +523,14 @@ def test_info_on_a_fifo_fails_at_once(tmp_path):
     (["--arch", "mixtral", "--router-std", "-1"], ["--router-std -1.0 must be"]),
     (["--arch", "deepseek_v3", "--bias-std", "nan"], ["--bias-std nan must be"]),
     (["--arch", "deepseek_v3", "--bias-std", "inf"], ["--bias-std inf must be"]),
+    # the example names each option's own default (--bias-std said 0.25, --router-std's)
+    (["--arch", "deepseek_v3", "--bias-std", "-1"], ["(e.g. --bias-std 0.02, the default; 0 keeps HF's"]),
+    (["--arch", "deepseek_v3", "--router-std", "11"], ["(e.g. --router-std 0.25, the default; 0 keeps HF's"]),
+    # every layer dense: it said "no router modules found in DeepseekV3ForCausalLM (the model must be a
+    # supported transformers MoE model)", naming neither the config nor the cause
+    (["--arch", "kimi_k2", "--set", "first_k_dense_replace=5"],
+     ["--arch kimi_k2 --set first_k_dense_replace=5: DeepseekV3ForCausalLM has no MoE layer: every decoder layer is "
+      "dense (num_hidden_layers=3, first_k_dense_replace=5) (leave at least one layer sparse"]),
     (["--arch", "mixtral", "--batch", "60000", "--prompt-tokens", "100000"], ["logits; the limit is 2**30"]),
     # models too large to build: the process used to be killed for memory
     (["--arch", "deepseek_v3", "--set", "num_hidden_layers=100000"],

@@ -192,6 +192,9 @@ def test_ties_and_nonfinite_rows():
     (dict(bias="learned"), "zero or fitted"),
     (dict(prefill_chunks=(), decode_steps=0), "no steps"),
     (dict(router=RouterConfig(num_experts=4, topk=5)), "topk=5"),
+    # every score sigmoid(0) = 0.5: every row a tie of all experts; synth wrote it and warned about the skew
+    (dict(router=RouterConfig(num_experts=16, topk=2, router_output_multiplier=0.0)),
+     "router_output_multiplier=0 .--multiplier. makes every logit 0"),
 ])
 def test_bad_specs(kw, message):
     with pytest.raises(RouteToolError, match=message):

@@ -196,6 +196,20 @@ def router_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return found
 
 
+_DENSE_LAYER_KEYS = ("num_hidden_layers", "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step",
+                     "mlp_only_layers")
+"""Config keys that decide which decoder layers of the supported families are MoE layers."""
+
+
+def _no_moe_layer(model: torch.nn.Module) -> tuple[str, str]:
+    """(message, fix) for a supported model none of whose layers is an MoE layer."""
+    config = model.config
+    keys = ", ".join(f"{k}={getattr(config, k)!r}" for k in _DENSE_LAYER_KEYS if getattr(config, k, None) is not None)
+    return (f"{type(model).__name__} has no MoE layer: every decoder layer is dense ({keys})",
+            "leave at least one layer sparse, e.g. first_k_dense_replace below num_hidden_layers, or fewer "
+            "mlp_only_layers")
+
+
 class HFRouterRecorder:
     """Context manager that records every router call of a transformers MoE model.
 
@@ -211,16 +225,17 @@ class HFRouterRecorder:
         meta, layers = rec.trace(model_name="...", provenance="...")
 
     Raises:
-        RouteToolError: an unsupported model, or a model without router modules.
+        RouteToolError: an unsupported model, or a model without router modules (every layer
+            dense; named as ``source``: a config file, ``--arch X``).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, source: object = None):
         self.model = model
         self.family, self.router, self.weights_semantics = router_config_for(model.config)
         self.modules = router_modules(model)
         if not self.modules:
-            raise RouteToolError(f"no router modules found in {type(model).__name__}",
-                                 fix="the model must be a supported transformers MoE model")
+            message, fix = _no_moe_layer(model)
+            raise RouteToolError(message, path=source, fix=fix)
         self._logits: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.modules}
         self._ids: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.modules}
         self._weights: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.modules}
@@ -406,7 +421,23 @@ def load_config(path: str | Path, **overrides):
                                  "MoE model") from None
 
 
-def build_model(config, *, seed: int = 0, router_std: float = 0.25, bias_std: float = 0.02,
+ROUTER_STD = 0.25
+"""Default std of the redrawn router weights of a random-weight model (``--router-std``)."""
+BIAS_STD = 0.02
+"""Default std of its drawn ``e_score_correction_bias`` (``--bias-std``)."""
+
+
+def std_problem(option: str, std: object) -> tuple[str, str] | None:
+    """(message, fix) when ``std`` is no finite number in [0, :data:`MAX_STD`] for ``option``
+    (``--router-std`` or ``--bias-std``), else None."""
+    if isinstance(std, (int, float)) and not isinstance(std, bool) and math.isfinite(std) and 0 <= std <= MAX_STD:
+        return None
+    default = ROUTER_STD if option == "--router-std" else BIAS_STD
+    return (f"{option} {std!r} must be a finite number in [0, {MAX_STD:g}]",
+            f"e.g. {option} {default:g}, the default; 0 keeps HF's initialisation")
+
+
+def build_model(config, *, seed: int = 0, router_std: float = ROUTER_STD, bias_std: float = BIAS_STD,
                 dtype: torch.dtype = torch.float32, source: object = None) -> torch.nn.Module:
     """A causal-LM of ``config`` with seeded random weights (no network).
 
@@ -431,10 +462,10 @@ def build_model(config, *, seed: int = 0, router_std: float = 0.25, bias_std: fl
     check_model_size(config, dtype, source)
     if not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
         raise RouteToolError(f"seed={seed!r} must be an integer in [0, 2**63-1]", fix="e.g. --seed 0")
-    for name, std in (("router-std", router_std), ("bias-std", bias_std)):
-        if not (isinstance(std, (int, float)) and math.isfinite(std) and 0 <= std <= MAX_STD):
-            raise RouteToolError(f"--{name} {std!r} must be a finite number in [0, {MAX_STD:g}]",
-                                 fix=f"e.g. --{name} 0.25 (0 keeps HF's initialisation)")
+    for option, std in (("--router-std", router_std), ("--bias-std", bias_std)):
+        problem = std_problem(option, std)
+        if problem:
+            raise RouteToolError(problem[0], fix=problem[1])
     try:
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -707,7 +738,7 @@ def capture_hf(model: torch.nn.Module, input_ids: torch.Tensor, *, max_new_token
         RouteToolError: an unsupported model, no router call seen, or any failure of the
             model's own code while it runs (in one line).
     """
-    with HFRouterRecorder(model) as rec:
+    with HFRouterRecorder(model, source) as rec:
         handle = None
         if progress is not None and rec.modules:
             first = rec.modules[min(rec.modules)]
