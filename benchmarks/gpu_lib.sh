@@ -59,3 +59,18 @@ bench_sweep() {
   COLUMNS=130 run bench "$1" python3 -m routetool bench --tokens 1,64,4096,16384,65536 --experts 128,256,384,512 \
     --dtype fp32,bf16 --kernel tiled --kernel seed --rep-ms 8 --csv "$R/bench.csv" --json "$R/bench.json" --no-progress
 }
+# verify_tree   the GPU tests (6 shards), validate --suite full (shapes in a process of its own) and the replays,
+#               all in parallel (compiling is CPU-bound)
+verify_tree() {
+  pytest_shards pytest-gpu 420 6 tests/test_gpu.py tests/test_kernel.py tests/test_bench.py &
+  validate_shapes 450 &
+  validate_rest_and_replays 200 &
+  wait
+}
+# verify_summary   the last lines of verify_tree's logs
+verify_summary() {
+  cat "$S"
+  for f in "$R"/pytest-gpu-?.txt; do tail -n 1 "$f"; done
+  tail -n 2 "$R/validate-full-tiled-shapes.txt" "$R/validate-full-tiled-rest.txt"
+  for f in "$R"/replay-*.txt; do tail -n 3 "$f"; done
+}
