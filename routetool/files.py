@@ -72,6 +72,16 @@ def refuse_special_file(path: str | os.PathLike, *, fix: str) -> None:
                              fix=fix)
 
 
+def missing_folders(path: str | os.PathLike) -> tuple[Path, list[Path]]:
+    """``path``'s nearest ancestor (or ``path`` itself) that is there, a dangling link included,
+    and the paths below it that are not, innermost first (``path`` first when it is missing)."""
+    existing, missing = Path(path), []
+    while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
+        missing.append(existing)
+        existing = existing.parent
+    return existing, missing
+
+
 def check_output_folder(folder: str | os.PathLike) -> None:
     """Refuse an output's folder that is not there: missing, or a file (or a link to nothing)
     where a folder belongs, itself or one of its parents (``notes.txt/out.json``).
@@ -86,9 +96,7 @@ def check_output_folder(folder: str | os.PathLike) -> None:
     folder = Path(folder) if str(folder) else Path(".")
     if folder.is_dir():
         return
-    blocker = folder
-    while not blocker.exists() and not blocker.is_symlink() and blocker != blocker.parent:
-        blocker = blocker.parent
+    blocker, _ = missing_folders(folder)
     if blocker.is_symlink() and not blocker.exists():
         raise RouteToolError("is a link to a missing path, not a folder", path=blocker,
                              fix="choose another output path, or make the link point to a folder")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from routetool.balance import BalanceResult
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write
+from routetool.files import atomic_write, missing_folders
 
 FIGURES = ("expert_load_heatmap.png", "balancedness_eplb.png", "rank_load.png")
 """Files :func:`write_balance_plots` writes (the EPLB figure shows the EP placements
@@ -55,11 +55,7 @@ def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise RouteToolError("is not a folder", path=folder, fix="name a folder for the figures")
-    missing = []  # the folders to create, innermost first
-    existing = folder
-    while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
-        missing.append(existing)
-        existing = existing.parent
+    existing, missing = missing_folders(folder)  # the folders to create, innermost first
     if missing and not existing.is_dir():
         raise RouteToolError(f"is not a folder, so --plot {folder} cannot be created in it", path=existing,
                              fix="choose another folder for --plot")
