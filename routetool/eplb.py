@@ -334,14 +334,14 @@ def check_eplb_config(num_experts: int, num_redundant: int, num_groups: int, num
     if policy not in POLICIES:
         raise RouteToolError(f"unknown EPLB policy {policy!r}", fix="use auto, hierarchical or global")
     limit = max_redundant(num_experts)
-    if num_redundant > limit and redundant_implied_by is not None:
-        raise RouteToolError(f"EPLB: {redundant_implied_by} {num_gpus} implies --redundant {num_redundant} by default "
-                             f"(one redundant expert per GPU), over the limit of {limit:,} redundant experts "
-                             f"({MAX_REDUNDANT_PER_EXPERT} per logical expert, {num_experts} experts)",
-                             fix=f"pass fewer {redundant_implied_by}, or an explicit --redundant of at most {limit:,}")
     if num_redundant > limit:
-        raise RouteToolError(f"EPLB: --redundant {num_redundant} is over the limit of {limit:,} redundant experts "
-                             f"({MAX_REDUNDANT_PER_EXPERT} per logical expert, {num_experts} experts)",
+        over = (f"over the limit of {limit:,} redundant experts ({MAX_REDUNDANT_PER_EXPERT} per logical expert, "
+                f"{num_experts} experts)")
+        if redundant_implied_by is not None:
+            raise RouteToolError(f"EPLB: {redundant_implied_by} {num_gpus} implies --redundant {num_redundant} by "
+                                 f"default (one redundant expert per GPU), {over}",
+                                 fix=f"pass fewer {redundant_implied_by}, or an explicit --redundant of at most {limit:,}")
+        raise RouteToolError(f"EPLB: --redundant {num_redundant} is {over}",
                              fix=f"pass --redundant {limit} or fewer; deployments replicate a fraction of the experts")
     P = num_experts + num_redundant
     problems = []
