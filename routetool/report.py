@@ -203,6 +203,17 @@ def _summary_column(s: ComparisonSummary) -> list:
     ]
 
 
+def router_line(r, router_parameters: str | None = None) -> Text:
+    """A header's router line: E, topk and the router parameters of ``r`` (a
+    :class:`~routetool.trace.RouterConfig`); with ``router_parameters`` (the metadata of an
+    imported ids-only trace, where only E and topk are real) that text in place of the
+    placeholder parameters."""
+    if router_parameters is not None:
+        return user_text(f"E={r.num_experts} topk={r.topk}; router parameters {router_parameters}")
+    return Text(f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} route_scale={r.route_scale:g} "
+                f"multiplier={r.router_output_multiplier} eps={r.router_score_division_eps}")
+
+
 def render_replay(result: ReplayResult, console: Console, histogram_layer: int | None = None) -> None:
     """Print the replay report: header, summary, per-layer tables, latency, histogram, verdict."""
     r = result.router
@@ -210,13 +221,7 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     header = Table.grid(padding=(0, 2))
     header.add_row("trace", user_text(result.trace))
     header.add_row("model", user_text(result.model or "-"))
-    if result.router_parameters is not None:  # an imported ids-only trace: the rest are placeholders
-        header.add_row("router", user_text(f"E={r.num_experts} topk={r.topk}; router parameters "
-                                           f"{result.router_parameters}"))
-    else:
-        header.add_row("router", f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} "
-                                 f"route_scale={r.route_scale:g} multiplier={r.router_output_multiplier} "
-                                 f"eps={r.router_score_division_eps}")
+    header.add_row("router", router_line(r, result.router_parameters))
     header.add_row("kernel", user_text(f"{result.kernel} on {ex.device_name}"))
     header.add_row("ties", f"tie-equivalent within {result.tie_ulps:g} float32 ulps")
     console.print(Panel(header, title="routetool replay", expand=False))

@@ -174,7 +174,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
                       "", "", end_section=True)
         console.print(t)
         if several:
-                console.print(Text("'layers' row: mean, min, p10, p50, p90 of the per-layer balancedness; its 'mean' "
+            console.print(Text("'layers' row: mean, min, p10, p50, p90 of the per-layer balancedness; its 'mean' "
                                "column: mean per-step balancedness over layers (SGLang's average balancedness)",
                                style="dim"))
 

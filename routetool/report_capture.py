@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from routetool.info import TraceInfo, step_token_quantiles
-from routetool.report import fmt_float, table, user_text
+from routetool.report import fmt_float, router_line, table, user_text
 
 INFO_SCHEMA = "routetool.info/1"
 
@@ -26,11 +26,6 @@ def fmt_bytes(n: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{n} B"  # pragma: no cover
-
-
-def _router_line(r) -> str:
-    return (f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} route_scale={r.route_scale:g} "
-            f"multiplier={r.router_output_multiplier} eps={r.router_score_division_eps}")
 
 
 def _layer_list(layers: list[int]) -> str:
@@ -63,11 +58,7 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
     header.add_row("format", f"routetool-trace v{info.format_version}")
     header.add_row("model", user_text(info.model or "-"))
     unknown = info.metadata.get("router_parameters")
-    if unknown is not None:  # an ids-only import: only E and topk are real, the rest are placeholders
-        header.add_row("router", user_text(f"E={info.router.num_experts} topk={info.router.topk}; "
-                                           f"router parameters {unknown}"))
-    else:
-        header.add_row("router", _router_line(info.router))
+    header.add_row("router", router_line(info.router, unknown))  # (an ids-only import: only E and topk are real)
     for key in sorted(info.metadata):
         if key == "router_parameters" and unknown is not None:
             continue  # (said on the router line)
@@ -222,7 +213,7 @@ def render_hf_capture(summary, console: Console) -> None:
     grid.add_row("trace", user_text(summary.out))
     grid.add_row("model", user_text(summary.model_name))
     grid.add_row("family", f"{summary.family} (router modules in layers {', '.join(map(str, summary.layers))})")
-    grid.add_row("router", _router_line(summary.router))
+    grid.add_row("router", router_line(summary.router))
     grid.add_row("weights", f"{summary.weights_semantics} (recorded topk_weights)")
     grid.add_row("input", f"{summary.batch} x {summary.prompt_tokens} tokens ({summary.tokenizer}), "
                           f"{summary.max_new_tokens} new tokens")
