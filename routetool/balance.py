@@ -43,17 +43,17 @@ from routetool.eplb import (
     finite_or_none,
     rebalance_experts,
 )
-from routetool.errors import KernelError, RouteToolError, first_line
+from routetool.engine.contract import RoutingFn
+from routetool.engine.stream import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, route_steps, stream_layer
+from routetool.errors import KernelError, RouteToolError
 from routetool.imports import ImportedCounts, ImportedRouting
 from routetool.load import LoadStats, load_stats
-from routetool.replay import KERNEL_ID_DTYPES, KERNEL_WEIGHT_DTYPE, call_kernel, input_snapshot, modified_inputs
 from routetool.trace import Trace
 
 PHASES = ("prefill", "decode")
 DEFAULT_CAPACITY_FACTORS = (1.0, 1.25, 2.0)
 DEFAULT_DECODE_MAX_TOKENS = 256
 
-RouteFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """``(gating_output [n, E], bias [E], is_padding [n] | None) -> topk_ids [n, K]``."""
 
 
@@ -83,6 +83,26 @@ def count_experts(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     valid = (flat >= 0) & (flat < num_experts)
     full = _histogram(torch.where(valid, flat, num_experts), num_experts + 1)
     return full[:num_experts], full[num_experts]
+
+
+def count_experts_per_step(ids: torch.Tensor, step_index: torch.Tensor, num_steps: int,
+                           num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assignments per step and expert of a chunk of steps, in one histogram (no host sync).
+
+    Args:
+        ids: ``[n, K]`` int expert ids (entries outside ``[0, E)`` not counted).
+        step_index: ``[n]`` int64, each row's step (0 .. num_steps - 1).
+        num_steps: S. num_experts: E.
+
+    Returns:
+        ``(counts [S, E] int64, uncounted)``; ``uncounted`` is a 0-d int64 tensor with the
+        number of entries outside ``[0, E)``.
+    """
+    flat = ids.long()
+    valid = (flat >= 0) & (flat < num_experts)
+    index = torch.where(valid, step_index[:, None] * num_experts + flat, num_steps * num_experts)
+    full = _histogram(index.reshape(-1), num_steps * num_experts + 1)
+    return full[:-1].view(num_steps, num_experts), full[-1]
 
 
 def tokens_per_rank(ids: torch.Tensor, rank_of_expert: torch.Tensor, num_ranks: int) -> torch.Tensor:
@@ -146,41 +166,50 @@ class Quantiles:
 # ---------------------------------------------------------------------------------------
 # sources
 @dataclass
-class StepLoad:
-    """The routing of one step of one layer, as the analysis consumes it.
+class ChunkLoad:
+    """The routing of a chunk of consecutive steps of one layer, as the analysis consumes it.
 
     Attributes:
-        counts: ``[E]`` int64 assignments per expert (on the analysis device).
-        num_tokens: unpadded tokens of the step, or None when unknown (counts-only input).
-        ids: ``[n, K]`` expert ids of the unpadded rows (padded rows may be -1), or None.
-        phase: ``prefill`` / ``decode``, or None when it cannot be told.
+        first_step: the layer step of the chunk's first step.
+        counts: ``[S, E]`` int64 assignments per step and expert (on the analysis device).
+        num_tokens: unpadded tokens of each step, or None when unknown (counts-only input).
+        phases: ``prefill`` / ``decode`` of each step, or None when it cannot be told.
+        ids: ``[n, K]`` expert ids of the chunk's rows (padded rows -1), or None.
+        offsets: step boundaries within ``ids``, ``[0, n_0, ..., n]`` (with ``ids``).
         bias_counts_with / bias_ids_with: for the bias effect, the routing with the trace's
-            bias by the bias-effect routing function (the same as ``counts``/``ids`` unless
-            the analysed routing is another one, e.g. the recorded ids), or None.
-        counts_nobias / ids_nobias: that function's routing with the bias zeroed, or None.
+            bias by the bias-effect routing (the same as ``counts``/``ids`` unless the analysed
+            routing is another one, e.g. the recorded ids), or None.
+        counts_nobias / ids_nobias: that routing with the bias zeroed, or None.
         uncounted: 0-d tensor, ids outside ``[0, E)`` on unpadded rows.
         invalid: ``[n, len(INVALID_REASONS)]`` bool, which of
             :data:`routetool.compare.INVALID_REASONS` apply to each row of ``ids`` (from
-            :func:`routetool.compare.invalid_reasons`; padded rows never), or None when the ids
-            were checked already (a routing function's, by :func:`call_route`).
-        row_start: the layer row of the step's first row (rows are named in the layer).
+            :func:`routetool.compare.invalid_reasons`; padded rows never), or None.
+        invalid_bias: ``(invalid, ids)`` of each of a kernel's routings for the bias effect, or None.
+        row_start: the layer row of the chunk's first row (rows are named in the layer).
     """
 
+    first_step: int
     counts: torch.Tensor
-    num_tokens: int | None
+    num_tokens: list[int] | None
+    phases: list[str] | None = None
     ids: torch.Tensor | None = None
-    phase: str | None = None
+    offsets: list[int] | None = None
     bias_counts_with: torch.Tensor | None = None
     bias_ids_with: torch.Tensor | None = None
     counts_nobias: torch.Tensor | None = None
     ids_nobias: torch.Tensor | None = None
     uncounted: torch.Tensor | None = None
     invalid: torch.Tensor | None = None
+    invalid_bias: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     row_start: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.counts.shape[0])
 
 
 class Source:
-    """What :func:`analyze_balance` reads: per layer, a stream of :class:`StepLoad`.
+    """What :func:`analyze_balance` reads: per layer, a stream of :class:`ChunkLoad`.
 
     Attributes:
         path: the input. kind: ``trace``, ``ids`` (imported dump) or ``counts``.
@@ -222,10 +251,10 @@ class Source:
     def step_labels(self, layer: int) -> list[str] | None:
         return None
 
-    def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
+    def chunks(self, layer: int, device: torch.device) -> Iterator[ChunkLoad]:
         raise NotImplementedError
 
-    def invalid_error(self, layer: int, found: InvalidRows) -> RouteToolError:
+    def invalid_error(self, layer: int, found: InvalidRows, bias_effect: bool = False) -> RouteToolError:
         """The error for unpadded rows of ``layer`` whose expert ids are invalid (bad input, exit 2)."""
         return RouteToolError(f"layer {layer}, {found.where()}: the ids {found.ids} {found.what(self.num_experts)}; "
                               f"{found.rows:,} row(s) of the layer are invalid", path=self.path,
@@ -271,82 +300,41 @@ def first_invalid_row(ids: torch.Tensor, reasons: torch.Tensor, step: int, row_s
                        reasons=[name for name, on in zip(INVALID_REASONS, reasons[r].tolist()) if on])
 
 
-class RoutingOutputError(TypeError):
-    """A routing function returned something other than ``(topk_weights, topk_ids)`` of matching
-    shapes (raised by the functions :func:`route_fn_from` makes; :func:`call_route` reports it)."""
-
-
 _FIX_KERNEL = "fix the kernel (check it with `routetool validate`), or use --reference"
 
 
-def call_route(fn: RouteFn, name: str, path: str, layer: int, step: int, gating: torch.Tensor, bias: torch.Tensor,
-               pad: torch.Tensor | None, topk: int, *, row_start: int = 0, context: str = "") -> torch.Tensor:
-    """Run a routing function on one step and check what it returns.
+@dataclass
+class Routing:
+    """How a trace's logits are routed for the analysis.
 
-    Args:
-        fn / name: the routing function and its name for messages. path: the trace, for messages.
-        layer / step: where. gating ``[n, E]``, bias ``[E]``, pad ``[n]`` bool or None: its inputs.
-        topk: K. row_start: the layer row of the step's first row (invalid rows are named by
-        their row in the layer). context: words added after the step (``with the bias zeroed``).
-
-    Returns:
-        ``[n, topk]`` integer ids on ``gating``'s device; every unpadded row holds distinct ids
-        in ``[0, E)`` (padded rows are not checked: they are never counted).
-
-    Raises:
-        RouteToolError: the function rejected the inputs with ``ValueError`` (exit 2, as replay
-            does: e.g. the seed kernel and bf16 logits).
-        KernelError: (exit 1: the check found a problem with the kernel) the function raised
-            anything else (``SystemExit`` included), wrote into its inputs (compared bit for
-            bit before and after the call, as replay and validate do), returned something other
-            than an int32/int64 tensor of shape ``[n, topk]`` on ``gating``'s device (or, from
-            :func:`route_fn_from`, weights of another shape), or ids that are invalid on an unpadded row
-            (:func:`routetool.compare.invalid_reasons`: out of range, -1, one expert twice).
-            The message names the function, the layer and the step (and the first invalid row).
+    Attributes:
+        name: for reports (``kernel tiled (NVIDIA H200)``, ``reference (PyTorch)``).
+        fn: a routing function with the seed's signature.
+        params: the router parameters by keyword (:meth:`routetool.trace.RouterConfig.kernel_kwargs`).
+        kernel: ``fn`` is a kernel under test: it runs once per captured step, each call judged by
+            the one contract (:mod:`routetool.engine.contract`); otherwise ``fn`` is the PyTorch
+            reference, which routes rows independently and runs once per chunk of steps.
     """
-    n, E = int(gating.shape[0]), int(gating.shape[1])
-    where = f"layer {layer}, step {step}{' ' + context if context else ''}"
-    before = input_snapshot(gating_output=gating, bias=bias, is_padding=pad)
-    try:
-        ids = fn(gating, bias, pad)
-    except RouteToolError:
-        raise
-    except RoutingOutputError as exc:
-        raise KernelError(f"{name} {first_line(exc, 160, with_type=False)} on {where}", failure_class="wrong_shape",
-                          path=path, fix="return (topk_weights, topk_ids) as the seed kernel does") from None
-    except ValueError as exc:
-        raise RouteToolError(f"{name} rejected the inputs of {where} ({first_line(exc, 120, with_type=False)})",
-                             path=path, fix="choose another --kernel, or --reference") from None
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user kernel may fail in any way, sys.exit too
-        raise KernelError(f"{name} failed on {where} ({first_line(exc, 120)})", failure_class="crash",
-                          path=path, fix=_FIX_KERNEL) from None
-    changed = modified_inputs(before, gating_output=gating, bias=bias, is_padding=pad)
-    if changed:
-        raise KernelError(f"{name} wrote into its input {', '.join(changed)} on {where}",
-                          failure_class="modified_input", path=path,
-                          fix=f"a routing kernel may write only topk_weights and topk_ids: {_FIX_KERNEL}")
-    if not isinstance(ids, torch.Tensor):
-        raise KernelError(f"{name} returned {type(ids).__name__} for the topk_ids of {where}; expected a tensor",
-                          failure_class="wrong_shape", path=path,
-                          fix="return (topk_weights, topk_ids) as the seed kernel does")
-    if tuple(ids.shape) != (n, topk):
-        raise KernelError(f"{name} returned topk_ids of shape {list(ids.shape)} on {where}; expected [{n}, {topk}]",
-                          failure_class="wrong_shape", path=path, fix=_FIX_KERNEL)
-    if ids.dtype not in KERNEL_ID_DTYPES:
-        raise KernelError(f"{name} returned topk_ids of dtype {ids.dtype} on {where}; expected int32 or int64",
-                          failure_class="wrong_dtype", path=path, fix="return int32/int64 expert ids")
-    if ids.device != gating.device:
-        raise KernelError(f"{name} returned topk_ids on device {ids.device} on {where}; its inputs are on device "
-                          f"{gating.device}", failure_class="wrong_device", path=path,
-                          fix="return the outputs on the inputs' device: fix the kernel (check it with "
-                              "`routetool validate`), or use --reference")
-    found = first_invalid_row(ids, invalid_reasons(_mask(ids, pad), None, pad, E), step, row_start)
-    if found is not None:
-        verb = "is" if found.rows == 1 else "are"
-        raise KernelError(f"{name} returned invalid topk_ids on {where}, row {found.row}: {found.ids} "
-                          f"{found.what(E)}; {found.rows:,} of the step's {n:,} rows {verb} invalid",
-                          failure_class=f"invalid:{found.reasons[0]}", path=path, fix=_FIX_KERNEL)
-    return ids
+
+    name: str
+    fn: RoutingFn
+    params: dict
+    kernel: bool = False
+
+    def route(self, chunk: Chunk, bias: torch.Tensor, path: str, context: str = "") -> torch.Tensor:
+        """``[n, K]`` ids of the chunk's rows routed with ``bias``.
+
+        Raises:
+            RouteToolError: the kernel broke the contract (:meth:`KernelOutcome.error`: exit 2
+                for a documented rejection, 1 for anything else), named by layer and step.
+        """
+        if not self.kernel:
+            return self.fn(chunk.gating_output, bias, is_padding=chunk.is_padding, **self.params)[1]
+        routed = route_steps(self.fn, chunk, bias, self.params)
+        if not routed.ok:
+            where = f"layer {chunk.layer}, step {routed.step}{' ' + context if context else ''}"
+            raise routed.outcome.error(self.name, where, path=path, tensor=f"layers.{chunk.layer}.gating_output")
+        return routed.ids
 
 
 def _phase(num_tokens: int, padded: int, decode_max_tokens: int) -> str:
@@ -375,11 +363,12 @@ class TraceSource(Source):
         routing: ``auto`` (``route_fn`` on layers with logits, recorded ids on ids-only
             layers), ``kernel`` / ``reference`` (``route_fn``; every layer needs logits) or
             ``recorded`` (the trace's ``topk_ids``).
-        route_fn: routing of logits (the kernel or the reference), see :data:`RouteFn`.
-        route_name: its name for reports.
+        route_fn: routing of logits (the kernel or the reference), see :class:`Routing`.
+        route_name: its name for reports (default: the routing's).
         nobias_fn: routing used for the bias effect (with the trace's bias and with zeros);
             needed when ``bias_effect`` is on and some layer has logits.
         nobias_name: its name for reports.
+        budget_bytes: memory per chunk of steps (:mod:`routetool.engine.stream`).
         bias_effect: compute the bias effect (on the layers that have logits).
         decode_max_tokens: steps with padding or at most this many tokens are decode steps.
 
@@ -389,9 +378,13 @@ class TraceSource(Source):
 
     kind = "trace"
 
-    def __init__(self, trace: Trace, layers: Sequence[int], routing: str = "auto", route_fn: RouteFn | None = None,
-                 route_name: str = "kernel", nobias_fn: RouteFn | None = None, nobias_name: str = "",
-                 bias_effect: bool = True, decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS):
+    def __init__(self, trace: Trace, layers: Sequence[int], routing: str = "auto", route_fn: Routing | None = None,
+                 route_name: str = "", nobias_fn: Routing | None = None, nobias_name: str = "",
+                 bias_effect: bool = True, decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS,
+                 budget_bytes: int = DEFAULT_CHUNK_BYTES):
+        route_name = route_name or (route_fn.name if route_fn is not None else "kernel")
+        nobias_name = nobias_name or (nobias_fn.name if nobias_fn is not None else "")
+        self.budget_bytes = budget_bytes
         self.trace = trace
         self.path = str(trace.display_path)
         self.model = trace.meta.model
@@ -451,9 +444,18 @@ class TraceSource(Source):
         o = self.trace.info(layer).step_offsets
         return [b - a for a, b in zip(o, o[1:])]
 
-    def invalid_error(self, layer: int, found: InvalidRows) -> RouteToolError:
-        """Invalid recorded ``topk_ids`` (routed layers are checked by :func:`call_route`): bad input."""
+    def invalid_error(self, layer: int, found: InvalidRows, bias_effect: bool = False) -> RouteToolError:
+        """Invalid ids on unpadded rows: recorded ``topk_ids`` are bad input (exit 2); a kernel's
+        (``bias_effect``: its routings for the bias effect) are a finding (:class:`KernelError`
+        ``invalid:<reason>``, exit 1)."""
         E = self.num_experts
+        if self._mode[layer] == "route" or bias_effect:
+            name = self.nobias_name if bias_effect else self.route_name
+            verb = "is" if found.rows == 1 else "are"
+            return KernelError(f"{name} returned invalid topk_ids on layer {layer}, {found.where()}"
+                               f"{' (bias effect)' if bias_effect else ''}: {found.ids} {found.what(E)}; "
+                               f"{found.rows:,} of the layer's rows {verb} invalid",
+                               failure_class=f"invalid:{found.reasons[0]}", path=self.path, fix=_FIX_KERNEL)
         drop = ", or route the logits (drop --recorded)" if self.trace.info(layer).has_logits else ""
         return RouteToolError(f"layer {layer}, {found.where()}: the recorded ids {found.ids} {found.what(E)}; "
                               f"{found.rows:,} unpadded row(s) of the layer are invalid", path=self.path,
@@ -461,43 +463,48 @@ class TraceSource(Source):
                               fix=f"each token picks distinct experts in [0, {E}), as `routetool import` requires of "
                                   f"dumps: fix the capture{drop}")
 
-    def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
+    def chunks(self, layer: int, device: torch.device) -> Iterator[ChunkLoad]:
         E = self.num_experts
         mode = self._mode[layer]
         info = self.trace.info(layer)
         bias = self.trace.bias(layer).to(device)
         zeros = torch.zeros_like(bias)
-        K = self.topk
-        for s, step in enumerate(self.trace.steps(layer)):
-            n = step.num_tokens
-            pad_cpu = step.is_padding
-            padded = int(pad_cpu.sum()) if pad_cpu is not None else 0
-            pad = pad_cpu.to(device) if pad_cpu is not None else None
-            gating = step.gating_output.to(device) if step.gating_output is not None else None
-            if mode == "recorded":
-                ids = step.recorded_ids.to(device)
+        for chunk in stream_layer(self.trace, layer, device, budget_bytes=self.budget_bytes):
+            S = chunk.num_steps
+            pad = chunk.is_padding
+            step_index = chunk.step_index()
+            sizes = chunk.step_sizes
+            if pad is not None:
+                padded = torch.zeros(S, dtype=torch.int64, device=device).index_add_(0, step_index, pad.long()).tolist()
             else:
-                ids = call_route(self.route_fn, self.route_name, self.path, layer, s, gating, bias, pad, K,
-                                 row_start=step.start)
-            counts, uncounted = _count_step(ids, E, pad)
+                padded = [0] * S
+            if mode == "recorded":
+                ids = chunk.recorded_ids
+            else:
+                ids = self.route_fn.route(chunk, bias, self.path)
             masked = _mask(ids, pad)
-            # recorded ids are checked here and read back once per layer (no host sync per step);
-            # call_route checked the routed ones
-            invalid = invalid_reasons(masked, None, pad, E) if mode == "recorded" else None
-            load = StepLoad(counts=counts, num_tokens=n - padded, ids=masked,
-                            phase=_phase(n - padded, padded, self.decode_max_tokens), uncounted=uncounted,
-                            invalid=invalid, row_start=step.start)
+            counts, uncounted = count_experts_per_step(masked, step_index, S, E)
+            if pad is not None:
+                uncounted = uncounted - pad.sum() * ids.shape[1]
+            invalid = invalid_reasons(masked, None, pad, E)
+            load = ChunkLoad(first_step=chunk.first_step, counts=counts,
+                             num_tokens=[n - p for n, p in zip(sizes, padded)],
+                             phases=[_phase(n - p, p, self.decode_max_tokens) for n, p in zip(sizes, padded)],
+                             ids=masked, offsets=chunk.offsets, uncounted=uncounted, invalid=invalid,
+                             row_start=chunk.start)
             if self.bias_effect and info.has_logits:
                 if mode == "route" and self.nobias_fn is self.route_fn:
                     with_bias = ids
                 else:
-                    with_bias = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, bias, pad, K,
-                                           row_start=step.start, context="(bias effect)")
-                without = call_route(self.nobias_fn, self.nobias_name, self.path, layer, s, gating, zeros, pad, K,
-                                     row_start=step.start, context="with the bias zeroed (bias effect)")
+                    with_bias = self.nobias_fn.route(chunk, bias, self.path, context="(bias effect)")
+                without = self.nobias_fn.route(chunk, zeros, self.path, context="with the bias zeroed (bias effect)")
                 load.bias_ids_with, load.ids_nobias = _mask(with_bias, pad), _mask(without, pad)
-                load.bias_counts_with = counts if with_bias is ids else _count_step(with_bias, E, pad)[0]
-                load.counts_nobias = _count_step(without, E, pad)[0]
+                load.bias_counts_with = counts if with_bias is ids else \
+                    count_experts_per_step(load.bias_ids_with, step_index, S, E)[0]
+                load.counts_nobias = count_experts_per_step(load.ids_nobias, step_index, S, E)[0]
+                if self.nobias_fn.kernel:  # a kernel's ids are judged wherever they are used
+                    load.invalid_bias = [(invalid_reasons(x, None, pad, E), x) for x in (
+                        load.ids_nobias, *([load.bias_ids_with] if with_bias is not ids else []))]
             yield load
 
 
@@ -516,15 +523,21 @@ class ImportedSource(Source):
         o = self.imported.layers[layer].step_offsets
         return [b - a for a, b in zip(o, o[1:])]
 
-    def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
+    def chunks(self, layer: int, device: torch.device) -> Iterator[ChunkLoad]:
         x = self.imported.layers[layer]
-        ids_all = x.topk_ids.to(device)
-        for a, b in zip(x.step_offsets, x.step_offsets[1:]):
-            ids = ids_all[a:b]
-            counts, uncounted = count_experts(ids, self.num_experts)
-            yield StepLoad(counts=counts, num_tokens=b - a, ids=ids,
-                           phase=_phase(b - a, 0, self.decode_max_tokens), uncounted=uncounted,
-                           invalid=invalid_reasons(ids, None, None, self.num_experts), row_start=a)
+        o = x.step_offsets
+        E = self.num_experts
+        for first, end in plan_chunks(o, 8 * max(1, x.topk_ids.shape[1]) + 4 * E, DEFAULT_CHUNK_BYTES):
+            a, b = o[first], o[end]
+            ids = x.topk_ids[a:b].to(device)
+            offsets = [v - a for v in o[first:end + 1]]
+            sizes = [q - p for p, q in zip(offsets, offsets[1:])]
+            step_index = torch.repeat_interleave(torch.arange(len(sizes), device=device),
+                                                 torch.tensor(sizes, device=device), output_size=b - a)
+            counts, uncounted = count_experts_per_step(ids, step_index, len(sizes), E)
+            yield ChunkLoad(first_step=first, counts=counts, num_tokens=sizes,
+                            phases=[_phase(n, 0, self.decode_max_tokens) for n in sizes], ids=ids, offsets=offsets,
+                            uncounted=uncounted, invalid=invalid_reasons(ids, None, None, E), row_start=a)
 
 
 class CountsSource(Source):
@@ -542,13 +555,14 @@ class CountsSource(Source):
     def step_labels(self, layer: int) -> list[str] | None:
         return self.imported.step_labels
 
-    def steps(self, layer: int, device: torch.device) -> Iterator[StepLoad]:
-        m = self.imported.layers[layer].to(device)
+    def chunks(self, layer: int, device: torch.device) -> Iterator[ChunkLoad]:
+        m = self.imported.layers[layer]
         K = self.topk
-        for i in range(m.shape[0]):
-            c = m[i]
-            n = int(self.imported.layers[layer][i].sum()) // K if K else None
-            yield StepLoad(counts=c, num_tokens=n)
+        step_rows = max(1, DEFAULT_CHUNK_BYTES // (8 * max(1, m.shape[1])))
+        for first in range(0, m.shape[0], step_rows):
+            c = m[first:first + step_rows]
+            yield ChunkLoad(first_step=first, counts=c.to(device),
+                            num_tokens=[int(v) // K for v in c.sum(1).tolist()] if K else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -838,8 +852,44 @@ def window_of_steps(sizes: Sequence[int], windows: int) -> tuple[list[int], int]
     return [renum[w] for w in raw], len(renum)
 
 
+class _FirstInvalid:
+    """Invalid rows of a layer's ids, counted, and the first one kept, on the device (read back once)."""
+
+    def __init__(self, device: torch.device):
+        z = dict(dtype=torch.int64, device=device)
+        self.device = device
+        self.rows = torch.zeros((), **z)
+        self.step = torch.full((), -1, **z)
+        self.row = torch.full((), -1, **z)
+        self.ids: torch.Tensor | None = None
+        self.reasons = torch.zeros(len(INVALID_REASONS), dtype=torch.bool, device=device)
+
+    def add(self, reasons: torch.Tensor, ids: torch.Tensor | None, load: ChunkLoad) -> None:
+        if not reasons.shape[0] or ids is None:
+            return
+        bad = reasons.any(-1)
+        self.rows += bad.sum()
+        r = bad.to(torch.int32).argmax()  # the first invalid row (0 when there is none)
+        take = bad[r] & (self.step < 0)
+        if self.ids is None:
+            self.ids = torch.zeros(ids.shape[1], dtype=torch.int64, device=self.device)
+        offsets = torch.tensor(load.offsets, dtype=torch.int64, device=self.device)
+        step = load.first_step + torch.searchsorted(offsets, r.long(), right=True) - 1
+        self.step = torch.where(take, step, self.step)
+        self.row = torch.where(take, r + load.row_start, self.row)
+        self.ids = torch.where(take, ids[r].long(), self.ids)
+        self.reasons = torch.where(take, reasons[r], self.reasons)
+
+    def found(self) -> InvalidRows | None:
+        rows = int(self.rows)
+        if not rows:
+            return None
+        return InvalidRows(rows=rows, step=int(self.step), row=int(self.row), ids=self.ids.tolist(),
+                           reasons=[n for n, on in zip(INVALID_REASONS, self.reasons.tolist()) if on])
+
+
 class _LayerAccumulator:
-    """Device-side accumulators of one layer (no host sync per step)."""
+    """Device-side accumulators of one layer, fed a chunk of steps at a time (no host sync per step)."""
 
     def __init__(self, E: int, placements: list[Placement], layer: int, num_steps: int, window_of: list[int],
                  num_windows: int, factors: list[float], device: torch.device, bias: bool):
@@ -850,6 +900,7 @@ class _LayerAccumulator:
         self.windows = torch.zeros(num_windows, E, **z)
         self.phases = torch.zeros(len(PHASES), E, **z)
         self.window_of = window_of
+        self.window_index = torch.tensor(window_of, **z)
         self.uncounted = torch.zeros((), **z)
         self.shares = [p.share_matrix(layer).to(device) for p in placements]
         rank_of = [p.rank_of_expert(layer) for p in placements]
@@ -876,80 +927,65 @@ class _LayerAccumulator:
         self.ids_seen = False
         self.steps = 0
         self.window_tokens: list[int | None] = [0] * num_windows
-        # invalid rows (recorded or imported ids): counted, and the first one kept, on the device
-        self.invalid_rows = torch.zeros((), **z)
-        self.first_invalid_step = torch.full((), -1, **z)
-        self.first_invalid_row = torch.full((), -1, **z)
-        self.first_invalid_ids: torch.Tensor | None = None
-        self.first_invalid_reasons = torch.zeros(len(INVALID_REASONS), dtype=torch.bool, device=device)
+        self.invalid = _FirstInvalid(device)
+        self.invalid_bias = _FirstInvalid(device)
 
-    def invalid_found(self) -> InvalidRows | None:
-        """The invalid rows seen (see :attr:`StepLoad.invalid`), or None."""
-        rows = int(self.invalid_rows)
-        if not rows:
-            return None
-        return InvalidRows(rows=rows, step=int(self.first_invalid_step), row=int(self.first_invalid_row),
-                           ids=self.first_invalid_ids.tolist(),
-                           reasons=[n for n, on in zip(INVALID_REASONS, self.first_invalid_reasons.tolist()) if on])
-
-    def add(self, s: int, load: StepLoad) -> None:
-        c = load.counts
-        self.steps += 1
-        self.total += c
-        self.windows[self.window_of[s]] += c
+    def add(self, load: ChunkLoad) -> None:
+        C = load.counts
+        S, s0 = load.num_steps, load.first_step
+        s1 = s0 + S
+        self.steps += S
+        self.total += C.sum(0)
+        self.windows.index_add_(0, self.window_index[s0:s1], C)
         if load.uncounted is not None:
             self.uncounted += load.uncounted
-        if load.invalid is not None and load.invalid.shape[0] and load.ids is not None:
-            bad = load.invalid.any(-1)
-            self.invalid_rows += bad.sum()
-            r = bad.to(torch.int32).argmax()  # the first invalid row (0 when there is none)
-            take = bad[r] & (self.first_invalid_step < 0)
-            if self.first_invalid_ids is None:
-                self.first_invalid_ids = torch.zeros(load.ids.shape[1], dtype=torch.int64, device=self.device)
-            self.first_invalid_step = torch.where(take, s, self.first_invalid_step)
-            self.first_invalid_row = torch.where(take, r + load.row_start, self.first_invalid_row)
-            self.first_invalid_ids = torch.where(take, load.ids[r].long(), self.first_invalid_ids)
-            self.first_invalid_reasons = torch.where(take, load.invalid[r], self.first_invalid_reasons)
-        w = self.window_of[s]
+        if load.invalid is not None:
+            self.invalid.add(load.invalid, load.ids, load)
+        for reasons, ids in load.invalid_bias or ():
+            self.invalid_bias.add(reasons, ids, load)
         if load.num_tokens is None:
             self.tokens_known = False
-            self.window_tokens[w] = None
+            for s in range(s0, s1):
+                self.window_tokens[self.window_of[s]] = None
         else:
-            self.tokens += load.num_tokens
-            if self.window_tokens[w] is not None:
-                self.window_tokens[w] += load.num_tokens
-        if load.phase is not None:
-            p = PHASES.index(load.phase)
-            self.phases[p] += c
-            self.phase_tokens[p] += load.num_tokens or 0
-            self.phase_steps[p] += 1
-            self.step_phase[s] = p
-        cf = c.double()
+            self.tokens += sum(load.num_tokens)
+            for s, n in zip(range(s0, s1), load.num_tokens):
+                w = self.window_of[s]
+                if self.window_tokens[w] is not None:
+                    self.window_tokens[w] += n
+        if load.phases is not None:
+            index = [PHASES.index(p) for p in load.phases]
+            self.phases.index_add_(0, torch.tensor(index, dtype=torch.int64, device=self.device), C)
+            for s, p, n in zip(range(s0, s1), index, load.num_tokens or [0] * S):
+                self.phase_tokens[p] += n
+                self.phase_steps[p] += 1
+                self.step_phase[s] = p
+        cf = C.double()
         for i, m in enumerate(self.shares):
             rl = cf @ m
-            self.rank_totals[i] += rl
-            self.step_bal[i, s] = balancedness(rl)
+            self.rank_totals[i] += rl.sum(0)
+            self.step_bal[i, s0:s1] = balancedness(rl)
             if self.rank_of[i] is not None and load.ids is not None:
                 self.ids_seen = True
                 self.received[i] += tokens_per_rank(load.ids, self.rank_of[i], self.rank_totals[i].numel())
         # capacity: ceil(f * assignments / E) per expert and step
-        cap = torch.ceil(self.factors * cf.sum() / self.E - 1e-9)
-        over = (cf[None, :] - cap[:, None]).clamp(min=0).long()
-        self.overflow += over
-        self.overflow_any |= over > 0
-        self.overflow_steps += (over.sum(1) > 0).long()
+        cap = torch.ceil(self.factors[None, :] * cf.sum(1)[:, None] / self.E - 1e-9)  # [S, F]
+        over = (cf[:, None, :] - cap[:, :, None]).clamp(min=0).long()  # [S, F, E]
+        self.overflow += over.sum(0)
+        self.overflow_any |= (over > 0).any(0)
+        self.overflow_steps += (over.sum(2) > 0).sum(0)
         if self.bias and load.counts_nobias is not None:
             with_c, with_ids = load.bias_counts_with, load.bias_ids_with
-            self.wb_total += with_c
-            self.nb_total += load.counts_nobias
+            self.wb_total += with_c.sum(0)
+            self.nb_total += load.counts_nobias.sum(0)
             if self.shares:
-                self.step_bal_nb[0, s] = balancedness(with_c.double() @ self.shares[0])
-                self.step_bal_nb[1, s] = balancedness(load.counts_nobias.double() @ self.shares[0])
+                self.step_bal_nb[0, s0:s1] = balancedness(with_c.double() @ self.shares[0])
+                self.step_bal_nb[1, s0:s1] = balancedness(load.counts_nobias.double() @ self.shares[0])
             if with_ids is not None and load.ids_nobias is not None:
                 a, b = with_ids.long(), load.ids_nobias.long()
                 same = (a[:, :, None] == b[:, None, :]).any(-1) & (a >= 0)
                 self.changed += ((a >= 0).sum() - same.sum())
-                self.picks += 1
+                self.picks += S
 
 
 def _stats_row(counts: torch.Tensor) -> tuple[float | None, float | None, int | None]:
@@ -1029,13 +1065,16 @@ def analyze_balance(
         window_of, W = window_of_steps(sizes, options.windows)
         acc = _LayerAccumulator(E, placements, layer, len(sizes), window_of, W, options.capacity_factors, device,
                                 source.bias_effect)
-        for s, load in enumerate(source.steps(layer, device)):
-            acc.add(s, load)
+        for load in source.chunks(layer, device):
+            acc.add(load)
             if progress is not None:
-                progress(sizes[s])
-        found = acc.invalid_found()  # one read-back per layer
+                progress(sum(sizes[load.first_step:load.first_step + load.num_steps]))
+        found = acc.invalid.found()  # one read-back per layer
         if found is not None:
             raise source.invalid_error(layer, found)
+        found = acc.invalid_bias.found()
+        if found is not None:
+            raise source.invalid_error(layer, found, bias_effect=True)
         rows += sum(sizes) if source.kind != "counts" else len(sizes)
         res = _finish_layer(layer, acc, placements, source, options, sizes)
         uncounted_total += res.uncounted
@@ -1219,30 +1258,12 @@ def default_ep_sizes(num_experts: int) -> list[int]:
     return [1]
 
 
-def route_fn_from(fn, router, *, kernel: bool = False) -> RouteFn:
-    """Wrap a routing function with the seed's signature into a :data:`RouteFn` returning only
-    the ids, with the trace's router parameters.
+def route_fn_from(fn, router, *, kernel: bool = False, name: str = "") -> Routing:
+    """The :class:`Routing` of logits by ``fn`` (the seed's signature) with the trace's router parameters.
 
-    ``kernel``: ``fn`` is a kernel (a variant or a ``--kernel module:function``), called as
-    replay calls kernels (:func:`routetool.replay.call_kernel`: ``topk_weights=None`` and
-    ``topk_ids=None`` passed too); otherwise the PyTorch reference, which takes no output
-    buffers. Exceptions propagate; something other than a pair, or (from a kernel) weights that
-    are not a float32 tensor of the ids' shape, raises :class:`RoutingOutputError`.
-    :func:`call_route` (used by :class:`TraceSource`) turns them, written inputs, wrong shapes
-    and invalid ids into one-line errors naming the function, the layer and the step."""
-    kwargs = router.kernel_kwargs()
-
-    def route(gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
-        out = call_kernel(fn, gating, bias, pad, router) if kernel else fn(gating, bias, is_padding=pad, **kwargs)
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise RoutingOutputError(f"returned {type(out).__name__}, expected (topk_weights, topk_ids)")
-        w, ids = out
-        if kernel and isinstance(ids, torch.Tensor) and not (
-                isinstance(w, torch.Tensor) and w.dtype == KERNEL_WEIGHT_DTYPE and w.shape == ids.shape):
-            got = f"{list(w.shape)} {str(w.dtype).removeprefix('torch.')}" if isinstance(w, torch.Tensor) \
-                else type(w).__name__
-            raise RoutingOutputError(f"returned topk_weights {got}, expected float32 {list(ids.shape)} like its "
-                                     "topk_ids")
-        return ids
-
-    return route
+    ``kernel``: ``fn`` is a kernel under test (a variant or a ``--kernel module:function``): it runs
+    once per captured step, each call judged by the one contract; otherwise ``fn`` is the PyTorch
+    reference, run once per chunk of steps. ``name``: for reports (default ``kernel`` / ``reference``).
+    """
+    return Routing(name=name or ("kernel" if kernel else "reference"), fn=fn, params=router.kernel_kwargs(),
+                   kernel=kernel)

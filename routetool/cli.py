@@ -206,7 +206,7 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     render_replay(result, console, histogram_layer)
     if json_path is not None:
         write_json(replay_json(result), json_path, sys.stdout)
-    click.get_current_context().exit(EXIT_OK if result.ok else EXIT_FINDINGS)
+    click.get_current_context().exit(result.verdict.exit_code)
 
 
 @main.command()
@@ -268,7 +268,7 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
         write_json(validate_json(result), json_path, sys.stdout)
     if junit_path is not None:
         write_text(validate_junit(result), junit_path, sys.stdout)
-    click.get_current_context().exit(EXIT_OK if result.ok else EXIT_FINDINGS)
+    click.get_current_context().exit(result.exit_code)
 
 
 def _int_list(text: str, name: str) -> list[int]:

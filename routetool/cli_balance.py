@@ -263,14 +263,14 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                     stats_device = execution.device
                     from kernel.reference import musespark1x_routing_reference
 
-                    ref = route_fn_from(musespark1x_routing_reference, trace.meta.router)
                     if reference or recorded:
-                        route_fn, route_name = ref, "reference (PyTorch)"
+                        route_name = "reference (PyTorch)"
+                        route_fn = route_fn_from(musespark1x_routing_reference, trace.meta.router, name=route_name)
                     else:
                         name, fn = load_kernel(kernel_spec)
                         where = "Triton interpreter" if execution.interpreted else execution.device_name
-                        route_fn, route_name = (route_fn_from(fn, trace.meta.router, kernel=True),
-                                                f"kernel {name} ({where})")
+                        route_name = f"kernel {name} ({where})"
+                        route_fn = route_fn_from(fn, trace.meta.router, kernel=True, name=route_name)
                     if bias_wanted:
                         nobias_fn, nobias_name = route_fn, route_name
                 else:

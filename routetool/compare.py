@@ -24,6 +24,8 @@ changes every weight of the row, so its weights are not compared with the expect
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -345,8 +347,14 @@ class ComparisonSummary:
         expected_weights: torch.Tensor | None,
         tolerance: WeightTolerance | None,
         max_failures: int = 5,
+        step_offsets: Sequence[int] | None = None,
     ) -> None:
-        """Accumulate one step's :class:`StepComparison`."""
+        """Accumulate the :class:`StepComparison` of one step, or of a chunk of consecutive steps.
+
+        ``start``: the layer row of the first compared row (failing rows are named by their row
+        in the layer). ``step``: the step of the first row; for a chunk, ``step_offsets`` gives
+        its step boundaries (``[0, n_0, n_0 + n_1, ...]``) so that each failing row is named by
+        its own step."""
         counts = torch.bincount(cmp.row_class.long(), minlength=len(RowClass)).tolist()
         self.rows += int(cmp.row_class.numel())
         self.exact += counts[RowClass.EXACT]
@@ -378,7 +386,8 @@ class ComparisonSummary:
             if weight_fail[r] and cls not in (RowClass.MISMATCH, RowClass.INVALID):
                 reasons.append("weight_outside_tolerance")
             self.failures.append(RowFailure(
-                layer=layer, step=step, row=start + r, row_class=cls.name.lower(), reasons=reasons,
+                layer=layer, step=step if step_offsets is None else step + bisect.bisect_right(step_offsets, r) - 1,
+                row=start + r, row_class=cls.name.lower(), reasons=reasons,
                 expected_ids=[int(v) for v in expected_ids[r].tolist()],
                 test_ids=[int(v) for v in test_ids[r].tolist()],
                 expected_weights=None if expected_weights is None else [float(v) for v in expected_weights[r].float().tolist()],

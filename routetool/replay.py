@@ -22,8 +22,11 @@ from routetool.compare import (
     own_pick_weights,
     weight_tolerance,
 )
-from routetool.errors import KernelError, KernelRejection, RouteToolError, first_line
-from routetool.execution import Execution, RoutingFn
+from routetool.engine.contract import RoutingFn
+from routetool.engine.stream import DEFAULT_CHUNK_BYTES, route_steps, stream_layer
+from routetool.engine.verdict import Verdict
+from routetool.errors import RouteToolError
+from routetool.execution import Execution
 from routetool.load import LoadStats, expert_counts, load_stats
 from routetool.numtext import list_items, parse_int
 from routetool.timing import Latency, cuda_graph_latency, synchronize
@@ -177,6 +180,12 @@ class ReplayResult:
         return all(layer.ok for layer in self.layers)
 
     @property
+    def verdict(self) -> Verdict:
+        """FAIL on any finding; NOTHING CHECKED when no row was compared and no recorded output was
+        invalid (an ids-only trace); else PASS. The exit code is ``verdict.exit_code``."""
+        return Verdict.of(checked=self.compared_rows, failed=not self.ok)
+
+    @property
     def compared_rows(self) -> int:
         """Rows the kernel and the reference were compared on (0 for an ids-only trace)."""
         return sum(layer.kernel_vs_reference.rows for layer in self.layers)
@@ -249,139 +258,6 @@ def _nonfinite_rows(gating: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(gating)).any(dim=-1)
 
 
-def _first_line(exc: BaseException, limit: int = 300) -> str:
-    return first_line(exc, limit)
-
-
-def input_snapshot(**inputs: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Bit-exact copies of a kernel call's input tensors (None entries skipped), for :func:`modified_inputs`."""
-    return {name: t.detach().clone() for name, t in inputs.items() if t is not None}
-
-
-def modified_inputs(snapshot: dict[str, torch.Tensor], **inputs: torch.Tensor | None) -> list[str]:
-    """Names of the inputs whose bits differ from ``snapshot`` (a kernel wrote into them; NaN compares by bits)."""
-    def bits(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().contiguous()
-        return t.view(torch.uint8) if t.dtype != torch.bool else t
-
-    return [name for name, before in snapshot.items()
-            if inputs.get(name) is not None and not torch.equal(bits(before), bits(inputs[name]))]
-
-
-def call_kernel(fn: RoutingFn, gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
-                router: RouterConfig):
-    """Call a routing kernel with the seed's signature as every command calls one (README,
-    ``--kernel``): the logits and the bias by position; ``topk_weights=None`` and
-    ``topk_ids=None`` (the kernel allocates its outputs), ``is_padding`` and the router
-    parameters by keyword. Returns what ``fn`` returns; exceptions propagate."""
-    return fn(gating, bias, topk_weights=None, topk_ids=None, is_padding=pad, **router.kernel_kwargs())
-
-
-REJECTION_TYPES = (ValueError, TypeError, NotImplementedError)
-"""The exceptions by which a kernel rejects an input; whether it documents the rejection is
-:func:`rejection_documented`'s question. Anything else a kernel raises is a crash."""
-
-
-def rejection_documented(fn: RoutingFn, feature: str | None) -> bool:
-    """Whether ``fn``'s docstring names ``feature`` (case-insensitive), i.e. documents it.
-
-    ``feature`` is the unusual property of the rejected input (``"bfloat16"``, ``"int64"``,
-    ``"non-contiguous"``); ``None`` for an input without one (float32 logits in ordinary
-    layouts), whose rejection is never documented: every routing kernel must take it.
-    """
-    doc = (getattr(fn, "__doc__", None) or "").lower()
-    return bool(feature) and feature.lower() in doc
-
-
-def dtype_feature(dtype: torch.dtype) -> str | None:
-    """The unusual feature of ``gating_output`` in ``dtype``, for :func:`rejection_documented`:
-    its name for bfloat16 and float16 (``"bfloat16"``), None for float32, which every kernel must
-    route (as validate's ``dtypes`` family has it)."""
-    return None if dtype == torch.float32 else str(dtype).removeprefix("torch.")
-
-
-def run_kernel_checked(fn: RoutingFn, name: str, gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
-                       router: RouterConfig, *, where: str, path: object = None,
-                       tensor: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call a routing function with the seed's signature and check what it returns.
-
-    Returns:
-        ``(topk_weights, topk_ids)`` of shape ``[n, topk]``.
-
-    Raises:
-        KernelRejection: the kernel rejected the input (:data:`REJECTION_TYPES`) and its
-            docstring names the input's dtype as unsupported (:func:`rejection_documented`,
-            :func:`dtype_feature`; e.g. the seed and bf16 logits): exit 2, bad usage.
-        KernelError: the kernel rejected the input without documenting it
-            (``rejected_undocumented``: e.g. any rejection of float32 logits), raised anything
-            else (``SystemExit`` included; ``crash``), wrote into its inputs (``modified_input``),
-            returned something other than two ``[n, topk]`` tensors (``wrong_shape``), float32
-            weights and int32/int64 ids (``wrong_dtype``), or returned them on another device
-            than its inputs' (``wrong_device``) (exit 1).
-    """
-    before = input_snapshot(gating_output=gating, bias=bias, is_padding=pad)
-    try:
-        out = call_kernel(fn, gating, bias, pad, router)
-    except REJECTION_TYPES as exc:
-        feature = dtype_feature(gating.dtype)
-        if rejection_documented(fn, feature):
-            raise KernelRejection(f"kernel {name!r} rejected {where} ({_first_line(exc)})", path=path, tensor=tensor,
-                                  fix="choose another --kernel, or a trace the kernel supports") from None
-        fix = (f"fix the kernel, or name {feature} in its docstring as unsupported" if feature
-               else "fix the kernel: every routing kernel must route float32 logits")
-        raise KernelError(f"kernel {name!r} rejected {where} ({_first_line(exc)}), a rejection its docstring "
-                          f"does not document", failure_class="rejected_undocumented", path=path, tensor=tensor,
-                          fix=fix) from None
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - whatever the kernel under test raises is reported
-        raise KernelError(f"kernel {name!r} crashed on {where} ({_first_line(exc)})", failure_class="crash",
-                          path=path, tensor=tensor, fix="fix the kernel") from None
-    changed = modified_inputs(before, gating_output=gating, bias=bias, is_padding=pad)
-    if changed:
-        raise KernelError(f"kernel {name!r} wrote into its input {', '.join(changed)} on {where}",
-                          failure_class="modified_input", path=path, tensor=tensor,
-                          fix="a routing kernel may write only topk_weights and topk_ids")
-    n, k = gating.shape[0], router.topk
-    ok = isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
-    failure = "wrong_shape"
-    if ok:
-        w, ids = out
-        ok = tuple(w.shape) == (n, k) and tuple(ids.shape) == (n, k)
-        if ok and (w.dtype != KERNEL_WEIGHT_DTYPE or ids.dtype not in KERNEL_ID_DTYPES):
-            ok, failure = False, "wrong_dtype"
-    if not ok:
-        got = (", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor)
-                         else type(t).__name__ for t in out) if isinstance(out, (tuple, list)) else type(out).__name__)
-        raise KernelError(f"kernel {name!r} returned ({got}) on {where}; expected (topk_weights float32 [{n}, {k}], "
-                          f"topk_ids int32 or int64 [{n}, {k}])", failure_class=failure, path=path, tensor=tensor,
-                          fix="return (topk_weights, topk_ids)")
-    elsewhere = outputs_elsewhere(gating.device, topk_weights=out[0], topk_ids=out[1])
-    if elsewhere:
-        raise KernelError(f"kernel {name!r} returned {elsewhere} on {where}; its inputs are on device {gating.device}",
-                          failure_class="wrong_device", path=path, tensor=tensor,
-                          fix="return the outputs on the device of gating_output")
-    return out[0], out[1]
-
-
-KERNEL_WEIGHT_DTYPE = torch.float32
-KERNEL_ID_DTYPES = (torch.int32, torch.int64)
-"""The dtypes of a routing kernel's outputs (the seed's and the project's): replay, validate and
-balance hold every kernel to them (``wrong_dtype``)."""
-
-
-def outputs_elsewhere(device: torch.device, **outputs: torch.Tensor) -> str:
-    """Which ``outputs`` lie on another device than ``device`` (the inputs'), as text
-    (``"topk_weights and topk_ids on device meta"``, ``"topk_ids on device cpu"``); empty when all
-    are on ``device``.
-
-    A kernel's outputs on another device (CPU tensors from a CUDA run, ``meta`` tensors that
-    hold no data) cannot be compared with the reference: a kernel fault, reported as one.
-    """
-    wrong = {name: t.device for name, t in outputs.items() if t.device != device}
-    if len(set(wrong.values())) == 1:
-        return f"{' and '.join(wrong)} on device {next(iter(wrong.values()))}"
-    return " and ".join(f"{name} on device {dev}" for name, dev in wrong.items())
-
-
 def replay_trace(
     trace: Trace,
     kernel_name: str,
@@ -392,6 +268,7 @@ def replay_trace(
     tie_ulps: float = DEFAULT_TIE_ULPS,
     measure_latency: bool = True,
     progress: Callable[[int], None] | None = None,
+    budget_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> ReplayResult:
     """Replay ``trace`` through ``kernel_fn`` and the reference; compare, count, time.
 
@@ -402,7 +279,8 @@ def replay_trace(
             traces) are not compared or timed: only their recorded ids' load is counted.
         tie_ulps: near-tie tolerance of the comparison (float32 ulps).
         measure_latency: time each distinct step shape under CUDA graphs (GPU only).
-        progress: called with the number of rows done after each step.
+        progress: called with the number of rows done after each chunk of steps.
+        budget_bytes: memory per chunk of steps (:mod:`routetool.engine.stream`).
 
     Returns:
         A :class:`ReplayResult`.
@@ -411,17 +289,13 @@ def replay_trace(
         KernelRejection: the kernel rejecting the trace's inputs as its docstring documents (exit 2).
         KernelError: the kernel rejecting them without documenting it, crashing, writing into its
             inputs or returning outputs of the wrong shape, dtype or device (exit 1; see
-            :func:`run_kernel_checked`).
+            :mod:`routetool.engine.contract`).
     """
-    from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
-
     router = trace.meta.router
-    E, K = router.num_experts, router.topk
+    E = router.num_experts
     device = execution.device
     chosen = list(trace.layers) if layers is None else list(layers)
-    kernel_tol = weight_tolerance(torch.float32, router.route_scale)
     semantics = trace.meta.extra.get("weights_semantics", "renormalized")
-    unnormalized = semantics == "unnormalized"
     shapes: dict[int, list] = {}
     total_counts = torch.zeros(E, dtype=torch.int64, device=device)
     results: list[LayerReplay] = []
@@ -429,78 +303,15 @@ def replay_trace(
         info = trace.info(layer)
         res = LayerReplay(layer=layer, num_tokens=info.num_tokens, num_steps=info.num_steps)
         if not info.has_logits:
-            results.append(_ids_only_layer(trace, res, E, device, progress))
-            total_counts += torch.tensor(res.expert_counts, device=device)
-            continue
-        if info.has_recorded_ids:
-            res.reference_vs_recorded = ComparisonSummary()
-            res.kernel_vs_recorded = ComparisonSummary()
-        counts = torch.zeros(E, dtype=torch.int64, device=device)
-        bias = trace.bias(layer).to(device)
-        margin_min = None
-        for step in trace.steps(layer):
-            n = step.num_tokens
-            entry = shapes.setdefault(n, [0, layer, step.index])
-            entry[0] += 1
-            gating = step.gating_output.to(device)
-            pad = step.is_padding.to(device) if step.is_padding is not None else None
-            w, ids = run_kernel_checked(kernel_fn, kernel_name, gating, bias, pad, router,
-                                        where=f"layer {layer} step {step.index}", path=trace.display_path,
-                                        tensor=f"layers.{layer}.gating_output")
-            ref_w, ref_ids = musespark1x_routing_reference(gating, bias, is_padding=pad, **router.kernel_kwargs())
-            scores = normalized_scores(gating, router.router_score_normalization, router.router_output_multiplier)
-            biased = biased_scores(scores, bias)
-
-            eps = router.router_score_division_eps
-            kernel_own = own_pick_weights(scores, ids, router.route_scale, eps)
-            cmp = compare_step(ids, w, ref_ids, ref_w, scores, biased, pad, tie_ulps=tie_ulps, tolerance=kernel_tol,
-                               own_weights=kernel_own)
-            res.kernel_vs_reference.add(cmp, layer=layer, step=step.index, start=step.start, test_ids=ids,
-                                        test_weights=w, expected_ids=ref_ids, expected_weights=ref_w, tolerance=kernel_tol)
-            if step.recorded_ids is not None:
-                rec_ids = step.recorded_ids.to(device)
-                rec_w = step.recorded_weights.to(device) if step.recorded_weights is not None else None
-                rec_tol: WeightTolerance | None = None
-                if rec_w is not None:
-                    rec_tol = weight_tolerance(coarser_dtype(rec_w.dtype, torch.float32), router.route_scale)
-                # A tie-equivalent row's weights are checked against its own picks (own_pick_weights).
-                recorded_own = own_pick_weights(scores, rec_ids, router.route_scale, eps, renormalized=not unnormalized)
-                pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, ref_w, recorded_own),
-                         (res.kernel_vs_recorded, ids, w, rec_ids, rec_w, kernel_own)]
-                if unnormalized:
-                    # Production kept the raw top-k scores (times route_scale): compare like with
-                    # like. The kernel always renormalises, so against it only ids are compared.
-                    raw = own_pick_weights(scores, ref_ids, router.route_scale, eps, renormalized=False)
-                    if pad is not None:
-                        raw = torch.where(pad[:, None], 0.0, raw)
-                    pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, raw, recorded_own),
-                             (res.kernel_vs_recorded, ids, None, rec_ids, None, None)]
-                for summary, test_ids, test_w, exp_ids, exp_w, own in pairs:
-                    c = compare_step(test_ids, test_w, exp_ids, exp_w, scores, biased, pad,
-                                     tie_ulps=tie_ulps, tolerance=rec_tol, own_weights=own)
-                    summary.add(c, layer=layer, step=step.index, start=step.start, test_ids=test_ids,
-                                test_weights=test_w, expected_ids=exp_ids, expected_weights=exp_w, tolerance=rec_tol)
-
-            if pad is not None:
-                res.padded_rows += int(pad.sum())
-                res.padded_rows_ok += int((pad & (ids == -1).all(-1) & (w == 0).all(-1)).sum())
-            bad_rows = _nonfinite_rows(gating)
-            res.nonfinite_rows += int(bad_rows.sum())
-            if pad is not None:
-                res.nonfinite_padded_rows += int((bad_rows & pad).sum())
-            margins = boundary_margins(biased, K, pad)
-            if margins.numel():
-                m = float(margins.min())
-                margin_min = m if margin_min is None else min(margin_min, m)
-                res.boundary_ties += int((margins == 0).sum())
-            counts += expert_counts(ids, E) if pad is None else expert_counts(ids[~pad], E)
-            if progress is not None:
-                progress(n)
-        res.min_margin = margin_min
-        res.expert_counts = counts.tolist()
-        res.load = load_stats(counts)
-        total_counts += counts
-        results.append(res)
+            results.append(_ids_only_layer(trace, res, E, device, progress, budget_bytes))
+        else:
+            for index, (a, b) in enumerate(zip(info.step_offsets, info.step_offsets[1:])):
+                entry = shapes.setdefault(b - a, [0, layer, index])
+                entry[0] += 1
+            results.append(_replay_layer(trace, res, kernel_name, kernel_fn, device, tie_ulps=tie_ulps,
+                                         unnormalized=semantics == "unnormalized", progress=progress,
+                                         budget_bytes=budget_bytes))
+        total_counts += torch.tensor(res.expert_counts, device=device)
     synchronize(device)
 
     latency = None
@@ -529,36 +340,119 @@ def replay_trace(
     )
 
 
+def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: RoutingFn, device: torch.device, *,
+                  tie_ulps: float, unnormalized: bool, progress: Callable[[int], None] | None,
+                  budget_bytes: int) -> LayerReplay:
+    """One layer with logits: the kernel once per captured step, everything else per chunk of steps."""
+    from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
+
+    layer = res.layer
+    info = trace.info(layer)
+    router = trace.meta.router
+    E, K = router.num_experts, router.topk
+    params = router.kernel_kwargs()
+    eps = router.router_score_division_eps
+    kernel_tol = weight_tolerance(torch.float32, router.route_scale)
+    if info.has_recorded_ids:
+        res.reference_vs_recorded = ComparisonSummary()
+        res.kernel_vs_recorded = ComparisonSummary()
+    z = dict(dtype=torch.int64, device=device)
+    counts = torch.zeros(E, **z)
+    padded, padded_ok, nonfinite, nonfinite_padded, ties = (torch.zeros((), **z) for _ in range(5))
+    margin_min = None
+    bias = trace.bias(layer).to(device)
+    for chunk in stream_layer(trace, layer, device, budget_bytes=budget_bytes):
+        gating, pad = chunk.gating_output, chunk.is_padding
+        routed = route_steps(kernel_fn, chunk, bias, params)
+        if not routed.ok:
+            raise routed.outcome.error(f"kernel {kernel_name!r}", f"layer {layer} step {routed.step}", path=trace.display_path,
+                                       tensor=f"layers.{layer}.gating_output")
+        w, ids = routed.weights, routed.ids
+        ref_w, ref_ids = musespark1x_routing_reference(gating, bias, is_padding=pad, **params)
+        scores = normalized_scores(gating, router.router_score_normalization, router.router_output_multiplier)
+        biased = biased_scores(scores, bias)
+        where = dict(layer=layer, step=chunk.first_step, start=chunk.start, step_offsets=chunk.offsets)
+
+        kernel_own = own_pick_weights(scores, ids, router.route_scale, eps)
+        cmp = compare_step(ids, w, ref_ids, ref_w, scores, biased, pad, tie_ulps=tie_ulps, tolerance=kernel_tol,
+                           own_weights=kernel_own)
+        res.kernel_vs_reference.add(cmp, test_ids=ids, test_weights=w, expected_ids=ref_ids, expected_weights=ref_w,
+                                    tolerance=kernel_tol, **where)
+        if chunk.recorded_ids is not None:
+            rec_ids, rec_w = chunk.recorded_ids, chunk.recorded_weights
+            rec_tol: WeightTolerance | None = None
+            if rec_w is not None:
+                rec_tol = weight_tolerance(coarser_dtype(rec_w.dtype, torch.float32), router.route_scale)
+            # A tie-equivalent row's weights are checked against its own picks (own_pick_weights).
+            recorded_own = own_pick_weights(scores, rec_ids, router.route_scale, eps, renormalized=not unnormalized)
+            pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, ref_w, recorded_own),
+                     (res.kernel_vs_recorded, ids, w, rec_ids, rec_w, kernel_own)]
+            if unnormalized:
+                # Production kept the raw top-k scores (times route_scale): compare like with
+                # like. The kernel always renormalises, so against it only ids are compared.
+                raw = own_pick_weights(scores, ref_ids, router.route_scale, eps, renormalized=False)
+                if pad is not None:
+                    raw = torch.where(pad[:, None], 0.0, raw)
+                pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, raw, recorded_own),
+                         (res.kernel_vs_recorded, ids, None, rec_ids, None, None)]
+            for summary, test_ids, test_w, exp_ids, exp_w, own in pairs:
+                c = compare_step(test_ids, test_w, exp_ids, exp_w, scores, biased, pad,
+                                 tie_ulps=tie_ulps, tolerance=rec_tol, own_weights=own)
+                summary.add(c, test_ids=test_ids, test_weights=test_w, expected_ids=exp_ids, expected_weights=exp_w,
+                            tolerance=rec_tol, **where)
+
+        bad_rows = _nonfinite_rows(gating)
+        nonfinite += bad_rows.sum()
+        if pad is not None:
+            padded += pad.sum()
+            padded_ok += (pad & (ids == -1).all(-1) & (w == 0).all(-1)).sum()
+            nonfinite_padded += (bad_rows & pad).sum()
+        margins = boundary_margins(biased, K, pad)
+        if margins.numel():
+            m = float(margins.min())
+            margin_min = m if margin_min is None else min(margin_min, m)
+            ties += (margins == 0).sum()
+        counts += expert_counts(ids, E) if pad is None else expert_counts(ids[~pad], E)
+        if progress is not None:
+            progress(chunk.rows)
+    res.padded_rows, res.padded_rows_ok = int(padded), int(padded_ok)
+    res.nonfinite_rows, res.nonfinite_padded_rows, res.boundary_ties = int(nonfinite), int(nonfinite_padded), int(ties)
+    res.min_margin = margin_min
+    res.expert_counts = counts.tolist()
+    res.load = load_stats(counts)
+    return res
+
+
 def _ids_only_layer(trace: Trace, res: LayerReplay, E: int, device: torch.device,
-                    progress: Callable[[int], None] | None) -> LayerReplay:
+                    progress: Callable[[int], None] | None, budget_bytes: int) -> LayerReplay:
     """A layer without logits: only the load of the recorded ids (valid, unpadded rows), nothing to compare or time."""
     res.ids_only = True
     counts = torch.zeros(E, dtype=torch.int64, device=device)
     invalid = torch.zeros(len(INVALID_REASONS), dtype=torch.int64, device=device)
-    for step in trace.steps(res.layer):
-        ids = step.recorded_ids.to(device)
-        weights = step.recorded_weights.to(device) if step.recorded_weights is not None else None
-        pad = step.is_padding.to(device) if step.is_padding is not None else None
+    padded = torch.zeros((), dtype=torch.int64, device=device)
+    for chunk in stream_layer(trace, res.layer, device, budget_bytes=budget_bytes):
+        ids, weights, pad = chunk.recorded_ids, chunk.recorded_weights, chunk.is_padding
         reasons = invalid_reasons(ids, weights, pad, E)
         invalid += reasons.sum(0)
         bad = reasons.any(-1)
-        res.recorded_invalid_rows += int(bad.sum())
         room = MAX_RECORDED_INVALID_SHOWN - len(res.recorded_invalid_first)
         if room > 0:
             for r in torch.nonzero(bad).flatten()[:room].tolist():
                 res.recorded_invalid_first.append(RecordedInvalidRow(
-                    layer=res.layer, step=step.index, row=step.start + r,
+                    layer=res.layer, step=chunk.step_of(r), row=chunk.start + r,
                     reasons=[name for name, on in zip(INVALID_REASONS, reasons[r].tolist()) if on],
                     topk_ids=[int(v) for v in ids[r].tolist()],
                     topk_weights=None if weights is None else [float(v) for v in weights[r].float().tolist()],
                 ))
+        res.recorded_invalid_rows += int(bad.sum())
         keep = ~bad  # an invalid row's ids say nothing about the load (a repeated id would count twice)
         if pad is not None:
-            res.padded_rows += int(pad.sum())
+            padded += pad.sum()
             keep &= ~pad
         counts += expert_counts(ids[keep], E)
         if progress is not None:
-            progress(step.num_tokens)
+            progress(chunk.rows)
+    res.padded_rows = int(padded)
     res.expert_counts = counts.tolist()
     res.load = load_stats(counts)
     res.recorded_invalid = dict(zip(INVALID_REASONS, invalid.tolist()))

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from routetool.compare import ComparisonSummary
+from routetool.engine.verdict import Verdict
 from routetool.errors import printable
 from routetool.files import atomic_write
 from routetool.load import LoadStats
@@ -342,12 +343,12 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     why = ("hold no logits" if all(layer.ids_only for layer in result.layers) else
            "hold no rows" if not any(layer.ids_only for layer in result.layers) else
            "hold no logits or no rows")
-    if result.compared_rows == 0 and not result.ok:
+    if result.verdict is Verdict.FAIL and result.compared_rows == 0:
         console.print(Text(f"FAIL: the replayed layers {why}, and some recorded outputs are invalid; exit code 1",
                            style="bold red"))
-    elif result.compared_rows == 0:
-        console.print(Text(f"NOTHING COMPARED: the replayed layers {why}", style="bold yellow"))
-    elif result.ok:
+    elif result.verdict is Verdict.NOTHING_CHECKED:
+        console.print(Text(f"NOTHING CHECKED: the replayed layers {why}", style="bold yellow"))
+    elif result.verdict is Verdict.PASS:
         console.print(Text("PASS: no real mismatch, no invalid output, weights within tolerance", style="bold green"))
     else:
         console.print(Text("FAIL: the kernel (or the recorded output) disagrees with the reference; exit code 1",
@@ -400,7 +401,8 @@ def replay_json(result: ReplayResult) -> dict:
         },
         "tie_tolerance_ulps": result.tie_ulps,
         "weights_semantics": result.weights_semantics,
-        "verdict": "pass" if result.ok else "fail",
+        "verdict": result.verdict.value,
+        "exit_code": result.verdict.exit_code,
         "totals": {name: _summary_json(s) for name, s in result.totals().items()},
         "layers": [
             {
@@ -503,15 +505,13 @@ def render_validate(result, console: Console, show_failures: int = 15) -> None:
             ft.add_row(user_text(c.name), ", ".join(c.failure_classes), user_text(detail))
         console.print(ft)
     n = len(result.cases)
-    if result.ok and all(c.verdict == "skipped" for c in result.cases):
-        console.print(Text(f"NOTHING VALIDATED: all {n} cases were skipped (see above)", style="bold yellow"))
-    elif result.ok and not any(c.verdict in ("pass", "pass_tie") for c in result.cases):
-        console.print(Text(f"NOTHING VALIDATED: all {n} cases were skipped or rejected (see above)",
-                           style="bold yellow"))
-    elif result.ok:
+    if result.verdict is Verdict.NOTHING_CHECKED:
+        what = "skipped" if all(c.verdict == "skipped" for c in result.cases) else "skipped or rejected"
+        console.print(Text(f"NOTHING CHECKED: all {n} cases were {what} (see above)", style="bold yellow"))
+    elif result.verdict is Verdict.PASS:
         console.print(Text(f"PASS: {n} cases, nothing failed", style="bold green"))
     else:
-        console.print(Text(f"FAIL: {len(failed)} of {n} cases failed; exit code 1", style="bold red"))
+        console.print(Text(f"FAIL: {len(failed)} of {n} cases failed; exit code {result.exit_code}", style="bold red"))
 
 
 def validate_json(result) -> dict:
@@ -527,7 +527,8 @@ def validate_json(result) -> dict:
                       "interpreted": result.execution.interpreted, "torch_version": torch.__version__,
                       "triton_version": triton.__version__},
         "tie_tolerance_ulps": result.tie_ulps,
-        "verdict": "pass" if result.ok else "fail",
+        "verdict": result.verdict.value,
+        "exit_code": result.exit_code,
         "families": result.families(),
         "cases": [
             {

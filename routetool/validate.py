@@ -37,15 +37,18 @@ from dataclasses import dataclass, field
 import torch
 
 from routetool.compare import INVALID_REASONS, RowClass, compare_step, own_pick_weights, weight_tolerance
-from routetool.errors import KernelError, KernelRejection, RouteToolError
-from routetool.execution import Execution, RoutingFn
-from routetool.replay import (
+from routetool.engine.contract import (
     KERNEL_ID_DTYPES,
     KERNEL_WEIGHT_DTYPE,
-    REJECTION_TYPES,
-    _first_line,
-    rejection_documented,
+    KernelOutcome,
+    RoutingFn,
+    call_kernel,
+    rejection_documented,  # noqa: F401 - part of validate's interface (the documented-rejection rule)
 )
+from routetool.engine.stream import route_steps, stream_layer
+from routetool.engine.verdict import Verdict
+from routetool.errors import EXIT_FINDINGS, EXIT_USAGE, RouteToolError, first_line
+from routetool.execution import Execution
 from routetool.suite import Case, CaseInput
 
 VERDICTS = ("pass", "pass_tie", "rejected", "fail", "skipped")
@@ -78,6 +81,11 @@ class CaseResult:
     message: str = ""
     rows: list[RowReport] = field(default_factory=list)
     duration_s: float = 0.0
+    exit_code: int = 0
+
+    def __post_init__(self):
+        if self.verdict == "fail" and not self.exit_code:
+            self.exit_code = EXIT_FINDINGS
 
     @property
     def ok(self) -> bool:
@@ -98,6 +106,18 @@ class ValidateResult:
     def ok(self) -> bool:
         return all(c.ok for c in self.cases)
 
+    @property
+    def verdict(self) -> Verdict:
+        """FAIL when a case failed; NOTHING CHECKED when no case passed (all skipped or rejected); else PASS."""
+        return Verdict.of(checked=sum(c.verdict in ("pass", "pass_tie") for c in self.cases), failed=not self.ok)
+
+    @property
+    def exit_code(self) -> int:
+        """The verdict's exit code; 2 (bad usage) when every failure is a trace the kernel documents it
+        cannot route (``rejected_documented``), as replay and balance exit on it."""
+        codes = {c.exit_code for c in self.cases if c.verdict == "fail"}
+        return EXIT_USAGE if codes == {EXIT_USAGE} else self.verdict.exit_code
+
     def families(self) -> dict[str, dict[str, int]]:
         """Family -> verdict counts (plus ``tie_rows``), in first-seen order."""
         out: dict[str, dict[str, int]] = {}
@@ -108,33 +128,24 @@ class ValidateResult:
         return out
 
 
-def _call(fn: RoutingFn, inp: CaseInput, check_inputs: bool = True):
-    """``fn`` on the case's inputs; a kernel that writes into them, calls ``sys.exit``, returns
-    something other than two tensors (``wrong_shape``) or returns them on another device than
-    the inputs' (``wrong_device``) is a finding (:class:`KernelError`). ``check_inputs=False``
-    inside a CUDA-graph capture (the check synchronises)."""
-    from routetool.replay import input_snapshot, modified_inputs, outputs_elsewhere
+class CallFailed(Exception):
+    """A kernel call that broke the contract (:mod:`routetool.engine.contract`), with its outcome."""
 
-    inputs = dict(gating_output=inp.gating_output, bias=inp.bias, is_padding=inp.is_padding)
-    before = input_snapshot(**inputs) if check_inputs else {}
-    try:
-        out = fn(inp.gating_output, inp.bias, topk_weights=inp.topk_weights, topk_ids=inp.topk_ids, **inp.kwargs())
-    except SystemExit as exc:
-        raise KernelError(f"the kernel called sys.exit({exc.code!r})", failure_class="crash") from None
-    changed = modified_inputs(before, **inputs)
-    if changed:
-        raise KernelError(f"the kernel wrote into its input {', '.join(changed)}", failure_class="modified_input",
-                          fix="a routing kernel may write only topk_weights and topk_ids")
-    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
-        got = (f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__)
-        raise KernelError(f"the kernel returned {got}; expected (topk_weights, topk_ids)", failure_class="wrong_shape",
-                          fix="return (topk_weights, topk_ids)")
-    device = inp.gating_output.device
-    elsewhere = outputs_elsewhere(device, topk_weights=out[0], topk_ids=out[1])
-    if elsewhere:
-        raise KernelError(f"the kernel returned {elsewhere}; its inputs are on device {device}", failure_class="wrong_device",
-                          fix="return the outputs on the device of gating_output")
-    return out
+    def __init__(self, outcome: KernelOutcome):
+        super().__init__(outcome.detail)
+        self.outcome = outcome
+
+
+def _call(fn: RoutingFn, inp: CaseInput, check_inputs: bool = True, feature: str | None = None):
+    """``fn`` on the case's inputs, judged by the one kernel contract; a broken contract raises
+    :class:`CallFailed`. ``check_inputs=False`` inside a CUDA-graph capture (the check synchronises)."""
+    params = inp.kwargs()
+    pad = params.pop("is_padding")
+    out = call_kernel(fn, inp.gating_output, inp.bias, params=params, is_padding=pad, topk_weights=inp.topk_weights,
+                      topk_ids=inp.topk_ids, feature=feature or "", check_inputs=check_inputs)
+    if not out.ok:
+        raise CallFailed(out)
+    return out.weights, out.ids
 
 
 def _top_inputs(inp: CaseInput, scores: torch.Tensor, biased: torch.Tensor, row: int) -> list[dict]:
@@ -146,11 +157,12 @@ def _top_inputs(inp: CaseInput, scores: torch.Tensor, biased: torch.Tensor, row:
 
 
 def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ulps: float,
-             max_rows: int = 3) -> tuple[list[str], int, list[RowReport]]:
+             max_rows: int = 3, first_rows: bool = False):
     """Judge one output against the reference and the invariants.
 
     Returns:
-        ``(failure_classes, tie_equivalent_rows, offending_rows)``.
+        ``(failure_classes, tie_equivalent_rows, offending_rows)``, and with ``first_rows`` a
+        fourth item: failure class -> the first row it applies to.
     """
     from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
 
@@ -170,11 +182,13 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
 
     classes: list[str] = []
     bad_rows: dict[int, str] = {}
+    first: dict[str, int] = {}
 
     def flag(name: str, rows: torch.Tensor) -> None:
         idx = torch.nonzero(rows).flatten().tolist()
         if idx:
             classes.append(name)
+            first.setdefault(name, idx[0])
             for r in idx[:max_rows]:
                 bad_rows.setdefault(r, name)
 
@@ -203,6 +217,8 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
             expected_weights=[float(x) for x in ref_w[r]], got_weights=[float(x) for x in w[r]],
         ))
     tie_rows = int((cmp.row_class == RowClass.TIE_EQUIVALENT).sum())
+    if first_rows:
+        return list(dict.fromkeys(classes)), tie_rows, reports, first
     return list(dict.fromkeys(classes)), tie_rows, reports
 
 
@@ -294,25 +310,21 @@ def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float
         if "cuda_graph" in case.checks:
             classes, ties, rows = _run_graph_case(case, fn, inp, tie_ulps)
         else:
-            weights, ids = _call(fn, inp)
+            weights, ids = _call(fn, inp, feature=case.feature)
             classes, ties, rows = _run_checks(case, fn, inp, weights, ids, tie_ulps)
-    except REJECTION_TYPES as exc:
-        message = _first_line(exc)
-        if rejection_documented(fn, case.feature):
-            res.verdict, res.message = "rejected", f"documented rejection of {case.feature}: {message}"
+    except CallFailed as exc:
+        outcome = exc.outcome
+        if outcome.failure_class == "rejected_documented":  # a suite case's input: the tool made it
+            res.verdict, res.message = "rejected", f"documented rejection of {case.feature}: {outcome.detail}"
         else:
-            res.verdict, res.failure_classes = "fail", ["rejected_undocumented"]
-            res.message = message
+            res.verdict, res.failure_classes = "fail", [outcome.failure_class]
+            res.message = outcome.detail if outcome.failure_class in ("crash", "rejected_undocumented") \
+                else outcome.message("the kernel")
         res.duration_s = time.perf_counter() - start
         return res
-    except KernelError as exc:  # wrote into its inputs, exited, returned no pair of tensors or another device's
-        res.verdict, res.failure_classes = "fail", [exc.failure_class]
-        res.message = str(exc)
-        res.duration_s = time.perf_counter() - start
-        return res
-    except Exception as exc:  # noqa: BLE001 - a crash of the kernel under test is a finding
+    except Exception as exc:  # noqa: BLE001 - a crash of the kernel under test in a check's own code
         res.verdict, res.failure_classes = "fail", ["crash"]
-        res.message = _first_line(exc)
+        res.message = first_line(exc)
         res.duration_s = time.perf_counter() - start
         return res
     res.failure_classes, res.tie_rows, res.rows = classes, ties, rows
@@ -338,19 +350,23 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
 
     A trace is production input: a kernel that rejects a step fails the layer's case, with
     ``rejected_documented`` when its docstring names the logits' dtype as unsupported (the seed
-    and bf16 logits) and ``rejected_undocumented`` otherwise (:func:`routetool.replay.run_kernel_checked`).
+    and bf16 logits; exit code 2, as in replay and balance) and ``rejected_undocumented`` otherwise
+    (:mod:`routetool.engine.contract`).
+
+    The kernel runs once per captured step; the judgement runs per chunk of steps
+    (:mod:`routetool.engine.stream`).
     A layer without logits (ids-only) or without token rows is ``skipped``: the kernel has
     nothing to route there.
 
     Raises:
         RouteToolError: the trace cannot be read (bad input, not a verdict).
     """
-    from routetool.replay import run_kernel_checked
     from routetool.trace import open_trace
 
     with open_trace(path) as trace:
         family = f"trace:{label or trace.display_path.name}"
         router = trace.meta.router
+        params = router.kernel_kwargs()
         device = execution.device
         out = []
         for layer in trace.layers:
@@ -369,31 +385,34 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
             description = f"layer {layer}: {info.num_tokens} tokens in {info.num_steps} steps"
             start = time.perf_counter()
             bias = trace.bias(layer).to(device)
-            classes: list[str] = []
+            first_seen: dict[str, tuple[int, int]] = {}  # class -> (step it first shows in, check order)
             tie_rows = 0
             rows: list[RowReport] = []
-            first_row = 0
-            try:
-                for step in trace.steps(layer):
-                    gating = step.gating_output.to(device)
-                    pad = step.is_padding.to(device) if step.is_padding is not None else None
-                    w, ids = run_kernel_checked(fn, kernel_name, gating, bias, pad, router,
-                                                where=f"layer {layer} step {step.index}", path=trace.display_path,
-                                                tensor=f"layers.{layer}.gating_output")
-                    inp = CaseInput(gating_output=gating, bias=bias, is_padding=pad, **router.kernel_kwargs())
-                    step_classes, step_ties, step_rows = evaluate(inp, w, ids, tie_ulps=tie_ulps)
-                    classes += step_classes
-                    tie_rows += step_ties
-                    for r in step_rows[:max(0, 3 - len(rows))]:
-                        r.row += first_row
-                        rows.append(r)
-                    first_row += step.num_tokens
-            except (KernelError, KernelRejection) as exc:  # a rejection, documented or not, fails too
+            failed = None
+            for chunk in stream_layer(trace, layer, device):
+                routed = route_steps(fn, chunk, bias, params)
+                if not routed.ok:
+                    failed = routed
+                    break
+                inp = CaseInput(gating_output=chunk.gating_output, bias=bias, is_padding=chunk.is_padding, **params)
+                chunk_classes, chunk_ties, chunk_rows, first_rows = evaluate(inp, routed.weights, routed.ids,
+                                                                             tie_ulps=tie_ulps, first_rows=True)
+                for order, c in enumerate(chunk_classes):
+                    first_seen.setdefault(c, (chunk.step_of(first_rows[c]), order))
+                tie_rows += chunk_ties
+                for r in chunk_rows[:max(0, 3 - len(rows))]:
+                    r.row += chunk.start
+                    rows.append(r)
+            if failed is not None:  # a rejection, documented or not, fails too: a trace is production input
+                outcome = failed.outcome
                 out.append(CaseResult(family=family, name=name, description=description, verdict="fail",
-                                      failure_classes=[exc.failure_class], message=str(exc),
-                                      duration_s=time.perf_counter() - start))
+                                      failure_classes=[outcome.failure_class],
+                                      message=str(outcome.error(f"kernel {kernel_name!r}", f"layer {layer} step {failed.step}",
+                                                                path=trace.display_path,
+                                                                tensor=f"layers.{layer}.gating_output")),
+                                      duration_s=time.perf_counter() - start, exit_code=outcome.exit_code))
                 continue
-            classes = list(dict.fromkeys(classes))
+            classes = sorted(first_seen, key=first_seen.__getitem__)  # as a step-by-step run meets them
             verdict = "fail" if classes else ("pass_tie" if tie_rows else "pass")
             out.append(CaseResult(
                 family=family, name=name, description=description, verdict=verdict, tie_rows=tie_rows,

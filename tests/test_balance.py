@@ -253,7 +253,7 @@ def test_ids_only_trace_says_bias_effect_needs_logits(tmp_path):
     assert r.layers[0].counts == [2, 1, 1, 2] and r.layers[0].bias is None
     assert "no logits" in r.bias_note
     with Trace(path) as t, pytest.raises(RouteToolError, match="ids-only trace"):
-        TraceSource(t, t.layers, routing="reference", route_fn=lambda *a: None)
+        TraceSource(t, t.layers, routing="reference", route_fn=route_fn_from(_reference(), t.meta.router))
 
 
 def test_recorded_routing_needs_recorded_ids(tmp_path):
@@ -383,35 +383,46 @@ def test_duplicates_on_padded_rows_do_not_count(tmp_path):
     assert r.layers[0].counts == [1, 1, 0, 0]
 
 
-def _route_with(tmp_path, fn):
+def _route_with(tmp_path, fn, **kw):
     path = tmp_path / "t.safetensors"
     _bias_trace(path)
     with Trace(path) as t:
-        src = TraceSource(t, t.layers, routing="kernel", route_fn=fn, route_name="kernel bad", bias_effect=False)
+        route = route_fn_from(fn, t.meta.router, kernel=True, name="kernel bad")
+        src = TraceSource(t, t.layers, routing="kernel", route_fn=route, nobias_fn=route,
+                          **({"bias_effect": False} | kw))
         return analyze_balance(src, BalanceOptions(ep_sizes=[2], eplb=None))
 
 
-def _crash(gating, bias, pad):
+def _ids_kernel(make_ids):
+    """A kernel (the seed's signature) returning ``make_ids(gating, bias, is_padding)`` and float32 weights."""
+    def fn(gating_output, bias, *a, is_padding=None, **k):
+        ids = make_ids(gating_output, bias, is_padding)
+        w = torch.ones(ids.shape, dtype=torch.float32) if isinstance(ids, torch.Tensor) else None
+        return w, ids
+    return fn
+
+
+def _crash(gating, *a, **k):
     raise RuntimeError("device-side assert\nsecond line")
 
 
-def _exit(gating, bias, pad):
+def _exit(gating, *a, **k):
     raise SystemExit(3)
 
 
-def _scribble(gating, bias, pad):
+def _scribble(gating, *a, **k):
     gating[0] = float("nan")  # NaN bits differ from the logits' bits
-    return torch.zeros(gating.shape[0], 1, dtype=torch.int64)
+    return torch.zeros(gating.shape[0], 1), torch.zeros(gating.shape[0], 1, dtype=torch.int64)
 
 
 @pytest.mark.parametrize("fn, words", [
-    (_crash, r"kernel bad failed on layer 0, step 0 \(RuntimeError: device-side assert\)"),
-    (_exit, r"kernel bad failed on layer 0, step 0 \(SystemExit: 3\)"),
-    (lambda g, b, p: torch.zeros(g.shape[0] - 1, 1, dtype=torch.int64),
-     r"kernel bad returned topk_ids of shape \[1, 1\] on layer 0, step 0; expected \[2, 1\]"),
-    (lambda g, b, p: torch.zeros(g.shape[0], 2, dtype=torch.int64), r"shape \[2, 2\] .*expected \[2, 1\]"),
-    (lambda g, b, p: torch.zeros(g.shape[0], 1), "returned topk_ids of dtype torch.float32"),
-    (lambda g, b, p: None, "returned NoneType for the topk_ids of layer 0, step 0"),
+    (_crash, r"kernel bad crashed on layer 0, step 0 \(RuntimeError: device-side assert\)"),
+    (_exit, r"kernel bad crashed on layer 0, step 0 \(SystemExit: 3\)"),
+    (_ids_kernel(lambda g, b, p: torch.zeros(g.shape[0] - 1, 1, dtype=torch.int64)),
+     r"kernel bad returned \(\(1, 1\) float32, \(1, 1\) int64\); expected \(topk_weights float32 \[2, 1\]"),
+    (_ids_kernel(lambda g, b, p: torch.zeros(g.shape[0], 2, dtype=torch.int64)), r"\(2, 2\) int64\); expected"),
+    (_ids_kernel(lambda g, b, p: torch.zeros(g.shape[0], 1)), r"\(2, 1\) float32, \(2, 1\) float32\)"),
+    (_ids_kernel(lambda g, b, p: None), r"returned \(NoneType, NoneType\)"),
     (_scribble, r"kernel bad wrote into its input gating_output on layer 0, step 0 \(a routing kernel may write only"),
 ])
 def test_misbehaving_routing_function_is_one_line(tmp_path, fn, words):
@@ -428,18 +439,19 @@ def _ids_plus(offset):
         from kernel.reference import musespark1x_routing_reference
 
         return musespark1x_routing_reference(gating, bias, topk=1, route_scale=1.0, is_padding=pad)[1] + offset
-    return route
+    return _ids_kernel(route)
 
 
 @pytest.mark.parametrize("fn, words", [
     # the reference's ids + 1000, or all -1: left out of every count, exit 0 with wrong statistics
     (_ids_plus(1000), ("returned invalid topk_ids on layer 0, step 0, row 0: [1001] hold an id outside [0, 4); "
-                       "2 of the step's 2 rows are invalid")),
-    (lambda g, b, p: torch.full((g.shape[0], 1), -1, dtype=torch.int32),
-     "returned invalid topk_ids on layer 0, step 0, row 0: [-1] hold -1 on an unpadded row; 2 of the step's 2 rows"),
+                       "3 of the layer's rows are invalid")),
+    (_ids_kernel(lambda g, b, p: torch.full((g.shape[0], 1), -1, dtype=torch.int32)),
+     "returned invalid topk_ids on layer 0, step 0, row 0: [-1] hold -1 on an unpadded row; 3 of the layer's rows"),
     # step 1's row 3 is padding: only row 2 (the layer's row, as replay counts) is named
-    (lambda g, b, p: torch.full((g.shape[0], 1), 7 if bool(p.any()) else 0, dtype=torch.int32),
-     "returned invalid topk_ids on layer 0, step 1, row 2: [7] hold an id outside [0, 4); 1 of the step's 2 rows is"),
+    (_ids_kernel(lambda g, b, p: torch.full((g.shape[0], 1), 7 if p is not None and bool(p.any()) else 0,
+                                            dtype=torch.int32)),
+     "returned invalid topk_ids on layer 0, step 1, row 2: [7] hold an id outside [0, 4); 1 of the layer's rows is"),
 ])
 def test_invalid_ids_from_a_routing_function_are_a_kernel_fault(tmp_path, fn, words):
     with pytest.raises(KernelError) as info:
@@ -450,28 +462,7 @@ def test_invalid_ids_from_a_routing_function_are_a_kernel_fault(tmp_path, fn, wo
 
 def test_bias_effect_routing_is_checked_too(tmp_path):
     # ids counted for the bias effect (routed again with the bias zeroed) are checked as well
-    def route(gating, bias, pad):
-        return torch.full((gating.shape[0], 1), 1 if bool(bias.any()) else 4, dtype=torch.int32)
-
-    path = tmp_path / "t.safetensors"
-    _bias_trace(path)
-    with Trace(path) as t, pytest.raises(KernelError, match=r"kernel k returned invalid topk_ids on layer 0, step 0 "
-                                                            r"with the bias zeroed \(bias effect\), row 0: \[4\]"):
-        src = TraceSource(t, t.layers, routing="kernel", route_fn=route, route_name="kernel k", nobias_fn=route)
-        analyze_balance(src, BalanceOptions(ep_sizes=[2], eplb=None))
-
-
-def test_route_fn_from_checks_a_kernels_weights():
-    # a kernel's weights are checked as replay checks them: a float32 tensor of the ids' shape
-    def swapped(g, b, *a, **k):
-        return torch.zeros(g.shape[0], 1, dtype=torch.int32), torch.zeros(g.shape[0], 1)
-
-    route = route_fn_from(swapped, RouterConfig(num_experts=4, topk=1, route_scale=1.0), kernel=True)
-    with pytest.raises(TypeError, match=r"returned topk_weights \[2, 1\] int32, expected float32 \[2, 1\]"):
-        route(torch.zeros(2, 4), torch.zeros(4), None)
-
-
-def test_route_fn_from_needs_a_pair():
-    route = route_fn_from(lambda *a, **k: torch.zeros(2, 1), RouterConfig(num_experts=4, topk=1, route_scale=1.0))
-    with pytest.raises(TypeError, match="expected \\(topk_weights, topk_ids\\)"):
-        route(torch.zeros(2, 4), torch.zeros(4), None)
+    fn = _ids_kernel(lambda g, b, p: torch.full((g.shape[0], 1), 1 if bool(b.any()) else 4, dtype=torch.int32))
+    with pytest.raises(KernelError, match=r"kernel bad returned invalid topk_ids on layer 0, step 0, row 0 "
+                                          r"\(bias effect\): \[4\]"):
+        _route_with(tmp_path, fn, bias_effect=True)

@@ -214,7 +214,7 @@ def test_ids_only_trace_counts_load_and_says_what_is_skipped(tmp_path):
     assert layer["ids_only"] is True and layer["expert_counts_tokens"] == [1, 3, 1, 0, 0, 0, 0, 1]
     assert layer["comparisons"]["kernel_vs_reference"]["rows"] == 0 and layer["padded_rows"] == 1
     assert layer["recorded_invalid_rows"] == 0
-    assert "hold no logits" in res.stderr and "NOTHING COMPARED" in res.stderr
+    assert "hold no logits" in res.stderr and "NOTHING CHECKED" in res.stderr
     assert "(recorded ids)" in res.stderr
 
 
@@ -222,7 +222,7 @@ def test_a_layer_of_zero_rows_is_said_to_hold_no_rows_not_no_logits(tmp_path):
     path = make_trace(tmp_path / "empty.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8))})
     res = _run("replay", path, "--device", DEVICE, "--no-progress")
     assert res.exit_code == 0, res.output
-    assert "NOTHING COMPARED: the replayed layers hold no rows" in res.output, res.output
+    assert "NOTHING CHECKED: the replayed layers hold no rows" in res.output, res.output
 
 
 def test_ids_only_trace_with_invalid_recorded_outputs_fails(tmp_path):
@@ -496,7 +496,7 @@ def test_validate_of_an_ids_only_trace_says_nothing_was_validated(tmp_path):
     ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
     path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids)})
     res = _run("validate", path, "--suite", "none", "--device", DEVICE, "--no-progress")
-    assert res.exit_code == 0 and "NOTHING VALIDATED" in res.output and "PASS" not in res.output, res.output
+    assert res.exit_code == 0 and "NOTHING CHECKED" in res.output and "PASS" not in res.output, res.output
 
 
 @pytest.mark.parametrize("spec, words", [

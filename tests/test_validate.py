@@ -118,8 +118,9 @@ def test_rejection_is_documented_only_when_the_docstring_says_so():
     (lambda *a, **k: (mutants.correct(*a, **k)[0], mutants.correct(*a, **k)[1].to("meta")), "wrong_device",
      "the kernel returned topk_ids on device meta"),
     # no pair of tensors was a failed unpacking, reported as a rejection (TypeError, ValueError)
-    (lambda *a, **k: None, "wrong_shape", "the kernel returned NoneType; expected (topk_weights, topk_ids)"),
-    (lambda *a, **k: (*mutants.correct(*a, **k), 1), "wrong_shape", "the kernel returned 3 values"),
+    (lambda *a, **k: None, "wrong_shape", "the kernel returned (NoneType); expected (topk_weights float32 ["),
+    (lambda *a, **k: (*mutants.correct(*a, **k), 1), "wrong_shape", "the kernel returned ((5, 2) float32, (5, 2) int32, "
+                                                                    "int); expected"),
 ])
 def test_outputs_that_are_not_two_tensors_on_the_inputs_device_fail(execution, fn, cls, words):
     ties = [c for c in QUICK if c.family == "ties"]
@@ -245,7 +246,7 @@ def test_a_run_that_routed_nothing_says_nothing_validated(execution, tmp_path):
     console = Console(width=100, record=True, color_system=None)
     render_validate(result, console)
     text = console.export_text()
-    assert result.ok and "NOTHING VALIDATED: all 2 cases were skipped or rejected" in text and "PASS" not in text
+    assert result.ok and "NOTHING CHECKED: all 2 cases were skipped or rejected" in text and "PASS" not in text
 
 
 def test_a_layer_of_zero_rows_is_skipped_not_passed(execution, tmp_path):
@@ -258,7 +259,7 @@ def test_a_layer_of_zero_rows_is_skipped_not_passed(execution, tmp_path):
     case = json.loads(res.stdout)["cases"][0]
     assert (case["verdict"], case["description"]) == ("skipped", "layer 0: no token rows")
     assert case["message"] == "the layer holds no token rows: nothing to validate"
-    assert "NOTHING VALIDATED: all 1 cases were skipped" in res.stderr and "PASS" not in res.stderr
+    assert "NOTHING CHECKED: all 1 cases were skipped" in res.stderr and "PASS" not in res.stderr
     # beside a layer with rows, the empty one is skipped and the other validated
     g = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
     mixed = make_trace(tmp_path / "mixed.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8)),

@@ -1,0 +1,192 @@
+"""One streaming pipeline over a trace: chunks of consecutive captured steps, read ahead.
+
+Replay, validate-on-trace and balance all read a layer the same way: :func:`stream_layer`
+groups the layer's consecutive steps into chunks of at most ``budget_bytes`` of logits (and at
+least one step), reads the next chunk on a background thread while the caller works on this one,
+and moves each chunk to the device in one copy. Per chunk the caller then
+
+* runs the kernel under test once per captured step, on that step's own rows
+  (:func:`route_steps`: the captured shapes are what is validated and timed), with one
+  input guard for the whole chunk (:class:`~routetool.engine.contract.InputGuard`);
+* runs everything else (the reference, the comparison, padding and validity checks,
+  histograms, EP and capacity statistics) once over the whole chunk, on the device, with no
+  host synchronisation per step.
+
+At most two chunks are held at a time (the one in use and the one being read), so memory is
+bounded by about twice the budget plus the comparison's temporaries, whatever the trace's size.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from routetool.engine.contract import InputGuard, KernelOutcome, RoutingFn, call_kernel, modified_outcome
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+"""Bytes of ``[rows, E]`` float32 scores per chunk (the largest of the comparison's temporaries);
+a step larger than this is a chunk of its own."""
+
+
+@dataclass
+class Chunk:
+    """Consecutive captured steps of one layer, on the analysis device.
+
+    Attributes:
+        layer: the layer. first_step: index of the chunk's first step in the layer.
+        start: the layer row of the chunk's first row.
+        offsets: step boundaries within the chunk, ``[0, n_0, n_0 + n_1, ..., rows]``.
+        gating_output: ``[rows, E]`` logits as stored, or None (an ids-only layer).
+        is_padding: ``[rows]`` bool or None. recorded_ids / recorded_weights: ``[rows, K]`` or None.
+    """
+
+    layer: int
+    first_step: int
+    start: int
+    offsets: list[int]
+    gating_output: torch.Tensor | None
+    is_padding: torch.Tensor | None
+    recorded_ids: torch.Tensor | None
+    recorded_weights: torch.Tensor | None
+
+    @property
+    def rows(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def step_sizes(self) -> list[int]:
+        return [b - a for a, b in zip(self.offsets, self.offsets[1:])]
+
+    def step_of(self, row: int) -> int:
+        """The layer step holding chunk row ``row``."""
+        return self.first_step + bisect.bisect_right(self.offsets, row) - 1
+
+    def step_index(self) -> torch.Tensor:
+        """``[rows]`` int64: each row's step within the chunk (0 .. num_steps - 1), on the chunk's device."""
+        device = (self.gating_output if self.gating_output is not None else self.recorded_ids).device
+        sizes = torch.tensor(self.step_sizes, dtype=torch.int64, device=device)
+        return torch.repeat_interleave(torch.arange(self.num_steps, device=device), sizes, output_size=self.rows)
+
+
+def plan_chunks(step_offsets: tuple[int, ...] | list[int], row_bytes: int, budget_bytes: int) -> list[tuple[int, int]]:
+    """Group consecutive steps into chunks of at most ``budget_bytes`` (``row_bytes`` a row; at
+    least one step a chunk). Returns ``(first step, end step)`` pairs, end exclusive."""
+    limit = max(1, budget_bytes // max(1, row_bytes))
+    plan, first = [], 0
+    num_steps = len(step_offsets) - 1
+    while first < num_steps:
+        end = first + 1
+        while end < num_steps and step_offsets[end + 1] - step_offsets[first] <= limit:
+            end += 1
+        plan.append((first, end))
+        first = end
+    return plan
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def stream_layer(trace, layer: int, device: torch.device, *, budget_bytes: int = DEFAULT_CHUNK_BYTES,
+                 read_ahead: bool = True) -> Iterator[Chunk]:
+    """Yield the captured steps of ``layer`` in chunks (see the module docstring).
+
+    Args:
+        trace: an open trace (:func:`routetool.trace.open_trace`). layer: one of its layers.
+        device: where the chunks go. budget_bytes: see :data:`DEFAULT_CHUNK_BYTES`.
+        read_ahead: read the next chunk on a background thread while this one is used.
+
+    Raises:
+        RouteToolError: the trace cannot be read (raised where the chunk is taken).
+    """
+    info = trace.info(layer)
+    offsets = info.step_offsets
+    E = trace.meta.router.num_experts
+    plan = plan_chunks(offsets, 4 * max(E, 1), budget_bytes)
+
+    def read(first: int, end: int):
+        return trace.read_rows(layer, offsets[first], offsets[end])
+
+    def chunk(first: int, end: int, step) -> Chunk:
+        base = offsets[first]
+        return Chunk(layer=layer, first_step=first, start=base, offsets=[o - base for o in offsets[first:end + 1]],
+                     gating_output=_to(step.gating_output, device), is_padding=_to(step.is_padding, device),
+                     recorded_ids=_to(step.recorded_ids, device), recorded_weights=_to(step.recorded_weights, device))
+
+    if not read_ahead or len(plan) < 2:
+        for first, end in plan:
+            yield chunk(first, end, read(first, end))
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="routetool-read") as pool:
+        pending = pool.submit(read, *plan[0])
+        for i, (first, end) in enumerate(plan):
+            step = pending.result()
+            if i + 1 < len(plan):
+                pending = pool.submit(read, *plan[i + 1])
+            yield chunk(first, end, step)
+
+
+@dataclass
+class ChunkRouting:
+    """The kernel's outputs for a chunk, step by step concatenated, or the first failed call.
+
+    Attributes:
+        weights / ids: ``[rows, K]`` (None when a call failed).
+        outcome: the failed call's :class:`~routetool.engine.contract.KernelOutcome`, or None.
+        step: the layer step of the failed call (for ``modified_input`` of the bias, the chunk's
+            first step, as the guard cannot tell which call wrote it).
+        calls: how many kernel calls were made.
+    """
+
+    weights: torch.Tensor | None
+    ids: torch.Tensor | None
+    outcome: KernelOutcome | None = None
+    step: int = -1
+    calls: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is None
+
+
+def route_steps(fn: RoutingFn, chunk: Chunk, bias: torch.Tensor, params: Mapping[str, object], *,
+                gating_output: torch.Tensor | None = None, feature: str | None = None) -> ChunkRouting:
+    """Run the kernel under test once per captured step of ``chunk``, on that step's own rows
+    (views into the chunk), and judge every call by the one contract
+    (:func:`~routetool.engine.contract.call_kernel`); the inputs are guarded once for the chunk.
+
+    Args:
+        fn: the kernel. chunk: from :func:`stream_layer`. bias: ``[E]`` float32 on the chunk's device.
+        params: the router parameters by keyword. gating_output: ``[rows, E]`` to route instead
+            of the chunk's own logits (default: those). feature: see ``call_kernel``.
+
+    Returns:
+        A :class:`ChunkRouting`: the outputs, or the first failed call.
+    """
+    gating = chunk.gating_output if gating_output is None else gating_output
+    pad = chunk.is_padding
+    guard = InputGuard(gating_output=gating, bias=bias, is_padding=pad)
+    weights, ids = [], []
+    for s, (a, b) in enumerate(zip(chunk.offsets, chunk.offsets[1:])):
+        out = call_kernel(fn, gating[a:b], bias, params=params, is_padding=None if pad is None else pad[a:b],
+                          feature=feature, check_inputs=False)
+        if not out.ok:
+            return ChunkRouting(None, None, out, chunk.first_step + s, s + 1)
+        weights.append(out.weights)
+        ids.append(out.ids)
+    changed = guard.changed()
+    if changed:
+        rows = [guard.first_changed_row(n) for n in changed if n != "bias"]
+        step = chunk.step_of(min(rows)) if rows else chunk.first_step
+        return ChunkRouting(None, None, modified_outcome(changed), step, chunk.num_steps)
+    if len({t.dtype for t in ids}) > 1:  # int32 from some calls, int64 from others
+        ids = [t.long() for t in ids]
+    return ChunkRouting(torch.cat(weights), torch.cat(ids), calls=chunk.num_steps)
