@@ -50,7 +50,7 @@ def normalized_scores(
     x = gating_output.float()
     if router_output_multiplier is not None:
         x = x * router_output_multiplier
-    x = torch.where(torch.isnan(x), float("-inf"), x)
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # NaN -> -inf
     if router_score_normalization == "sigmoid":
         return torch.sigmoid(x)
     if router_score_normalization != "softmax":
@@ -73,15 +73,19 @@ def biased_scores(scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         bias: ``[num_experts]`` float32, bfloat16 or float16 (``e_score_correction_bias``).
     """
     biased = scores + bias.float()
-    return torch.where(torch.isnan(biased), float("-inf"), biased)
+    return biased.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # NaN -> -inf
 
 
 def select_topk(biased: torch.Tensor, topk: int) -> torch.Tensor:
     """Indices of the ``topk`` largest values per row; equal values go to the lowest index.
 
-    A stable descending sort keeps equal values in index order, which is exactly what a
-    repeated ``tl.argmax`` produces. ``torch.topk`` is not used: its order among equal
-    values is unspecified and differs between CPU and CUDA.
+    The definition is a stable descending sort, which keeps equal values in index order, exactly
+    what a repeated ``tl.argmax`` produces. ``torch.topk`` alone is not enough: its order among
+    equal values is unspecified and differs between CPU and CUDA. So ``torch.topk`` picks the
+    ``topk + 1`` largest values, the ``topk`` picks are put in (value descending, index ascending)
+    order by two stable sorts of ``topk`` elements, and the rows where the ``topk``-th and
+    ``topk + 1``-th values are equal (a tie at the boundary, where the set itself depends on the
+    rule) take the full stable sort. The result equals the full sort's on every row.
 
     Args:
         biased: ``[num_tokens, num_experts]`` float32 without NaN.
@@ -90,7 +94,19 @@ def select_topk(biased: torch.Tensor, topk: int) -> torch.Tensor:
     Returns:
         ``[num_tokens, topk]`` int64 expert ids, best first.
     """
-    return torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :topk]
+    E = biased.shape[-1]
+    if topk >= E or biased.shape[0] == 0:
+        return torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :topk]
+    values, ids = torch.topk(biased, topk + 1, dim=-1, sorted=True)
+    boundary_tie = values[:, topk - 1] == values[:, topk]
+    values, ids = values[:, :topk], ids[:, :topk]
+    by_index = torch.argsort(ids, dim=-1)
+    ids, values = ids.gather(1, by_index), values.gather(1, by_index)
+    ids = ids.gather(1, torch.sort(values, dim=-1, descending=True, stable=True).indices)
+    rows = boundary_tie.nonzero().flatten()
+    if rows.numel():
+        ids[rows] = torch.sort(biased[rows], dim=-1, descending=True, stable=True).indices[:, :topk]
+    return ids
 
 
 def musespark1x_routing_reference(
@@ -123,12 +139,34 @@ def musespark1x_routing_reference(
     Raises:
         ValueError: the same argument errors as the kernels' launchers.
     """
+    weights, ids, _, _ = routing_with_scores(
+        gating_output, bias, topk, route_scale, router_output_multiplier, router_score_normalization,
+        router_score_division_eps, is_padding=is_padding)
+    return weights, ids
+
+
+def routing_with_scores(
+    gating_output: torch.Tensor,
+    bias: torch.Tensor,
+    topk: int,
+    route_scale: float,
+    router_output_multiplier: float | None = None,
+    router_score_normalization: str = "sigmoid",
+    router_score_division_eps: float | None = None,
+    *,
+    is_padding: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`musespark1x_routing_reference` (same arguments and errors), returning also the
+    scores it selected by, for callers that compare against them (replay, validate):
+    ``(topk_weights, topk_ids, scores, biased)``, the last two ``[num_tokens, num_experts]``
+    float32 from :func:`normalized_scores` and :func:`biased_scores`."""
     launch = check_routing_args(
         gating_output, bias, topk, route_scale, router_output_multiplier,
         router_score_normalization, router_score_division_eps, None, None, is_padding,
     )
     scores = normalized_scores(gating_output, router_score_normalization, launch.router_output_multiplier)
-    ids = select_topk(biased_scores(scores, bias), topk)
+    biased = biased_scores(scores, bias)
+    ids = select_topk(biased, topk)
     picked = scores.gather(1, ids)
     denom = picked.sum(dim=-1, keepdim=True)
     if launch.router_score_division_eps is not None:
@@ -140,4 +178,4 @@ def musespark1x_routing_reference(
         pad = is_padding[:, None]
         ids = torch.where(pad, -1, ids)
         weights = torch.where(pad, 0.0, weights)
-    return weights, ids
+    return weights, ids, scores, biased

@@ -344,7 +344,7 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
                   tie_ulps: float, unnormalized: bool, progress: Callable[[int], None] | None,
                   budget_bytes: int) -> LayerReplay:
     """One layer with logits: the kernel once per captured step, everything else per chunk of steps."""
-    from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
+    from kernel.reference import routing_with_scores
 
     layer = res.layer
     info = trace.info(layer)
@@ -368,9 +368,7 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
             raise routed.outcome.error(f"kernel {kernel_name!r}", f"layer {layer} step {routed.step}", path=trace.display_path,
                                        tensor=f"layers.{layer}.gating_output")
         w, ids = routed.weights, routed.ids
-        ref_w, ref_ids = musespark1x_routing_reference(gating, bias, is_padding=pad, **params)
-        scores = normalized_scores(gating, router.router_score_normalization, router.router_output_multiplier)
-        biased = biased_scores(scores, bias)
+        ref_w, ref_ids, scores, biased = routing_with_scores(gating, bias, is_padding=pad, **params)
         where = dict(layer=layer, step=chunk.first_step, start=chunk.start, step_offsets=chunk.offsets)
 
         kernel_own = own_pick_weights(scores, ids, router.route_scale, eps)

@@ -164,7 +164,7 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
         ``(failure_classes, tie_equivalent_rows, offending_rows)``, and with ``first_rows`` a
         fourth item: failure class -> the first row it applies to.
     """
-    from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
+    from kernel.reference import routing_with_scores
 
     T, K = inp.gating_output.shape[0], inp.topk
     if tuple(weights.shape) != (T, K) or tuple(ids.shape) != (T, K):
@@ -174,9 +174,7 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
     device = inp.gating_output.device
     if weights.device != device or ids.device != device:
         return ["wrong_device"], 0, []
-    ref_w, ref_ids = musespark1x_routing_reference(inp.gating_output, inp.bias, **inp.kwargs())
-    scores = normalized_scores(inp.gating_output, inp.router_score_normalization, inp.router_output_multiplier)
-    biased = biased_scores(scores, inp.bias)
+    ref_w, ref_ids, scores, biased = routing_with_scores(inp.gating_output, inp.bias, **inp.kwargs())
     tol = weight_tolerance(torch.float32, inp.route_scale)
     cmp = compare_step(ids, weights, ref_ids, ref_w, scores, biased, inp.is_padding, tie_ulps=tie_ulps, tolerance=tol)
 

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from kernel.reference import musespark1x_routing_reference, normalized_scores, select_topk
@@ -57,3 +58,25 @@ def test_softmax_rules_for_nonfinite_rows():
     assert s[0].tolist() == [0.5, 0.0, 0.5]
     assert s[1].tolist() == [0.0, 0.0, 0.0]
     assert s[2].tolist() == [0.0, 0.5, 0.5]
+
+
+@pytest.mark.parametrize("E, K", [
+    (8, 2),    # Mixtral's shape
+    (64, 6),   # ties inside the picks and at the boundary
+    (7, 7),    # K == E: the whole row, by the full sort
+    (256, 8),  # the production shape
+])
+def test_select_topk_equals_the_stable_sort_definition(E, K):
+    # select_topk takes torch.topk's picks and sorts them; it must equal the definition (a stable
+    # descending sort, equal values to the lowest index) on every row, ties and signed zeros included
+    from kernel.reference import select_topk
+
+    g = torch.Generator().manual_seed(E * 31 + K)
+    x = torch.randint(-3, 4, (500, E), generator=g).float() / 2  # few distinct values: ties everywhere
+    x[::7] = torch.randn(x[::7].shape, generator=g)                # distinct values
+    x[1::11, : E // 2] = -0.0                                       # -0.0 against +0.0: equal
+    x[2::13, 0] = float("inf")
+    x[3::17] = float("-inf")                                         # a row of nothing but -inf
+    definition = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :K]
+    assert torch.equal(select_topk(x, K), definition)
+    assert select_topk(x[:0], K).shape == (0, K)
