@@ -43,7 +43,7 @@ from routetool.eplb import (
     finite_or_none,
     rebalance_experts,
 )
-from routetool.engine.contract import RoutingFn
+from routetool.engine.contract import RoutingFn, call_kernel
 from routetool.engine.stream import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, route_steps, stream_layer
 from routetool.errors import KernelError, RouteToolError
 from routetool.imports import ImportedCounts, ImportedRouting
@@ -321,8 +321,13 @@ class Routing:
     params: dict
     kernel: bool = False
 
-    def route(self, chunk: Chunk, bias: torch.Tensor, path: str, context: str = "") -> torch.Tensor:
+    def route(self, chunk: Chunk, bias: torch.Tensor, path: str, context: str = "", per_step: bool = True
+              ) -> torch.Tensor:
         """``[n, K]`` ids of the chunk's rows routed with ``bias``.
+
+        A kernel runs once per captured step (``per_step``), or once on the whole chunk (the bias
+        effect's routing with the bias zeroed: an analysis, not the captured calls); every call is
+        judged by the contract.
 
         Raises:
             RouteToolError: the kernel broke the contract (:meth:`KernelOutcome.error`: exit 2
@@ -330,11 +335,18 @@ class Routing:
         """
         if not self.kernel:
             return self.fn(chunk.gating_output, bias, is_padding=chunk.is_padding, **self.params)[1]
-        routed = route_steps(self.fn, chunk, bias, self.params)
-        if not routed.ok:
-            where = f"layer {chunk.layer}, step {routed.step}{' ' + context if context else ''}"
-            raise routed.outcome.error(self.name, where, path=path, tensor=f"layers.{chunk.layer}.gating_output")
-        return routed.ids
+        if per_step:
+            routed = route_steps(self.fn, chunk, bias, self.params)
+            outcome, step = routed.outcome, routed.step
+        else:
+            outcome = call_kernel(self.fn, chunk.gating_output, bias, params=self.params, is_padding=chunk.is_padding)
+            step = f"{chunk.first_step}-{chunk.first_step + chunk.num_steps - 1}" if chunk.num_steps > 1 \
+                else chunk.first_step
+        if outcome is not None and not outcome.ok:
+            where = f"layer {chunk.layer}, step{'s' if isinstance(step, str) else ''} {step}" \
+                    f"{' ' + context if context else ''}"
+            raise outcome.error(self.name, where, path=path, tensor=f"layers.{chunk.layer}.gating_output")
+        return routed.ids if per_step else outcome.ids
 
 
 def _phase(num_tokens: int, padded: int, decode_max_tokens: int) -> str:
@@ -497,7 +509,8 @@ class TraceSource(Source):
                     with_bias = ids
                 else:
                     with_bias = self.nobias_fn.route(chunk, bias, self.path, context="(bias effect)")
-                without = self.nobias_fn.route(chunk, zeros, self.path, context="with the bias zeroed (bias effect)")
+                without = self.nobias_fn.route(chunk, zeros, self.path, context="with the bias zeroed (bias effect)",
+                                               per_step=False)
                 load.bias_ids_with, load.ids_nobias = _mask(with_bias, pad), _mask(without, pad)
                 load.bias_counts_with = counts if with_bias is ids else \
                     count_experts_per_step(load.bias_ids_with, step_index, S, E)[0]

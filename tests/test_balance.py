@@ -419,8 +419,10 @@ def _scribble(gating, *a, **k):
     (_crash, r"kernel bad crashed on layer 0, step 0 \(RuntimeError: device-side assert\)"),
     (_exit, r"kernel bad crashed on layer 0, step 0 \(SystemExit: 3\)"),
     (_ids_kernel(lambda g, b, p: torch.zeros(g.shape[0] - 1, 1, dtype=torch.int64)),
-     r"kernel bad returned \(\(1, 1\) float32, \(1, 1\) int64\); expected \(topk_weights float32 \[2, 1\]"),
-    (_ids_kernel(lambda g, b, p: torch.zeros(g.shape[0], 2, dtype=torch.int64)), r"\(2, 2\) int64\); expected"),
+     r"kernel bad returned \(\(1, 1\) float32, \(1, 1\) int64\) on layer 0, step 0; expected \(topk_weights float32 "
+     r"\[2, 1\]"),
+    (_ids_kernel(lambda g, b, p: torch.zeros(g.shape[0], 2, dtype=torch.int64)), r"\(2, 2\) int64\) on layer 0, step 0; "
+                                                                                 r"expected"),
     (_ids_kernel(lambda g, b, p: torch.zeros(g.shape[0], 1)), r"\(2, 1\) float32, \(2, 1\) float32\)"),
     (_ids_kernel(lambda g, b, p: None), r"returned \(NoneType, NoneType\)"),
     (_scribble, r"kernel bad wrote into its input gating_output on layer 0, step 0 \(a routing kernel may write only"),

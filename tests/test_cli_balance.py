@@ -922,8 +922,8 @@ def on_meta(gating_output, bias, *args, topk_weights=None, topk_ids=None, **kwar
 
 @pytest.mark.parametrize("fn, words", [
     ("boom", ["crashed on layer 0, step 0 (RuntimeError: illegal memory access)"]),
-    ("short", ["returned ((15, 2) float32, (15, 2) int32); expected (topk_weights float32 [16, 2], "
-               "topk_ids int32 or int64 [16, 2]) on layer 0, step 0"]),
+    ("short", ["returned ((15, 2) float32, (15, 2) int32) on layer 0, step 0; expected (topk_weights float32 [16, 2], "
+               "topk_ids int32 or int64 [16, 2])"]),
     # writes into the inputs went unnoticed (replay and validate report them)
     ("scribble_logits", ["wrote into its input gating_output on layer 0, step 0",
                          "(a routing kernel may write only topk_weights and topk_ids)"]),
@@ -932,18 +932,18 @@ def on_meta(gating_output, bias, *args, topk_weights=None, topk_ids=None, **kwar
     ("ansi", [r"crashed on layer 0, step 0 (RuntimeError: \x1b[2J\x1b[31mscreen cleared\x00)"]),
     ("exits", ["crashed on layer 0, step 0 (SystemExit: 0)"]),
     ("scribble_padding", ["wrote into its input is_padding on layer 0, step 0"]),
-    ("wide_weights", ["returned ((16, 3) float32, (16, 2) int32); expected", "on layer 0, step 0"]),
+    ("wide_weights", ["returned ((16, 3) float32, (16, 2) int32) on layer 0, step 0; expected"]),
     # other dtypes than validate's passed, or failed on a padded row (uint8 cannot hold -1)
-    ("uint8_ids", ["returned ((16, 2) float32, (16, 2) uint8); expected", "on layer 0, step 0"]),
-    ("float64_weights", ["returned ((16, 2) float64, (16, 2) int32); expected"]),
+    ("uint8_ids", ["returned ((16, 2) float32, (16, 2) uint8) on layer 0, step 0; expected"]),
+    ("float64_weights", ["returned ((16, 2) float64, (16, 2) int32) on layer 0, step 0; expected"]),
     # invalid ids were left out of the counts: exit 0 with wrong statistics
     ("plus_1000", ["returned invalid topk_ids on layer 0, step 0, row 0: [10",
                    "hold an id outside [0, 8); 23 of the layer's rows are invalid (fix the kernel"]),
     ("minus_one", ["returned invalid topk_ids on layer 0, step 0, row 0: [-1, -1] hold -1 on an unpadded row; 23 of"]),
     ("twice", ["returned invalid topk_ids on layer 0, step 0, row 0: [", "hold one expert twice; 23 of"]),
     # ids on another device (here meta, which holds no data) were a traceback
-    ("on_meta", [f"returned topk_weights and topk_ids on device meta; its inputs are on device {DEVICE.type} "
-                 "on layer 0, step 0"]),
+    ("on_meta", [f"returned topk_weights and topk_ids on device meta on layer 0, step 0; its inputs are on device "
+                 f"{DEVICE.type}"]),
 ])
 def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load
