@@ -167,10 +167,12 @@ def _finite(ctx, param, value):
               help="Time each distinct step shape under CUDA graphs (GPU only).")
 @click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH",
               help="Also write the results as JSON to PATH ('-' = stdout; the tables then go to stderr).")
+@click.option("--details", "-v", "details", is_flag=True,
+              help="Every table: per layer, every step shape, the expert-load chart (default: a one-screen summary).")
 @click.option("--force", is_flag=True, help="Replace an existing --json file.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogram_layer: int | None,
-           tie_ulps: float, latency: bool, json_path: str | None, force: bool, progress: bool) -> None:
+           tie_ulps: float, latency: bool, json_path: str | None, details: bool, force: bool, progress: bool) -> None:
     """Replay TRACE through the routing kernel and the reference, and report.
 
     For every layer and captured step: classifies each token row (exact, reordered,
@@ -203,7 +205,7 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
                     progress=lambda n: bar.advance(task, n),
                 )
     console = Console(stderr=json_path == "-")
-    render_replay(result, console, histogram_layer)
+    render_replay(result, console, histogram_layer, details=details)
     if json_path is not None:
         write_json(replay_json(result), json_path, sys.stdout)
     click.get_current_context().exit(result.verdict.exit_code)

@@ -182,6 +182,8 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
 @click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH",
               help="Also write the results as JSON to PATH ('-' = stdout; the tables then go to stderr).")
 @click.option("--plot", "plot_dir", default=None, metavar="DIR", help="Write PNG figures into DIR (needs matplotlib).")
+@click.option("--details", "-v", "details", is_flag=True,
+              help="Every layer's tables and the charts (default: a one-screen summary with the worst layers).")
 @click.option("--force", is_flag=True, help="Replace existing --json/--eplb-out/--plot outputs.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @_dump_options
@@ -189,7 +191,8 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
             reference: bool, recorded: bool, layers_spec: str, focus_layer: int | None, ep_spec: str | None,
             placement_path: Path | None, windows: int, decode_max_tokens: int, capacity_spec: str, top_n: int,
             eplb: bool, redundant, gpus, nodes: int, groups: int, eplb_policy: str, eplb_out: str | None,
-            bias_effect: bool, json_path: str | None, plot_dir: str | None, force: bool, progress: bool) -> None:
+            bias_effect: bool, json_path: str | None, plot_dir: str | None, details: bool, force: bool,
+            progress: bool) -> None:
     """Load balance of SOURCE over experts and expert-parallel ranks, and what EPLB would buy.
 
     SOURCE is a routetool trace, or a routing dump read directly: JSON lines, CSV (or a
@@ -314,7 +317,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                 trace.close()
 
     console = Console(stderr=json_path == "-" or eplb_out == "-")
-    render_balance(result, console, focus_layer)
+    render_balance(result, console, focus_layer, details=details)
     status = Console(stderr=True)
     if json_path is not None:
         write_json(balance_json(result), json_path, sys.stdout)
