@@ -129,7 +129,7 @@ class _WholeWordTable(Table):
     terminal and ends the word with "…". Here a column narrows only down to its longest word
     (a header of several words wraps); a table whose longest words alone are wider than the
     terminal is shown as several tables of consecutive columns, each repeating the first
-    (the row's name: layer, family, kernel)."""
+    (the row's name: layer, family, kernel) and titled as a continuation of the first."""
 
     def __rich_console__(self, console, options):
         if (not self.columns or any(c.width is not None for c in self.columns)  # widths already fitted
@@ -161,7 +161,9 @@ class _WholeWordTable(Table):
             for n, group in enumerate(groups):
                 part = copy.copy(self)
                 part.columns = [replace(self.columns[j], _index=k) for k, j in enumerate(group)]
-                part.title = self.title if n == 0 else None
+                # a continuation keeps the row labels (the first column) and says what it continues
+                plain = self.title.plain if isinstance(self.title, Text) else str(self.title or "")
+                part.title = self.title if n == 0 or not plain else f"{plain} (continued)"
                 yield from part._with_widths(console, options, [need[j] for j in group])
 
     def _with_widths(self, console, options, widths):
