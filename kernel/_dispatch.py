@@ -208,7 +208,9 @@ class KernelLaunch:
         values = self._fill(pointers)
         knobs = _Driver.runtime_knobs
         enter = knobs.launch_enter_hook
-        metadata = None if enter is None else self._compiled.launch_metadata(self._launch_grid, stream, *values)
+        # (metadata only for a hook to read: none is None, or, in newer Triton, an empty chain of hooks)
+        metadata = (None if enter is None or not getattr(enter, "calls", True)
+                    else self._compiled.launch_metadata(self._launch_grid, stream, *values))
         g = self._grid
         self._run(g[0], g[1], g[2], stream, self._function, self._metadata, metadata, enter, knobs.launch_exit_hook,
                   *values)
