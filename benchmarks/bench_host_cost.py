@@ -5,18 +5,20 @@ Usage (GPU machine, repository root):
         [--variant tiled,seed] [--label after] [--csv PATH]
 
 Per point (tokens x experts x dtype, topk 8) and variant, as ``routetool bench`` measures it
-(``routetool.bench.host_latency``: back-to-back eager calls, p10/p50/p90 over 20 samples of 100
-calls, one synchronisation after each sample, outside the timed region; inputs rotated over the
-bench's input sets, arguments by keyword, PDL left to the launcher's default):
+(``routetool.bench.host_latencies``: back-to-back eager calls, p10/p50/p90 over 20 samples of
+100 calls, one synchronisation after each sample, outside the timed region; inputs rotated over
+the bench's input sets, arguments by keyword, PDL left to the launcher's default):
 
 * ``buffers``: caller-provided output buffers (what an engine's eager path does);
+* ``buffers, pdl off`` (tiled, fp32): the same with ``use_pdl=False``;
 * ``alloc``: the launcher allocates the outputs;
 * ``graph``: the GPU latency of the same call under CUDA-graph replay (``--no-graph`` skips it).
 
-Floors, in the same run: an empty ``@triton.jit`` kernel launched the ordinary way
-(``kernel[(1,)](buffer)``, the JIT's dispatch), measured first and again last, and
-``torch.topk`` on the same logits. With a ``kernel`` package that has ``kernel._dispatch``
-(the signature plans), also the empty kernel launched directly (``KernelLaunch.direct``: the
+Each row's floor is an empty ``@triton.jit`` kernel launched the ordinary way
+(``kernel[(1,)](buffer)``, the JIT's dispatch), its batches timed in turn with the row's (the
+host's speed drifts within a run); it is also measured alone first and last. Besides:
+``torch.topk`` on the same logits and, with a ``kernel`` package that has ``kernel._dispatch``
+(the signature plans), the empty kernel launched directly (``KernelLaunch.direct``: the
 compiled kernel's own launch, without the JIT's dispatch), and whether the variant's calls took
 the direct launch. The script imports only ``kernel`` and ``routetool.bench``, so the same
 script times another checkout's kernels: put that checkout's ``kernel`` first on PYTHONPATH.
@@ -33,8 +35,8 @@ import sys
 import torch
 import triton
 
-from routetool.bench import (DTYPES, BenchKernel, empty_kernel, empty_launch_latency, host_latency, input_sets,
-                             rotating_call)
+from routetool.bench import (DTYPES, BenchKernel, empty_kernel, empty_launch_call, host_latencies, host_latency,
+                             input_sets, rotating_call)
 from routetool.timing import cuda_graph_latency
 
 TARGET = 1.5
@@ -46,7 +48,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _direct_empty_launch():
-    """Host cost of the empty kernel launched through ``kernel._dispatch.KernelLaunch.direct``, or None."""
+    """A closure launching the empty kernel through ``kernel._dispatch.KernelLaunch.direct``, or None."""
     try:
         from kernel._dispatch import KernelLaunch, _Driver
     except ImportError:
@@ -58,7 +60,7 @@ def _direct_empty_launch():
         return None
     stream = _Driver.current_stream(torch.cuda.current_device())
     ptr = buf.data_ptr()
-    return host_latency(lambda: launch.direct(stream, ptr))
+    return lambda: launch.direct(stream, ptr)
 
 
 def _took_direct_launch(variant: str) -> str:
@@ -93,18 +95,19 @@ def main() -> int:
     print(" ".join(f"{k}={v}" for k, v in head.items()), flush=True)
 
     rows = []
+    empty = empty_launch_call()
 
-    def add(what, variant="", dtype="", tokens=0, experts=0, host=None, graph=None, direct=""):
+    def add(what, fn, variant="", dtype="", tokens=0, experts=0, graph=None, direct=""):
+        host, floor = host_latencies([fn, empty])
         rows.append(dict(head, what=what, variant=variant, dtype=dtype, num_tokens=tokens, num_experts=experts,
-                         host_us_p10=host.p10_us if host else None, host_us_p50=host.p50_us if host else None,
-                         host_us_p90=host.p90_us if host else None, graph_latency_us_p50=graph.p50_us if graph else None,
-                         direct_launch=direct))
+                         host_us_p10=host.p10_us, host_us_p50=host.p50_us, host_us_p90=host.p90_us,
+                         empty_launch_host_us_p50=floor.p50_us, host_over_empty_launch=host.p50_us / floor.p50_us,
+                         graph_latency_us_p50=graph.p50_us if graph else None, direct_launch=direct))
 
-    floor = empty_launch_latency()
-    add("empty launch (JIT dispatch)", host=floor)
+    first_floor = host_latency(empty)
     direct_empty = _direct_empty_launch()
     if direct_empty is not None:
-        add("empty launch (direct)", host=direct_empty)
+        add("empty launch (direct)", direct_empty)
     E0 = _int_list(a.experts)[0]
     xs = [s.gating_output for s in input_sets(64, E0, a.topk, torch.float32, l2, seed=1)]
     state = {"i": 0}
@@ -113,7 +116,7 @@ def main() -> int:
         state["i"] += 1
         torch.topk(xs[state["i"] % len(xs)], a.topk)
 
-    add("torch.topk", dtype="fp32", tokens=64, experts=E0, host=host_latency(topk_call))
+    add("torch.topk", topk_call, dtype="fp32", tokens=64, experts=E0)
 
     for variant in a.variant.split(","):
         fn = kernel.variant(variant)
@@ -123,31 +126,31 @@ def main() -> int:
             for E in _int_list(a.experts):
                 for T in _int_list(a.tokens):
                     sets = input_sets(T, E, a.topk, DTYPES[dname], l2, seed=T * 7919 + E)
-                    bk = BenchKernel(variant, fn)
-                    call = rotating_call(bk, sets)
-                    host = host_latency(call)
+                    call = rotating_call(BenchKernel(variant, fn), sets)
+                    call()  # (compiles)
                     graph = None if a.no_graph else cuda_graph_latency(call, rep_ms=10)
-                    add("buffers", variant, dname, T, E, host, graph, _took_direct_launch(variant))
+                    add("buffers", call, variant, dname, T, E, graph, _took_direct_launch(variant))
+                    if variant == "tiled" and dname == "fp32":
+                        add("buffers, pdl off", rotating_call(BenchKernel(variant, fn, pdl=False), sets), variant,
+                            dname, T, E)
                     bare = [dataclasses.replace(s, topk_weights=None, topk_ids=None) for s in sets]
-                    add("alloc", variant, dname, T, E, host_latency(rotating_call(bk, bare)))
+                    add("alloc", rotating_call(BenchKernel(variant, fn), bare), variant, dname, T, E)
                     del sets, bare
                     print(f"  {variant} {dname} T={T} E={E} done", file=sys.stderr, flush=True)
-    end_floor = empty_launch_latency()
-    add("empty launch (JIT dispatch), again at the end", host=end_floor)
+    last_floor = host_latency(empty)
 
-    print(f"{'what':<48} {'variant':<7} {'dtype':<5} {'tokens':>7} {'E':>4} {'host p50':>9} {'p10-p90':>13} "
-          f"{'x floor':>8} {'graph p50':>10} direct")
+    print(f"{'what':<18} {'variant':<7} {'dtype':<5} {'tokens':>7} {'E':>4} {'host p50':>9} {'p10-p90':>13} "
+          f"{'floor':>6} {'x floor':>8} {'graph p50':>10} direct")
     for r in rows:
-        ratio = r["host_us_p50"] / floor.p50_us
-        r["host_over_empty_launch"] = ratio
-        r["meets_target"] = ratio <= TARGET if r["what"] == "buffers" else ""
+        r["meets_target"] = r["host_over_empty_launch"] <= TARGET if r["what"] == "buffers" else ""
         graph = f"{r['graph_latency_us_p50']:.2f}" if r["graph_latency_us_p50"] is not None else "-"
-        print(f"{r['what']:<48} {r['variant']:<7} {r['dtype']:<5} {r['num_tokens'] or '':>7} {r['num_experts'] or '':>4} "
-              f"{r['host_us_p50']:>9.2f} {r['host_us_p10']:>6.2f}-{r['host_us_p90']:<6.2f} {ratio:>7.2f}x "
-              f"{graph:>10} {r['direct_launch']}")
+        print(f"{r['what']:<18} {r['variant']:<7} {r['dtype']:<5} {r['num_tokens'] or '':>7} {r['num_experts'] or '':>4} "
+              f"{r['host_us_p50']:>9.2f} {r['host_us_p10']:>6.2f}-{r['host_us_p90']:<6.2f} "
+              f"{r['empty_launch_host_us_p50']:>6.2f} {r['host_over_empty_launch']:>7.2f}x {graph:>10} "
+              f"{r['direct_launch']}")
     met = [r for r in rows if r["what"] == "buffers"]
-    print(f"floor: empty Triton launch {floor.p50_us:.2f} us per call (again at the end: {end_floor.p50_us:.2f}); "
-          f"target <= {TARGET}x the floor ({TARGET * floor.p50_us:.1f} us) with caller buffers: "
+    print(f"empty Triton launch alone: {first_floor.p50_us:.2f} us per call first, {last_floor.p50_us:.2f} last; "
+          f"target: a call with caller buffers at most {TARGET}x the empty launch timed in turn with it: "
           f"{sum(bool(r['meets_target']) for r in met)} of {len(met)} points")
     if a.csv:
         with open(a.csv, "w", newline="") as f:

@@ -8,13 +8,15 @@ CUDA-graph replay (``triton.testing.do_bench_cudagraph``), or with plain launche
 (``triton.testing.do_bench``) when graphs are off. Bandwidth counts the bytes a routing call
 must move: logits read once, bias read once, ids and weights written once.
 
-Beside the GPU latency, every timed kernel's *host cost per call* (:func:`host_latency`): the
+Beside the GPU latency, every timed kernel's *host cost per call* (:func:`host_latencies`): the
 host's time for back-to-back eager calls (no CUDA graph; the project's kernels and user kernels
 write into caller-provided output buffers, the torch reference allocates its own) over the
 same rotating inputs, with one synchronisation after each batch of calls, outside the timed
 region. An engine pays it wherever it runs the router eagerly (prefill and chunked prefill
 under piecewise CUDA graphs, the replay of a trace). The floor beside it is an empty Triton
-kernel launched the ordinary way (``kernel[(1,)](buffer)``), measured in the same run.
+kernel launched the ordinary way (``kernel[(1,)](buffer)``), its batches timed in turn with
+the kernel's, so that both see the same state of the machine (on the H200 machine an empty
+launch took 12 us at one moment and 18 us at another of the same run).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class BenchRow:
     cuda_graph: bool
     status: str  # "ok", "failed: <classes>", "rejected: <message>", "error: <message>"
     latency: Latency | None = None
-    host: Latency | None = None  # host cost per eager call (:func:`host_latency`)
+    host: Latency | None = None  # host cost per eager call (:func:`host_latencies`)
+    empty_launch: Latency | None = None  # the empty Triton launch's, timed in turn with ``host``: its floor
     bytes_moved: int = 0
     bandwidth_gbps: float | None = None
     bandwidth_fraction: float | None = None
@@ -88,7 +91,6 @@ class BenchResult:
     triton_version: str
     copy_bandwidth_gbps: float
     baseline: str | None
-    empty_launch: Latency | None = None  # host cost of an empty Triton launch, the floor of ``BenchRow.host``
     rows: list[BenchRow] = field(default_factory=list)
 
 
@@ -219,27 +221,40 @@ def _time(bk: BenchKernel, sets: list[CaseInput], use_graph: bool, rep_ms: float
     return Latency(p10_us=q[0] * 1e3, p50_us=q[1] * 1e3, p90_us=q[2] * 1e3)
 
 
-def host_latency(fn: Callable[[], object], calls: int = HOST_CALLS, samples: int = HOST_SAMPLES,
-                 warmup_calls: int = HOST_WARMUP_CALLS) -> Latency:
-    """The host's time per call of ``fn``, in microseconds: eager, back-to-back calls.
+def host_latencies(fns: Sequence[Callable[[], object]], calls: int = HOST_CALLS, samples: int = HOST_SAMPLES,
+                   warmup_calls: int = HOST_WARMUP_CALLS) -> list[Latency]:
+    """The host's time per call of each of ``fns``, in microseconds: eager, back-to-back calls.
 
-    Each sample is the wall time of ``calls`` back-to-back calls divided by ``calls``, read
-    before the synchronisation that follows the batch (so the GPU's work is not in it, as long
-    as the launch queue does not fill: :data:`HOST_CALLS`); p10/p50/p90 are over ``samples``
-    samples, after ``warmup_calls`` calls (compilation, first-call checks).
+    Each sample is the wall time of ``calls`` back-to-back calls of one function divided by
+    ``calls``, read before the synchronisation that follows the batch (so the GPU's work is not
+    in it, as long as the launch queue does not fill: :data:`HOST_CALLS`). The functions take
+    their batches in turn, ``samples`` each, so that all of them see the same state of the
+    machine; p10/p50/p90 are over a function's samples. ``warmup_calls`` calls of each come
+    first (compilation, first-call checks).
     """
-    for _ in range(warmup_calls):
-        fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    for fn in fns:
+        for _ in range(warmup_calls):
             fn()
-        per_call.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    q = torch.tensor(per_call, dtype=torch.float64).quantile(torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
-    return Latency(p10_us=float(q[0]), p50_us=float(q[1]), p90_us=float(q[2]))
+    torch.cuda.synchronize()
+    per_call: list[list[float]] = [[] for _ in fns]
+    for _ in range(samples):
+        for fn, out in zip(fns, per_call):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out.append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    levels = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    out = []
+    for values in per_call:
+        q = torch.tensor(values, dtype=torch.float64).quantile(levels)
+        out.append(Latency(p10_us=float(q[0]), p50_us=float(q[1]), p90_us=float(q[2])))
+    return out
+
+
+def host_latency(fn: Callable[[], object], **kw) -> Latency:
+    """:func:`host_latencies` of one function."""
+    return host_latencies([fn], **kw)[0]
 
 
 _EMPTY_KERNEL = []
@@ -259,12 +274,12 @@ def empty_kernel():
     return _EMPTY_KERNEL[0]
 
 
-def empty_launch_latency() -> Latency:
-    """:func:`host_latency` of launching :func:`empty_kernel` on one program through Triton's ordinary
-    dispatch, ``kernel[(1,)](buffer)``: the floor of a Triton kernel's host cost per call."""
+def empty_launch_call() -> Callable[[], object]:
+    """A closure launching :func:`empty_kernel` on one program through Triton's ordinary dispatch,
+    ``kernel[(1,)](buffer)``: the floor of a Triton kernel's host cost per call."""
     empty = empty_kernel()
     buf = torch.zeros(1, dtype=torch.int32, device="cuda")
-    return host_latency(lambda: empty[(1,)](buf))
+    return lambda: empty[(1,)](buf)
 
 
 def run_bench(
@@ -295,8 +310,8 @@ def run_bench(
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)
     result = BenchResult(gpu_name=props.name, driver_version=driver_version(), torch_version=torch.__version__,
-                         triton_version=triton.__version__, copy_bandwidth_gbps=copy_bandwidth_gbps(), baseline=baseline,
-                         empty_launch=empty_launch_latency())
+                         triton_version=triton.__version__, copy_bandwidth_gbps=copy_bandwidth_gbps(), baseline=baseline)
+    floor = empty_launch_call()
     for dname in dtypes:
         dtype = DTYPES[dname]
         for E in experts:
@@ -319,7 +334,7 @@ def run_bench(
                                 row.status = "failed: " + ", ".join(classes)
                             else:
                                 row.latency = _time(bk, sets, use_graph, rep_ms)
-                                row.host = host_latency(rotating_call(bk, sets))
+                                row.host, row.empty_launch = host_latencies([rotating_call(bk, sets), floor])
                                 row.bandwidth_gbps = bytes_moved / (row.latency.p50_us * 1e-6) / 1e9
                                 row.bandwidth_fraction = row.bandwidth_gbps / result.copy_bandwidth_gbps
                         except REJECTION_TYPES as exc:  # documented input restriction, e.g. the seed and bf16

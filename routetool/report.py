@@ -608,10 +608,9 @@ BENCH_FIELDS = ("gpu_name", "driver_version", "torch_version", "triton_version",
 
 def bench_records(result) -> list[dict]:
     """One flat record per (point, kernel): the long format of the CSV and JSON outputs. ``host_us_*``: the
-    host cost per eager call; ``empty_launch_host_us_p50``: an empty Triton launch's, the floor, from the same
-    run; ``host_over_empty_launch``: their ratio (p50s)."""
+    host cost per eager call; ``empty_launch_host_us_p50``: an empty Triton launch's, the floor, timed in turn
+    with it; ``host_over_empty_launch``: their ratio (p50s)."""
     out = []
-    floor = result.empty_launch.p50_us if result.empty_launch else None
     for r in result.rows:
         out.append({
             "gpu_name": result.gpu_name, "driver_version": result.driver_version,
@@ -626,8 +625,8 @@ def bench_records(result) -> list[dict]:
             "host_us_p10": r.host.p10_us if r.host else None,
             "host_us_p50": r.host.p50_us if r.host else None,
             "host_us_p90": r.host.p90_us if r.host else None,
-            "empty_launch_host_us_p50": floor,
-            "host_over_empty_launch": r.host.p50_us / floor if r.host and floor else None,
+            "empty_launch_host_us_p50": r.empty_launch.p50_us if r.empty_launch else None,
+            "host_over_empty_launch": r.host.p50_us / r.empty_launch.p50_us if r.host and r.empty_launch else None,
         })
     return out
 
@@ -636,8 +635,6 @@ def bench_json(result) -> dict:
     return {"schema": BENCH_SCHEMA, "gpu_name": result.gpu_name, "driver_version": result.driver_version,
             "torch_version": result.torch_version, "triton_version": result.triton_version,
             "copy_bandwidth_gbps": result.copy_bandwidth_gbps, "baseline": result.baseline,
-            "empty_launch_host_us": ({"p10": e.p10_us, "p50": e.p50_us, "p90": e.p90_us}
-                                     if (e := result.empty_launch) else None),
             "rows": bench_records(result)}
 
 
@@ -655,12 +652,12 @@ def bench_csv(result) -> str:
 
 def render_bench(result, console: Console) -> None:
     """Print the sweep as a table: GPU latency (p50 with p10/p90), bandwidth, speedup, and the host
-    cost per eager call (p50) with its ratio to the empty Triton launch measured in the same run."""
-    floor = result.empty_launch
+    cost per eager call (p50) with its ratio to the empty Triton launch timed in turn with it."""
+    floors = [r.empty_launch.p50_us for r in result.rows if r.empty_launch]
     console.print(Panel(f"{result.gpu_name}, driver {result.driver_version}, torch {result.torch_version}, "
                         f"triton {result.triton_version}; copy bandwidth {result.copy_bandwidth_gbps:,.0f} GB/s "
-                        "(read + write)" + (f"; empty Triton launch {floor.p50_us:.1f} µs of host time per call "
-                                            f"(p10-p90 {floor.p10_us:.1f}-{floor.p90_us:.1f})" if floor else ""),
+                        "(read + write)" + (f"; an empty Triton launch took {min(floors):.1f}-{max(floors):.1f} µs of "
+                                            "host time per call, timed in turn with each row" if floors else ""),
                         title="routetool bench", expand=False))
     mode = "CUDA graph" if any(r.cuda_graph for r in result.rows) else "no graph"
     t = table(user_text(f"GPU latency (µs, {mode}) and bandwidth; speedup vs {result.baseline or '-'}; host µs per "
@@ -677,6 +674,6 @@ def render_bench(result, console: Console) -> None:
                   f"{r.bandwidth_fraction:.0%}" if r.bandwidth_fraction else "-",
                   f"{r.speedup:.2f}x" if r.speedup else "-",
                   f"{r.host.p50_us:.1f}" if r.host else "-",
-                  f"{r.host.p50_us / floor.p50_us:.2f}x" if r.host and floor else "-",
+                  f"{r.host.p50_us / r.empty_launch.p50_us:.2f}x" if r.host and r.empty_launch else "-",
                   user_text(r.status, style="green" if r.status == "ok" else "bold red"))
     console.print(t)
