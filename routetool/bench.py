@@ -37,14 +37,15 @@ from routetool.timing import Latency, cuda_graph_latency
 TORCH_KERNELS = ("torch", "torch-compile")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_TOKENS = 2**24
+"""Most tokens of one bench point (16,777,216): 2^24 tokens of fp32 logits at 512 experts are
+already 32 GiB, and engines route far fewer tokens per call."""
 HOST_CALLS = 100
 """Back-to-back eager calls per host-cost sample: few enough that the GPU's launch queue (about a
 thousand launches) never fills, so the host is never made to wait for the GPU inside a sample."""
 HOST_SAMPLES = 20
 """Host-cost samples per kernel and point (p10/p50/p90 over them)."""
 HOST_WARMUP_CALLS = 20
-"""Most tokens of one bench point (16,777,216): 2^24 tokens of fp32 logits at 512 experts are
-already 32 GiB, and engines route far fewer tokens per call."""
+"""Calls of each function before its host-cost samples (compilation, first-call checks)."""
 
 
 @dataclass(frozen=True)
