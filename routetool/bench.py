@@ -72,7 +72,7 @@ class BenchRow:
     topk: int
     dtype: str
     cuda_graph: bool
-    status: str  # "ok", "failed: <classes>", "rejected: <message>", "error: <message>"
+    status: str  # "ok", "failed: <classes>: ...", "rejected (rejected_documented): ..." (judge_kernel_call)
     latency: Latency | None = None
     host: Latency | None = None  # host cost per eager call (:func:`host_latencies`)
     empty_launch: Latency | None = None  # the empty Triton launch's, timed in turn with ``host``: its floor
@@ -185,6 +185,41 @@ def input_sets(T: int, E: int, K: int, dtype: torch.dtype, l2_bytes: int, seed: 
                               topk_weights=torch.empty((T, K), device="cuda"),
                               topk_ids=torch.empty((T, K), dtype=torch.int32, device="cuda")))
     return sets
+
+
+def judge_kernel_call(fn: RoutingFn, inp: CaseInput, *, tie_ulps: float, buffers: bool = True,
+                      extra: dict | None = None) -> tuple[str, int]:
+    """One call of ``fn`` on ``inp``, judged before it is timed: the one kernel contract
+    (:func:`routetool.engine.contract.call_kernel`), then validate's checks of the output.
+
+    Args:
+        fn: the kernel. inp: the point's first input set. tie_ulps: as validate's.
+        buffers: pass ``inp``'s output buffers (False: the torch reference, which takes none).
+        extra: more keyword arguments (``use_pdl``).
+
+    Returns:
+        ``(status, exit_code)``: ``("ok", 0)``; ``("rejected (rejected_documented): ...", 0)`` for a
+        rejection the kernel documents (bench chose the input, as validate's suite does);
+        ``("failed: CLASS: ...", 1)`` for a broken contract or failed checks.
+    """
+    from routetool.engine.contract import call_kernel
+    from routetool.validate import evaluate
+
+    params = inp.kwargs()
+    pad = params.pop("is_padding")
+    params.update(extra or {})
+    call = fn if buffers else (lambda g, b, topk_weights=None, topk_ids=None, **k: fn(g, b, **k))
+    out = call_kernel(call, inp.gating_output, inp.bias, params=params, is_padding=pad,
+                      topk_weights=inp.topk_weights if buffers else None, topk_ids=inp.topk_ids if buffers else None)
+    if not out.ok:
+        detail = out.message("the kernel")
+        if out.failure_class == "rejected_documented":
+            return f"rejected ({out.failure_class}): {detail}", 0
+        return f"failed: {out.failure_class}: {detail}", 1
+    classes, _, _ = evaluate(inp, out.weights, out.ids, tie_ulps=tie_ulps)
+    if classes:
+        return "failed: " + ", ".join(classes), 1
+    return "ok", 0
 
 
 def _call_args(bk: BenchKernel, inp: CaseInput) -> tuple[tuple, dict]:
@@ -303,8 +338,6 @@ def run_bench(
     """
     import triton
 
-    from routetool.validate import REJECTION_TYPES, evaluate
-
     if not torch.cuda.is_available():
         raise RouteToolError("bench needs a CUDA GPU; this machine has none",
                              fix="run it on a GPU machine (replay and validate work on the CPU)")
@@ -326,22 +359,17 @@ def run_bench(
                     for bk in kernels:
                         row = BenchRow(kernel=bk.name, pdl=bk.pdl, num_tokens=T, num_experts=E, topk=K, dtype=dname,
                                        cuda_graph=use_graph, status="ok", bytes_moved=bytes_moved)
-                        inp = sets[0]
-                        try:
-                            args, kwargs = _call_args(bk, inp)
-                            w, ids = bk.fn(*args, **kwargs)
-                            classes, _, _ = evaluate(inp, w, ids, tie_ulps=tie_ulps)
-                            if classes:
-                                row.status = "failed: " + ", ".join(classes)
-                            else:
+                        row.status, _ = judge_kernel_call(
+                            bk.fn, sets[0], tie_ulps=tie_ulps, buffers=bk.name not in TORCH_KERNELS,
+                            extra=None if bk.pdl is None else {"use_pdl": bk.pdl})
+                        if row.status == "ok":
+                            try:
                                 row.latency = _time(bk, sets, use_graph, rep_ms)
                                 row.host, row.empty_launch = host_latencies([rotating_call(bk, sets), floor])
                                 row.bandwidth_gbps = bytes_moved / (row.latency.p50_us * 1e-6) / 1e9
                                 row.bandwidth_fraction = row.bandwidth_gbps / result.copy_bandwidth_gbps
-                        except REJECTION_TYPES as exc:  # documented input restriction, e.g. the seed and bf16
-                            row.status = f"rejected: {first_line(exc, 190, with_type=False)}"
-                        except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is reported
-                            row.status = f"error: {first_line(exc, 193)}"
+                            except Exception as exc:  # noqa: BLE001 - a kernel that passed once but cannot be timed
+                                row.status = f"failed: crash: while timing: {first_line(exc, 170)}"
                         point_rows.append(row)
                         if progress is not None:
                             progress(f"{bk.label} T={T} E={E} k={K} {dname}")

@@ -307,8 +307,10 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
           json_path: str | None, force: bool, progress: bool) -> None:
     """Time routing kernels over a sweep of shapes on a CUDA GPU.
 
-    Correctness is checked on the benchmark inputs before timing; a kernel that fails is
-    reported, not timed (exit 1); a documented rejection (the seed and bf16) is reported. Reports p10/p50/p90 latency (µs), achieved bandwidth and its
+    Each kernel's first call on a point is judged by the one kernel contract and validate's checks
+    before timing: a kernel that fails is reported, not timed (exit 1); a documented rejection (the
+    seed and bf16) is reported as rejected. Reports p10/p50/p90 latency (µs) under CUDA graphs,
+    the host cost per eager call against an empty Triton launch, achieved bandwidth and its
     fraction of the measured copy bandwidth, and the speedup over --baseline.
     """
     import torch
@@ -374,7 +376,7 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
         write_text(bench_csv(result), csv_path, sys.stdout)
     if json_path is not None:
         write_json(bench_json(result), json_path, sys.stdout)
-    broken = [r for r in result.rows if r.status.startswith(("failed", "error"))]
+    broken = [r for r in result.rows if r.status.startswith("failed")]
     click.get_current_context().exit(EXIT_FINDINGS if broken else EXIT_OK)
 
 
