@@ -13,11 +13,12 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from routetool.errors import RouteToolError, first_line
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 
@@ -55,6 +56,8 @@ def select_execution(choice: str) -> Execution:
         RouteToolError: ``cuda`` asked for without a usable GPU, or the kernels were
             already loaded in this process in the other mode.
     """
+    import torch
+
     if choice not in DEVICE_CHOICES:
         raise RouteToolError(f"unknown device {choice!r}", fix="use auto, cuda or cpu")
     has_cuda = torch.cuda.is_available()
@@ -81,7 +84,7 @@ def select_execution(choice: str) -> Execution:
     return Execution(device=torch.device("cpu"), interpreted=True, device_name="CPU (Triton interpreter)")
 
 
-RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+RoutingFn = Callable[..., tuple["torch.Tensor", "torch.Tensor"]]
 
 
 class _StandInStream:

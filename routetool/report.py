@@ -21,12 +21,16 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from routetool.compare import ComparisonSummary
+from typing import TYPE_CHECKING
+
 from routetool.engine.verdict import Verdict
 from routetool.errors import printable
 from routetool.files import atomic_write
-from routetool.load import LoadStats
-from routetool.replay import ReplayResult
+
+if TYPE_CHECKING:  # the types of the results rendered here; importing them would import torch
+    from routetool.compare import ComparisonSummary
+    from routetool.load import LoadStats
+    from routetool.replay import ReplayResult
 
 
 class Console(RichConsole):
