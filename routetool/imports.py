@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.files import refuse_special_file
+from routetool.files import path_kind, refuse_special_file
 from routetool.jsonstrict import DuplicateKey, unique_keys
 from routetool.numtext import parse_float, parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
@@ -294,7 +294,7 @@ def _refuse_special_files(path: Path) -> None:
     extension alone (``x.safetensors`` as a trace)."""
     fix = "write it to a regular file and pass that"
     refuse_special_file(path, fix=fix)
-    if path.is_dir():
+    if path_kind(path) == "folder":
         try:
             entries = [p for p in path.iterdir() if p.suffix.lower() in _DUMP_SUFFIXES]
         except OSError:
@@ -320,12 +320,12 @@ def detect_format(path: Path) -> str:
         RouteToolError: missing path, a FIFO, device or socket (also as a dump file of a
             folder), or nothing recognisable.
     """
-    if not path.exists():
+    if path_kind(path) in ("missing", "dangling link"):
         raise RouteToolError("no such file or folder", path=path, fix="check the path")
     _refuse_special_files(path)
-    if path.is_dir():
+    if path_kind(path) == "folder":
         try:
-            kinds = {p.suffix.lower() for p in path.iterdir() if p.is_file() and not p.name.startswith(".")}
+            kinds = {p.suffix.lower() for p in path.iterdir() if not p.name.startswith(".") and path_kind(p) == "file"}
         except OSError as exc:
             raise RouteToolError(f"cannot list the folder ({exc.strerror or exc})", path=path,
                                  fix="check permissions") from None
@@ -394,10 +394,11 @@ def refuse_dump_as_trace(path: str | Path, display_path: object = None) -> None:
             ``routetool import PATH -o trace.safetensors`` / ``routetool balance PATH``.
     """
     path = Path(path)
-    kinds = _DUMP_KINDS.get(_detected(path)) if path.exists() else None
+    found = path_kind(path, shown=display_path)
+    kinds = _DUMP_KINDS.get(_detected(path)) if found in ("file", "folder") else None
     if kinds is None:
         return
-    kind = kinds[path.is_dir()]
+    kind = kinds[found == "folder"]
     shown = display_path if display_path is not None else path
     quoted = shlex.quote(str(shown))
     raise RouteToolError(f"looks like {kind}, not a routetool trace", path=shown,
@@ -1314,7 +1315,7 @@ def resolve_format(path: str | Path, fmt: str = "auto") -> str:
         return detect_format(path)
     if fmt not in FORMATS:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
-    if not path.exists():
+    if path_kind(path) in ("missing", "dangling link"):
         raise RouteToolError("no such file or folder", path=path, fix="check the path")
     _refuse_special_files(path)
     detected = _detected(path)

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write
+from routetool.files import atomic_write, path_kind, same_file
 from routetool.jsonstrict import DuplicateKey, unique_keys
 from routetool.trace import LayerInfo, Step, Trace, TraceMeta
 
@@ -85,7 +85,7 @@ def listed_shard_files(path: str | os.PathLike) -> list[Path]:
     file, a missing or broken index) lists nothing; reading a trace reports such problems.
     """
     p = Path(path)
-    if not p.is_file() or not looks_like_index(p):
+    if path_kind(p) != "file" or not looks_like_index(p):
         return []
     try:
         doc = json.loads(p.read_text())
@@ -147,12 +147,13 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
     """
     path = Path(path)
     shown = display_path if display_path is not None else path
-    if not path.exists():
+    kind = path_kind(path, shown=shown)
+    if kind in ("missing", "dangling link"):
         raise RouteToolError("no such file", path=shown, fix="check the path")
-    if path.is_dir():
+    if kind == "folder":
         raise RouteToolError("is a directory, not a trace file", path=shown,
                              fix="name a .safetensors trace or a sharded trace's index .json")
-    if not path.is_file():  # a FIFO, device or socket: reading it could block forever
+    if kind != "file":  # a FIFO, device or socket: reading it could block forever
         raise RouteToolError("is not a regular file (a FIFO, device or socket)", path=shown,
                              fix="name a .safetensors trace or a sharded trace's index .json")
     try:
@@ -266,18 +267,19 @@ class ShardedTrace:
                 p = Path(entry["path"])
                 full = p if p.is_absolute() else folder / p
                 shown = full if display_path is None else Path(self.display_path).parent / p
-                if not full.exists():
+                kind = path_kind(full, shown=shown)
+                if kind in ("missing", "dangling link"):
                     raise RouteToolError(f"shard {i} listed in the index {index_name} does not exist", path=shown,
                                          fix=fix)
-                if full.is_dir():
+                if kind == "folder":
                     raise RouteToolError(f"shard {i} listed in the index {index_name} is a directory, not a shard "
                                          "file", path=shown, fix="each shard entry must name a .safetensors file")
-                if not full.is_file():  # a FIFO, device or socket: reading it could block forever
+                if kind != "file":  # a FIFO, device or socket: reading it could block forever
                     raise RouteToolError(f"shard {i} listed in the index {index_name} is not a regular file (a FIFO, "
                                          "device or socket)", path=shown,
                                          fix="each shard entry must name a .safetensors file")
                 for j, other in enumerate(self.shard_paths):
-                    if os.path.samefile(full, other):
+                    if same_file(full, other):
                         raise RouteToolError(f"shard {i} listed in the index {index_name} is the same file as shard "
                                              f"{j}; its steps would be counted twice", path=shown,
                                              fix=f"list every shard once in {index_name}")

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write, check_output_folder
+from routetool.files import atomic_write, check_output_folder, path_kind
 from routetool.numtext import index_problem, parse_float, parse_int
 
 FORMAT_NAME = "routetool-trace"
@@ -352,11 +352,12 @@ class Trace:
     def __init__(self, path: str | os.PathLike, *, display_path: str | os.PathLike | None = None):
         self.path = Path(path)
         self.display_path = Path(display_path) if display_path is not None else self.path
-        if not self.path.exists():
+        kind = path_kind(self.path, shown=self.display_path)
+        if kind in ("missing", "dangling link"):
             raise RouteToolError("no such file", path=self.display_path, fix="check the path")
-        if self.path.is_dir():
+        if kind == "folder":
             raise RouteToolError("is a directory, not a trace file", path=self.display_path, fix="name a .safetensors trace")
-        if not self.path.is_file():
+        if kind != "file":
             raise RouteToolError("is not a regular file", path=self.display_path, fix="name a .safetensors trace file")
         try:
             os.fsencode(self.path).decode("utf-8")
@@ -602,9 +603,10 @@ def write_trace(
             reading the written file back before it replaces anything).
     """
     path = Path(path)
-    if path.exists() and not force:
+    kind = path_kind(path)
+    if kind in ("file", "folder", "special") and not force:
         raise RouteToolError("already exists", path=path, fix="choose another path or pass --force to replace it")
-    if path.is_dir():
+    if kind == "folder":
         raise RouteToolError("is a directory", path=path, fix="name a file")
     check_output_folder(path.parent)
     problems = router_config_errors(meta.router)
@@ -650,6 +652,7 @@ def open_trace(path: str | os.PathLike, *, display_path: str | os.PathLike | Non
 
     p = Path(path)
     refuse_dump_as_trace(p, display_path)
-    if p.is_file() and looks_like_index(p) or (not p.exists() and p.suffix.lower() == ".json"):
+    kind = path_kind(p, shown=display_path)
+    if kind == "file" and looks_like_index(p) or (kind in ("missing", "dangling link") and p.suffix.lower() == ".json"):
         return ShardedTrace(p, display_path=display_path)
     return Trace(p, display_path=display_path)

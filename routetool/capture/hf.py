@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
+from routetool.files import path_kind
 from routetool.jsonstrict import DuplicateKey, unique_keys
 from routetool.trace import (
     WEIGHTS_SEMANTICS,
@@ -395,8 +396,8 @@ def load_config(path: str | Path, **overrides):
     """
     transformers = require_transformers()
     p = Path(path)
-    file = p / "config.json" if p.is_dir() else p
-    if not file.is_file():
+    file = p / "config.json" if path_kind(p) == "folder" else p
+    if path_kind(file) != "file":
         raise RouteToolError("no such config file", path=file, fix="name a config.json or a folder holding one")
     try:
         fields = json.loads(file.read_text(), object_pairs_hook=unique_keys)
@@ -585,7 +586,7 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", toke
     """
     transformers = require_transformers()
     p = Path(path)
-    if not (p.is_dir() and (p / "config.json").is_file()):
+    if not (path_kind(p) == "folder" and path_kind(p / "config.json") == "file"):
         raise RouteToolError("is not a checkpoint folder (no config.json)", path=p,
                              fix="name a local folder saved with save_pretrained (or use --config/--arch)")
     if tokenizer not in ("auto", "checkpoint", "bytes"):
@@ -596,7 +597,7 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", toke
         raise RouteToolError(f"cannot read the config ({_one_line(exc)})", path=p / "config.json",
                              fix="check the checkpoint") from None
     router_config_for(config)
-    has_files = any((p / name).is_file() for name in _TOKENIZER_FILES)
+    has_files = any(path_kind(p / name) == "file" for name in _TOKENIZER_FILES)
     tok = None
     if tokenizer == "checkpoint" or (tokenizer == "auto" and has_files):
         try:
@@ -629,9 +630,10 @@ def read_text(path: str | Path) -> str:
         data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
     else:
         p = Path(path)
-        if not p.exists():
+        kind = path_kind(p)
+        if kind in ("missing", "dangling link"):
             raise RouteToolError("no such file", path=p, fix=fix)
-        if p.is_dir():
+        if kind == "folder":
             raise RouteToolError("is a directory, not a text file", path=p, fix=fix)
         try:
             data = p.read_bytes()
