@@ -70,7 +70,7 @@ import torch
 
 from routetool.errors import RouteToolError
 from routetool.files import path_kind, refuse_special_file
-from routetool.jsonstrict import DuplicateKey, unique_keys
+from routetool.jsonstrict import JSONProblem, load_file, loads
 from routetool.numtext import parse_float, parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
@@ -359,9 +359,9 @@ def detect_format(path: Path) -> str:
     if text.startswith(b"{"):
         first_line = text.split(b"\n", 1)[0].strip()
         try:
-            json.loads(first_line)
+            loads(first_line.decode("utf-8"))
             return "jsonl" if b"\n" in text.strip() else "counts-json"
-        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError: the reader says where
+        except (JSONProblem, UnicodeDecodeError):  # the reader says where
             return "counts-json"
     if len(head) >= 8 and head[:8] != b"\x00" * 8 and b"__metadata__" in head[:4096]:
         return "trace"
@@ -584,11 +584,7 @@ def _check_weight(value: float, shown: str, where: str, column: str, path: Path)
 def _json_weights(value, where: str, key: str, path: Path) -> tuple[float, ...]:
     if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in value):
         raise RouteToolError(f"{where}: {key} is not a list of numbers ({_short(value)})", path=path, fix="fix the row")
-    try:
-        weights = tuple(float(x) for x in value)
-    except OverflowError:
-        raise RouteToolError(f"{where}: a weight in {key!r} is too large for a float", path=path,
-                             fix="weights must be finite and >= 0; fix the row") from None
+    weights = tuple(float(x) for x in value)  # (an integer of at most 100 digits: jsonstrict)
     return tuple(_check_weight(w, _short(x), where, key, path) for w, x in zip(weights, value))
 
 
@@ -618,16 +614,9 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
             if not line:
                 continue
             try:
-                obj = json.loads(line, object_pairs_hook=unique_keys)
-            except DuplicateKey as exc:
-                raise RouteToolError(f"{where}: the key {exc.key!r} appears twice in one object (JSON keeps only the "
-                                     "last value)", path=path, fix="write each key once per row") from None
-            except json.JSONDecodeError as exc:
-                raise RouteToolError(f"{where}: not JSON ({exc.msg})", path=path,
-                                     fix="one JSON object per line (JSON Lines)") from None
-            except (ValueError, RecursionError) as exc:  # e.g. an integer of more than 4,300 digits
-                raise RouteToolError(f"{where}: not readable JSON ({one_line(exc, 80)})", path=path,
-                                     fix="one JSON object per line (JSON Lines)") from None
+                obj = loads(line)
+            except JSONProblem as exc:
+                raise exc.error(path, where=where, fix="one JSON object per line (JSON Lines)") from None
             if not isinstance(obj, dict):
                 raise RouteToolError(f"{where}: not a JSON object", path=path, fix="one JSON object per line")
             if obj.get("type") == "meta":
@@ -1223,25 +1212,7 @@ def _layer_tables(node, names: tuple[str, ...], path: Path) -> Iterator[tuple[tu
 
 def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
     """Read tokens per expert per layer from a nested JSON (see the module docstring)."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise RouteToolError(f"cannot read ({exc.strerror or exc})", path=path, fix="check the path") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise RouteToolError(f"line {line}: not UTF-8 text (byte {exc.start + 1} of the file is {data[exc.start]:#04x})",
-                             path=path, fix="save it as UTF-8 JSON, or check --format") from None
-    try:
-        doc = json.loads(text, object_pairs_hook=unique_keys)
-    except DuplicateKey as exc:
-        raise RouteToolError(f"the key {exc.key!r} appears twice in one object (JSON keeps only the last value)",
-                             path=path, fix="write each key once per object, with all of its counts") from None
-    except json.JSONDecodeError as exc:
-        raise RouteToolError(f"line {exc.lineno}: not JSON ({exc.msg})", path=path, fix="fix the file") from None
-    except (ValueError, RecursionError) as exc:
-        raise RouteToolError(f"not readable JSON ({one_line(exc, 80)})", path=path, fix="fix the file") from None
+    doc = load_file(path, fix="save it as UTF-8 JSON of per-expert counts, or check --format")
     tables = list(_layer_tables(doc, (), path))
     tables = [(n, t) for n, t in tables if any(t.values())]
     if not tables:

@@ -46,7 +46,7 @@ import torch
 
 from routetool.errors import RouteToolError
 from routetool.files import atomic_write, path_kind, same_file
-from routetool.jsonstrict import DuplicateKey, unique_keys
+from routetool.jsonstrict import JSONProblem, load_file, loads
 from routetool.trace import LayerInfo, Step, Trace, TraceMeta
 
 INDEX_FORMAT = "routetool-trace-index"
@@ -88,8 +88,8 @@ def listed_shard_files(path: str | os.PathLike) -> list[Path]:
     if path_kind(p) != "file" or not looks_like_index(p):
         return []
     try:
-        doc = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        doc = loads(p.read_bytes().decode("utf-8-sig"))
+    except (OSError, UnicodeDecodeError, JSONProblem):
         return []
     shards = doc.get("shards") if isinstance(doc, dict) else None
     if not isinstance(shards, list):
@@ -139,7 +139,8 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
 
     Raises:
         RouteToolError: missing, unreadable or non-regular file, not JSON, a key repeated in
-            one object, another format, a ``version`` that is not the string ``"1"``,
+            one object, nesting too deep or a number too long (:mod:`routetool.jsonstrict`),
+            another format, a ``version`` that is not the string ``"1"``,
             ``complete`` present but not a JSON boolean, ``stopped_by`` neither a string nor
             null, ``shards`` not a non-empty
             list, a shard entry without a path, a ``size_bytes`` that is not a non-negative
@@ -156,17 +157,7 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
     if kind != "file":  # a FIFO, device or socket: reading it could block forever
         raise RouteToolError("is not a regular file (a FIFO, device or socket)", path=shown,
                              fix="name a .safetensors trace or a sharded trace's index .json")
-    try:
-        doc = json.loads(path.read_text(), object_pairs_hook=unique_keys)
-    except OSError as exc:
-        raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=shown, fix="check permissions") from None
-    except DuplicateKey as exc:
-        raise RouteToolError(f"the key {exc.key!r} appears twice in one object of the index; JSON readers differ on "
-                             "which value counts", path=shown, tensor="index",
-                             fix="write each key once, as routetool's recorder does") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RouteToolError(f"not a JSON trace index ({exc})", path=shown,
-                             fix="name a .safetensors trace or a sharded trace's index .json") from None
+    doc = load_file(path, shown=shown, tensor="index", fix="name a .safetensors trace or a sharded trace's index .json")
     if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else None
         raise RouteToolError(f"not a routetool trace index (format={found!r}, expected {INDEX_FORMAT!r})",

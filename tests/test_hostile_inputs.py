@@ -1,5 +1,5 @@
 """Hostile input, each hole closed at its mechanism (docs/cli-contract.md): the one path check
-(routetool.files.path_kind)."""
+(routetool.files.path_kind) and the strict JSON reader (routetool.jsonstrict)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import routetool
 from routetool.cli import main
 from routetool.errors import RouteToolError
 from routetool.files import check_output_paths, path_kind
+from routetool.jsonstrict import MAX_DEPTH, DuplicateKey, JSONProblem, NumberTooLong, TooDeep, loads
 
 ROOT = Path(routetool.__file__).resolve().parents[1]
 TRACE = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
@@ -62,3 +63,44 @@ def test_path_kind_names_what_is_there(tmp_path):
         path_kind(tmp_path / ("x" * 300))
     with pytest.raises(RouteToolError, match="NUL byte"):
         check_output_paths([tmp_path / "o.json"], force=False, inputs=[f"{tmp_path}/a\0b"])
+
+
+# -- the strict JSON reader ----------------------------------------------------------------------
+@pytest.mark.parametrize("text, problem, words", [
+    ("[" * 100_000 + "]" * 100_000, TooDeep, f"nested deeper than {MAX_DEPTH} levels"),  # was a RecursionError
+    ('{"a": ' + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "}", None, ""),  # as deep as allowed
+    ('{"a": "' + "[" * 1000 + '"}', None, ""),  # brackets in a string are no nesting
+    ('{"n": ' + "9" * 5000 + "}", NumberTooLong, "a number of 5,000 characters"),  # was a ValueError (4,300 digits)
+    ('{"n": 1.' + "5" * 200 + "}", NumberTooLong, "a number of 202 characters"),
+    ('{"a": 1, "a": 2}', DuplicateKey, "the key 'a' appears twice in one object"),
+    ('{"a": 1,\n"b": }', JSONProblem, "not JSON (Expecting value)"),
+])
+def test_the_strict_reader(text, problem, words):
+    if problem is None:
+        assert isinstance(loads(text), dict)
+        return
+    with pytest.raises(problem) as info:
+        loads(text)
+    assert words in info.value.reason
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # hole 1
+LONG = ('{"format": "routetool-trace-index", "version": "1", "shards": [{"path": "a", "size_bytes": ' + "9" * 5000
+        + "}]}")  # hole 2
+COUNTS_LONG = '{"0": {"0": ' + "9" * 5000 + "}}"
+
+
+@pytest.mark.parametrize("content, command, words", [
+    (DEEP, ["info"], "index: line 1: arrays and objects nested deeper than 64 levels"),
+    (DEEP, ["balance", "--no-progress", "--format", "counts-json"], "line 1: arrays and objects nested deeper than 64"),
+    (DEEP, ["import", "--format", "counts-json", "-o", "OUT"], "line 1: arrays and objects nested deeper than 64"),
+    (LONG, ["info"], "index: a number of 5,000 characters (999999999999...): at most 100 are read"),
+    (LONG, ["balance", "--no-progress"], "index: a number of 5,000 characters"),
+    (COUNTS_LONG, ["balance", "--no-progress"], "a number of 5,000 characters"),
+])
+def test_deep_json_and_long_numbers_are_one_line_errors(tmp_path, content, command, words):
+    path = tmp_path / "d.json"
+    path.write_text(content)
+    args = [str(tmp_path / "o.safetensors") if a == "OUT" else a for a in command]
+    line = _one_line_error(_run(args[0], path, *args[1:]))
+    assert line.startswith(f"routetool: error: {path}: {words}"), line
