@@ -1,7 +1,8 @@
 """The one strict JSON reader: every JSON text routetool reads goes through :func:`loads`.
 
-Dumps, counts files, sharded-trace indexes, EPLB placements, model configs and ``--set``
-values are parsed here, with three rules :func:`json.loads` does not keep:
+Dumps, counts files, sharded-trace indexes, EPLB placements, model configs, ``--set`` values
+and the header of every safetensors trace (:func:`routetool.trace.read_header`) are parsed
+here, with three rules :func:`json.loads` does not keep:
 
 * a key given twice in one object is refused (:class:`DuplicateKey`): :func:`json.loads`
   keeps the last value silently, other readers (and the safetensors spec) differ, so a file

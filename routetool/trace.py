@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 
 from routetool.errors import RouteToolError
 from routetool.files import atomic_write, check_output_folder, path_kind
+from routetool.jsonstrict import JSONProblem, loads
 from routetool.numtext import index_problem, parse_float, parse_int
 
 FORMAT_NAME = "routetool-trace"
@@ -364,6 +366,7 @@ class Trace:
         except UnicodeDecodeError:  # safetensors takes UTF-8 paths only, and would call the file corrupt
             raise RouteToolError("the file's path is not valid UTF-8, which safetensors cannot open",
                                  path=self.display_path, fix="rename the file (or a folder above it) to a UTF-8 name") from None
+        read_header(self.path, self.display_path)  # strictly, before safetensors reads it
         try:
             self._file = safe_open(str(self.path), framework="pt", device="cpu")
         except SafetensorError as exc:
@@ -568,6 +571,48 @@ class Trace:
     @property
     def total_tokens(self) -> int:
         return sum(i.num_tokens for i in self._infos.values())
+
+
+SAFETENSORS_MAX_HEADER = 100_000_000
+"""The largest header the safetensors library reads (bytes)."""
+
+
+def read_header(path: str | os.PathLike, shown: object = None) -> dict | None:
+    """The JSON header of a safetensors file, read with routetool's strict reader
+    (:func:`routetool.jsonstrict.loads`): a key repeated in ``__metadata__`` or a tensor given
+    twice, which the safetensors library accepts (keeping the last) although its format forbids
+    both, is refused, as is a header nested too deep or holding an absurdly long number.
+
+    Returns:
+        The header as a dict, or None for a file whose header the strict reader cannot reach
+        (shorter than 8 bytes, a header length beyond the file or beyond
+        :data:`SAFETENSORS_MAX_HEADER`, not UTF-8, not an object): the safetensors library
+        then says what is wrong.
+
+    Raises:
+        RouteToolError: the file cannot be read, or the header is refused (naming the file,
+            ``header`` and the problem).
+    """
+    shown = path if shown is None else shown
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return None
+            (length,) = struct.unpack("<Q", head)
+            if length > min(SAFETENSORS_MAX_HEADER, os.fstat(fh.fileno()).st_size - 8):
+                return None
+            data = fh.read(length)
+    except OSError as exc:
+        raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=shown, fix="check permissions") from None
+    try:
+        header = loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
+    except JSONProblem as exc:
+        raise exc.error(shown, tensor="header", fix="the file is corrupt, or its writer does not follow the "
+                                                    "safetensors format; capture or copy it again") from None
+    return header if isinstance(header, dict) else None
 
 
 def _standalone(t: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Hostile input, each hole closed at its mechanism (docs/cli-contract.md): the one path check
-(routetool.files.path_kind) and the strict JSON reader (routetool.jsonstrict)."""
+(routetool.files.path_kind) and the strict JSON reader (routetool.jsonstrict), safetensors
+headers included."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -104,3 +106,28 @@ def test_deep_json_and_long_numbers_are_one_line_errors(tmp_path, content, comma
     args = [str(tmp_path / "o.safetensors") if a == "OUT" else a for a in command]
     line = _one_line_error(_run(args[0], path, *args[1:]))
     assert line.startswith(f"routetool: error: {path}: {words}"), line
+
+
+@pytest.mark.parametrize("where", ["metadata", "tensor"])
+def test_a_key_twice_in_a_safetensors_header_is_refused(tmp_path, where):
+    # hole 7: the library keeps the last; route_scale twice decided PASS or FAIL by order
+    import struct
+
+    data = TRACE.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = data[8:8 + n].decode()
+    if where == "metadata":
+        header = header.replace('"__metadata__":{', '"__metadata__":{"route_scale":"9.0",', 1)
+        key = "route_scale"
+    else:
+        doc = json.loads(header)
+        key = next(k for k in doc if k.endswith(".bias"))
+        header = header.rstrip()[:-1] + f',"{key}":{json.dumps(doc[key])}' + "}"
+    raw = header.encode()
+    raw += b" " * (-len(raw) % 8)
+    path = tmp_path / "dup.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    for command in (["info"], ["replay", "--device", "cpu", "--no-latency", "--no-progress"]):
+        line = _one_line_error(_run(command[0], path, *command[1:]))
+        assert line == (f"routetool: error: {path}: header: the key {key!r} appears twice in one object (JSON readers "
+                        "differ on which value counts) (write each key once in each object)")
