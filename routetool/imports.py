@@ -52,6 +52,12 @@ and silently resolved: a JSON key given twice in one object, two names of one fi
 or a CSV header (``topk_ids`` and ``experts``: the names above are alternatives), meta rows that
 disagree, or one layer or expert spelled two ways (``"0"`` and ``"00"``), is an error. Every failure, including text that is not UTF-8,
 is a :class:`RouteToolError` of one line naming the file and the line, key or tensor element.
+
+JSON is read by :mod:`routetool.jsonstrict` (keys once per object, nesting and number length
+bounded), paths are examined by :func:`routetool.files.path_kind`, and what a dump may make the
+tool allocate is checked on declared sizes first (:mod:`routetool.limits`): the per-expert tables
+E makes over the dump's steps and layers, an SGLang ``.pt``'s records and tensors counted as
+materialised (stride-0 views and shared references in full).
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ import torch
 from routetool.errors import RouteToolError
 from routetool.files import path_kind, refuse_special_file
 from routetool.jsonstrict import JSONProblem, load_file, loads
+from routetool.limits import (MAX_EXPERTS, MAX_LAYERS, check_expert_tables, check_materialised, check_torch_archive,
+                              input_bytes)
 from routetool.numtext import parse_float, parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
@@ -101,10 +109,6 @@ _CSV_LAYER = ("layer_id", "layer", "layer_idx")
 _CSV_STEP = ("batch_number", "step", "batch", "forward_pass_id", "step_id")
 _CSV_SPLIT = re.compile(r"[\s,;\[\]()]+")
 
-MAX_EXPERTS = 1 << 20
-"""Largest expert count accepted (``--num-experts``, file metadata, ids): 1,048,576 experts."""
-MAX_LAYERS = 1 << 16
-"""Layer ids must lie in ``[0, MAX_LAYERS)``."""
 MAX_COUNT = 1 << 62
 """Largest per-expert count accepted in counts files (int64 headroom for sums)."""
 
@@ -443,8 +447,10 @@ def _filter_rows(rows: list[_Row], options: ImportOptions) -> tuple[list[_Row], 
 
 
 def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, model: str,
-              meta_experts: int | None, meta_topk: int | None, notes: list[str]) -> ImportedRouting:
-    """Rows (already filtered) -> per-layer tensors with step offsets, checking E and K."""
+              meta_experts: int | None, meta_topk: int | None, notes: list[str], size: int) -> ImportedRouting:
+    """Rows (already filtered) -> per-layer tensors with step offsets, checking E and K, and the
+    per-expert tables E makes against the budget of an input of ``size`` bytes
+    (:func:`routetool.limits.check_expert_tables`) before any tensor is made."""
     if not rows:
         raise RouteToolError("no token rows left to import", path=source,
                              fix="check the file, --skip-rows and --drop-repeats")
@@ -486,6 +492,14 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
     if E is not None and not 1 <= E <= MAX_EXPERTS:
         raise RouteToolError(f"num_experts={E} (from the file's metadata) is not in [1, {MAX_EXPERTS:,}]",
                              path=source, fix="pass the model's --num-experts")
+    top = next(r for r in rows if max(r.ids) == max_id)
+    if options.num_experts is not None:
+        budget_fix = "pass the model's --num-experts"
+    elif E is not None:
+        budget_fix = "fix the num_experts the dump declares, or pass the model's --num-experts"
+    else:
+        budget_fix = (f"the largest expert id, {max_id} ({top.where}), sets num_experts: fix that row, or pass the "
+                      "model's --num-experts")
     if E is None:
         E = max_id + 1
         notes.append(f"num_experts={E} inferred from the largest id ({max_id}); pass --num-experts if the model "
@@ -502,17 +516,17 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
     by_layer: dict[int, list[_Row]] = {}
     for r in rows:
         by_layer.setdefault(r.layer, []).append(r)
+    offsets: dict[int, list[int]] = {}
+    for layer, lr in by_layer.items():
+        offsets[layer] = [0] + [i for i in range(1, len(lr)) if lr[i].step_key != lr[i - 1].step_key] + [len(lr)]
+    check_expert_tables(source, experts=E, layer_steps=sum(len(o) - 1 for o in offsets.values()),
+                        layers=len(by_layer), size=size, fix=budget_fix)
     layers: dict[int, ImportedLayer] = {}
     for layer in sorted(by_layer):
         lr = by_layer[layer]
         ids = torch.tensor([r.ids for r in lr], dtype=torch.int32)
         weights = torch.tensor([r.weights for r in lr], dtype=torch.float32) if has_weights else None
-        offsets = [0]
-        for i in range(1, len(lr)):
-            if lr[i].step_key != lr[i - 1].step_key:
-                offsets.append(i)
-        offsets.append(len(lr))
-        layers[layer] = ImportedLayer(topk_ids=ids, topk_weights=weights, step_offsets=offsets)
+        layers[layer] = ImportedLayer(topk_ids=ids, topk_weights=weights, step_offsets=offsets[layer])
     return ImportedRouting(source=str(source), format=fmt, model=model, num_experts=E, topk=K,
                            layers=layers, notes=notes)
 
@@ -714,7 +728,8 @@ def read_jsonl(path: Path, options: ImportOptions) -> ImportedRouting:
     model = options.model or str(meta.get("model_id") or meta.get("model") or path.stem)
     result = _assemble(rows, path, "jsonl", options, model,
                        None if options.num_experts else _meta_int(meta, path, "num_experts", "n_experts"),
-                       None if options.topk else _meta_int(meta, path, "top_k", "topk", "num_experts_per_tok"), notes)
+                       None if options.topk else _meta_int(meta, path, "top_k", "topk", "num_experts_per_tok"), notes,
+                       input_bytes(files))
     return _finish(result, read, skipped, dropped, runs, options)
 
 
@@ -844,13 +859,16 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
     read = len(rows)
     rows, skipped, dropped, runs = _filter_rows(rows, options)
     model = options.model or path.stem
-    result = _assemble(rows, path, "csv", options, model, None, None, notes)
+    result = _assemble(rows, path, "csv", options, model, None, None, notes, input_bytes(files))
     return _finish(result, read, skipped, dropped, runs, options)
 
 
 # ---------------------------------------------------------------------------------------
 # SGLang expert-distribution dumps
 def _torch_load(path: Path):
+    """``torch.load(weights_only=True)`` of an SGLang dump, within the budget of its size
+    (:mod:`routetool.limits`): what its zip records declare is checked before loading, what the
+    loaded tensors hold materialised (expanded views, shared references) before anything reads it."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(4)
@@ -863,16 +881,20 @@ def _torch_load(path: Path):
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
         raise RouteToolError("is not a torch.save file (neither a zip archive nor a pickle), so not an SGLang dump",
                              path=path, fix="pass an SGLang expert-distribution dump (.pt), or the file's --format")
+    size = input_bytes([path])
+    check_torch_archive(path, size)
     try:
         with warnings.catch_warnings():
             # torch warns (on stderr, naming its own source file) about a pickle protocol other
             # than 2 before it loads or refuses the file; the outcome is reported in one line
             warnings.filterwarnings("ignore", message=r"Detected pickle protocol", category=UserWarning)
-            return torch.load(path, map_location="cpu", weights_only=True)
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - pickle errors of any kind are bad input
         raise RouteToolError(f"cannot load with torch.load(weights_only=True) ({type(exc).__name__}: "
                              f"{one_line(exc, 100)})", path=path,
                              fix="pass an SGLang expert-distribution dump (.pt)") from None
+    check_materialised(obj, path, size)
+    return obj
 
 
 def _where(name: str, index) -> str:
@@ -1017,6 +1039,7 @@ def _sglang_stat(path: Path, objs, options: ImportOptions, model: str, notes: li
 def _sglang_per_pass(path: Path, records, maps, options, model, notes) -> ImportedCounts:
     steps: dict[int, torch.Tensor] = {}
     E = None
+    size = input_bytes(maps)
     for fp, _rank, f, r in records:
         if r.get("global_physical_count") is None:
             raise RouteToolError(f"forward pass {fp}: a record lacks global_physical_count", path=f,
@@ -1032,6 +1055,9 @@ def _sglang_per_pass(path: Path, records, maps, options, model, notes) -> Import
             raise RouteToolError(f"last_physical_to_logical_map names expert {map_experts - 1} >= --num-experts "
                                  f"{options.num_experts}", path=f, fix="fix --num-experts")
         E = max(E or 0, options.num_experts or map_experts)
+        check_expert_tables(path, experts=E, layer_steps=g.shape[0] * (len(steps) + 1), layers=g.shape[0], size=size,
+                            fix="pass the model's --num-experts" if options.num_experts else
+                                "last_physical_to_logical_map sets num_experts: pass an unmodified SGLang dump")
         logical = torch.zeros(g.shape[0], E, dtype=torch.int64).scatter_add_(1, m, g)
         prev = steps.get(fp)
         if prev is not None and prev.shape != logical.shape:
@@ -1098,7 +1124,7 @@ def _sglang_per_token(path: Path, records, maps, options, model, notes) -> Impor
               for f, o in maps.items() if o.get("last_physical_to_logical_map") is not None]
         ms = [x for x in ms if x.numel()]
         E = int(max(int(x.max()) for x in ms)) + 1 if ms else None
-    result = _assemble(rows, path, "sglang", options, model, E, None, notes)
+    result = _assemble(rows, path, "sglang", options, model, E, None, notes, input_bytes(maps))
     return _finish(result, read, skipped, dropped, runs, options)
 
 
@@ -1240,6 +1266,11 @@ def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
         raise RouteToolError(f"expert id {max(widths.values()) - 1} >= --num-experts {E}", path=path,
                              fix="fix --num-experts")
     all_layers = sorted({layer for _, t in tables for layer in t})
+    check_expert_tables(path, experts=E, layer_steps=len(tables) * len(all_layers), layers=len(all_layers),
+                        size=input_bytes([path]),
+                        fix="pass the model's --num-experts" if options.num_experts else
+                            f"the largest expert id, {E - 1}, sets num_experts: fix the counts, or --select the "
+                            "tables of one model")
     layers = {}
     for layer in all_layers:
         m = torch.zeros(len(tables), E, dtype=torch.int64)

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from routetool.errors import RouteToolError
 from routetool.files import atomic_write, check_output_folder, path_kind
 from routetool.jsonstrict import JSONProblem, loads
+from routetool.limits import MAX_EXPERTS, check_expert_tables
 from routetool.numtext import index_problem, parse_float, parse_int
 
 FORMAT_NAME = "routetool-trace"
@@ -242,8 +243,8 @@ def _parse_int(path: Path, key: str, raw: str | None) -> int:
 def router_config_errors(router: RouterConfig) -> list[str]:
     """Why a router configuration is impossible (empty list when it is fine)."""
     problems = []
-    if router.num_experts < 1:
-        problems.append(f"num_experts={router.num_experts} must be >= 1")
+    if not 1 <= router.num_experts <= MAX_EXPERTS:
+        problems.append(f"num_experts={router.num_experts:,} must be in [1, {MAX_EXPERTS:,}]")
     if not 1 <= router.topk <= max(router.num_experts, 1):
         problems.append(f"topk={router.topk} must be in [1, num_experts={router.num_experts}]")
     if not (math.isfinite(router.route_scale) and router.route_scale > 0):
@@ -378,6 +379,7 @@ class Trace:
             raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=self.display_path, fix="check permissions") from None
         self.meta = parse_metadata(self.display_path, self._file.metadata())
         self._headers = self._read_headers()
+        self._check_budget()
         self._bias: dict[int, torch.Tensor] = {}
         self._infos: dict[int, LayerInfo] = {}
         for layer in sorted(self._headers):
@@ -441,6 +443,19 @@ class Trace:
         if not layers:
             raise RouteToolError("the trace holds no layers", path=self.display_path, fix="capture at least one MoE layer")
         return layers
+
+    def _check_budget(self) -> None:
+        """Refuse, before any per-layer tensor is made, a trace whose num_experts would make the
+        per-expert tables of its steps exceed what a file of its size may take
+        (:func:`routetool.limits.check_expert_tables`): an ids-only trace declaring a million
+        experts for a few rows. A trace with logits always fits (they are [T, E])."""
+        steps = 0
+        for h in self._headers.values():
+            shape = h.get("step_offsets", ((2,), None))[0]
+            steps += max(shape[0] - 1, 1) if len(shape) == 1 else 1
+        check_expert_tables(self.display_path, experts=self.meta.router.num_experts, layer_steps=steps,
+                            layers=len(self._headers), size=os.stat(self.path).st_size, tensor="__metadata__",
+                            fix="write the model's real num_experts in the metadata")
 
     def _fail(self, tensor: str, message: str, fix: str = "re-capture or re-export the trace") -> RouteToolError:
         """A one-line error naming the file and ``tensor``; ``fix`` defaults to re-making the trace."""

@@ -1,14 +1,16 @@
 """Hostile input, each hole closed at its mechanism (docs/cli-contract.md): the one path check
-(routetool.files.path_kind) and the strict JSON reader (routetool.jsonstrict), safetensors
-headers included."""
+(routetool.files.path_kind), the strict JSON reader (routetool.jsonstrict), safetensors headers
+included, and the budget on what an input may make routetool allocate (routetool.limits)."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import routetool
@@ -16,6 +18,7 @@ from routetool.cli import main
 from routetool.errors import RouteToolError
 from routetool.files import check_output_paths, path_kind
 from routetool.jsonstrict import MAX_DEPTH, DuplicateKey, JSONProblem, NumberTooLong, TooDeep, loads
+from routetool.limits import check_materialised, materialised_bytes
 
 ROOT = Path(routetool.__file__).resolve().parents[1]
 TRACE = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
@@ -131,3 +134,87 @@ def test_a_key_twice_in_a_safetensors_header_is_refused(tmp_path, where):
         line = _one_line_error(_run(command[0], path, *command[1:]))
         assert line == (f"routetool: error: {path}: header: the key {key!r} appears twice in one object (JSON readers "
                         "differ on which value counts) (write each key once in each object)")
+
+
+# -- the allocation budget -----------------------------------------------------------------------
+def _ids_only_trace(path: Path, num_experts: str) -> Path:
+    from safetensors.torch import save_file
+
+    meta = {"format": "routetool-trace", "format_version": "1", "num_experts": num_experts, "topk": "2",
+            "route_scale": "1"}
+    save_file({"layers.0.topk_ids": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+               "layers.0.step_offsets": torch.tensor([0, 1, 2])}, str(path), metadata=meta)
+    return path
+
+
+@pytest.mark.parametrize("num_experts, words", [
+    (str(10**12), "num_experts=1,000,000,000,000 must be in [1, 1,048,576]"),  # was an allocation traceback
+    (str(2**31), "num_experts=2,147,483,648 must be in [1, 1,048,576]"),  # was 8 GB for one tensor
+    (str(2**20), "num_experts=1,048,576 over 2 steps in 1 layers would need 2.0 GiB of per-expert tables"),
+])
+def test_a_huge_num_experts_is_refused_before_anything_is_allocated(tmp_path, num_experts, words):
+    # hole 5: info allocated [E] zeros for an ids-only trace; dumps were capped, traces not
+    path = _ids_only_trace(tmp_path / "t.safetensors", num_experts)
+    for command in (["info"], ["balance", "--no-progress"]):
+        line = _one_line_error(_run(command[0], path, *command[1:]))
+        assert f"{path}: __metadata__: {words}" in line, line
+
+
+def test_a_plausible_ids_only_trace_still_opens(tmp_path):
+    path = _ids_only_trace(tmp_path / "t.safetensors", "512")
+    assert _run("info", path).exit_code == 0
+
+
+@pytest.mark.parametrize("make, words", [
+    # hole 6: 1.7 KB that took 168 s and 7.1 GB, 119 s and 4.4 GB, and more than 300 s
+    (lambda: {"records": [{"forward_pass_id": 0, "rank": 0,
+                           "topk_ids_of_layer": torch.tensor([1, 2]).expand(1, 20_000_000, 2)}]}, "305.2 MiB"),
+    (lambda: {"records": [{"forward_pass_id": 0, "rank": 0, "topk_ids_of_layer": torch.ones(1, 100, 2).long()}]
+              * 50_000}, "79.7 MiB"),
+    (lambda: {"logical_count": torch.tensor([1]).expand(1000, 1000, 1000)}, "7.5 GiB"),
+])
+def test_amplifying_torch_dumps_are_refused_before_they_are_read(tmp_path, make, words):
+    path = tmp_path / "dump.pt"
+    torch.save(make(), path)
+    for command in (["balance", path, "--no-progress"], ["import", path, "-o", tmp_path / "o.safetensors"]):
+        start = time.perf_counter()
+        line = _one_line_error(_run(*command))
+        assert f"{path}: holds {words} once its tensors are materialised" in line, line
+        assert time.perf_counter() - start < 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dump.pt"]
+
+
+def test_materialised_bytes_counts_views_and_references():
+    t = torch.zeros(4, dtype=torch.int64)  # 32 bytes
+    assert materialised_bytes(t, "x") == 32
+    assert materialised_bytes(t.expand(10, 4), "x") == 320  # a stride-0 view counts what it shows
+    assert materialised_bytes([t, t], "x") == 2 * 8 + 64  # two references, each counted
+    nested: list = [t] * 1000
+    for _ in range(2):
+        nested = [nested] * 1000  # 10^9 references, measured in a few thousand steps
+    assert materialised_bytes(nested, "x") > 32 * 10**9
+    loop: list = [t]
+    loop.append(loop)
+    with pytest.raises(RouteToolError, match="holds itself"):
+        check_materialised(loop, "x", 10**9)
+    deep: list = []
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(RouteToolError, match="nested deeper than 64 levels"):
+        check_materialised(deep, "x", 10**9)
+
+
+def test_work_follows_the_data_not_the_largest_id(tmp_path):
+    # hole 6, near the edge: 3 KB of JSON lines with one id of 1048575 took 40 s and 1 GB
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"topk_ids": [i % 7, 1048575 if i == 50 else 8]}) + "\n" for i in range(100)))
+    for command in (["balance", path, "--no-progress"], ["import", path, "-o", tmp_path / "o.safetensors"]):
+        start = time.perf_counter()
+        line = _one_line_error(_run(*command))
+        assert time.perf_counter() - start < 10
+        assert "num_experts=1,048,576 over 100 steps in 1 layers" in line, line
+        assert "(the largest expert id, 1048575 (line 51), sets num_experts: fix that row, or pass the model's " \
+               "--num-experts)" in line, line
+    counts = tmp_path / "c.json"
+    counts.write_text(json.dumps({"0": {"1048575": 3, "0": 1}}))
+    assert "num_experts=1,048,576 over 1 steps" in _one_line_error(_run("balance", counts, "--no-progress"))
