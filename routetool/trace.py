@@ -673,11 +673,16 @@ def write_trace(
     if problems:
         raise RouteToolError("; ".join(problems), path=path, tensor="__metadata__", fix="fix the router parameters")
     tensors: dict[str, torch.Tensor] = {}
+    stored: set[int] = set()
     for layer, arrays in sorted(layers.items()):
         for name in _LAYER_FIELDS:
             value = getattr(arrays, name)
             if value is not None:
-                tensors[f"layers.{int(layer)}.{name}"] = _standalone(value)
+                t = _standalone(value)
+                if t.untyped_storage().data_ptr() in stored:  # one tensor given for two layers: one copy each
+                    t = t.clone()
+                stored.add(t.untyped_storage().data_ptr())
+                tensors[f"layers.{int(layer)}.{name}"] = t
     def write_and_check(tmp: str) -> None:
         try:
             save_file(tensors, tmp, metadata=metadata_dict(meta, len(layers)))
