@@ -1,11 +1,15 @@
-"""Hostile input, each hole closed at its mechanism (docs/cli-contract.md): the one path check
-(routetool.files.path_kind), the strict JSON reader (routetool.jsonstrict), safetensors headers
-included, and the budget on what an input may make routetool allocate (routetool.limits)."""
+"""The hostile-input promise (docs/cli-contract.md), kept under a seeded campaign of mutated
+traces, headers, indexes, dumps and paths (tests/hostile.py), and the seven holes an earlier
+campaign found, each at its mechanism: the one path check (routetool.files.path_kind), the
+strict JSON reader (routetool.jsonstrict, safetensors headers included), the budget on what an
+input may make routetool allocate (routetool.limits)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -218,3 +222,33 @@ def test_work_follows_the_data_not_the_largest_id(tmp_path):
     counts = tmp_path / "c.json"
     counts.write_text(json.dumps({"0": {"1048575": 3, "0": 1}}))
     assert "num_experts=1,048,576 over 1 steps" in _one_line_error(_run("balance", counts, "--no-progress"))
+
+
+# -- the campaign --------------------------------------------------------------------------------
+CAMPAIGN_CASES = 1500
+"""Cases of the CI campaign: about a minute on a 2-core machine without a GPU."""
+CAMPAIGN_SECONDS = 240
+"""The campaign fails, instead of hanging CI, past this (a read that blocks, a runaway loop)."""
+CAMPAIGN_RSS_BYTES = 1536 << 20
+"""Peak resident size the campaign may add to what its process holds after start-up."""
+
+
+def test_the_campaign_keeps_the_promise(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "hostile.py"), "--seed", "18", "--cases",
+                               str(CAMPAIGN_CASES)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                              timeout=CAMPAIGN_SECONDS)
+    except subprocess.TimeoutExpired as exc:
+        last = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-1:]
+        pytest.fail(f"the campaign ran past {CAMPAIGN_SECONDS} s; it was at {last} (reproduce with "
+                    "python tests/hostile.py --seed 18 --case N)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    print(f"hostile-input campaign: {report['cases']} cases in {time.perf_counter() - start:.0f} s, exit codes "
+          f"{report['exit_codes']}, slowest {[r['seconds'] for r in report['slowest']]} s")
+    assert report["cases"] == CAMPAIGN_CASES
+    assert not report["failures"], json.dumps(report["failures"][:5], indent=2)
+    assert report["peak_rss_bytes"] - report["start_peak_rss_bytes"] < CAMPAIGN_RSS_BYTES, report
+    assert set(report["exit_codes"]) >= {"0", "2"}, report["exit_codes"]  # (the mutations reach both outcomes)
