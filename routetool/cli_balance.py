@@ -123,22 +123,17 @@ def _reject_dump_options(source: Path) -> None:
                              fix=f"drop {', '.join(given)}")
 
 
-def _same_path(a, b) -> bool:
-    try:
-        return Path(a).resolve() == Path(b).resolve()
-    except (OSError, RuntimeError):
-        return False
-
-
 def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], inputs: list) -> None:
     """No --plot figure may be another output of the run or one of its inputs."""
+    from routetool.files import resolved
+
     for fig in figures:
         for flag, out in outputs.items():
-            if out is not None and out != "-" and _same_path(fig, out):
+            if out is not None and out != "-" and resolved(fig) == resolved(out):
                 raise RouteToolError(f"is named by {flag} and is a --plot figure", path=fig,
                                      fix="give each output its own file")
         for inp in inputs:
-            if inp is not None and _same_path(fig, inp):
+            if inp is not None and resolved(fig) == resolved(inp):
                 raise RouteToolError("is this run's input; a --plot figure would replace it", path=fig,
                                      fix="choose another --plot folder")
 

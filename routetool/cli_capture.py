@@ -19,6 +19,7 @@ import click
 from routetool.cli_numbers import FLOAT, IntRange
 from routetool.cli_paths import PATH, PATH_TEXT
 from routetool.errors import RouteToolError, printable
+from routetool.jsonstrict import JSONProblem, loads
 from routetool.numtext import list_items, number_problem, parse_int
 from routetool.report import Console, markup_safe
 
@@ -62,10 +63,11 @@ def _parse_overrides(items: tuple[str, ...]) -> dict:
                                  fix=f"give each key once, e.g. --set {key}={raw}")
         given[key] = raw
         try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
+            value = loads(raw)
+        except JSONProblem as exc:
             quoted = json.dumps(raw)
-            raise RouteToolError(f"--set {key}: the value {raw!r} is not JSON",
+            what = "is not JSON" if type(exc) is JSONProblem else f"is refused: {exc.reason}"
+            raise RouteToolError(f"--set {key}: the value {raw!r} {what}",
                                  fix=f"write a number, true, false, null or a quoted string, e.g. --set '{key}={quoted}'"
                                  ) from None
         out[key] = value

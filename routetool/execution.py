@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from routetool.errors import RouteToolError, first_line
+from routetool.files import path_kind
 
 if TYPE_CHECKING:
     import torch
@@ -202,10 +203,11 @@ def load_kernel(spec: str, *, also: Sequence[str] = ()) -> tuple[str, RoutingFn]
     try:
         if module_name.endswith(".py") or os.sep in module_name:
             path = os.path.abspath(module_name)
-            if not os.path.exists(path):
+            kind = path_kind(path, shown=module_name)
+            if kind in ("missing", "dangling link"):
                 raise RouteToolError("no such file", path=module_name, fix="check the --kernel path")
             spec_obj = importlib.util.spec_from_file_location(f"routetool_user_kernel_{abs(hash(path))}", path)
-            if not os.path.isfile(path) or spec_obj is None:  # a folder, or no Python suffix (README.md)
+            if kind != "file" or spec_obj is None:  # a folder, or no Python suffix (README.md)
                 raise not_python
             module = importlib.util.module_from_spec(spec_obj)
             with _importable(os.path.dirname(path)):  # its own modules beside it, as python runs a script
