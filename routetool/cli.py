@@ -181,13 +181,15 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     invalid output or weight outside tolerance, or a kernel that fails (crashes, rejects the
     trace without documenting it); exit 2 when it rejects the trace as its docstring documents.
     """
+    from routetool.files import check_output_paths, require_input
+
+    require_input(trace)  # usage errors before torch is imported
+    check_output_paths([json_path], force=force, inputs=[trace, kernel_source(kernel_spec)])
     from routetool.execution import load_kernel, select_execution
-    from routetool.files import check_output_paths
     from routetool.report import render_replay, replay_json, write_json
     from routetool.replay import parse_layers, replay_trace
     from routetool.trace import open_trace
 
-    check_output_paths([json_path], force=force, inputs=[trace, kernel_source(kernel_spec)])
     execution = select_execution(device)
     # a kernel's print() must not mix into the JSON on stdout
     with kernel_stdout(json_path == "-"):
@@ -236,19 +238,22 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     class, the first offending rows, their inputs and both outputs). Exit 0 when nothing failed,
     1 otherwise.
     """
+    from routetool.files import check_output_paths, require_input
+
+    if json_path == "-" and junit_path == "-":
+        raise RouteToolError("--json - and --junit - both want stdout", fix="write one of them to a file")
+    for t in traces:  # usage errors before torch is imported
+        require_input(t)
+    check_output_paths([json_path, junit_path], force=force, inputs=[*traces, kernel_source(kernel_spec)])
+    if suite == "none" and not traces:
+        raise RouteToolError("nothing to validate: --suite none and no trace given", fix="give a trace or a suite")
     from routetool.execution import load_kernel, select_execution
-    from routetool.files import check_output_paths
     from routetool.report import render_validate, validate_json, validate_junit, write_json, write_text
     from routetool.suite import build_suite
     from routetool.trace import open_trace
     from routetool.validate import trace_labels
     from routetool.validate import validate as run_validate
 
-    if json_path == "-" and junit_path == "-":
-        raise RouteToolError("--json - and --junit - both want stdout", fix="write one of them to a file")
-    check_output_paths([json_path, junit_path], force=force, inputs=[*traces, kernel_source(kernel_spec)])
-    if suite == "none" and not traces:
-        raise RouteToolError("nothing to validate: --suite none and no trace given", fix="give a trace or a suite")
     try:
         cases = [] if suite == "none" else build_suite(suite, list(families) or None)
     except ValueError as exc:

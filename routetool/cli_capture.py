@@ -239,13 +239,15 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
     TRACE is a .safetensors trace or a sharded trace's index (.json). Reads headers only
     (fast on any size) unless --scan is given.
     """
-    from routetool.files import check_output_paths
+    from routetool.files import check_output_paths, require_input
+
+    require_input(trace)  # usage errors before torch is imported
+    check_output_paths([json_path], force=force, inputs=[trace])
     from routetool.info import check_trace_file, trace_info
     from routetool.report import write_json
     from routetool.report_capture import info_json, render_info
     from routetool.trace import open_trace
 
-    check_output_paths([json_path], force=force, inputs=[trace])
     check_trace_file(trace)
     with open_trace(trace) as t:
         with _progress(progress and scan) as bar:

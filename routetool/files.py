@@ -116,6 +116,21 @@ def path_kind(path: str | os.PathLike, *, shown: object = None) -> str:
     return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "special"
 
 
+def require_input(path: str | os.PathLike, *, what: str = "file", shown: object = None) -> str:
+    """Refuse an input that is not there, before any work (and before torch is imported): one line,
+    ``PATH: no such file (check the path)`` (``what``: ``file or folder`` where a folder is taken
+    too). A link to nothing counts as missing. Returns :func:`path_kind`'s answer otherwise.
+
+    Raises:
+        RouteToolError: the path is missing, or cannot be examined (:func:`path_kind`).
+    """
+    shown = path if shown is None else shown
+    kind = path_kind(path, shown=shown)
+    if kind in ("missing", "dangling link"):
+        raise RouteToolError(f"no such {what}", path=shown, fix="check the path")
+    return kind
+
+
 def resolved(path: str | os.PathLike, *, shown: object = None) -> Path:
     """``path`` made absolute with its links followed (:meth:`pathlib.Path.resolve`), also when
     it does not exist yet.

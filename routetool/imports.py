@@ -75,25 +75,16 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.files import path_kind, refuse_special_file
+from routetool.files import path_kind, refuse_special_file, require_input
 from routetool.jsonstrict import JSONProblem, load_file, loads
 from routetool.limits import (MAX_EXPERTS, MAX_LAYERS, check_expert_tables, check_materialised, check_torch_archive,
                               input_bytes)
 from routetool.numtext import parse_float, parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
-FORMATS = ("auto", "trace", "jsonl", "csv", "sglang", "counts-json")
-DEFAULT_DROP_REPEATS = 64
-"""Runs of at least this many identical consecutive rows are dropped as warm-up/dummy rows."""
-READING_OPTIONS = {"num_experts": "--num-experts", "topk": "--topk", "skip_rows": "--skip-rows",
-                   "drop_repeats": "--drop-repeats", "select": "--select"}
-"""The options for reading dumps (:class:`ImportOptions` attribute -> command-line option)."""
-_TOKEN_ROW_OPTIONS = ("num_experts", "topk", "skip_rows", "drop_repeats")
-_COUNTS_OPTIONS = ("num_experts", "topk")
-OPTIONS_READ = {"jsonl": _TOKEN_ROW_OPTIONS, "csv": _TOKEN_ROW_OPTIONS, "sglang": _TOKEN_ROW_OPTIONS,
-                "counts-json": _COUNTS_OPTIONS + ("select",)}
-"""The reading options each dump format uses (SGLang: per-token dumps; its stat and per-pass
-dumps of counts read ``num_experts`` and ``topk`` only)."""
+from routetool.dump_options import (  # noqa: F401 - the options of the importers, part of this interface
+    COUNTS_OPTIONS, DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS,
+)
 
 _ID_KEYS = ("topk_ids", "experts", "expert_ids", "selected_experts", "ids")
 _WEIGHT_KEYS = ("topk_weights", "gating_probs", "weights", "routing_weights", "probs")
@@ -324,8 +315,7 @@ def detect_format(path: Path) -> str:
         RouteToolError: missing path, a FIFO, device or socket (also as a dump file of a
             folder), or nothing recognisable.
     """
-    if path_kind(path) in ("missing", "dangling link"):
-        raise RouteToolError("no such file or folder", path=path, fix="check the path")
+    require_input(path, what="file or folder")
     _refuse_special_files(path)
     if path_kind(path) == "folder":
         try:
@@ -959,7 +949,7 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     model = options.model or path.stem
     if all("logical_count" in obj for _, obj in objs):
         _refuse_counts(path, options)
-        check_options_read(path, options, _COUNTS_OPTIONS, "an sglang stat dump of per-expert counts")
+        check_options_read(path, options, COUNTS_OPTIONS, "an sglang stat dump of per-expert counts")
         return _sglang_stat(path, objs, options, model, notes)
     if any("logical_count" in obj for _, obj in objs):
         raise RouteToolError("the folder mixes stat and per-pass dumps", path=path, fix="read one mode at a time")
@@ -986,7 +976,7 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     if all("topk_ids_of_layer" in r for *_, r in records):
         return _sglang_per_token(path, records, maps, options, model, notes)
     _refuse_counts(path, options)
-    check_options_read(path, options, _COUNTS_OPTIONS, "an sglang per-pass dump of per-expert counts")
+    check_options_read(path, options, COUNTS_OPTIONS, "an sglang per-pass dump of per-expert counts")
     return _sglang_per_pass(path, records, maps, options, model, notes)
 
 
@@ -1317,8 +1307,7 @@ def resolve_format(path: str | Path, fmt: str = "auto") -> str:
         return detect_format(path)
     if fmt not in FORMATS:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
-    if path_kind(path) in ("missing", "dangling link"):
-        raise RouteToolError("no such file or folder", path=path, fix="check the path")
+    require_input(path, what="file or folder")
     _refuse_special_files(path)
     detected = _detected(path)
     if fmt == "trace" and detected != "trace":

@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write, check_output_folder, path_kind
+from routetool.files import atomic_write, check_output_folder, path_kind, require_input
 from routetool.jsonstrict import JSONProblem, loads
 from routetool.limits import MAX_EXPERTS, check_expert_tables
 from routetool.numtext import index_problem, parse_float, parse_int
@@ -355,9 +355,7 @@ class Trace:
     def __init__(self, path: str | os.PathLike, *, display_path: str | os.PathLike | None = None):
         self.path = Path(path)
         self.display_path = Path(display_path) if display_path is not None else self.path
-        kind = path_kind(self.path, shown=self.display_path)
-        if kind in ("missing", "dangling link"):
-            raise RouteToolError("no such file", path=self.display_path, fix="check the path")
+        kind = require_input(self.path, shown=self.display_path)
         if kind == "folder":
             raise RouteToolError("is a directory, not a trace file", path=self.display_path, fix="name a .safetensors trace")
         if kind != "file":
