@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu.sh [MODE ...]      (default: tests validate replays bench host engine)
 #
 #   tests     every test marked gpu, and all kernel and bench tests (compiled), in parallel shards
+#   gpu-tests only the tests marked gpu, in parallel shards (a shorter check of GPU paths)
 #   validate  routetool validate --suite full --kernel tiled (the shapes family in a process of its own)
 #   replays   routetool replay of every bundled trace, with latency
 #   bench     routetool bench: tiled vs seed, 64 and 65536 tokens, 256 experts, fp32 and bf16
@@ -40,8 +41,8 @@ has() { case " $MODES " in *" $1 "*) return 0 ;; esac; return 1; }
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git rev-parse --short=12 HEAD 2>/dev/null; } >> "$S"
 
-if has tests; then
-  { python3 -m pytest -q -p no:cacheprovider --co tests/test_kernel.py tests/test_bench.py 2>/dev/null
+if has tests || has gpu-tests; then
+  { has tests && python3 -m pytest -q -p no:cacheprovider --co tests/test_kernel.py tests/test_bench.py 2>/dev/null
     python3 -m pytest -q -p no:cacheprovider --co -m gpu tests 2>/dev/null; } | grep '::' | sort -u > "$R/pytest-ids.txt"
   for i in 1 2 3 4 5 6; do
     # spread by a hash of the test id, so that neighbouring (similarly heavy) parametrizations part
