@@ -7,7 +7,8 @@ imports and the read included) and in the same run:
 * ``replay --no-latency``, ``balance --ep-size 8`` and ``validate --suite none`` (``--set gpu``),
   or ``balance --reference`` (``--set cpu``).
 
-It prints, per trace and command, the best of ``--repeat`` runs, the ratio to the raw read and
+It prints, per trace and command, the best of ``--repeat`` runs (at least 2 on the GPU: the first run of a
+command compiles the kernel's launch configurations it meets, which Triton then keeps on disk), the ratio to the raw read and
 the work per captured step beyond the read ((command - raw read) / steps), and appends one row
 per measurement to the results CSV (long format, with the commit and the machine on every row).
 
@@ -103,12 +104,12 @@ def _machine(device: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", choices=sorted(TRACES), default="gpu", help="which traces and commands (default gpu)")
-    ap.add_argument("--repeat", type=int, default=None, help="runs per measurement, best kept (default 1 gpu, 3 cpu)")
+    ap.add_argument("--repeat", type=int, default=None, help="runs per measurement, best kept (default 2 gpu, 3 cpu)")
     ap.add_argument("--workdir", default=None, help="where the traces go (default a temporary folder)")
     ap.add_argument("--csv", default=str(RESULTS), help="results file to append to ('' for none)")
     opts = ap.parse_args()
     device = "cuda" if opts.set == "gpu" else "cpu"
-    repeat = opts.repeat or (1 if opts.set == "gpu" else 3)
+    repeat = opts.repeat or (2 if opts.set == "gpu" else 3)
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="routetool-engine-"))
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
