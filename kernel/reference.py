@@ -154,6 +154,23 @@ def musespark1x_routing_reference(
     return weights, ids
 
 
+def select_experts(scores: torch.Tensor, bias: torch.Tensor, topk: int, *,
+                   is_padding: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference's ``topk_ids`` from scores already computed (steps 3 and 5 of the module
+    docstring): :func:`select_topk` of :func:`biased_scores`, -1 on padded rows. For callers that
+    route the same scores with several biases (balance's bias effect).
+
+    Args:
+        scores: ``[num_tokens, num_experts]`` float32 from :func:`normalized_scores`.
+        bias: ``[num_experts]``. topk: experts per token. is_padding: ``[num_tokens]`` bool or None.
+
+    Returns:
+        ``[num_tokens, topk]`` int32, best first.
+    """
+    ids = select_topk(biased_scores(scores, bias), topk).to(torch.int32)
+    return ids if is_padding is None else torch.where(is_padding[:, None], -1, ids)
+
+
 def routing_with_scores(
     gating_output: torch.Tensor,
     bias: torch.Tensor,
