@@ -662,6 +662,20 @@ def render_validate(result, console: Console, show_failures: int = 15) -> None:
         console.print(Text(f"FAIL: {len(failed)} of {n} cases failed; exit code {result.exit_code}", style="bold red"))
 
 
+def _row_line(r) -> str:
+    """An offending row on one plain line (JUnit): where, its class, both outputs with weights."""
+    where = (f" (batches of {r.batch_sizes[0]} and {r.batch_sizes[1]}, rows {r.positions[0]} and {r.positions[1]})"
+             if r.batch_sizes else "")
+    return (f"row {r.row}{where} [{r.failure_class}]: expected {r.expected_ids} weights "
+            f"{[float(f'{w:.9g}') for w in r.expected_weights]} got {r.got_ids} weights "
+            f"{[float(f'{w:.9g}') for w in r.got_weights]}")
+
+
+def _row_json(row) -> dict:
+    """An offending row; ``batch_sizes`` and ``positions`` only on rows that have them (docs/validate.md)."""
+    return {k: v for k, v in asdict(row).items() if v is not None or k not in ("batch_sizes", "positions")}
+
+
 def validate_json(result) -> dict:
     """The validate result as a JSON document (docs/validate.md)."""
     import torch
@@ -682,7 +696,7 @@ def validate_json(result) -> dict:
             {
                 "family": c.family, "name": c.name, "description": c.description, "verdict": c.verdict,
                 "tie_rows": c.tie_rows, "failure_classes": c.failure_classes, "message": c.message,
-                "duration_s": c.duration_s, "rows": [asdict(r) for r in c.rows],
+                "duration_s": c.duration_s, "rows": [_row_json(r) for r in c.rows],
             }
             for c in result.cases
         ],
@@ -721,8 +735,7 @@ def validate_junit(result) -> str:
             tc = ET.SubElement(suite, "testcase", classname=family, name=c.name, time=f"{c.duration_s:.3f}")
             if c.verdict == "fail":
                 failure = ET.SubElement(tc, "failure", message=c.message[:500], type=",".join(c.failure_classes))
-                failure.text = "\n".join(f"row {r.row} [{r.failure_class}]: expected {r.expected_ids} got {r.got_ids}"
-                                         for r in c.rows) or c.message
+                failure.text = "\n".join(_row_line(r) for r in c.rows) or c.message
             elif c.verdict == "skipped":
                 ET.SubElement(tc, "skipped", message=c.message)
             elif c.message:
