@@ -193,6 +193,33 @@ def test_batch_variance_reports_the_token_both_batch_sizes_and_both_outputs(rows
     assert row.expected_weights == [float(x) for x in w[row.row]] != row.got_weights
 
 
+def test_a_failing_case_shows_its_class_first_row_and_both_outputs_on_one_screen(tmp_path):
+    # the terminal showed ids only (`row 1: [39, 1, ...] -> [39, 1, ...]`), in a table that split at 80 columns
+    from routetool.report import Console, render_validate
+
+    execution = select_execution("cpu")
+    cases = [c for c in QUICK if c.family in ("models", "nonfinite")]
+    for name, must in (("large_batch_rounding", ["✗ models/qwen1.5-moe/E60-k4  batch_variant",
+                                                 "token 4: in a batch of 7 (row 4) and of 129 (row 56)",
+                                                 "B=7   ids 29 24 22 56; w 0.46 0.273 0.151 0.116",
+                                                 "B=129 ids the same; w of slot 0 (expert 29) 0.460315973, not "
+                                                 "0.460316002"]),
+                       ("wrong_at_160_experts_k8", ["✗ models/glm-4.5/E160-k8  mismatch", "row 3: mismatch",
+                                                    "expected ids 98 73 121 157 103 12 30 141; w 0.3 0.311 ",
+                                                    "got      ids 98 73 121 103 12 30 71 44; w 0.303 0.314 "]),
+                       ("nan_unsafe", ["Failing cases (7; 5 shown): invalid:nonfinite_weight 7",
+                                       "got      ids 0 1 2 3 4 5; w nan nan", "and 2 more failing cases"])):
+        result = validate(getattr(mutants, name), name, execution, cases=cases)
+        console = Console(width=80, record=True, color_system=None)
+        render_validate(result, console)
+        text = console.export_text()
+        assert len(text.splitlines()) <= 50, text
+        assert all(m in text for m in must), text
+        doc = json.loads(json.dumps(__import__("routetool.report", fromlist=["x"]).validate_json(result)))
+        rows = [r for c in doc["cases"] for r in c["rows"]]
+        assert all(("batch_sizes" in r) == (r["failure_class"] == "batch_variant") for r in rows)
+
+
 def test_project_kernel_passes_quick_suite(execution):
     import kernel
 
