@@ -5,7 +5,7 @@
 #
 #   tests     every test marked gpu, and all kernel and bench tests (compiled), in parallel shards
 #   gpu-tests only the tests marked gpu, in parallel shards (a shorter check of GPU paths)
-#   validate  routetool validate --suite full --kernel tiled (the shapes family in a process of its own)
+#   validate  routetool validate --suite full --kernel tiled (the shapes and the models family each in a process of its own)
 #   replays   routetool replay of every bundled trace, with latency
 #   bench     routetool bench: tiled vs seed, 64 and 65536 tokens, 256 experts, fp32 and bf16
 #   host      benchmarks/bench_host_cost.py: host cost per call against an empty Triton launch
@@ -57,6 +57,8 @@ if has validate; then
   run validate-rest 300 python3 -m routetool validate --suite full --kernel tiled --device cuda --family ties \
     --family nonfinite --family bias --family layouts --family dtypes --family padding --family parameters \
     --json "$R/validate-rest.json" --no-progress &
+  run validate-models 540 python3 -m routetool validate --suite full --kernel tiled --device cuda --family models \
+    --json "$R/validate-models.json" --no-progress &
 fi
 wait
 if has replays; then

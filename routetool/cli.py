@@ -220,7 +220,8 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
 @click.option("--suite", type=click.Choice(["quick", "full", "none"]), default="quick", show_default=True,
               help="Built-in edge-case suite: quick (CPU-sized), full (all shapes; large ones need a GPU), none.")
 @click.option("--family", "families", multiple=True,
-              help="Only these suite families (repeatable): ties, nonfinite, bias, shapes, layouts, dtypes, padding, parameters.")
+              help="Only these suite families (repeatable): ties, nonfinite, bias, shapes, models, layouts, dtypes, padding, "
+                   "parameters.")
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
               help="cuda: compiled kernels, CUDA-graph cases; cpu: the Triton interpreter; auto: cuda if present.")
 @click.option("--tie-ulps", type=FloatRange(min=0, max=1e6), default=16.0, show_default=True, callback=_finite,

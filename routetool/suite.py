@@ -2,7 +2,7 @@
 
 Every case is built from a fixed seed (derived from its name), so a suite is the same on
 every machine. What the correct output of each family is, is written in docs/validate.md.
-Families: ties, nonfinite, bias, shapes, layouts, dtypes, padding, parameters.
+Families: ties, nonfinite, bias, shapes, models, layouts, dtypes, padding, parameters.
 """
 
 from __future__ import annotations
@@ -53,11 +53,17 @@ class Case:
         build: makes the inputs on a device.
         feature: the unusual property of the input (e.g. ``"bfloat16"``), used to decide
             whether a kernel's rejection of it is documented.
-        checks: extra checks beyond the per-output invariants: ``"row_order"`` (outputs do
-            not depend on the order of unrelated rows), ``"mask_change"`` (changing the
-            padding mask and bias in place between two calls changes the output),
-            ``"cuda_graph"`` (the same through one captured CUDA graph).
+        checks: extra checks beyond the per-output invariants: ``"determinism"`` (the same
+            input routed again gives bit-identical outputs), ``"row_order"`` (outputs do not
+            depend on the order of unrelated rows), ``"batch"`` (each token's outputs are
+            bit-identical when it is routed in a batch of each of ``batch_sizes``, at another
+            position, with padded rows around it: :func:`batch_around`),
+            ``"batch_determinism"`` (the largest of those batches routed again gives
+            bit-identical outputs), ``"mask_change"`` (changing the padding mask and
+            bias in place between two calls changes the output), ``"cuda_graph"`` (the same
+            through one captured CUDA graph).
         cuda_only: needs a GPU (size or CUDA graphs); skipped elsewhere.
+        batch_sizes: for ``"batch"``: the sizes of the other batches each token is routed in.
     """
 
     family: str
@@ -68,6 +74,7 @@ class Case:
     checks: tuple[str, ...] = ()
     cuda_only: bool = False
     tags: dict = field(default_factory=dict)
+    batch_sizes: tuple[int, ...] = ()
 
 
 def _gen(name: str) -> torch.Generator:
@@ -110,7 +117,7 @@ def _ties(suite: str) -> list[Case]:
             g = torch.randint(-3, 4, (33, E), generator=_gen(name)).float()
             return CaseInput(gating_output=g.to(device), bias=torch.zeros(E, device=device), topk=K)
         cases.append(Case("ties", name, "integer-valued logits: many exact ties at every rank", build_int,
-                          checks=("row_order",)))
+                          checks=("determinism", "row_order")))
 
         name = f"ties/bf16-boundary/E{E}-k{K}"
 
@@ -125,7 +132,9 @@ def _ties(suite: str) -> list[Case]:
         cases.append(Case("ties", name, "bf16 logits colliding exactly at the k-th boundary", build_bf16,
                           feature="bfloat16"))
     # Prefill-sized batches, so that a GPU runs the kernel's large-batch algorithm on ties too
-    # (the tiled kernel's two-level merge sends tied rows to its redo).
+    # (the tiled kernel's two-level merge sends tied rows to its redo). GPU-only: under the
+    # interpreter the tiled kernel runs the 33-row cases' scan, 33 tiles over (a second of the
+    # quick suite's time on a CPU).
     for E, K in ((64, 8),) if suite == "quick" else ((64, 8), (256, 8)):
         name = f"ties/prefill/E{E}-k{K}"
 
@@ -137,7 +146,7 @@ def _ties(suite: str) -> list[Case]:
             g[2::4] = torch.randint(-3, 4, (len(range(2, T, 4)), E), generator=_gen(name + "/int")).float()
             return CaseInput(gating_output=g.to(device), bias=torch.zeros(E, device=device), topk=K)
         cases.append(Case("ties", name, "4100 rows (a prefill batch) of equal, half-equal and integer logits",
-                          build_prefill))
+                          build_prefill, cuda_only=True))
     return cases
 
 
@@ -211,13 +220,144 @@ def _shapes(suite: str) -> list[Case]:
             for T in tokens:
                 name = f"shapes/T{T}-E{E}-k{K}"
                 cases.append(Case("shapes", name, f"{T} tokens, {E} experts, topk {K}", _simple(name, T, E, K),
-                                  checks=("row_order",) if T == 33 and E in (60, 256) else ()))
+                                  checks=("determinism", "row_order") if T == 33 and E in (60, 256) else ()))
     if suite == "full":
         for T, E, K in ((65536, 256, 8), (32768, 384, 8), (16384, 512, 22)):
             name = f"shapes/prefill-T{T}-E{E}-k{K}"
             cases.append(Case("shapes", name, f"large prefill: {T} tokens, {E} experts", _simple(name, T, E, K),
                               cuda_only=True))
     return cases
+
+
+# -------------------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class ModelShape:
+    """The router of served MoE models: ``(num_experts, topk)``, score normalization, whether the
+    selection has a bias (``e_score_correction_bias``; otherwise zeros) and ``route_scale``
+    (routed_scaling_factor) as their published configs have them. Group-limited selection
+    (DeepSeek's ``n_group``/``topk_group``) and un-renormalised weights (Qwen1.5, OLMoE)
+    are not what this router computes: the case stands for the shape and the scores."""
+
+    slug: str
+    models: str
+    num_experts: int
+    topk: int
+    normalization: str
+    bias: bool
+    route_scale: float = 1.0
+    dtype: torch.dtype = torch.float32
+
+
+MODEL_SHAPES = (
+    ModelShape("mixtral", "Mixtral 8x7B / 8x22B", 8, 2, "softmax", False),
+    ModelShape("qwen1.5-moe", "Qwen1.5-MoE-A2.7B", 60, 4, "softmax", False),
+    ModelShape("deepseek-v2-lite", "DeepSeek-V2-Lite", 64, 6, "softmax", False),
+    ModelShape("qwen2-moe-olmoe", "Qwen2-57B-A14B (Qwen2-MoE), OLMoE-1B-7B", 64, 8, "softmax", False),
+    ModelShape("gpt-oss", "gpt-oss-120b (gpt-oss-20b: 32 experts, topk 4)", 128, 4, "softmax", False),
+    ModelShape("qwen3-moe", "Qwen3-30B-A3B, Qwen3-235B-A22B (Qwen3-MoE)", 128, 8, "softmax", False),
+    ModelShape("glm-4.5-air", "GLM-4.5-Air", 128, 8, "sigmoid", True),
+    ModelShape("deepseek-v2", "DeepSeek-V2", 160, 6, "softmax", False, 16.0),
+    ModelShape("glm-4.5", "GLM-4.5", 160, 8, "sigmoid", True, 2.5),
+    ModelShape("deepseek-v3-r1", "DeepSeek-V3, DeepSeek-R1", 256, 8, "sigmoid", True, 2.5),
+    ModelShape("musespark1x", "MuseSpark1x (bf16 logits, as it serves them)", 256, 8, "sigmoid", True, 2.5,
+               torch.bfloat16),
+    ModelShape("kimi-k2", "Kimi-K2", 384, 8, "sigmoid", True, 2.827),
+    ModelShape("qwen3-next", "Qwen3-Next-80B-A3B", 512, 10, "softmax", False),
+    ModelShape("topk16", "topk 16 (beyond 8-slot arrays)", 256, 16, "sigmoid", True, 2.5),
+    ModelShape("topk22", "topk 22 (beyond 8- and 16-slot arrays)", 512, 22, "softmax", False),
+)
+"""The production shapes of the ``models`` family, in both suites (docs/validate.md)."""
+
+MODEL_TOKENS = 7
+"""Tokens of a ``models`` case: a 7-row batch (an 8-row tile with one row masked under the
+interpreter), rows :data:`MODEL_PADDED_ROWS` padded."""
+MODEL_PADDED_ROWS = (2, 5)
+
+BATCH_SIZES = (1, 129)
+"""Other batches a ``models`` case's tokens are routed in (with the case's own 7 rows).
+The ``tiled`` kernel under the Triton interpreter routes ``min(128, next_pow2(T))`` rows per
+program (``kernel.routing.default_config``): a token alone (a 1-row tile, no padding mask),
+7 rows (one 8-row tile) and 129 rows (two 128-row tiles, the second holding one row)."""
+
+GPU_BATCH_SIZES = (2048, 2049, 8193, 40000)
+"""The GPU batches of a ``models`` case (``cuda_only``): the ``tiled`` kernel's switches on a
+GPU (``kernel.routing``): up to ``SMALL_BATCH`` = 2048 tokens the scan algorithm, above it
+the two-level one; a persistent grid once the tokens exceed ``programs_per_sm`` (32) times
+the SM count (8193: up to 256 SMs), with tiles claimed from atomic counters from
+``DYNAMIC_TILES_FROM`` (8) times that grid (40000: up to 148 SMs, an H200 has 132)."""
+
+
+def _model_build(name: str, shape: ModelShape) -> Callable[[torch.device], CaseInput]:
+    def build(device: torch.device) -> CaseInput:
+        E = shape.num_experts
+        pad = torch.zeros(MODEL_TOKENS, dtype=torch.bool)
+        pad[list(MODEL_PADDED_ROWS)] = True
+        bias = _bias(name, E, scale=0.1) if shape.bias else torch.zeros(E)
+        return CaseInput(gating_output=_randn(name, (MODEL_TOKENS, E)).to(shape.dtype).to(device),
+                         bias=bias.to(device), topk=shape.topk, route_scale=shape.route_scale,
+                         router_score_normalization=shape.normalization, is_padding=pad.to(device))
+    return build
+
+
+def _models(suite: str) -> list[Case]:
+    cases = []
+    for shape in MODEL_SHAPES:
+        E, K = shape.num_experts, shape.topk
+        name = f"models/{shape.slug}/E{E}-k{K}"
+        dtype = str(shape.dtype).removeprefix("torch.")
+        what = (f"{shape.models}: {E} experts, topk {K}, {shape.normalization}"
+                f"{' + bias' if shape.bias else ', no bias'}, route_scale {shape.route_scale:g}"
+                f"{', ' + dtype if shape.dtype != torch.float32 else ''}")
+        feature = dtype if shape.dtype != torch.float32 else None
+        build = _model_build(name, shape)
+        cases.append(Case("models", name, f"{what}; {MODEL_TOKENS} tokens, 2 padded; batches of "
+                          f"{', '.join(map(str, BATCH_SIZES))}", build, feature=feature,
+                          checks=("determinism", "batch"), batch_sizes=BATCH_SIZES))
+        cases.append(Case("models", name + "/large-batches", f"{what}; its tokens in batches of "
+                          f"{', '.join(map(str, GPU_BATCH_SIZES))}", build, feature=feature,
+                          checks=("batch", "batch_determinism"), batch_sizes=GPU_BATCH_SIZES, cuda_only=True))
+    return cases
+
+
+@dataclass
+class BatchProbe:
+    """Tokens of a case routed in another batch: the case's rows ``rows`` are rows
+    ``positions`` of ``inp``, a batch of ``size`` rows."""
+
+    size: int
+    inp: CaseInput
+    rows: list[int]
+    positions: list[int]
+
+
+def batch_around(name: str, inp: CaseInput, size: int) -> BatchProbe:
+    """The batch of ``size`` rows that ``inp``'s tokens are routed in by the ``"batch"`` check.
+
+    ``size`` >= the case's rows: every token, in reverse order, spread over
+    the batch (the first token last), each unpadded token between two padded rows; the other
+    rows are random logits (seeded by ``name`` and ``size``). Smaller: the first unpadded
+    token, at the end of the batch, with no padding mask when ``size`` is 1. Same bias and
+    parameters; no caller buffers.
+    """
+    T, E = inp.gating_output.shape
+    device, dtype = inp.gating_output.device, inp.gating_output.dtype
+    pad = inp.is_padding.cpu() if inp.is_padding is not None else torch.zeros(T, dtype=torch.bool)
+    rows = list(range(T)) if size >= T else [next((r for r in range(T) if not pad[r]), 0)]
+    stride = size // len(rows)
+    positions = [size - 1 - j * stride for j in range(len(rows))]
+    g = _randn(f"{name}/batch{size}", (size, E)).to(dtype).to(device)
+    g[positions] = inp.gating_output[rows]
+    mask = None
+    if size > 1 or bool(pad[rows].any()):
+        mask = torch.zeros(size, dtype=torch.bool)
+        for r, p in zip(rows, positions):
+            if not pad[r]:
+                mask[[q for q in (p - 1, p + 1) if 0 <= q < size and q not in positions]] = True
+        mask[positions] = pad[rows]
+        mask = mask.to(device)
+    batch = CaseInput(**{**inp.__dict__, "gating_output": g, "is_padding": mask, "topk_weights": None,
+                         "topk_ids": None})
+    return BatchProbe(size=size, inp=batch, rows=rows, positions=positions)
 
 
 # ------------------------------------------------------------------------------------- layouts
@@ -318,6 +458,7 @@ FAMILIES = {
     "nonfinite": _nonfinite,
     "bias": _bias_family,
     "shapes": _shapes,
+    "models": _models,
     "layouts": _layouts,
     "dtypes": _dtypes,
     "padding": _padding,

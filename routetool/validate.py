@@ -22,9 +22,13 @@ results in the caller's buffers [output_not_in_buffers] and nothing written outs
 ``[num_tokens, topk]`` view [wrote_outside_view]; the tie-aware comparison with the reference
 [mismatch, invalid:<reason>, weight_error]; weights equal to the unbiased scores of the chosen
 experts, renormalised [weights_not_renormalized_unbiased]; without eps, each row's weights sum
-to route_scale [weight_sum]. Extra checks of some cases: outputs independent of the order of
-unrelated rows [row_order_dependence]; a changed padding mask and bias change the output, in
-eager calls and through a captured CUDA graph [stale_output].
+to route_scale [weight_sum]. Extra checks of some cases: the same input routed again gives
+bit-identical ids and weights [nondeterministic]; each token's ids and weights are bit-identical
+in batches of other sizes, at other positions, with padded rows around it [batch_variant];
+outputs independent of the order of unrelated rows [row_order_dependence]; a changed padding
+mask and bias change the output, in eager calls and through a captured CUDA graph
+[stale_output]. A kernel found nondeterministic is not judged for batch_variant or
+row_order_dependence: two calls already differ on one input.
 """
 
 from __future__ import annotations
@@ -49,14 +53,22 @@ from routetool.engine.stream import route_steps, stream_layer
 from routetool.engine.verdict import Verdict
 from routetool.errors import EXIT_FINDINGS, EXIT_USAGE, RouteToolError, first_line
 from routetool.execution import Execution
-from routetool.suite import Case, CaseInput
+from routetool.suite import Case, CaseInput, batch_around
 
 VERDICTS = ("pass", "pass_tie", "rejected", "fail", "skipped")
 
 
 @dataclass
 class RowReport:
-    """One offending row: where, why, the inputs that matter, and both outputs."""
+    """One offending row: where, why, the inputs that matter, and both outputs.
+
+    ``expected_*`` is the reference's output and ``got_*`` the kernel's, except for the classes
+    that compare the kernel with itself: for ``nondeterministic``, the first and the second call
+    on one input; for ``batch_variant``, the token in the case's own batch and in another one.
+    Rows of a batch other than the case's own carry ``batch_sizes`` and ``positions``: the
+    sizes of the two batches whose outputs are shown and the row's position in each (``row`` is
+    the first position); they are ``None`` otherwise.
+    """
 
     row: int
     failure_class: str
@@ -66,6 +78,8 @@ class RowReport:
     got_ids: list[int]
     expected_weights: list[float]
     got_weights: list[float]
+    batch_sizes: list[int] | None = None
+    positions: list[int] | None = None
 
 
 @dataclass
@@ -249,9 +263,80 @@ def _change_inputs(inp: CaseInput) -> None:
     inp.bias[inp.bias.shape[0] // 2] += 10.0
 
 
+def _bits_differ(w1: torch.Tensor, ids1: torch.Tensor, w2: torch.Tensor, ids2: torch.Tensor) -> torch.Tensor:
+    """``[rows]`` bool: the rows whose ids or float32 weights differ in any bit."""
+    return (ids1.long() != ids2.long()).any(-1) | (w1.view(torch.int32) != w2.view(torch.int32)).any(-1)
+
+
+def _self_comparison(cls: str, inp: CaseInput, first: tuple, second: tuple, r: int, p: int,
+                     sizes: list[int] | None = None) -> RowReport:
+    """A token's outputs from two calls of the kernel: row ``r`` of ``first`` (``(weights, ids)``
+    of ``inp``) against row ``p`` of ``second``; ``sizes``: the two calls' batch sizes, when the
+    second is another batch than ``inp``."""
+    from kernel.reference import routing_with_scores
+
+    _, _, scores, biased = routing_with_scores(inp.gating_output, inp.bias, **inp.kwargs())
+    pad = inp.is_padding is not None and bool(inp.is_padding[r])
+    return RowReport(row=r, failure_class=cls, is_padding=pad, top_inputs=_top_inputs(inp, scores, biased, r),
+                     expected_ids=first[1][r].tolist(), got_ids=second[1][p].tolist(),
+                     expected_weights=[float(x) for x in first[0][r]], got_weights=[float(x) for x in second[0][p]],
+                     batch_sizes=sizes, positions=None if sizes is None else [r, p])
+
+
+def _twice(fn: RoutingFn, inp: CaseInput, first: tuple, feature: str | None,
+           size: int | None = None) -> list[RowReport]:
+    """Route ``inp`` again; the rows (at most 3) that differ from ``first``, ``(weights, ids)``."""
+    w2, ids2 = _call(fn, inp, feature=feature)
+    changed = torch.nonzero(_bits_differ(*first, w2, ids2)).flatten().tolist()
+    sizes = None if size is None else [size, size]
+    return [_self_comparison("nondeterministic", inp, first, (w2, ids2), r, r, sizes) for r in changed[:3]]
+
+
+def _batch_check(case: Case, fn: RoutingFn, inp: CaseInput, base: tuple) -> tuple[list[str], list[RowReport]]:
+    """``"batch"``: each token of ``inp`` routed in a batch of each of the case's sizes
+    (:func:`routetool.suite.batch_around`), compared bit for bit with ``base``, its
+    ``(weights, ids)`` in the case's own batch; with ``"batch_determinism"`` the largest batch
+    is routed twice (a GPU kernel's persistent grid and its atomics run there). At most one row
+    per size, 3 in all."""
+    T = inp.gating_output.shape[0]
+    sizes = sorted(case.batch_sizes)
+    outputs = {}
+    for size in reversed(sizes):  # the largest first: two calls that differ end the check
+        probe = batch_around(case.name, inp, size)
+        w, ids = _call(fn, probe.inp, feature=case.feature)
+        out = (w.clone(), ids.clone())  # (a kernel may return its own buffers, reused by the next call)
+        if size == sizes[-1] and "batch_determinism" in case.checks:
+            changed = _twice(fn, probe.inp, out, case.feature, size)
+            if changed:
+                return ["nondeterministic"], changed
+        outputs[size] = (probe, out)
+    rows = []
+    for size in sizes:
+        probe, out = outputs[size]
+        r = torch.tensor(probe.rows, device=inp.gating_output.device)
+        p = torch.tensor(probe.positions, device=inp.gating_output.device)
+        differ = torch.nonzero(_bits_differ(base[0][r], base[1][r], out[0][p], out[1][p])).flatten().tolist()
+        if differ:
+            j = differ[0]
+            rows.append(_self_comparison("batch_variant", inp, base, out, probe.rows[j], probe.positions[j],
+                                         [T, size]))
+    return (["batch_variant"] if rows else []), rows[:3]
+
+
 def _run_checks(case: Case, fn: RoutingFn, inp: CaseInput, weights, ids, tie_ulps: float) -> tuple[list[str], int, list]:
     classes, ties, rows = evaluate(inp, weights, ids, tie_ulps=tie_ulps)
     classes += _buffer_checks(inp, weights, ids)
+    base = (weights.clone(), ids.clone())  # later calls may write into the buffers the outputs are views of
+    if "determinism" in case.checks:
+        changed = _twice(fn, inp, base, case.feature)
+        if changed:  # two calls on one input differ: batch and row-order comparisons would only see that
+            return list(dict.fromkeys([*classes, "nondeterministic"])), ties, rows + changed
+    if "batch" in case.checks:
+        found, batch_rows = _batch_check(case, fn, inp, base)
+        if "nondeterministic" in found:
+            return list(dict.fromkeys([*classes, *found])), ties, rows + batch_rows
+        classes += found
+        rows += batch_rows
     if "row_order" in case.checks:
         n = inp.gating_output.shape[0]
         perm = (torch.arange(n, device=inp.gating_output.device) + 1) % n  # every row moves by one

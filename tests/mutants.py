@@ -221,6 +221,79 @@ def exits(gating_output, *a, **k):
     return correct(gating_output, *a, **k)
 
 
+_CALLS = {"racy_ties": 0, "atomic_order_sum": 0}
+
+
+def racy_ties(gating_output, bias, topk, route_scale, *a, topk_weights=None, topk_ids=None, **k):
+    """Breaks ties toward the lowest expert index on one call and the highest on the next, as a
+    tie-break decided by whichever thread's atomic lands first would."""
+    _CALLS["racy_ties"] += 1
+    pick = correct if _CALLS["racy_ties"] % 2 else highest_index_ties
+    w, ids = pick(gating_output, bias, topk, route_scale, *a, **k)
+    return _out(w, ids, topk_weights, topk_ids)
+
+
+def _weights_summed(gating_output, bias, topk, route_scale, router_output_multiplier=None,
+                    router_score_normalization="sigmoid", router_score_division_eps=None, *, is_padding=None,
+                    reverse=False):
+    """The reference's ids; weights renormalised by a sum taken slot by slot, first to last or last to first."""
+    _, ids = musespark1x_routing_reference(gating_output, bias, topk, route_scale, router_output_multiplier,
+                                           router_score_normalization, router_score_division_eps)
+    picked = normalized_scores(gating_output, router_score_normalization, router_output_multiplier).gather(
+        1, ids.long())
+    denom = torch.zeros(picked.shape[0], 1, device=picked.device)
+    for j in (reversed(range(topk)) if reverse else range(topk)):
+        denom = denom + picked[:, j:j + 1]
+    if router_score_division_eps is not None:
+        denom = denom + router_score_division_eps
+    w = torch.where(denom > 0, picked * (route_scale / torch.where(denom > 0, denom, 1.0)), 0.0)
+    if is_padding is not None:
+        ids = torch.where(is_padding[:, None], -1, ids)
+        w = torch.where(is_padding[:, None], 0.0, w)
+    return w, ids
+
+
+def atomic_order_sum(gating_output, bias, topk, route_scale, router_output_multiplier=None,
+                     router_score_normalization="sigmoid", router_score_division_eps=None, topk_weights=None,
+                     topk_ids=None, *, is_padding=None):
+    """Sums each row's picked scores in another order on every other call (as float atomics
+    landing in another order do): the same ids, weights that differ in their last bits."""
+    _CALLS["atomic_order_sum"] += 1
+    w, ids = _weights_summed(gating_output, bias, topk, route_scale, router_output_multiplier,
+                             router_score_normalization, router_score_division_eps, is_padding=is_padding,
+                             reverse=_CALLS["atomic_order_sum"] % 2 == 0)
+    return _out(w, ids, topk_weights, topk_ids)
+
+
+def large_batch_rounding(gating_output, bias, topk, route_scale, router_output_multiplier=None,
+                         router_score_normalization="sigmoid", router_score_division_eps=None, topk_weights=None,
+                         topk_ids=None, *, is_padding=None):
+    """Above 128 tokens takes its prefill path, which sums the picked scores last slot first:
+    a token's weights change in their last bits with the size of the batch it comes in."""
+    w, ids = _weights_summed(gating_output, bias, topk, route_scale, router_output_multiplier,
+                             router_score_normalization, router_score_division_eps, is_padding=is_padding,
+                             reverse=gating_output.shape[0] > 128)
+    return _out(w, ids, topk_weights, topk_ids)
+
+
+def wrong_at_160_experts_k8(gating_output, bias, topk, route_scale, *a, **k):
+    """A kernel specialised per (num_experts, topk) whose (160, 8) instance (GLM-4.5's router)
+    reads only the first 128 experts."""
+    if gating_output.shape[1] == 160 and topk == 8:
+        gating_output = gating_output.clone()
+        gating_output[:, 128:] = float("-inf")
+    return correct(gating_output, bias, topk, route_scale, *a, **k)
+
+
+def eight_slots(gating_output, bias, topk, route_scale, *a, topk_weights=None, topk_ids=None, **k):
+    """Keeps its picks in 8 slots: for topk above 8 the slots from 8 on repeat the first ones."""
+    w, ids = correct(gating_output, bias, topk, route_scale, *a, **k)
+    if topk > 8:
+        slots = torch.arange(topk, device=ids.device) % 8
+        w, ids = w[:, slots], ids[:, slots]
+    return _out(w, ids, topk_weights, topk_ids)
+
+
 MUTANTS = {
     "biased_weights": (biased_weights, "weights_not_renormalized_unbiased"),
     "not_renormalized": (not_renormalized, "weight_sum"),
@@ -240,4 +313,9 @@ MUTANTS = {
     "crashes_on_one_expert": (crashes_on_one_expert, "crash"),
     "zeroes_its_inputs": (zeroes_its_inputs, "modified_input"),
     "exits": (exits, "crash"),
+    "racy_ties": (racy_ties, "nondeterministic"),
+    "atomic_order_sum": (atomic_order_sum, "nondeterministic"),
+    "large_batch_rounding": (large_batch_rounding, "batch_variant"),
+    "wrong_at_160_experts_k8": (wrong_at_160_experts_k8, "mismatch"),
+    "eight_slots": (eight_slots, "invalid:duplicate_id"),
 }
