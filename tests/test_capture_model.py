@@ -1,4 +1,5 @@
-"""A small MoE decoder recorded on the CPU: eagerly and compiled (tests/moe_decoder.py).
+"""A small MoE decoder recorded eagerly and compiled (tests/moe_decoder.py), on the CPU (on the
+GPU where there is one).
 
 The trace holds exactly the rows the model routed, compared with the model's own outputs, and
 replays with exit 0. The same model is recorded under CUDA graphs in tests/test_capture_gpu.py.
@@ -11,13 +12,14 @@ import torch
 from click.testing import CliRunner
 
 import moe_decoder
+from conftest import DEVICE
 from routetool.capture.recorder import RoutingRecorder
 
 STEPS = [(9, 0), (4, 1), (8, 3), (1, 0), (6, 2)]  # (rows, padded rows): a prefill, then padded decodes
 HIDDEN = 64
 
 
-def _run(model, steps, device="cpu", seed=1):
+def _run(model, steps, device=DEVICE, seed=1):
     gen = torch.Generator().manual_seed(seed)
     routed = []
     for rows, padded in steps:
@@ -30,12 +32,12 @@ def _run(model, steps, device="cpu", seed=1):
 def _replay_exit_code(trace) -> int:
     from routetool.cli import main
 
-    res = CliRunner().invoke(main, ["replay", str(trace), "--device", "cpu", "--no-latency", "--no-progress"])
+    res = CliRunner().invoke(main, ["replay", str(trace), "--device", DEVICE.type, "--no-latency", "--no-progress"])
     return res.exit_code
 
 
 def test_eager_model(tmp_path):
-    model = moe_decoder.TinyMoEDecoder(num_layers=3, hidden=HIDDEN)
+    model = moe_decoder.TinyMoEDecoder(num_layers=3, hidden=HIDDEN, device=DEVICE)
     out = tmp_path / "eager.json"
     with RoutingRecorder(out, target=moe_decoder.TARGET, num_layers=3, ring_mb=1, shard_mb=0.01,
                          drain_interval_s=0) as rec:
@@ -52,7 +54,7 @@ def test_compiled_model(tmp_path):
 
     torch._dynamo.reset()
     counters.clear()
-    model = moe_decoder.TinyMoEDecoder(num_layers=2, hidden=HIDDEN)
+    model = moe_decoder.TinyMoEDecoder(num_layers=2, hidden=HIDDEN, device=DEVICE)
     compiled = torch.compile(model, dynamic=False)
     out = tmp_path / "compiled.json"
     with RoutingRecorder(out, target=moe_decoder.TARGET, num_layers=2, ring_mb=1) as rec:
@@ -68,7 +70,7 @@ def test_compiled_model(tmp_path):
 def test_a_full_ring_drops_whole_steps(tmp_path, ring_steps, expect_dropped):
     # no drain until the end (as under graph replay with no step hook): the ring holds 2 steps,
     # the other 3 are dropped whole and counted; the kept ones are exact
-    model = moe_decoder.TinyMoEDecoder(num_layers=2, hidden=HIDDEN)
+    model = moe_decoder.TinyMoEDecoder(num_layers=2, hidden=HIDDEN, device=DEVICE)
     out = tmp_path / "full.json"
     with RoutingRecorder(out, target=moe_decoder.TARGET, num_layers=2, ring_mb=1, ring_steps=ring_steps,
                          drain_interval_s=1e9) as rec:

@@ -55,7 +55,16 @@ _TAG_MOD = tl.constexpr(R._TAG_MOD)
 
 @triton.jit(do_not_specialize=["num_tokens", "position", "site"])
 def _record_kernel(
-    ring_ptr,  # (ring_bytes,) uint8: state words, tables, bias and rows (ring.RingLayout)
+    state_ptr,  # (STATE_LEN,) int64: the ring's state words
+    steps_ptr,  # (S, STEP_WIDTH) int64: step slots
+    calls_ptr,  # (S, L, CALL_WIDTH) int32: the calls of each step slot
+    seen_ptr,  # (L,) int64: the step each layer position was last called in (+1)
+    bias_set_ptr,  # (L,) int32: the layer position's bias is stored
+    bias_first_ptr,  # (L, E) fp32: the stored biases
+    g_ring_ptr,  # (R, E) the logits' dtype: rows
+    i_ring_ptr,  # (R, K) int32, or None
+    w_ring_ptr,  # (R, K) fp32|bf16|fp16, or None
+    p_ring_ptr,  # (R,) uint8
     gating_ptr,  # (T, E) fp32|bf16|fp16, any strides
     bias_ptr,  # (E,) fp32|bf16|fp16, any stride
     pad_ptr,  # (T,) bool, or None
@@ -81,16 +90,6 @@ def _record_kernel(
     skip_steps,
     every_n_steps,
     max_tokens,  # -1: no budget
-    off_steps,
-    off_calls,
-    off_seen,
-    off_bias_set,
-    off_bias,
-    off_gating,
-    off_ids,
-    off_weights,
-    off_padding,
-    W_RING: tl.constexpr,  # the ring's weights dtype
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -100,8 +99,7 @@ def _record_kernel(
 ):
     """Grid ``(cdiv(max(T, 1), BLOCK_R),)``: program ``p`` copies rows ``[p * BLOCK_R, (p + 1) * BLOCK_R)``."""
     pid = tl.program_id(0)
-    st = ring_ptr.to(tl.pointer_type(tl.int64))
-    seen_ptr = (ring_ptr + off_seen).to(tl.pointer_type(tl.int64))
+    st = state_ptr
     head_rows = tl.load(st + _HEAD_ROWS)
     head_steps = tl.load(st + _HEAD_STEPS)
     steps_seen = tl.load(st + _STEPS_SEEN)
@@ -156,38 +154,34 @@ def _record_kernel(
     r_ok = r < tl.where(write, n, 0)  # no rows unless the call is written
     src_r = r.to(tl.int64)
     dst_r = dst_row + src_r
-    g_ring = (ring_ptr + off_gating).to(tl.pointer_type(gating_ptr.dtype.element_ty))
     for c0 in range(0, num_experts, BLOCK_E):
         c = c0 + tl.arange(0, BLOCK_E)
         m = r_ok[:, None] & (c < num_experts)[None, :]
         x = tl.load(gating_ptr + src_r[:, None] * stride_gm + c[None, :] * stride_gn, mask=m)
-        tl.store(g_ring + dst_r[:, None] * num_experts + c[None, :], x, mask=m)
+        tl.store(g_ring_ptr + dst_r[:, None] * num_experts + c[None, :], x, mask=m)
     if HAS_PAD:
         p = tl.load(pad_ptr + src_r * stride_p, mask=r_ok, other=0)
-        tl.store(ring_ptr + off_padding + dst_r, p.to(tl.uint8), mask=r_ok)
+        tl.store(p_ring_ptr + dst_r, p.to(tl.uint8), mask=r_ok)
     if HAS_OUTPUTS:
         k = tl.arange(0, BLOCK_K)
         km = r_ok[:, None] & (k < topk)[None, :]
         ids = tl.load(ids_ptr + src_r[:, None] * stride_im + k[None, :] * stride_ik, mask=km)
-        i_ring = (ring_ptr + off_ids).to(tl.pointer_type(tl.int32))
-        tl.store(i_ring + dst_r[:, None] * topk + k[None, :], ids.to(tl.int32), mask=km)
+        tl.store(i_ring_ptr + dst_r[:, None] * topk + k[None, :], ids.to(tl.int32), mask=km)
         w = tl.load(weights_ptr + src_r[:, None] * stride_wm + k[None, :] * stride_wk, mask=km)
-        w_ring = (ring_ptr + off_weights).to(tl.pointer_type(W_RING))
-        tl.store(w_ring + dst_r[:, None] * topk + k[None, :], w.to(W_RING), mask=km)
+        tl.store(w_ring_ptr + dst_r[:, None] * topk + k[None, :], w.to(w_ring_ptr.dtype.element_ty), mask=km)
 
     # program 0: the call's table entry and the layer's bias
     changed = pid * 0  # bias entries that differ from the layer's stored bias (int32)
     if pid == 0:
         if write:
-            entry = (ring_ptr + off_calls).to(tl.pointer_type(tl.int32)) + (
-                (slot % ring_steps) * max_layers + j) * _CALL_WIDTH
+            entry = calls_ptr + ((slot % ring_steps) * max_layers + j) * _CALL_WIDTH
             tl.store(entry, pos.to(tl.int32))
             tl.store(entry + 1, site)
             tl.store(entry + 2, 1 if HAS_PAD else 0)
             tl.store(entry + 3, (slot % _TAG_MOD + 1).to(tl.int32))
-            set_ptr = (ring_ptr + off_bias_set).to(tl.pointer_type(tl.int32)) + pos
+            set_ptr = bias_set_ptr + pos
             stored = tl.load(set_ptr)
-            first = (ring_ptr + off_bias).to(tl.pointer_type(tl.float32)) + pos * num_experts
+            first = bias_first_ptr + pos * num_experts
             for c0 in range(0, num_experts, BLOCK_E):
                 c = c0 + tl.arange(0, BLOCK_E)
                 cm = c < num_experts
@@ -243,7 +237,7 @@ def _record_kernel(
                 tl.store(st + _BIAS_CHANGED_STEP, number + 1)
                 tl.store(st + _BIAS_CHANGED_POS, (flag - 1).to(tl.int64))
         tl.store(seen_ptr + pos, steps_seen_new)
-        step_entry = (ring_ptr + off_steps).to(tl.pointer_type(tl.int64)) + (slot % ring_steps) * _STEP_WIDTH
+        step_entry = steps_ptr + (slot % ring_steps) * _STEP_WIDTH
         if claim:
             tl.store(step_entry, start)
             tl.store(step_entry + 1, n)
@@ -252,9 +246,6 @@ def _record_kernel(
             tl.store(step_entry + 4, dropped_full + dropped_large)
         if write:
             tl.store(step_entry + 3, j + 1)
-
-
-_W_RING = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def default_rows_per_program(num_experts: int) -> int:
@@ -276,7 +267,9 @@ def record_routing_call(ring: R.DeviceRing, gating: torch.Tensor, bias: torch.Te
     grid = (triton.cdiv(max(n, 1), block_r),)
     has_outputs = weights is not None and ids is not None
     _record_kernel[grid](
-        ring.buf, gating, bias, padding, weights if has_outputs else None, ids if has_outputs else None,
+        ring.state, ring.steps_table, ring.calls_table, ring.seen, ring.bias_set, ring.bias_first, ring.gating,
+        ring.ids if has_outputs else None, ring.weights if has_outputs else None, ring.padding,
+        gating, bias, padding, weights if has_outputs else None, ids if has_outputs else None,
         n, num_experts, lay.topk,
         gating.stride(0), gating.stride(1), bias.stride(0),
         padding.stride(0) if padding is not None else 0,
@@ -284,9 +277,6 @@ def record_routing_call(ring: R.DeviceRing, gating: torch.Tensor, bias: torch.Te
         ids.stride(0) if has_outputs else 0, ids.stride(1) if has_outputs else 0,
         position, site,
         lay.rows, lay.steps, lay.max_layers, ring.num_layers, ring.skip_steps, ring.every_n_steps, ring.max_tokens,
-        lay.off_steps, lay.off_calls, lay.off_seen, lay.off_bias_set, lay.off_bias, lay.off_gating, lay.off_ids,
-        lay.off_weights, lay.off_padding,
-        W_RING=_W_RING[lay.weights_dtype] if lay.record_outputs else tl.float32,
         BLOCK_R=block_r,
         BLOCK_E=min(triton.next_power_of_2(num_experts), 4096),
         BLOCK_K=triton.next_power_of_2(lay.topk),
