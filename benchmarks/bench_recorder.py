@@ -120,32 +120,35 @@ def main() -> int:
     rec.start()
     route()  # the first call makes the ring
     ring = rec._ring
-    variants = [(None, 4), (None, 8), (32, 4), (16, 4)]  # (rows per program: None = the default, warps)
+    # (rows per program: None = the default, warps, programmatic dependent launch: None = where supported)
+    variants = [(None, 4, None), (None, 8, None), (16, 4, None), (None, 4, False)]
     graphs = {}
-    for rows_per_program, warps in variants:
-        ring.rows_per_program, ring.num_warps = rows_per_program, warps
-        graphs[(rows_per_program, warps)] = _capture(route)
-    ring.rows_per_program, ring.num_warps = None, 4
+    for rows_per_program, warps, pdl in variants:
+        ring.rows_per_program, ring.num_warps, ring.use_pdl = rows_per_program, warps, pdl
+        graphs[(rows_per_program, warps, pdl)] = _capture(route)
+    ring.rows_per_program, ring.num_warps, ring.use_pdl = None, 4, None
     only = _capture(record_only)
     rec.flush()
 
     times: dict[str, list[float]] = {"plain": [], "record-only": [], "paused": []}
+    def label(key):
+        return f"recorded rows/program={key[0] or 'default'} warps={key[1]}" + (" no PDL" if key[2] is False else "")
+
     for key in graphs:
-        times[f"recorded rows/program={key[0] or 'default'} warps={key[1]}"] = []
+        times[label(key)] = []
     steps_replayed = 0
     for _ in range(args.repeats):
         rec.flush()
         times["plain"].append(_time_graph(plain, args.replays))
         for key, graph in graphs.items():
-            times[f"recorded rows/program={key[0] or 'default'} warps={key[1]}"].append(
-                _time_graph(graph, args.replays))
+            times[label(key)].append(_time_graph(graph, args.replays))
             steps_replayed += args.replays
             rec.flush()
         times["record-only"].append(_time_graph(only, args.replays))
         steps_replayed += args.replays
         rec.flush()
         rec.pause()
-        times["paused"].append(_time_graph(graphs[(None, 4)], args.replays))
+        times["paused"].append(_time_graph(graphs[variants[0]], args.replays))
         rec.resume()
     # the host side of a routing call run eagerly (Python, checks, launch), for comparison
     unwrapped = mod.fused_musespark1x_routing.__wrapped__
@@ -167,7 +170,7 @@ def main() -> int:
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                 text=True).stdout.strip() or None,
+                                 text=True, check=False).stdout.strip() or None if (ROOT / ".git").exists() else None,
         "shape": {"tokens": T, "experts": E, "topk": K, "dtype": "bfloat16", "calls_per_graph": L},
         "replays": args.replays, "repeats": args.repeats,
         "graphs_latency_us_per_replay": {k: _quantiles(v) for k, v in times.items()},

@@ -33,10 +33,11 @@ def _calls(seed: int = 0):
     """A sequence of calls that takes every branch of the kernel: steps by call count, an explicit
     position that repeats, a step that fits nowhere (too large), a full ring, release and
     wrap-around, a call with other rows than its step, a step of zero rows, no padding, a strided
-    gating_output, int64 ids, and a bias that changes at the end."""
+    gating_output, int64 ids, a bias that changes (the host compares biases) and a last step
+    over the token budget."""
     g = torch.Generator().manual_seed(seed)
     bias = torch.randn(E, generator=g)
-    sizes = [5, 9, 3, 0, 7, 160, 120, 2, 30, 2, 2, 11, 2, 4]
+    sizes = [5, 9, 3, 0, 7, 160, 100, 2, 30, 2, 2, 11, 2, 40]
     for step, n in enumerate(sizes):
         for layer in range(3):
             rows = n + 1 if (step == 7 and layer == 2) else n  # a call of other rows than its step
@@ -58,7 +59,7 @@ def test_kernel_matches_the_cpu_implementation(rows_per_program):
     # the kernel on DEVICE: interpreted on CPU tensors here, compiled on a GPU machine
     from routetool.capture.ring_kernel import record_routing_call
 
-    cpu, kern = _ring(), _ring(device=DEVICE)
+    cpu, kern = _ring(max_tokens=190), _ring(device=DEVICE, max_tokens=190)
     kern.rows_per_program = rows_per_program
     for item in _calls():
         if item == "release":
@@ -79,7 +80,7 @@ def test_kernel_matches_the_cpu_implementation(rows_per_program):
     s = cpu.state.tolist()
     # every branch was taken
     assert s[R.STATE_DROPPED_LARGE] >= 1 and s[R.STATE_DROPPED_FULL] >= 1 and s[R.STATE_CALLS_DROPPED] >= 1
-    assert s[R.STATE_STOPPED] == R.STOPPED_BIAS and s[R.STATE_BIAS_CHANGED_STEP] > 0
+    assert s[R.STATE_STOPPED] == R.STOPPED_BUDGET  # the last step went over max_tokens
     assert s[R.STATE_HEAD_ROWS] > cpu.layout.rows  # wrapped around
     assert s[R.STATE_STEPS_SEEN] == 15  # 14 steps and the one the repeated position began
 

@@ -756,8 +756,7 @@ class RoutingRecorder:
             state = snap.values()
             self._update_stats(state)
             if final or self._backlog + len(self._copies) < _MAX_COPIES_IN_FLIGHT:
-                copy = ring.copy_out(state, self._released_rows, self._released_steps, final,
-                                     copy_bias=len(self._bias) < len(self._layers))
+                copy = ring.copy_out(state, self._released_rows, self._released_steps, final)
                 if copy is not None:
                     copy.state = state
                     self._released_rows = copy.rows_end
@@ -805,27 +804,28 @@ class RoutingRecorder:
 
     # -- the writer (no CUDA calls) -----------------------------------------------------------------
     def _consume(self, copy: ring_mod.RingCopy) -> None:
-        """Turn a landed copy into pending steps; write a shard whenever ``shard_mb`` are pending."""
+        """Turn a landed copy into pending steps; write a shard whenever ``shard_mb`` are pending.
+
+        A call whose bias differs from its layer's first recorded bias (bit for bit) ends the
+        recording there: a trace holds one bias per layer; the steps before it are kept."""
         try:
             copy.rows = {name: _pageable(t) for name, t in copy.rows.items()}  # free the pinned copies now
-            steps, bias = self._ring.decode(copy)
-            state = copy.state
-            changed = state[ring_mod.STATE_BIAS_CHANGED_STEP] - 1  # -1: no bias changed
-            with self._lock:
-                for pos, b in bias.items():
-                    self._bias.setdefault(pos, b)
-                if changed >= 0:
-                    pos = state[ring_mod.STATE_BIAS_CHANGED_POS]
-                    layer = self._layers[pos] if pos < len(self._layers) else pos
-                    self._fail(RouteToolError(
-                        f"the bias of layer {layer} changed at step {changed}; the steps before it are kept",
-                        path=self.out, tensor=f"layers.{layer}.bias",
-                        fix="a trace holds one bias per layer: record runs with another bias separately"),
-                        from_writer=True)
-            for step in steps:
-                if 0 <= changed <= step.number:
+            for step in self._ring.decode(copy):
+                if self._bias_changed:
                     break
-                if not step.calls:
+                for call in step.calls:
+                    first = self._bias.setdefault(call.position, call.bias)
+                    if not torch.equal(first.view(torch.int32), call.bias.view(torch.int32)):
+                        layer = self._layers[call.position]
+                        with self._lock:
+                            self._bias_changed = True
+                            self._fail(RouteToolError(
+                                f"the bias of layer {layer} changed at step {step.number}; the steps before it are "
+                                "kept", path=self.out, tensor=f"layers.{layer}.bias",
+                                fix="a trace holds one bias per layer: record runs with another bias separately"),
+                                from_writer=True)
+                        break
+                if self._bias_changed or not step.calls:
                     continue
                 if self._shard is None:
                     self._shard = _Shard(number=self._shard_number)
@@ -843,6 +843,8 @@ class RoutingRecorder:
         finally:
             with self._lock:
                 self._backlog -= 1
+
+    _bias_changed = False
 
     def _write_pending(self) -> None:
         shard, self._shard = self._shard, None

@@ -4,15 +4,17 @@ What it is for: a routing call that runs as part of a CUDA-graph replay, or insi
 torch.compile compiled, never reaches a Python wrapper. What does reach the GPU on every replay
 is the work that was captured, so the recorded copy of a call is device work: the custom op
 ``torch.ops.routetool.record_routing`` (registered here with :mod:`torch.library`, so
-torch.compile keeps it as one opaque call that mutates the ring) launches one kernel that
+torch.compile keeps it as one opaque call, in order) launches one kernel that
 
 1. reads the ring's state words (a few int64 in device memory), decides on the device whether
    the call starts a new forward step, whether that step is sampled, and where its rows go;
-2. copies the call's ``gating_output`` rows, ``is_padding``, ``topk_ids``/``topk_weights``
-   into the step's rows of the ring, its layer position, the number of its router
-   parameters (``site``) into the step's call table, and the layer's bias (once; later calls
-   compare their bias with it);
+2. copies the call's ``gating_output`` rows and its bias, ``is_padding``,
+   ``topk_ids``/``topk_weights`` into the step's rows of the ring, and its layer position and
+   the number of its router parameters (``site``) into the step's call table;
 3. advances the state words (the last of the kernel's programs to finish does this).
+
+The host compares each call's bias with its layer's first when it drains (a trace holds one
+bias per layer).
 
 No host sync and no Python run per call: CUDA-graph capture records the launch, and every
 replay repeats the decision and the copy with the replay's data. On the CPU the same op runs
@@ -28,10 +30,10 @@ steps              [S, 8] int64          per step slot: first row, rows, step nu
                                          steps dropped before it
 calls              [S, L, 4] int32       per call of a step: layer position, site, has padding, tag
 seen               [L] int64             per layer position: the step it was last called in (+1)
-bias_set           [L] int32             per layer position: its bias is stored
-bias               [L, E] float32        per layer position: the bias of its first recorded call
 gating / ids /     [R, E] / [R, K] /     the rows: a step of ``n`` rows and ``c`` calls takes
-weights / padding  [R, K] / [R] uint8    ``c * n`` consecutive rows (never split at the end)
+weights / padding  [R, K] / [R] uint8    ``c * (n + b)`` consecutive rows (never split at the
+                                         end); each call's ``n`` rows are followed by ``b`` rows
+                                         of logits' dtype that hold its bias (:func:`bias_rows`)
 =================  ===================  ==========================================================
 
 ``S`` = ``ring_steps`` step slots, ``L`` = ``max_layers`` layer positions, ``R`` rows: what the
@@ -76,11 +78,8 @@ STATE_CALLS_RECORDED = 10
 STATE_DROPPED_FULL = 11  # sampled steps dropped: the ring was full
 STATE_DROPPED_LARGE = 12  # sampled steps dropped: larger than the whole ring
 STATE_CALLS_DROPPED = 13  # calls of a recorded step not stored (other rows than the step, no slot)
-STATE_STOPPED = 14  # 0 recording, 1 the max_tokens budget was reached, 2 a bias changed
-STATE_BIAS_CHANGED_STEP = 15  # the step in which a layer's bias first differed (+1; 0: never)
-STATE_BIAS_CHANGED_POS = 16  # that layer's position
+STATE_STOPPED = 14  # 0 recording, 1 the max_tokens budget was reached
 STATE_DONE = 17  # programs of the running launch that finished (reset by the last one)
-STATE_BIAS_FLAG = 18  # program 0 -> last program: the position whose bias changed (+1)
 # written by the host only (the device reads them)
 STATE_RELEASED_ROWS = 24  # virtual rows the host has copied (the device may reuse rows below)
 STATE_RELEASED_STEPS = 25  # step slots the host has copied
@@ -88,7 +87,6 @@ STATE_HOST_STOP = 26  # 1: the host stopped recording (closed, or a recorder pro
 STATE_LEN = 32
 
 STOPPED_BUDGET = 1
-STOPPED_BIAS = 2
 
 STEP_ROW = 0
 STEP_ROWS = 1
@@ -103,6 +101,31 @@ _TAG_MOD = 2**31 - 1
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def bias_rows(gating_dtype: torch.dtype) -> int:
+    """Ring rows after a call's rows that hold its float32 bias: 1 for float32 logits; 2 for
+    16-bit logits (the bits' high halves, then the low halves)."""
+    return 1 if gating_dtype.itemsize == 4 else 2
+
+
+def split_bias(bias: torch.Tensor, gating_dtype: torch.dtype) -> torch.Tensor:
+    """``bias`` (float32 ``[E]``) as the ``[bias_rows, E]`` rows of ``gating_dtype`` the ring keeps."""
+    bits = bias.to(torch.float32).contiguous().view(torch.int32)
+    if gating_dtype.itemsize == 4:
+        return bits.view(gating_dtype).unsqueeze(0)
+    hi = (bits >> 16).to(torch.int16)
+    lo = (bits & 0xFFFF).to(torch.int16)
+    return torch.stack([hi, lo]).view(gating_dtype)
+
+
+def join_bias(rows: torch.Tensor) -> torch.Tensor:
+    """The float32 bias back from its ring rows (:func:`split_bias`)."""
+    if rows.shape[0] == 1:
+        return rows[0].view(torch.int32).view(torch.float32).clone()
+    hi = rows[0].view(torch.int16).to(torch.int32)
+    lo = rows[1].view(torch.int16).to(torch.int32) & 0xFFFF
+    return ((hi << 16) | lo).view(torch.float32)
 
 
 def call_tag(slot: int) -> int:
@@ -124,14 +147,12 @@ class RingLayout:
     off_steps: int
     off_calls: int
     off_seen: int
-    off_bias_set: int
     num_experts: int = 0
     topk: int = 0
     gating_dtype: torch.dtype | None = None
     weights_dtype: torch.dtype | None = None
     record_outputs: bool = True
     rows: int = 0
-    off_bias: int = 0
     off_gating: int = 0
     off_ids: int = 0
     off_weights: int = 0
@@ -153,10 +174,9 @@ def header_layout(ring_bytes: int, steps: int, max_layers: int) -> RingLayout:
     off_steps = _align(STATE_LEN * 8)
     off_calls = _align(off_steps + steps * STEP_WIDTH * 8)
     off_seen = _align(off_calls + steps * max_layers * CALL_WIDTH * 4)
-    off_bias_set = _align(off_seen + max_layers * 8)
-    header = _align(off_bias_set + max_layers * 4)
+    header = _align(off_seen + max_layers * 8)
     return RingLayout(ring_bytes=ring_bytes, steps=steps, max_layers=max_layers, header_bytes=header,
-                      off_steps=off_steps, off_calls=off_calls, off_seen=off_seen, off_bias_set=off_bias_set)
+                      off_steps=off_steps, off_calls=off_calls, off_seen=off_seen)
 
 
 @dataclass
@@ -166,6 +186,7 @@ class RingCall:
     position: int
     site: int
     gating: torch.Tensor
+    bias: torch.Tensor  # [E] float32
     padding: torch.Tensor | None
     ids: torch.Tensor | None
     weights: torch.Tensor | None
@@ -191,7 +212,6 @@ class RingCopy:
     first_row: int  # virtual row of the rows' first entry
     rows_end: int
     rows: dict[str, torch.Tensor]  # gating, padding, ids, weights: virtual rows [first_row, rows_end)
-    bias: dict[str, torch.Tensor]  # "bias" [L, E] float32 and "bias_set" [L] int32, when copied
     event: object = None
     state: list[int] | None = None  # the state words the copy was made from
 
@@ -261,9 +281,9 @@ class DeviceRing:
         self.steps_table = self._view(lay.off_steps, (steps, STEP_WIDTH), torch.int64)
         self.calls_table = self._view(lay.off_calls, (steps, max_layers, CALL_WIDTH), torch.int32)
         self.seen = self._view(lay.off_seen, (max_layers,), torch.int64)
-        self.bias_set = self._view(lay.off_bias_set, (max_layers,), torch.int32)
         self.rows_per_program: int | None = None  # the record kernel's rows per program (None: its default)
         self.num_warps = 4
+        self.use_pdl: bool | None = None  # programmatic dependent launch (None: where supported)
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
@@ -271,7 +291,7 @@ class DeviceRing:
 
     # -- binding the data layout (host only, at the first call) -------------------------------
     def bind(self, num_experts: int, topk: int, gating_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:
-        """Carve the bias and row regions for calls of ``num_experts`` x ``topk``.
+        """Carve the row regions for calls of ``num_experts`` x ``topk``.
 
         Raises:
             ValueError: the buffer leaves no room for a single row.
@@ -279,22 +299,19 @@ class DeviceRing:
         lay = self.layout
         probe = RingLayout(**{**lay.__dict__, "num_experts": num_experts, "topk": topk, "gating_dtype": gating_dtype,
                               "weights_dtype": weights_dtype, "record_outputs": self.record_outputs})
-        off_bias = lay.header_bytes
-        after_bias = _align(off_bias + lay.max_layers * num_experts * 4)
         slack = 5 * _ALIGN
-        rows = (lay.ring_bytes - after_bias - slack) // probe.row_bytes()
-        if rows < 1:
-            need = after_bias + slack + probe.row_bytes()
-            raise ValueError(f"a ring of {lay.ring_bytes} bytes has no room for one row of {num_experts} experts "
+        rows = (lay.ring_bytes - lay.header_bytes - slack) // probe.row_bytes()
+        if rows < 2 + bias_rows(gating_dtype):
+            need = lay.header_bytes + slack + probe.row_bytes() * (2 + bias_rows(gating_dtype))
+            raise ValueError(f"a ring of {lay.ring_bytes} bytes has no room for rows of {num_experts} experts "
                              f"(it needs at least {need} bytes)")
-        off_gating = after_bias
+        off_gating = lay.header_bytes
         off_ids = _align(off_gating + rows * num_experts * gating_dtype.itemsize)
         off_weights = _align(off_ids + (rows * topk * 4 if self.record_outputs else 0))
         off_padding = _align(off_weights + (rows * topk * weights_dtype.itemsize if self.record_outputs else 0))
         assert off_padding + rows <= lay.ring_bytes
-        self.layout = RingLayout(**{**probe.__dict__, "rows": rows, "off_bias": off_bias, "off_gating": off_gating,
+        self.layout = RingLayout(**{**probe.__dict__, "rows": rows, "off_gating": off_gating,
                                     "off_ids": off_ids, "off_weights": off_weights, "off_padding": off_padding})
-        self.bias_first = self._view(off_bias, (lay.max_layers, num_experts), torch.float32)
         self.gating = self._view(off_gating, (rows, num_experts), gating_dtype)
         self.padding = self._view(off_padding, (rows,), torch.uint8)
         if self.record_outputs:
@@ -349,14 +366,12 @@ class DeviceRing:
         in_progress = current == end - 1 and (self.num_layers == 0 or state[STATE_CALLS_IN_STEP] < self.num_layers)
         return end - 1 if in_progress else end
 
-    def copy_out(self, state: list[int], released_rows: int, released_steps: int, final: bool,
-                 copy_bias: bool) -> RingCopy | None:
+    def copy_out(self, state: list[int], released_rows: int, released_steps: int, final: bool) -> RingCopy | None:
         """Copy the complete steps after ``released_steps`` to the host and release their rows.
 
         Enqueued on the current stream: the copies (into pinned memory, non-blocking), then the
         release of the rows and step slots they read, so the device reuses them only after the
-        copies. Returns None when no step is complete. ``copy_bias``: also copy the layers'
-        stored biases.
+        copies. Returns None when no step is complete.
         """
         lay = self.layout
         end = self.complete_steps(state, released_steps, final)
@@ -369,22 +384,19 @@ class DeviceRing:
         calls = self._copy_ring(self.calls_table, released_steps, end)
         rows = {name: self._copy_ring(getattr(self, name), released_rows, rows_end)
                 for name in ("gating", "padding") + (("ids", "weights") if self.record_outputs else ())}
-        bias = {}
-        if copy_bias:
-            bias = {"bias": self._copy(self.bias_first), "bias_set": self._copy(self.bias_set)}
         event = None
         if self.device.type != "cpu":
             event = torch.cuda.Event()
             event.record()
         self._release(rows_end, end)
         return RingCopy(steps=steps, first_slot=released_steps, calls=calls, first_row=released_rows,
-                        rows_end=rows_end, rows=rows, bias=bias, event=event)
+                        rows_end=rows_end, rows=rows, event=event)
 
-    def decode(self, copy: RingCopy) -> tuple[list[RingStep], dict[int, torch.Tensor]]:
-        """The steps and stored biases (by layer position) of a landed :class:`RingCopy`
-        (host work, any thread)."""
+    def decode(self, copy: RingCopy) -> list[RingStep]:
+        """The steps of a landed :class:`RingCopy` (host work, any thread)."""
         steps_out = []
         L = self.layout.max_layers
+        b = bias_rows(self.layout.gating_dtype)
         rows = copy.rows
         for i, (row0, n, number, ncalls, drops) in enumerate(t[:5] for t in copy.steps.tolist()):
             tag = call_tag(copy.first_slot + i)
@@ -392,27 +404,16 @@ class DeviceRing:
             for j, (pos, site, has_pad, entry_tag) in enumerate(copy.calls[i, : min(ncalls, L)].tolist()):
                 if entry_tag != tag:  # not written in this step (a call of other rows, or no room)
                     continue
-                r = row0 - copy.first_row + j * n
+                r = row0 - copy.first_row + j * (n + b)
                 calls.append(RingCall(
                     position=pos, site=site, gating=rows["gating"][r: r + n],
+                    bias=join_bias(rows["gating"][r + n: r + n + b]),
                     padding=rows["padding"][r: r + n].bool() if has_pad else None,
                     ids=rows["ids"][r: r + n] if "ids" in rows else None,
                     weights=rows["weights"][r: r + n] if "weights" in rows else None,
                 ))
             steps_out.append(RingStep(number=number, num_tokens=n, drops_before=drops, calls=calls))
-        bias = {}
-        if copy.bias:
-            for pos, stored in enumerate(copy.bias["bias_set"].tolist()):
-                if stored:
-                    bias[pos] = copy.bias["bias"][pos].clone()
-        return steps_out, bias
-
-    def _copy(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return t.clone()
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
+        return steps_out
 
     def _copy_ring(self, ring: torch.Tensor, first: int, end: int) -> torch.Tensor:
         """Host copy of virtual entries ``[first, end)`` of a circular table (``end - first``
@@ -450,6 +451,7 @@ def _record_cpu(ring: DeviceRing, gating: torch.Tensor, bias: torch.Tensor, padd
     s = ring.state.tolist()
     n = int(gating.shape[0])
     L, R, S = ring.num_layers, lay.rows, lay.steps
+    b = bias_rows(lay.gating_dtype)
     calls_in_step = s[STATE_CALLS_IN_STEP]
     explicit = position >= 0
     pos = position if explicit else (0 if calls_in_step >= L else calls_in_step)
@@ -465,7 +467,7 @@ def _record_cpu(ring: DeviceRing, gating: torch.Tensor, bias: torch.Tensor, padd
     over_budget = sampled and ring.max_tokens >= 0 and s[STATE_TOKENS] + n > ring.max_tokens
     sampled = sampled and not over_budget
     expect = L if L > 0 else max(s[STATE_LAST_STEP_CALLS], 1)
-    reserve = n * expect
+    reserve = (n + b) * expect
     too_large = sampled and reserve > R
     head_rows = s[STATE_HEAD_ROWS]
     phys = head_rows % R
@@ -476,14 +478,15 @@ def _record_cpu(ring: DeviceRing, gating: torch.Tensor, bias: torch.Tensor, padd
     slot = s[STATE_HEAD_STEPS] if claim else (-1 if new_step else s[STATE_CUR_SLOT] - 1)
     row0 = start if claim else s[STATE_CUR_ROW]
     rows = n if claim else s[STATE_CUR_ROWS]
+    stride = rows + b
     active = slot >= 0
-    end = row0 + (j + 1) * rows
-    write = (active and n == rows and j < lay.max_layers and row0 % R + (j + 1) * rows <= R
+    end = row0 + (j + 1) * stride
+    write = (active and n == rows and j < lay.max_layers and row0 % R + (j + 1) * stride <= R
              and end - s[STATE_RELEASED_ROWS] <= R)
-    flag = 0
     if write:
-        dst = row0 % R + j * rows
+        dst = row0 % R + j * stride
         ring.gating[dst: dst + n] = gating
+        ring.gating[dst + n: dst + n + b] = split_bias(bias, lay.gating_dtype)
         if padding is not None:
             ring.padding[dst: dst + n] = padding.to(torch.uint8)
         if ids is not None:
@@ -491,12 +494,6 @@ def _record_cpu(ring: DeviceRing, gating: torch.Tensor, bias: torch.Tensor, padd
             ring.weights[dst: dst + n] = weights.to(ring.weights.dtype)
         ring.calls_table[slot % S, j] = torch.tensor([pos, site, int(padding is not None), call_tag(slot)],
                                                      dtype=torch.int32)
-        b = bias.to(torch.float32).contiguous()
-        if int(ring.bias_set[pos]) == 0:
-            ring.bias_first[pos] = b
-            ring.bias_set[pos] = 1
-        elif not torch.equal(b.view(torch.int32), ring.bias_first[pos].view(torch.int32)):
-            flag = pos + 1
     new = dict(enumerate(s))
     new[STATE_CALLS_SEEN] += 1
     new[STATE_STEPS_SEEN] = steps_seen_new
@@ -514,11 +511,8 @@ def _record_cpu(ring: DeviceRing, gating: torch.Tensor, bias: torch.Tensor, padd
     new[STATE_DROPPED_FULL] += int(full)
     new[STATE_DROPPED_LARGE] += int(too_large)
     new[STATE_CALLS_DROPPED] += int(active and not write and n > 0)
-    if s[STATE_STOPPED] == 0:
-        new[STATE_STOPPED] = STOPPED_BIAS if flag else (STOPPED_BUDGET if over_budget else 0)
-    if flag and s[STATE_BIAS_CHANGED_STEP] == 0:
-        new[STATE_BIAS_CHANGED_STEP] = number + 1
-        new[STATE_BIAS_CHANGED_POS] = flag - 1
+    if over_budget:
+        new[STATE_STOPPED] = STOPPED_BUDGET
     ring.state.copy_(torch.tensor([new[i] for i in range(STATE_LEN)], dtype=torch.int64))
     ring.seen[pos] = steps_seen_new
     if claim:
