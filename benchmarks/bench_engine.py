@@ -7,7 +7,8 @@ imports and the read included) and in the same run:
 * ``replay --no-latency``, ``balance --ep-size 8`` and ``validate --suite none`` (``--set gpu``),
   or ``balance --reference`` (``--set cpu``).
 
-It prints, per trace and command, the best of ``--repeat`` runs, the ratio to the raw read and
+It prints, per trace and command, the best of ``--repeat`` runs (at least 2 on the GPU: the first run of a
+command compiles the kernel's launch configurations it meets, which Triton then keeps on disk), the ratio to the raw read and
 the work per captured step beyond the read ((command - raw read) / steps), and appends one row
 per measurement to the results CSV (long format, with the commit and the machine on every row).
 
@@ -18,8 +19,6 @@ per measurement to the results CSV (long format, with the commit and the machine
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
 import platform
 import subprocess
@@ -29,7 +28,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results.csv"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import results  # noqa: E402 - benchmarks/results.py, the one results file
+
+RESULTS = results.RESULTS
 
 TRACES = {
     "gpu": {
@@ -91,16 +93,6 @@ def _steps(trace: Path) -> int:
         return sum(t.info(layer).num_steps for layer in t.layers)
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
 def _machine(device: str) -> str:
     if device == "cuda":
         import torch
@@ -112,18 +104,18 @@ def _machine(device: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", choices=sorted(TRACES), default="gpu", help="which traces and commands (default gpu)")
-    ap.add_argument("--repeat", type=int, default=None, help="runs per measurement, best kept (default 1 gpu, 3 cpu)")
+    ap.add_argument("--repeat", type=int, default=None, help="runs per measurement, best kept (default 2 gpu, 3 cpu)")
     ap.add_argument("--workdir", default=None, help="where the traces go (default a temporary folder)")
     ap.add_argument("--csv", default=str(RESULTS), help="results file to append to ('' for none)")
     opts = ap.parse_args()
     device = "cuda" if opts.set == "gpu" else "cpu"
-    repeat = opts.repeat or (1 if opts.set == "gpu" else 3)
+    repeat = opts.repeat or (2 if opts.set == "gpu" else 3)
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="routetool-engine-"))
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     rows = []
-    commit, machine, date = _commit(), _machine(device), datetime.date.today().isoformat()
-    print(f"commit {commit}, {machine}, best of {repeat}")
+    machine = _machine(device)
+    print(f"commit {results.commit()}, {machine}, best of {repeat}")
     print(f"{'trace':15} {'command':18} {'wall s':>8} {'raw s':>7} {'x raw':>6} {'us/step':>8}")
     for name, synth_args in TRACES[opts.set].items():
         trace = work / f"{name}.safetensors"
@@ -143,19 +135,14 @@ def main() -> None:
             print(f"{name:15} {cmd:18} {wall:8.2f} {raw:7.2f} {wall / raw:6.2f} {per_step:8.1f}")
             rows.append((name, cmd, wall, raw, steps, size_mib))
     if opts.csv:
-        path = Path(opts.csv)
-        new = not path.exists()
-        with path.open("a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(["date", "commit", "machine", "benchmark", "case", "metric", "value", "unit"])
-            for name, cmd, wall, raw, steps, size_mib in rows:
-                case = f"{name} ({size_mib:.0f} MiB, {steps} steps) {cmd}"
-                w.writerow([date, commit, machine, "engine", case, "wall_s", f"{wall:.3f}", "s"])
-                if cmd != "raw-read":
-                    w.writerow([date, commit, machine, "engine", case, "ratio_to_raw_read", f"{wall / raw:.3f}", "x"])
-                    w.writerow([date, commit, machine, "engine", case, "work_per_step_us",
-                                f"{(wall - raw) / steps * 1e6:.1f}", "us"])
+        out = []
+        for name, cmd, wall, raw, steps, size_mib in rows:
+            case = f"{name} ({size_mib:.0f} MiB, {steps} steps) {cmd}"
+            out.append([machine, "engine", case, "wall_s", f"{wall:.3f}", "s"])
+            if cmd != "raw-read":
+                out.append([machine, "engine", case, "ratio_to_raw_read", f"{wall / raw:.3f}", "x"])
+                out.append([machine, "engine", case, "work_per_step_us", f"{(wall - raw) / steps * 1e6:.1f}", "us"])
+        results.append(out, opts.csv)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ interleaved, so that clock drift hits both); before each repetition the recorder
 (untimed: the ring is empty, every replay stores its step). The overhead per call is
 (recorded - plain) / calls. It prints p50 (p10, p90) over ``--repeats`` in ``latency_us`` with
 the GPU, torch and triton versions, checks that nothing was dropped and that the trace holds every
-replayed step, and writes the numbers to ``--json``.
+replayed step, appends one long-format row per number to the results file (``--csv``, default
+benchmarks/results.csv, through benchmarks/results.py) and writes them all to ``--json``.
 
-    python benchmarks/bench_recorder.py --json results.json        # the target: < 2 us at 64 x 256 bf16
+    python benchmarks/bench_recorder.py            # the target: < 2 us a call at 64 x 256 bf16
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import results  # noqa: E402 - benchmarks/results.py, the one results file
 from routetool.capture.recorder import RoutingRecorder  # noqa: E402
 
 MODULE = "routetool_bench_routing"
@@ -82,6 +84,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=20, help="replays per timed repetition")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--csv", default=str(results.RESULTS), help="results file to append to ('' for none)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_recorder: needs a CUDA GPU", file=sys.stderr)
@@ -169,8 +172,7 @@ def main() -> int:
     rows = []
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                 text=True, check=False).stdout.strip() or None if (ROOT / ".git").exists() else None,
+        "commit": results.commit(),
         "shape": {"tokens": T, "experts": E, "topk": K, "dtype": "bfloat16", "calls_per_graph": L},
         "replays": args.replays, "repeats": args.repeats,
         "graphs_latency_us_per_replay": {k: _quantiles(v) for k, v in times.items()},
@@ -188,6 +190,8 @@ def main() -> int:
         rows.append((name, per_call))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.csv:
+        results.append(_rows(result), args.csv)
     print(f"{result['gpu']}, torch {result['torch']}, triton {result['triton']}; {T} tokens x {E} experts bf16, "
           f"top-{K}, {L} calls per graph, {args.replays} replays x {args.repeats} repeats")
     print(f"plain graph: {plain_q['p50'] / L:.2f} us per routing call (p10 {plain_q['p10'] / L:.2f}, "
@@ -203,6 +207,23 @@ def main() -> int:
     if not ok:
         print(f"bench_recorder: expected {steps_replayed} steps written and none dropped", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _rows(result: dict) -> list[list]:
+    """``result`` as results-file rows: ``[machine, "recorder", case, metric, value, unit]``."""
+    sh = result["shape"]
+    shape = f"T={sh['tokens']} E={sh['experts']} k={sh['topk']} bf16 {sh['calls_per_graph']} calls/graph"
+    machine, calls = result["gpu"], sh["calls_per_graph"]
+    out = []
+    plain = result["graphs_latency_us_per_replay"]["plain"]
+    for q in ("p50", "p10", "p90"):
+        out.append([machine, "recorder", f"plain tiled call {shape}", f"latency_us_{q}", f"{plain[q] / calls:.4g}", "us"])
+    for name, qs in result["overhead_latency_us_per_call"].items():
+        for q in ("p50", "p10", "p90"):
+            out.append([machine, "recorder", f"overhead {name} {shape}", f"latency_us_{q}", f"{qs[q]:.4g}", "us"])
+    for name, value in result["eager_host_latency_us_per_call"].items():
+        out.append([machine, "recorder", f"{name} {shape}", "host_us_mean", f"{value:.4g}", "us"])
+    return out
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ Variants (all with the seed's signature, returning ``(topk_weights, topk_ids)``)
   for prefill batches (:func:`default_config`).
 * ``seed`` (:func:`fused_musespark1x_routing_seed`): the seed's algorithm, one program per
   token with repeated ``tl.argmax``; float32 gating_output only.
+
+Both launchers check a call's arguments and pick its launch settings once per argument
+signature and then launch the compiled kernel directly (:mod:`kernel._dispatch`), so a call
+costs the host little more than an empty Triton launch.
 """
 
 from __future__ import annotations

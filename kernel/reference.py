@@ -76,6 +76,11 @@ def biased_scores(scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return biased.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # NaN -> -inf
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device is capturing a CUDA graph on the current stream."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def select_topk(biased: torch.Tensor, topk: int) -> torch.Tensor:
     """Indices of the ``topk`` largest values per row; equal values go to the lowest index.
 
@@ -85,7 +90,9 @@ def select_topk(biased: torch.Tensor, topk: int) -> torch.Tensor:
     ``topk + 1`` largest values, the ``topk`` picks are put in (value descending, index ascending)
     order by two stable sorts of ``topk`` elements, and the rows where the ``topk``-th and
     ``topk + 1``-th values are equal (a tie at the boundary, where the set itself depends on the
-    rule) take the full stable sort. The result equals the full sort's on every row.
+    rule) take the full stable sort. The result equals the full sort's on every row. Inside a
+    CUDA-graph capture the full sort runs on every row (the tied rows cannot be found there
+    without a synchronisation).
 
     Args:
         biased: ``[num_tokens, num_experts]`` float32 without NaN.
@@ -95,7 +102,9 @@ def select_topk(biased: torch.Tensor, topk: int) -> torch.Tensor:
         ``[num_tokens, topk]`` int64 expert ids, best first.
     """
     E = biased.shape[-1]
-    if topk >= E or biased.shape[0] == 0:
+    if topk >= E or biased.shape[0] == 0 or _capturing(biased):
+        # the definition itself; also inside a CUDA-graph capture, where finding the tied rows
+        # (a data-dependent size) would synchronise
         return torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :topk]
     values, ids = torch.topk(biased, topk + 1, dim=-1, sorted=True)
     boundary_tie = values[:, topk - 1] == values[:, topk]
@@ -143,6 +152,23 @@ def musespark1x_routing_reference(
         gating_output, bias, topk, route_scale, router_output_multiplier, router_score_normalization,
         router_score_division_eps, is_padding=is_padding)
     return weights, ids
+
+
+def select_experts(scores: torch.Tensor, bias: torch.Tensor, topk: int, *,
+                   is_padding: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference's ``topk_ids`` from scores already computed (steps 3 and 5 of the module
+    docstring): :func:`select_topk` of :func:`biased_scores`, -1 on padded rows. For callers that
+    route the same scores with several biases (balance's bias effect).
+
+    Args:
+        scores: ``[num_tokens, num_experts]`` float32 from :func:`normalized_scores`.
+        bias: ``[num_experts]``. topk: experts per token. is_padding: ``[num_tokens]`` bool or None.
+
+    Returns:
+        ``[num_tokens, topk]`` int32, best first.
+    """
+    ids = select_topk(biased_scores(scores, bias), topk).to(torch.int32)
+    return ids if is_padding is None else torch.where(is_padding[:, None], -1, ids)
 
 
 def routing_with_scores(

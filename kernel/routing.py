@@ -46,11 +46,13 @@ rule for non-finite input). Differences from the seed kernel, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import triton
 import triton.language as tl
 
+from kernel._dispatch import ROUTING_PER_CALL, KernelLaunch, PlanCache, cached_call, is_interpreted, plan_for
 from kernel._launch import check_routing_args, pdl_supported
 
 _EMPTY_KEY = tl.constexpr(-(2**31))  # below every real key: the image of -inf is -2**31 + 0x7FFFFF
@@ -798,6 +800,13 @@ class LaunchConfig:
     max_registers: int = 0
     dynamic_tiles: bool = False
 
+    @cached_property
+    def _signature(self) -> tuple:
+        """The config in a launcher's plan key: each field with its class (``32`` and ``32.0``
+        are equal configs, but only one passes :func:`check_launch_config`)."""
+        return tuple((v.__class__, v) for v in (self.block_t, self.chunk, self.num_warps, self.algorithm,
+                                                self.programs_per_sm, self.max_registers, self.dynamic_tiles))
+
 
 ALGORITHMS = ("scan", "two_level")
 
@@ -971,7 +980,9 @@ def _fast_math(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and not _INTERPRETED
 
 
-_INTERPRETED = type(_routing_kernel).__name__ == "InterpretedFunction"
+_INTERPRETED = is_interpreted(_routing_kernel)
+
+_PLANS = PlanCache()
 
 
 def fused_musespark1x_routing(
@@ -993,6 +1004,14 @@ def fused_musespark1x_routing(
 
     Passing both output buffers keeps the call allocation-free, so it can be captured in
     a CUDA graph.
+
+    The first call with an argument signature (every tensor's class, dtype, shape, strides,
+    device and 16-byte alignment, every other argument's type and value, the current device)
+    checks the arguments, picks the launch settings and launches through Triton's JIT; later
+    calls with that signature reuse the verdict and the settings and launch the compiled
+    kernel directly (:mod:`kernel._dispatch`), for a host cost close to an empty Triton
+    launch's. After changing a module-level tunable here (e.g. :data:`DYNAMIC_TILES_FROM`),
+    call :func:`kernel._dispatch.clear_plans`.
 
     Args:
         gating_output: ``[num_tokens, num_experts]`` float32, bfloat16 or float16 logits,
@@ -1017,6 +1036,12 @@ def fused_musespark1x_routing(
         ValueError: bad arguments (see :func:`kernel._launch.check_routing_args`) or a
             launch config that does not fit the shape.
     """
+    tensors = (gating_output, bias, topk_weights, topk_ids, is_padding)
+    outputs, key = cached_call(_PLANS, tensors, (topk, route_scale, router_output_multiplier, router_score_normalization,
+                                                 router_score_division_eps, use_pdl,
+                                                 None if config is None else config._signature), not _INTERPRETED)
+    if outputs is not None:
+        return outputs
     launch = check_routing_args(
         gating_output, bias, topk, route_scale, router_output_multiplier,
         router_score_normalization, router_score_division_eps, topk_weights, topk_ids, is_padding,
@@ -1026,17 +1051,16 @@ def fused_musespark1x_routing(
         config = default_config(launch.num_tokens, launch.num_experts, gating_output.dtype, gating_output.device.type,
                                 launch.topk)
     check_launch_config(config, launch.num_experts, launch.topk)
+    shape = (launch.num_tokens, launch.topk)
     if launch.num_tokens == 0:
+        if key is not None:
+            _PLANS.put(key, plan_for(shape, gating_output.device, topk_weights, topk_ids, None))
         return launch.topk_weights, launch.topk_ids
     enable_pdl = pdl_supported(gating_output.device) if use_pdl is None else bool(use_pdl)
     weights, ids = launch.topk_weights, launch.topk_ids
     num_tiles = triton.cdiv(launch.num_tokens, config.block_t)
     args = (
-        gating_output,
-        bias,
-        weights,
-        ids,
-        is_padding,
+        None, None, None, None, None,  # the tensors of ROUTING_PER_CALL, given to the launch
         launch.num_tokens,
         launch.num_experts,
         gating_output.stride(0),
@@ -1063,11 +1087,14 @@ def fused_musespark1x_routing(
         **({"launch_pdl": True} if enable_pdl else {}),
         **({"maxnreg": config.max_registers} if config.max_registers and not _INTERPRETED else {}),
     )
+    per_stream = None
+    extra = ()
+    cacheable = True
     if config.algorithm == "scan":
-        _routing_kernel[(num_tiles,)](
-            *args, TOPK_PADDED=triton.next_power_of_2(launch.topk), NUM_CHUNKS=e_pad // config.chunk,
-            CHUNK=config.chunk, **common,
-        )
+        kernel_launch = KernelLaunch(
+            _routing_kernel, (num_tiles,), args, dict(TOPK_PADDED=triton.next_power_of_2(launch.topk),
+                                                      NUM_CHUNKS=e_pad // config.chunk, CHUNK=config.chunk, **common),
+            ROUTING_PER_CALL)
     else:
         grid = num_tiles
         if config.programs_per_sm and gating_output.device.type == "cuda":
@@ -1079,11 +1106,19 @@ def fused_musespark1x_routing(
         if config.dynamic_tiles and persistent and not _INTERPRETED and num_tiles >= DYNAMIC_TILES_FROM * grid:
             counters = tile_counters(gating_output.device,
                                      allocate=not torch.cuda.is_current_stream_capturing())
-            if counters is not None:
-                dynamic = dict(counter_ptr=counters, DYNAMIC=True, TILE_GROUPS=TILE_GROUPS)
-        _two_level_kernel[(grid,)](
-            *args, triton.cdiv(num_tiles, grid), WIDTH=config.chunk, NUM_SLICES=num_slices,
-            MASK_EXPERTS=num_slices * config.chunk != launch.num_experts, PERSISTENT=persistent,
-            PING_PONG=ping_pong, **dynamic, **common,
-        )
+            if counters is None:  # (static tiles for this call only: the plan would keep them)
+                cacheable = False
+            else:
+                dynamic = dict(DYNAMIC=True, TILE_GROUPS=TILE_GROUPS)
+                per_stream = _TILE_COUNTERS
+                extra = (counters,)
+        kernel_launch = KernelLaunch(
+            _two_level_kernel, (grid,), (*args, triton.cdiv(num_tiles, grid)),
+            dict(WIDTH=config.chunk, NUM_SLICES=num_slices, MASK_EXPERTS=num_slices * config.chunk != launch.num_experts,
+                 PERSISTENT=persistent, PING_PONG=ping_pong, **dynamic, **common),
+            ROUTING_PER_CALL + (("counter_ptr",) if extra else ()))
+    kernel_launch.first(gating_output, bias, weights, ids, is_padding, *extra)
+    if key is not None and cacheable:
+        _PLANS.put(key, plan_for(shape, gating_output.device, topk_weights, topk_ids, kernel_launch,
+                                 per_stream=per_stream))
     return weights, ids

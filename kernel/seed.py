@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel._dispatch import ROUTING_PER_CALL, KernelLaunch, PlanCache, cached_call, is_interpreted, plan_for
 from kernel._launch import check_routing_args, pdl_supported
 
 
@@ -130,6 +131,9 @@ def fused_musespark1x_routing_seed(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route with the seed's algorithm (one program per token, repeated argmax).
 
+    Checked and launched once per argument signature through Triton's JIT, then launched
+    directly, like :func:`kernel.routing.fused_musespark1x_routing`.
+
     Args:
         gating_output: ``[num_tokens, num_experts]`` **float32** logits, any strides.
         bias: ``[num_experts]`` float32/bfloat16/float16 selection bias (upcast to a new
@@ -151,24 +155,29 @@ def fused_musespark1x_routing_seed(
         ValueError: bad arguments (see :func:`kernel._launch.check_routing_args`), and
             bfloat16/float16 gating_output, which the seed cannot compile.
     """
+    tensors = (gating_output, bias, topk_weights, topk_ids, is_padding)
+    outputs, key = cached_call(_PLANS, tensors, (topk, route_scale, router_output_multiplier, router_score_normalization,
+                                                 router_score_division_eps, use_pdl), not _INTERPRETED)
+    if outputs is not None:
+        return outputs
     launch = check_routing_args(
         gating_output, bias, topk, route_scale, router_output_multiplier,
         router_score_normalization, router_score_division_eps, topk_weights, topk_ids,
         is_padding, gating_dtypes=(torch.float32,),
         gating_dtype_reason=": the seed kernel passes it to tl.sigmoid/tl.exp, which accept only fp32/fp64",
     )
+    shape = (launch.num_tokens, launch.topk)
     if launch.num_tokens == 0:
+        if key is not None:
+            _PLANS.put(key, plan_for(shape, gating_output.device, topk_weights, topk_ids, None))
         return launch.topk_weights, launch.topk_ids
-    if bias.dtype != torch.float32 or not bias.is_contiguous():
+    bias_to_float32 = bias.dtype != torch.float32 or not bias.is_contiguous()
+    if bias_to_float32:
         bias = bias.float().contiguous()
     enable_pdl = pdl_supported(gating_output.device) if use_pdl is None else bool(use_pdl)
     weights, ids = launch.topk_weights, launch.topk_ids
-    _seed_routing_kernel[(launch.num_tokens,)](
-        gating_output,
-        bias,
-        weights,
-        ids,
-        is_padding,
+    kernel_launch = KernelLaunch(_seed_routing_kernel, (launch.num_tokens,), (
+        None, None, None, None, None,  # the tensors of ROUTING_PER_CALL, given to the launch
         is_padding.stride(0) if is_padding is not None else 0,
         launch.num_tokens,
         launch.num_experts,
@@ -181,6 +190,7 @@ def fused_musespark1x_routing_seed(
         launch.router_output_multiplier if launch.router_output_multiplier is not None else 1.0,
         launch.route_scale,
         launch.router_score_division_eps if launch.router_score_division_eps is not None else 0.0,
+    ), dict(
         TOPK=launch.topk,
         TOPK_PADDED=triton.next_power_of_2(launch.topk),
         NUM_EXPERTS_PADDED=1 << max(3, (launch.num_experts - 1).bit_length()),
@@ -190,5 +200,13 @@ def fused_musespark1x_routing_seed(
         USE_PDL=enable_pdl,
         num_warps=1 if launch.num_experts == 256 else 4,
         **({"launch_pdl": True} if enable_pdl else {}),
-    )
+    ), ROUTING_PER_CALL)
+    kernel_launch.first(gating_output, bias, weights, ids, is_padding)
+    if key is not None:
+        _PLANS.put(key, plan_for(shape, gating_output.device, topk_weights, topk_ids, kernel_launch,
+                                 bias_to_float32=bias_to_float32))
     return weights, ids
+
+
+_INTERPRETED = is_interpreted(_seed_routing_kernel)
+_PLANS = PlanCache()

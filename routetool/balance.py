@@ -321,6 +321,20 @@ class Routing:
     params: dict
     kernel: bool = False
 
+    def route_with_and_without(self, chunk: Chunk, bias: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's ids routed with ``bias`` and with it zeroed (the bias effect); the reference
+        computes the scores once for both."""
+        if self.kernel:
+            return (self.route(chunk, bias, path),
+                    self.route(chunk, torch.zeros_like(bias), path, context="with the bias zeroed (bias effect)",
+                               per_step=False))
+        from kernel.reference import normalized_scores, select_experts
+
+        p = self.params
+        scores = normalized_scores(chunk.gating_output, p["router_score_normalization"], p["router_output_multiplier"])
+        return tuple(select_experts(scores, b, p["topk"], is_padding=chunk.is_padding)
+                     for b in (bias, torch.zeros_like(bias)))
+
     def route(self, chunk: Chunk, bias: torch.Tensor, path: str, context: str = "", per_step: bool = True
               ) -> torch.Tensor:
         """``[n, K]`` ids of the chunk's rows routed with ``bias``.
@@ -490,8 +504,11 @@ class TraceSource(Source):
                 padded = torch.zeros(S, dtype=torch.int64, device=device).index_add_(0, step_index, pad.long()).tolist()
             else:
                 padded = [0] * S
+            both = self.bias_effect and info.has_logits and mode == "route" and self.nobias_fn is self.route_fn
             if mode == "recorded":
                 ids = chunk.recorded_ids
+            elif both:  # the same routing with and without the bias: the reference's scores once
+                ids, without = self.route_fn.route_with_and_without(chunk, bias, self.path)
             else:
                 ids = self.route_fn.route(chunk, bias, self.path)
             masked = _mask(ids, pad)
@@ -505,12 +522,12 @@ class TraceSource(Source):
                              ids=masked, offsets=chunk.offsets, uncounted=uncounted, invalid=invalid,
                              row_start=chunk.start)
             if self.bias_effect and info.has_logits:
-                if mode == "route" and self.nobias_fn is self.route_fn:
+                if both:
                     with_bias = ids
                 else:
                     with_bias = self.nobias_fn.route(chunk, bias, self.path, context="(bias effect)")
-                without = self.nobias_fn.route(chunk, zeros, self.path, context="with the bias zeroed (bias effect)",
-                                               per_step=False)
+                    without = self.nobias_fn.route(chunk, zeros, self.path,
+                                                   context="with the bias zeroed (bias effect)", per_step=False)
                 load.bias_ids_with, load.ids_nobias = _mask(with_bias, pad), _mask(without, pad)
                 load.bias_counts_with = counts if with_bias is ids else \
                     count_experts_per_step(load.bias_ids_with, step_index, S, E)[0]

@@ -13,14 +13,13 @@ import sys
 from pathlib import Path
 
 import click
-import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from routetool.cli_numbers import INT, IntRange
 from routetool.cli_paths import PATH, PATH_TEXT
 from routetool.errors import EXIT_OK, RouteToolError
 from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
-from routetool.imports import DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS
+from routetool.dump_options import DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS
 from routetool.numtext import list_items, parse_float, parse_int, refuse_repeats
 from routetool.report import Console, markup_safe, user_text
 
@@ -56,8 +55,10 @@ def _float_list(option: str, spec: str) -> list[float]:
     return refuse_repeats(option, spec, values)
 
 
-def _stats_device(choice: str) -> torch.device:
-    """Device for statistics when no kernel runs (no Triton involved)."""
+def _stats_device(choice: str):
+    """The torch device for statistics when no kernel runs (no Triton involved)."""
+    import torch
+
     has_cuda = torch.cuda.is_available()
     if choice == "cuda" and not has_cuda:
         raise RouteToolError("--device cuda: torch sees no CUDA GPU", fix="use --device cpu")
@@ -123,22 +124,17 @@ def _reject_dump_options(source: Path) -> None:
                              fix=f"drop {', '.join(given)}")
 
 
-def _same_path(a, b) -> bool:
-    try:
-        return Path(a).resolve() == Path(b).resolve()
-    except (OSError, RuntimeError):
-        return False
-
-
 def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], inputs: list) -> None:
     """No --plot figure may be another output of the run or one of its inputs."""
+    from routetool.files import resolved
+
     for fig in figures:
         for flag, out in outputs.items():
-            if out is not None and out != "-" and _same_path(fig, out):
+            if out is not None and out != "-" and resolved(fig) == resolved(out):
                 raise RouteToolError(f"is named by {flag} and is a --plot figure", path=fig,
                                      fix="give each output its own file")
         for inp in inputs:
-            if inp is not None and _same_path(fig, inp):
+            if inp is not None and resolved(fig) == resolved(inp):
                 raise RouteToolError("is this run's input; a --plot figure would replace it", path=fig,
                                      fix="choose another --plot folder")
 
@@ -182,6 +178,8 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
 @click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH",
               help="Also write the results as JSON to PATH ('-' = stdout; the tables then go to stderr).")
 @click.option("--plot", "plot_dir", default=None, metavar="DIR", help="Write PNG figures into DIR (needs matplotlib).")
+@click.option("--details", "-v", "details", is_flag=True,
+              help="Every layer's tables and the charts (default: a one-screen summary with the worst layers).")
 @click.option("--force", is_flag=True, help="Replace existing --json/--eplb-out/--plot outputs.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @_dump_options
@@ -189,7 +187,8 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
             reference: bool, recorded: bool, layers_spec: str, focus_layer: int | None, ep_spec: str | None,
             placement_path: Path | None, windows: int, decode_max_tokens: int, capacity_spec: str, top_n: int,
             eplb: bool, redundant, gpus, nodes: int, groups: int, eplb_policy: str, eplb_out: str | None,
-            bias_effect: bool, json_path: str | None, plot_dir: str | None, force: bool, progress: bool) -> None:
+            bias_effect: bool, json_path: str | None, plot_dir: str | None, details: bool, force: bool,
+            progress: bool) -> None:
     """Load balance of SOURCE over experts and expert-parallel ranks, and what EPLB would buy.
 
     SOURCE is a routetool trace, or a routing dump read directly: JSON lines, CSV (or a
@@ -199,16 +198,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     balancedness before/after, the router bias effect, capacity overflow, and drift
     between prefill and decode and over time.
     """
-    from routetool.balance import (
-        BalanceOptions, CountsSource, EplbOptions, ImportedSource, TraceSource, analyze_balance,
-        default_ep_sizes, route_fn_from,
-    )
-    from routetool.eplb import load_placement, placement_document
-    from routetool.files import check_output_paths
-    from routetool.imports import ImportedCounts, read_dump, resolve_format
-    from routetool.replay import parse_layers
-    from routetool.report import write_json
-    from routetool.report_balance import balance_json, render_balance
+    from routetool.files import check_output_paths, require_input
 
     if reference and recorded:
         raise RouteToolError("--reference and --recorded exclude each other", fix="pass one of them")
@@ -222,6 +212,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                              "the reference routes its bias effect", fix="pass one of them")
     if eplb_out == "-" and json_path == "-":
         raise RouteToolError("--json - and --eplb-out - both want stdout", fix="write one of them to a file")
+    require_input(source, what="file or folder")  # usage errors before torch is imported
     # every output is checked before any work: never one file twice, never an input
     check_output_paths([json_path, eplb_out], force=force,
                        inputs=[source, placement_path, kernel_source(kernel_spec) if kernel_spec else None])
@@ -235,6 +226,16 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                              [source, placement_path])
     capacity = _float_list("--capacity-factor", capacity_spec)
     ep_sizes = _int_list("--ep-size", ep_spec)
+    from routetool.balance import (  # after the usage checks: these import torch
+        BalanceOptions, CountsSource, EplbOptions, ImportedSource, TraceSource, analyze_balance,
+        default_ep_sizes, route_fn_from,
+    )
+    from routetool.eplb import load_placement, placement_document
+    from routetool.imports import ImportedCounts, read_dump, resolve_format
+    from routetool.replay import parse_layers
+    from routetool.report import write_json
+    from routetool.report_balance import balance_json, render_balance
+
     resolved_format = resolve_format(source, fmt)
     if resolved_format == "trace":
         _reject_dump_options(source)
@@ -314,7 +315,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                 trace.close()
 
     console = Console(stderr=json_path == "-" or eplb_out == "-")
-    render_balance(result, console, focus_layer)
+    render_balance(result, console, focus_layer, details=details)
     status = Console(stderr=True)
     if json_path is not None:
         write_json(balance_json(result), json_path, sys.stdout)
@@ -350,12 +351,14 @@ def import_(source: Path, output: Path, fmt: str, num_experts, topk, skip_rows, 
     Per-expert counts (counts JSON, SGLang stat/per-pass dumps) have no per-token ids and
     cannot become a trace: analyse them directly with `routetool balance FILE`.
     """
-    from routetool.files import check_output_paths
+    from routetool.files import check_output_paths, require_input
+
+    require_input(source, what="file or folder")  # usage errors before torch is imported
+    # before any work: '-' is refused (a trace is a file), and the dump is never the output
+    check_output_paths([output], force=force, inputs=[source], allow_stdout=False)
     from routetool.imports import read_dump, write_imported_trace
     from routetool.report_balance import render_import
 
-    # before any work: '-' is refused (a trace is a file), and the dump is never the output
-    check_output_paths([output], force=force, inputs=[source], allow_stdout=False)
     # a dump of per-expert counts is refused as soon as it is recognised, before --select and the like apply
     imported = read_dump(source, _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model,
                                                  refuse_counts=f"analyse it directly: {_balance_command(source)}"))

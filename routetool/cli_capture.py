@@ -19,6 +19,7 @@ import click
 from routetool.cli_numbers import FLOAT, IntRange
 from routetool.cli_paths import PATH, PATH_TEXT
 from routetool.errors import RouteToolError, printable
+from routetool.jsonstrict import JSONProblem, loads
 from routetool.numtext import list_items, number_problem, parse_int
 from routetool.report import Console, markup_safe
 
@@ -62,10 +63,11 @@ def _parse_overrides(items: tuple[str, ...]) -> dict:
                                  fix=f"give each key once, e.g. --set {key}={raw}")
         given[key] = raw
         try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
+            value = loads(raw)
+        except JSONProblem as exc:
             quoted = json.dumps(raw)
-            raise RouteToolError(f"--set {key}: the value {raw!r} is not JSON",
+            what = "is not JSON" if type(exc) is JSONProblem else f"is refused: {exc.reason}"
+            raise RouteToolError(f"--set {key}: the value {raw!r} {what}",
                                  fix=f"write a number, true, false, null or a quoted string, e.g. --set '{key}={quoted}'"
                                  ) from None
         out[key] = value
@@ -237,13 +239,15 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
     TRACE is a .safetensors trace or a sharded trace's index (.json). Reads headers only
     (fast on any size) unless --scan is given.
     """
-    from routetool.files import check_output_paths
+    from routetool.files import check_output_paths, require_input
+
+    require_input(trace)  # usage errors before torch is imported
+    check_output_paths([json_path], force=force, inputs=[trace])
     from routetool.info import check_trace_file, trace_info
     from routetool.report import write_json
     from routetool.report_capture import info_json, render_info
     from routetool.trace import open_trace
 
-    check_output_paths([json_path], force=force, inputs=[trace])
     check_trace_file(trace)
     with open_trace(trace) as t:
         with _progress(progress and scan) as bar:

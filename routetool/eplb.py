@@ -40,9 +40,8 @@ from pathlib import Path
 
 import torch
 
-from routetool.errors import RouteToolError, first_line
-from routetool.files import refuse_special_file
-from routetool.jsonstrict import DuplicateKey, unique_keys
+from routetool.errors import RouteToolError
+from routetool.jsonstrict import load_file
 
 PLACEMENT_SCHEMA = "routetool.placement/1"
 POLICIES = ("auto", "hierarchical", "global")
@@ -462,17 +461,7 @@ def load_placement(path: str | Path, num_experts: int, layers: list[int], num_gp
     """
     path = Path(path)
     fix_file = "fix the file, or write one with `routetool balance --eplb-out`"
-    refuse_special_file(path, fix="pass a placement file written by `routetool balance --eplb-out`")
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
-    except FileNotFoundError:
-        raise RouteToolError("no such file", path=path, fix="check the --placement path") from None
-    except DuplicateKey as exc:
-        raise RouteToolError(f"the key {exc.key!r} appears twice in one object; JSON readers differ on which value "
-                             "counts", path=path, fix=f"write each key once ({fix_file})") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise RouteToolError(f"not a readable JSON file ({first_line(exc, 120, with_type=False)})", path=path,
-                             fix="pass a placement written by `routetool balance --eplb-out`") from None
+    doc = load_file(path, fix="pass a placement file written by `routetool balance --eplb-out`")
     if isinstance(doc, dict) and "schema" in doc and doc["schema"] != PLACEMENT_SCHEMA:
         raise RouteToolError(f"schema is {_short(doc['schema'])}; expected {json.dumps(PLACEMENT_SCHEMA)}", path=path,
                              fix="pass a placement written by `routetool balance --eplb-out`, or a file in its format")

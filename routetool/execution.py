@@ -13,11 +13,13 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from routetool.errors import RouteToolError, first_line
+from routetool.files import path_kind
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 
@@ -55,6 +57,8 @@ def select_execution(choice: str) -> Execution:
         RouteToolError: ``cuda`` asked for without a usable GPU, or the kernels were
             already loaded in this process in the other mode.
     """
+    import torch
+
     if choice not in DEVICE_CHOICES:
         raise RouteToolError(f"unknown device {choice!r}", fix="use auto, cuda or cpu")
     has_cuda = torch.cuda.is_available()
@@ -81,7 +85,7 @@ def select_execution(choice: str) -> Execution:
     return Execution(device=torch.device("cpu"), interpreted=True, device_name="CPU (Triton interpreter)")
 
 
-RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+RoutingFn = Callable[..., tuple["torch.Tensor", "torch.Tensor"]]
 
 
 class _StandInStream:
@@ -199,10 +203,11 @@ def load_kernel(spec: str, *, also: Sequence[str] = ()) -> tuple[str, RoutingFn]
     try:
         if module_name.endswith(".py") or os.sep in module_name:
             path = os.path.abspath(module_name)
-            if not os.path.exists(path):
+            kind = path_kind(path, shown=module_name)
+            if kind in ("missing", "dangling link"):
                 raise RouteToolError("no such file", path=module_name, fix="check the --kernel path")
             spec_obj = importlib.util.spec_from_file_location(f"routetool_user_kernel_{abs(hash(path))}", path)
-            if not os.path.isfile(path) or spec_obj is None:  # a folder, or no Python suffix (README.md)
+            if kind != "file" or spec_obj is None:  # a folder, or no Python suffix (README.md)
                 raise not_python
             module = importlib.util.module_from_spec(spec_obj)
             with _importable(os.path.dirname(path)):  # its own modules beside it, as python runs a script

@@ -1,12 +1,22 @@
-"""Writing output files safely: into a temporary file beside the target, then one rename.
+"""Paths: what is at one (the one check every path goes through), and writing outputs safely.
 
-A failed or interrupted write never leaves a half-written file at the target and never
-damages a file that was there before.
+:func:`path_kind` is how routetool asks the system about any path it is given or reads from a
+file (inputs, outputs, an index's shards, the folders above an output); :func:`resolved` and
+:func:`same_file` compare paths. A path the system cannot examine (a loop of symbolic links, a
+NUL byte, a name too long, a folder that cannot be searched) is a one-line
+:class:`~routetool.errors.RouteToolError` there, never an ``OSError``, ``RuntimeError`` or
+``ValueError`` further on.
+
+Outputs are written into a temporary file beside the target, then renamed: a failed or
+interrupted write never leaves a half-written file at the target and never damages a file
+that was there before.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +66,100 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *, suffi
     return path
 
 
+PATH_KINDS = ("missing", "dangling link", "file", "folder", "special")
+"""What :func:`path_kind` finds at a path."""
+
+
+def _path_error(exc: BaseException, shown: object) -> RouteToolError:
+    """The one-line error for a path the system cannot examine (``exc`` from ``os.stat``,
+    ``Path.resolve`` or ``os.path.samefile``)."""
+    if isinstance(exc, ValueError):  # "embedded null byte" (a name from a file: an index's shard path)
+        return RouteToolError("the path holds a NUL byte, which no file name can", path=shown,
+                              fix="write the name without it")
+    if isinstance(exc, RuntimeError) or getattr(exc, "errno", None) == errno.ELOOP:  # Path.resolve: "Symlink loop"
+        return RouteToolError("a symbolic link on this path points in a loop", path=shown,
+                              fix="make the link point to a file or folder, or name another path")
+    if getattr(exc, "errno", None) == errno.ENAMETOOLONG:
+        return RouteToolError("the name is too long for the file system", path=shown, fix="choose a shorter name")
+    return RouteToolError(f"cannot be examined ({getattr(exc, 'strerror', None) or exc})", path=shown,
+                          fix="check the path and its folders' permissions")
+
+
+def path_kind(path: str | os.PathLike, *, shown: object = None) -> str:
+    """What ``path`` names, following symbolic links: one of :data:`PATH_KINDS`.
+
+    The one place where routetool asks the system about a path it is given (an input, an
+    output, an index's shard, a folder above an output): ``missing`` (also below a file,
+    ``notes.txt/out.json``), ``dangling link`` (a link to nothing), ``file``, ``folder`` or
+    ``special`` (a FIFO, device or socket, or a link to one).
+
+    Args:
+        path: the path. shown: how messages name it (default ``path``).
+
+    Raises:
+        RouteToolError: the path cannot be examined: a loop of symbolic links, a NUL byte in
+            the name, a name too long, a folder on the way that cannot be searched; one line
+            naming ``shown`` (:func:`_path_error`).
+    """
+    shown = path if shown is None else shown
+    try:
+        try:
+            mode = os.stat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            try:
+                os.lstat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                return "missing"
+            return "dangling link"
+    except (OSError, ValueError) as exc:
+        raise _path_error(exc, shown) from None
+    return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "special"
+
+
+def require_input(path: str | os.PathLike, *, what: str = "file", shown: object = None) -> str:
+    """Refuse an input that is not there, before any work (and before torch is imported): one line,
+    ``PATH: no such file (check the path)`` (``what``: ``file or folder`` where a folder is taken
+    too). A link to nothing counts as missing. Returns :func:`path_kind`'s answer otherwise.
+
+    Raises:
+        RouteToolError: the path is missing, or cannot be examined (:func:`path_kind`).
+    """
+    shown = path if shown is None else shown
+    kind = path_kind(path, shown=shown)
+    if kind in ("missing", "dangling link"):
+        raise RouteToolError(f"no such {what}", path=shown, fix="check the path")
+    return kind
+
+
+def resolved(path: str | os.PathLike, *, shown: object = None) -> Path:
+    """``path`` made absolute with its links followed (:meth:`pathlib.Path.resolve`), also when
+    it does not exist yet.
+
+    Raises:
+        RouteToolError: a loop of symbolic links, a NUL byte and the other cases of :func:`path_kind`.
+    """
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise _path_error(exc, path if shown is None else shown) from None
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether ``a`` and ``b`` name one file or folder (by resolved path, or as hard links).
+
+    Raises:
+        RouteToolError: either path cannot be examined (:func:`path_kind`).
+    """
+    if resolved(a) == resolved(b):
+        return True
+    if path_kind(a) in ("missing", "dangling link") or path_kind(b) in ("missing", "dangling link"):
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError) as exc:
+        raise _path_error(exc, a) from None
+
+
 def refuse_special_file(path: str | os.PathLike, *, fix: str) -> None:
     """Refuse an input path that exists but is neither a regular file nor a folder (a FIFO, a
     device, a socket, or a link to one), before anything opens it: reading one could block
@@ -64,19 +168,22 @@ def refuse_special_file(path: str | os.PathLike, *, fix: str) -> None:
     A missing path or a folder is left to the reader, which names them.
 
     Raises:
-        RouteToolError: naming the path and ``fix``.
+        RouteToolError: naming the path and ``fix``; a path that cannot be examined (:func:`path_kind`).
     """
-    p = Path(path)
-    if p.exists() and not p.is_file() and not p.is_dir():
-        raise RouteToolError("is not a regular file (a FIFO, device or socket); reading it could block", path=p,
+    if path_kind(path) == "special":
+        raise RouteToolError("is not a regular file (a FIFO, device or socket); reading it could block", path=path,
                              fix=fix)
 
 
 def missing_folders(path: str | os.PathLike) -> tuple[Path, list[Path]]:
     """``path``'s nearest ancestor (or ``path`` itself) that is there, a dangling link included,
-    and the paths below it that are not, innermost first (``path`` first when it is missing)."""
+    and the paths below it that are not, innermost first (``path`` first when it is missing).
+
+    Raises:
+        RouteToolError: a path on the way cannot be examined (:func:`path_kind`).
+    """
     existing, missing = Path(path), []
-    while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
+    while path_kind(existing) == "missing" and existing != existing.parent:
         missing.append(existing)
         existing = existing.parent
     return existing, missing
@@ -91,27 +198,21 @@ def check_output_folder(folder: str | os.PathLike) -> None:
 
     Raises:
         RouteToolError: ``is a file, not a folder`` / ``is a link to a missing path, not a
-            folder`` naming that path, or ``folder does not exist`` naming ``folder``.
+            folder`` naming that path, or ``folder does not exist`` naming ``folder``; a path
+            that cannot be examined (:func:`path_kind`).
     """
     folder = Path(folder) if str(folder) else Path(".")
-    if folder.is_dir():
+    if path_kind(folder) == "folder":
         return
     blocker, _ = missing_folders(folder)
-    if blocker.is_symlink() and not blocker.exists():
+    kind = path_kind(blocker)
+    if kind == "dangling link":
         raise RouteToolError("is a link to a missing path, not a folder", path=blocker,
                              fix="choose another output path, or make the link point to a folder")
-    if blocker.exists() and not blocker.is_dir():
-        kind = "a file" if blocker.is_file() else "a FIFO, device or socket"
-        raise RouteToolError(f"is {kind}, not a folder", path=blocker,
-                             fix="choose another output path")
+    if kind in ("file", "special"):
+        what = "a file" if kind == "file" else "a FIFO, device or socket"
+        raise RouteToolError(f"is {what}, not a folder", path=blocker, fix="choose another output path")
     raise RouteToolError("folder does not exist", path=folder, fix="create it first")
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
-    except OSError:
-        return False
 
 
 def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = True) -> None:
@@ -129,7 +230,8 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
             output that is an input or an existing file of an input folder; an existing file
             (or link) without ``force``; a directory; a FIFO, device or socket; a missing or
             unwritable folder (probed by creating a temporary file), or a file where a folder
-            belongs (:func:`check_output_folder`).
+            belongs (:func:`check_output_folder`); an output or input path that cannot be
+            examined (a loop of symbolic links, a NUL byte: :func:`path_kind`).
     """
     from routetool.sharded import listed_shard_files  # (sharded imports this module)
 
@@ -144,23 +246,24 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
                 raise RouteToolError("'-' (stdout) cannot take this output", path="-", fix="name a file")
             continue
         p = Path(out)
+        kind = path_kind(p)
         for other in seen:
-            if _same_file(p, other):
+            if same_file(p, other):
                 raise RouteToolError("is named for two outputs of one run", path=p, fix="give each output its own file")
         seen.append(p)
         for inp in protected:
-            if inp.is_dir() and (p.exists() or p.is_symlink()) and _same_file(p.parent, inp):
+            if path_kind(inp) == "folder" and kind != "missing" and same_file(p.parent, inp):
                 raise RouteToolError("is a file in this run's input folder; writing the output there would replace "
                                      "it", path=p, fix="choose another output path")
-            if _same_file(p, inp):
+            if same_file(p, inp):
                 raise RouteToolError("is this run's input; writing the output there would destroy it", path=p,
                                      fix="choose another output path")
-        if p.is_dir():
+        if kind == "folder":
             raise RouteToolError("is a directory", path=p, fix="name a file")
-        if p.exists() and not p.is_file():  # a FIFO, device or socket (or a link to one): never replaced
+        if kind == "special":  # a FIFO, device or socket (or a link to one): never replaced
             raise RouteToolError("is not a regular file (a FIFO, device or socket)", path=p,
                                  fix="name a regular file, or - for stdout")
-        if (p.exists() or p.is_symlink()) and not force:  # (a dangling link too)
+        if kind != "missing" and not force:  # (a dangling link too)
             raise RouteToolError("already exists", path=p, fix="choose another path or pass --force to replace it")
         folder = p.parent if str(p.parent) else Path(".")
         check_output_folder(folder)

@@ -52,6 +52,12 @@ and silently resolved: a JSON key given twice in one object, two names of one fi
 or a CSV header (``topk_ids`` and ``experts``: the names above are alternatives), meta rows that
 disagree, or one layer or expert spelled two ways (``"0"`` and ``"00"``), is an error. Every failure, including text that is not UTF-8,
 is a :class:`RouteToolError` of one line naming the file and the line, key or tensor element.
+
+JSON is read by :mod:`routetool.jsonstrict` (keys once per object, nesting and number length
+bounded), paths are examined by :func:`routetool.files.path_kind`, and what a dump may make the
+tool allocate is checked on declared sizes first (:mod:`routetool.limits`): the per-expert tables
+E makes over the dump's steps and layers, an SGLang ``.pt``'s records and tensors counted as
+materialised (stride-0 views and shared references in full).
 """
 
 from __future__ import annotations
@@ -69,23 +75,16 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.files import refuse_special_file
-from routetool.jsonstrict import DuplicateKey, unique_keys
+from routetool.files import path_kind, refuse_special_file, require_input
+from routetool.jsonstrict import JSONProblem, load_file, loads
+from routetool.limits import (MAX_EXPERTS, MAX_LAYERS, check_expert_tables, check_materialised, check_torch_archive,
+                              input_bytes)
 from routetool.numtext import parse_float, parse_int
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
-FORMATS = ("auto", "trace", "jsonl", "csv", "sglang", "counts-json")
-DEFAULT_DROP_REPEATS = 64
-"""Runs of at least this many identical consecutive rows are dropped as warm-up/dummy rows."""
-READING_OPTIONS = {"num_experts": "--num-experts", "topk": "--topk", "skip_rows": "--skip-rows",
-                   "drop_repeats": "--drop-repeats", "select": "--select"}
-"""The options for reading dumps (:class:`ImportOptions` attribute -> command-line option)."""
-_TOKEN_ROW_OPTIONS = ("num_experts", "topk", "skip_rows", "drop_repeats")
-_COUNTS_OPTIONS = ("num_experts", "topk")
-OPTIONS_READ = {"jsonl": _TOKEN_ROW_OPTIONS, "csv": _TOKEN_ROW_OPTIONS, "sglang": _TOKEN_ROW_OPTIONS,
-                "counts-json": _COUNTS_OPTIONS + ("select",)}
-"""The reading options each dump format uses (SGLang: per-token dumps; its stat and per-pass
-dumps of counts read ``num_experts`` and ``topk`` only)."""
+from routetool.dump_options import (  # noqa: F401 - the options of the importers, part of this interface
+    COUNTS_OPTIONS, DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS,
+)
 
 _ID_KEYS = ("topk_ids", "experts", "expert_ids", "selected_experts", "ids")
 _WEIGHT_KEYS = ("topk_weights", "gating_probs", "weights", "routing_weights", "probs")
@@ -101,10 +100,6 @@ _CSV_LAYER = ("layer_id", "layer", "layer_idx")
 _CSV_STEP = ("batch_number", "step", "batch", "forward_pass_id", "step_id")
 _CSV_SPLIT = re.compile(r"[\s,;\[\]()]+")
 
-MAX_EXPERTS = 1 << 20
-"""Largest expert count accepted (``--num-experts``, file metadata, ids): 1,048,576 experts."""
-MAX_LAYERS = 1 << 16
-"""Layer ids must lie in ``[0, MAX_LAYERS)``."""
 MAX_COUNT = 1 << 62
 """Largest per-expert count accepted in counts files (int64 headroom for sums)."""
 
@@ -294,7 +289,7 @@ def _refuse_special_files(path: Path) -> None:
     extension alone (``x.safetensors`` as a trace)."""
     fix = "write it to a regular file and pass that"
     refuse_special_file(path, fix=fix)
-    if path.is_dir():
+    if path_kind(path) == "folder":
         try:
             entries = [p for p in path.iterdir() if p.suffix.lower() in _DUMP_SUFFIXES]
         except OSError:
@@ -320,12 +315,11 @@ def detect_format(path: Path) -> str:
         RouteToolError: missing path, a FIFO, device or socket (also as a dump file of a
             folder), or nothing recognisable.
     """
-    if not path.exists():
-        raise RouteToolError("no such file or folder", path=path, fix="check the path")
+    require_input(path, what="file or folder")
     _refuse_special_files(path)
-    if path.is_dir():
+    if path_kind(path) == "folder":
         try:
-            kinds = {p.suffix.lower() for p in path.iterdir() if p.is_file() and not p.name.startswith(".")}
+            kinds = {p.suffix.lower() for p in path.iterdir() if not p.name.startswith(".") and path_kind(p) == "file"}
         except OSError as exc:
             raise RouteToolError(f"cannot list the folder ({exc.strerror or exc})", path=path,
                                  fix="check permissions") from None
@@ -359,9 +353,9 @@ def detect_format(path: Path) -> str:
     if text.startswith(b"{"):
         first_line = text.split(b"\n", 1)[0].strip()
         try:
-            json.loads(first_line)
+            loads(first_line.decode("utf-8"))
             return "jsonl" if b"\n" in text.strip() else "counts-json"
-        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError: the reader says where
+        except (JSONProblem, UnicodeDecodeError):  # the reader says where
             return "counts-json"
     if len(head) >= 8 and head[:8] != b"\x00" * 8 and b"__metadata__" in head[:4096]:
         return "trace"
@@ -394,10 +388,11 @@ def refuse_dump_as_trace(path: str | Path, display_path: object = None) -> None:
             ``routetool import PATH -o trace.safetensors`` / ``routetool balance PATH``.
     """
     path = Path(path)
-    kinds = _DUMP_KINDS.get(_detected(path)) if path.exists() else None
+    found = path_kind(path, shown=display_path)
+    kinds = _DUMP_KINDS.get(_detected(path)) if found in ("file", "folder") else None
     if kinds is None:
         return
-    kind = kinds[path.is_dir()]
+    kind = kinds[found == "folder"]
     shown = display_path if display_path is not None else path
     quoted = shlex.quote(str(shown))
     raise RouteToolError(f"looks like {kind}, not a routetool trace", path=shown,
@@ -442,8 +437,10 @@ def _filter_rows(rows: list[_Row], options: ImportOptions) -> tuple[list[_Row], 
 
 
 def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, model: str,
-              meta_experts: int | None, meta_topk: int | None, notes: list[str]) -> ImportedRouting:
-    """Rows (already filtered) -> per-layer tensors with step offsets, checking E and K."""
+              meta_experts: int | None, meta_topk: int | None, notes: list[str], size: int) -> ImportedRouting:
+    """Rows (already filtered) -> per-layer tensors with step offsets, checking E and K, and the
+    per-expert tables E makes against the budget of an input of ``size`` bytes
+    (:func:`routetool.limits.check_expert_tables`) before any tensor is made."""
     if not rows:
         raise RouteToolError("no token rows left to import", path=source,
                              fix="check the file, --skip-rows and --drop-repeats")
@@ -485,6 +482,14 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
     if E is not None and not 1 <= E <= MAX_EXPERTS:
         raise RouteToolError(f"num_experts={E} (from the file's metadata) is not in [1, {MAX_EXPERTS:,}]",
                              path=source, fix="pass the model's --num-experts")
+    top = next(r for r in rows if max(r.ids) == max_id)
+    if options.num_experts is not None:
+        budget_fix = "pass the model's --num-experts"
+    elif E is not None:
+        budget_fix = "fix the num_experts the dump declares, or pass the model's --num-experts"
+    else:
+        budget_fix = (f"the largest expert id, {max_id} ({top.where}), sets num_experts: fix that row, or pass the "
+                      "model's --num-experts")
     if E is None:
         E = max_id + 1
         notes.append(f"num_experts={E} inferred from the largest id ({max_id}); pass --num-experts if the model "
@@ -501,17 +506,17 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
     by_layer: dict[int, list[_Row]] = {}
     for r in rows:
         by_layer.setdefault(r.layer, []).append(r)
+    offsets: dict[int, list[int]] = {}
+    for layer, lr in by_layer.items():
+        offsets[layer] = [0] + [i for i in range(1, len(lr)) if lr[i].step_key != lr[i - 1].step_key] + [len(lr)]
+    check_expert_tables(source, experts=E, layer_steps=sum(len(o) - 1 for o in offsets.values()),
+                        layers=len(by_layer), size=size, fix=budget_fix)
     layers: dict[int, ImportedLayer] = {}
     for layer in sorted(by_layer):
         lr = by_layer[layer]
         ids = torch.tensor([r.ids for r in lr], dtype=torch.int32)
         weights = torch.tensor([r.weights for r in lr], dtype=torch.float32) if has_weights else None
-        offsets = [0]
-        for i in range(1, len(lr)):
-            if lr[i].step_key != lr[i - 1].step_key:
-                offsets.append(i)
-        offsets.append(len(lr))
-        layers[layer] = ImportedLayer(topk_ids=ids, topk_weights=weights, step_offsets=offsets)
+        layers[layer] = ImportedLayer(topk_ids=ids, topk_weights=weights, step_offsets=offsets[layer])
     return ImportedRouting(source=str(source), format=fmt, model=model, num_experts=E, topk=K,
                            layers=layers, notes=notes)
 
@@ -583,11 +588,7 @@ def _check_weight(value: float, shown: str, where: str, column: str, path: Path)
 def _json_weights(value, where: str, key: str, path: Path) -> tuple[float, ...]:
     if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in value):
         raise RouteToolError(f"{where}: {key} is not a list of numbers ({_short(value)})", path=path, fix="fix the row")
-    try:
-        weights = tuple(float(x) for x in value)
-    except OverflowError:
-        raise RouteToolError(f"{where}: a weight in {key!r} is too large for a float", path=path,
-                             fix="weights must be finite and >= 0; fix the row") from None
+    weights = tuple(float(x) for x in value)  # (an integer of at most 100 digits: jsonstrict)
     return tuple(_check_weight(w, _short(x), where, key, path) for w, x in zip(weights, value))
 
 
@@ -617,16 +618,9 @@ def _jsonl_rows(path: Path, file_tag: object, notes: list[str], meta: dict) -> I
             if not line:
                 continue
             try:
-                obj = json.loads(line, object_pairs_hook=unique_keys)
-            except DuplicateKey as exc:
-                raise RouteToolError(f"{where}: the key {exc.key!r} appears twice in one object (JSON keeps only the "
-                                     "last value)", path=path, fix="write each key once per row") from None
-            except json.JSONDecodeError as exc:
-                raise RouteToolError(f"{where}: not JSON ({exc.msg})", path=path,
-                                     fix="one JSON object per line (JSON Lines)") from None
-            except (ValueError, RecursionError) as exc:  # e.g. an integer of more than 4,300 digits
-                raise RouteToolError(f"{where}: not readable JSON ({one_line(exc, 80)})", path=path,
-                                     fix="one JSON object per line (JSON Lines)") from None
+                obj = loads(line)
+            except JSONProblem as exc:
+                raise exc.error(path, where=where, fix="one JSON object per line (JSON Lines)") from None
             if not isinstance(obj, dict):
                 raise RouteToolError(f"{where}: not a JSON object", path=path, fix="one JSON object per line")
             if obj.get("type") == "meta":
@@ -724,7 +718,8 @@ def read_jsonl(path: Path, options: ImportOptions) -> ImportedRouting:
     model = options.model or str(meta.get("model_id") or meta.get("model") or path.stem)
     result = _assemble(rows, path, "jsonl", options, model,
                        None if options.num_experts else _meta_int(meta, path, "num_experts", "n_experts"),
-                       None if options.topk else _meta_int(meta, path, "top_k", "topk", "num_experts_per_tok"), notes)
+                       None if options.topk else _meta_int(meta, path, "top_k", "topk", "num_experts_per_tok"), notes,
+                       input_bytes(files))
     return _finish(result, read, skipped, dropped, runs, options)
 
 
@@ -854,13 +849,16 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
     read = len(rows)
     rows, skipped, dropped, runs = _filter_rows(rows, options)
     model = options.model or path.stem
-    result = _assemble(rows, path, "csv", options, model, None, None, notes)
+    result = _assemble(rows, path, "csv", options, model, None, None, notes, input_bytes(files))
     return _finish(result, read, skipped, dropped, runs, options)
 
 
 # ---------------------------------------------------------------------------------------
 # SGLang expert-distribution dumps
 def _torch_load(path: Path):
+    """``torch.load(weights_only=True)`` of an SGLang dump, within the budget of its size
+    (:mod:`routetool.limits`): what its zip records declare is checked before loading, what the
+    loaded tensors hold materialised (expanded views, shared references) before anything reads it."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(4)
@@ -873,16 +871,20 @@ def _torch_load(path: Path):
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
         raise RouteToolError("is not a torch.save file (neither a zip archive nor a pickle), so not an SGLang dump",
                              path=path, fix="pass an SGLang expert-distribution dump (.pt), or the file's --format")
+    size = input_bytes([path])
+    check_torch_archive(path, size)
     try:
         with warnings.catch_warnings():
             # torch warns (on stderr, naming its own source file) about a pickle protocol other
             # than 2 before it loads or refuses the file; the outcome is reported in one line
             warnings.filterwarnings("ignore", message=r"Detected pickle protocol", category=UserWarning)
-            return torch.load(path, map_location="cpu", weights_only=True)
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - pickle errors of any kind are bad input
         raise RouteToolError(f"cannot load with torch.load(weights_only=True) ({type(exc).__name__}: "
                              f"{one_line(exc, 100)})", path=path,
                              fix="pass an SGLang expert-distribution dump (.pt)") from None
+    check_materialised(obj, path, size)
+    return obj
 
 
 def _where(name: str, index) -> str:
@@ -947,7 +949,7 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     model = options.model or path.stem
     if all("logical_count" in obj for _, obj in objs):
         _refuse_counts(path, options)
-        check_options_read(path, options, _COUNTS_OPTIONS, "an sglang stat dump of per-expert counts")
+        check_options_read(path, options, COUNTS_OPTIONS, "an sglang stat dump of per-expert counts")
         return _sglang_stat(path, objs, options, model, notes)
     if any("logical_count" in obj for _, obj in objs):
         raise RouteToolError("the folder mixes stat and per-pass dumps", path=path, fix="read one mode at a time")
@@ -974,7 +976,7 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     if all("topk_ids_of_layer" in r for *_, r in records):
         return _sglang_per_token(path, records, maps, options, model, notes)
     _refuse_counts(path, options)
-    check_options_read(path, options, _COUNTS_OPTIONS, "an sglang per-pass dump of per-expert counts")
+    check_options_read(path, options, COUNTS_OPTIONS, "an sglang per-pass dump of per-expert counts")
     return _sglang_per_pass(path, records, maps, options, model, notes)
 
 
@@ -1027,6 +1029,7 @@ def _sglang_stat(path: Path, objs, options: ImportOptions, model: str, notes: li
 def _sglang_per_pass(path: Path, records, maps, options, model, notes) -> ImportedCounts:
     steps: dict[int, torch.Tensor] = {}
     E = None
+    size = input_bytes(maps)
     for fp, _rank, f, r in records:
         if r.get("global_physical_count") is None:
             raise RouteToolError(f"forward pass {fp}: a record lacks global_physical_count", path=f,
@@ -1042,6 +1045,9 @@ def _sglang_per_pass(path: Path, records, maps, options, model, notes) -> Import
             raise RouteToolError(f"last_physical_to_logical_map names expert {map_experts - 1} >= --num-experts "
                                  f"{options.num_experts}", path=f, fix="fix --num-experts")
         E = max(E or 0, options.num_experts or map_experts)
+        check_expert_tables(path, experts=E, layer_steps=g.shape[0] * (len(steps) + 1), layers=g.shape[0], size=size,
+                            fix="pass the model's --num-experts" if options.num_experts else
+                                "last_physical_to_logical_map sets num_experts: pass an unmodified SGLang dump")
         logical = torch.zeros(g.shape[0], E, dtype=torch.int64).scatter_add_(1, m, g)
         prev = steps.get(fp)
         if prev is not None and prev.shape != logical.shape:
@@ -1108,7 +1114,7 @@ def _sglang_per_token(path: Path, records, maps, options, model, notes) -> Impor
               for f, o in maps.items() if o.get("last_physical_to_logical_map") is not None]
         ms = [x for x in ms if x.numel()]
         E = int(max(int(x.max()) for x in ms)) + 1 if ms else None
-    result = _assemble(rows, path, "sglang", options, model, E, None, notes)
+    result = _assemble(rows, path, "sglang", options, model, E, None, notes, input_bytes(maps))
     return _finish(result, read, skipped, dropped, runs, options)
 
 
@@ -1222,25 +1228,7 @@ def _layer_tables(node, names: tuple[str, ...], path: Path) -> Iterator[tuple[tu
 
 def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
     """Read tokens per expert per layer from a nested JSON (see the module docstring)."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise RouteToolError(f"cannot read ({exc.strerror or exc})", path=path, fix="check the path") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise RouteToolError(f"line {line}: not UTF-8 text (byte {exc.start + 1} of the file is {data[exc.start]:#04x})",
-                             path=path, fix="save it as UTF-8 JSON, or check --format") from None
-    try:
-        doc = json.loads(text, object_pairs_hook=unique_keys)
-    except DuplicateKey as exc:
-        raise RouteToolError(f"the key {exc.key!r} appears twice in one object (JSON keeps only the last value)",
-                             path=path, fix="write each key once per object, with all of its counts") from None
-    except json.JSONDecodeError as exc:
-        raise RouteToolError(f"line {exc.lineno}: not JSON ({exc.msg})", path=path, fix="fix the file") from None
-    except (ValueError, RecursionError) as exc:
-        raise RouteToolError(f"not readable JSON ({one_line(exc, 80)})", path=path, fix="fix the file") from None
+    doc = load_file(path, fix="save it as UTF-8 JSON of per-expert counts, or check --format")
     tables = list(_layer_tables(doc, (), path))
     tables = [(n, t) for n, t in tables if any(t.values())]
     if not tables:
@@ -1268,6 +1256,11 @@ def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
         raise RouteToolError(f"expert id {max(widths.values()) - 1} >= --num-experts {E}", path=path,
                              fix="fix --num-experts")
     all_layers = sorted({layer for _, t in tables for layer in t})
+    check_expert_tables(path, experts=E, layer_steps=len(tables) * len(all_layers), layers=len(all_layers),
+                        size=input_bytes([path]),
+                        fix="pass the model's --num-experts" if options.num_experts else
+                            f"the largest expert id, {E - 1}, sets num_experts: fix the counts, or --select the "
+                            "tables of one model")
     layers = {}
     for layer in all_layers:
         m = torch.zeros(len(tables), E, dtype=torch.int64)
@@ -1314,8 +1307,7 @@ def resolve_format(path: str | Path, fmt: str = "auto") -> str:
         return detect_format(path)
     if fmt not in FORMATS:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
-    if not path.exists():
-        raise RouteToolError("no such file or folder", path=path, fix="check the path")
+    require_input(path, what="file or folder")
     _refuse_special_files(path)
     detected = _detected(path)
     if fmt == "trace" and detected != "trace":

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from routetool.files import refuse_special_file
-from routetool.trace import FORMAT_VERSION, RouterConfig
+from routetool.trace import FORMAT_VERSION, RouterConfig, read_header
 
 _ST_DTYPE_NAMES = {
     "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
@@ -155,14 +154,14 @@ def check_trace_file(path: str | Path) -> None:
 
 
 def _header_dtypes(paths: list[Path]) -> dict[str, str]:
-    """Tensor name -> dtype name, from the safetensors headers of ``paths`` (first file wins)."""
+    """Tensor name -> dtype name, from the safetensors headers of ``paths`` (first file wins),
+    read as opening the trace read them (:func:`routetool.trace.read_header`)."""
     out: dict[str, str] = {}
     for path in paths:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name not in out:
-                    st = f.get_slice(name).get_dtype()
-                    out[name] = _ST_DTYPE_NAMES.get(st, st)
+        for name, entry in (read_header(path) or {}).items():
+            if name != "__metadata__" and isinstance(entry, dict) and name not in out:
+                st = str(entry.get("dtype"))
+                out[name] = _ST_DTYPE_NAMES.get(st, st)
     return out
 
 

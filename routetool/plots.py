@@ -11,9 +11,13 @@ import os
 import tempfile
 from pathlib import Path
 
-from routetool.balance import BalanceResult
+from typing import TYPE_CHECKING
+
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write, missing_folders
+from routetool.files import atomic_write, missing_folders, path_kind
+
+if TYPE_CHECKING:  # importing it would import torch, and --plot's checks run before any work
+    from routetool.balance import BalanceResult
 
 FIGURES = ("expert_load_heatmap.png", "balancedness_eplb.png", "rank_load.png")
 """Files :func:`write_balance_plots` writes (the EPLB figure shows the EP placements
@@ -53,16 +57,16 @@ def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
         raise RouteToolError("--plot needs a folder; an empty path names none", path="''",
                              fix="name a folder, e.g. --plot figs, or --plot . for the current folder")
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
+    if path_kind(folder) in ("file", "special"):
         raise RouteToolError("is not a folder", path=folder, fix="name a folder for the figures")
     existing, missing = missing_folders(folder)  # the folders to create, innermost first
-    if missing and not existing.is_dir():
+    if missing and path_kind(existing) != "folder":
         raise RouteToolError(f"is not a folder, so --plot {folder} cannot be created in it", path=existing,
                              fix="choose another folder for --plot")
     created = []
     try:
         for d in reversed(missing):
-            if d.exists():  # (a path through '..' may reach a folder already made)
+            if path_kind(d) != "missing":  # (a path through '..' may reach a folder already made)
                 continue
             try:
                 d.mkdir()
@@ -85,11 +89,11 @@ def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
                 pass
     for name in FIGURES:
         f = folder / name
-        if f.is_dir() or (f.exists() and not f.is_file()):
+        if path_kind(f) in ("folder", "special"):
             raise RouteToolError(f"holds {name}, which is not a regular file", path=folder,
                                  fix="choose another folder for --plot")
     if not force:
-        existing = [name for name in FIGURES if (folder / name).exists() or (folder / name).is_symlink()]
+        existing = [name for name in FIGURES if path_kind(folder / name) != "missing"]
         if existing:
             raise RouteToolError(f"already holds {', '.join(existing)}", path=folder,
                                  fix="choose another folder or pass --force to replace them")

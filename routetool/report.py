@@ -21,12 +21,16 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from routetool.compare import ComparisonSummary
+from typing import TYPE_CHECKING
+
 from routetool.engine.verdict import Verdict
 from routetool.errors import printable
 from routetool.files import atomic_write
-from routetool.load import LoadStats
-from routetool.replay import ReplayResult
+
+if TYPE_CHECKING:  # the types of the results rendered here; importing them would import torch
+    from routetool.compare import ComparisonSummary
+    from routetool.load import LoadStats
+    from routetool.replay import ReplayResult
 
 
 class Console(RichConsole):
@@ -129,7 +133,7 @@ class _WholeWordTable(Table):
     terminal and ends the word with "…". Here a column narrows only down to its longest word
     (a header of several words wraps); a table whose longest words alone are wider than the
     terminal is shown as several tables of consecutive columns, each repeating the first
-    (the row's name: layer, family, kernel)."""
+    (the row's name: layer, family, kernel) and titled as a continuation of the first."""
 
     def __rich_console__(self, console, options):
         if (not self.columns or any(c.width is not None for c in self.columns)  # widths already fitted
@@ -161,7 +165,9 @@ class _WholeWordTable(Table):
             for n, group in enumerate(groups):
                 part = copy.copy(self)
                 part.columns = [replace(self.columns[j], _index=k) for k, j in enumerate(group)]
-                part.title = self.title if n == 0 else None
+                # a continuation keeps the row labels (the first column) and says what it continues
+                plain = self.title.plain if isinstance(self.title, Text) else str(self.title or "")
+                part.title = self.title if n == 0 or not plain else f"{plain} (continued)"
                 yield from part._with_widths(console, options, [need[j] for j in group])
 
     def _with_widths(self, console, options, widths):
@@ -215,8 +221,17 @@ def router_line(r, router_parameters: str | None = None) -> Text:
                 f"multiplier={r.router_output_multiplier} eps={r.router_score_division_eps}")
 
 
-def render_replay(result: ReplayResult, console: Console, histogram_layer: int | None = None) -> None:
-    """Print the replay report: header, summary, per-layer tables, latency, histogram, verdict."""
+def render_replay(result: ReplayResult, console: Console, histogram_layer: int | None = None,
+                  details: bool = False) -> None:
+    """Print the replay report, verdict first.
+
+    By default one screen whatever the number of layers: the header, the verdict with the
+    numbers behind it, the comparisons in one table (the reasons behind ``invalid`` named), the
+    layers that failed, the first failing rows with both outputs and weights, the load in one
+    line, latency of the most frequent step shapes, and a pointer to ``--details``. ``details``:
+    every table (per layer, every step shape, the expert-load chart). ``histogram_layer``: the
+    chart of that layer (either way).
+    """
     r = result.router
     ex = result.execution
     header = Table.grid(padding=(0, 2))
@@ -226,13 +241,187 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     header.add_row("kernel", user_text(f"{result.kernel} on {ex.device_name}"))
     header.add_row("ties", f"tie-equivalent within {result.tie_ulps:g} float32 ulps")
     console.print(Panel(header, title="routetool replay", expand=False))
+    _replay_verdict(result, console)
+    if details:
+        _replay_details(result, console, histogram_layer)
+        return
+    _replay_summary(result, console, histogram_layer)
 
+
+_SHORT_NAMES = {"kernel_vs_reference": "kernel/ref", "reference_vs_recorded": "recorded/ref",
+                "kernel_vs_recorded": "kernel/recorded"}
+FAILING_ROWS_SHOWN = 3
+"""Failing rows in replay's summary (``--details``: up to 10)."""
+SHAPES_SHOWN = 5
+"""Step shapes in replay's summary latency table (the most frequent; ``--details``: all)."""
+LAYERS_SHOWN = 10
+"""Failing layers named in replay's summary."""
+
+
+def _reasons(s: ComparisonSummary) -> str:
+    return ", ".join(f"{r} {n:,}" for r, n in s.invalid_reasons.items() if n)
+
+
+def _replay_summary(result: ReplayResult, console: Console, histogram_layer: int | None) -> None:
+    totals = result.totals()
+    compared = [(n, s) for n, s in totals.items() if s.rows]
+    if compared:
+        t = table("Comparisons (rows of all replayed layers)",
+                  ["", "rows", "exact", "reord", "tie-eq", "mism", "inval", "Δw>tol", "max|Δw|", "verdict"], left=("",))
+        for name, s in compared:
+            t.add_row(_SHORT_NAMES.get(name, name), f"{s.rows:,}", _count(s.exact), _count(s.reordered),
+                      Text(f"{s.tie_equivalent:,}", style="yellow" if s.tie_equivalent else "dim"),
+                      _count(s.mismatch, bad=True), _count(s.invalid, bad=True),
+                      _count(s.weight_rows_over_tolerance, bad=True), fmt_float(s.weight_max_abs_err),
+                      Text("pass", style="green") if s.ok else Text("FAIL", style="bold red"))
+        console.print(t)
+        for name, s in compared:
+            if s.invalid:
+                console.print(Text(f"invalid rows ({_NAMES.get(name, name)}) by reason: {_reasons(s)}", style="red"))
+    bad_layers = [layer for layer in result.layers if not layer.ok]
+    if bad_layers:
+        parts = []
+        for layer in bad_layers[:LAYERS_SHOWN]:
+            s = layer.kernel_vs_reference
+            what = [f"{v:,} {k}" for k, v in (("mismatch", s.mismatch), ("invalid", s.invalid),
+                                                ("Δw>tol", s.weight_rows_over_tolerance)) if v]
+            for name, c in layer.comparisons().items():
+                if name != "kernel_vs_reference" and not c.ok:
+                    what.append(f"{_NAMES.get(name, name)} fails")
+            if layer.recorded_invalid_rows:
+                what.append(f"{layer.recorded_invalid_rows:,} invalid recorded rows")
+            parts.append(f"L{layer.layer} ({', '.join(what)})")
+        more = f" and {len(bad_layers) - LAYERS_SHOWN} more" if len(bad_layers) > LAYERS_SHOWN else ""
+        console.print(Text(f"failing layers ({len(bad_layers)} of {len(result.layers)}): " + "; ".join(parts) + more,
+                           style="red"))
+    _recorded_invalid_layers(result, console)
+    _failing_rows(result, console, FAILING_ROWS_SHOWN)
+    _recorded_invalid_rows(result, console, FAILING_ROWS_SHOWN)
+    tl = result.total_load
+    imb = [(layer.layer, layer.load.imbalance) for layer in result.layers if layer.load and layer.load.imbalance]
+    worst = max(imb, key=lambda x: x[1]) if imb else None
+    console.print(Text(f"load ({_load_source(result)}): all layers max/mean {fmt_float(tl.imbalance)}, CV {fmt_float(tl.cv)}, idle experts "
+                       f"{len(tl.idle)}" + (f"; most imbalanced layer {worst[0]} (max/mean {fmt_float(worst[1])})"
+                                           if worst and len(result.layers) > 1 else "")))
+    padded = sum(layer.padded_rows for layer in result.layers)
+    nonfinite = sum(layer.nonfinite_rows for layer in result.layers)
+    ties = sum(layer.boundary_ties for layer in result.layers)
+    facts = [f"{padded:,} padded rows", f"{nonfinite:,} with non-finite logits", f"{ties:,} exact ties at the k-th pick"]
+    ids_only = [layer.layer for layer in result.layers if layer.ids_only]
+    if ids_only:
+        facts.append(f"{len(ids_only)} ids-only layer(s): load from the recorded ids, nothing compared")
+    console.print(Text("inputs: " + ", ".join(facts), style="dim"))
+    if result.latency:
+        shapes = sorted(result.latency, key=lambda x: -x.steps)[:SHAPES_SHOWN]
+        lat = table(f"Latency (µs, CUDA-graph replay): {len(shapes)} most frequent of {len(result.latency)} step shapes",
+                    ["tokens", "steps", "kernel p50", "p90", "reference p50", "speedup"])
+        for x in sorted(shapes, key=lambda x: x.num_tokens):
+            lat.add_row(f"{x.num_tokens:,}", f"{x.steps:,}", f"{x.kernel.p50_us:.2f}", f"{x.kernel.p90_us:.2f}",
+                        f"{x.reference.p50_us:.2f}", f"{x.speedup:.1f}x")
+        console.print(lat)
+    else:
+        console.print(Text(f"latency: {result.latency_note}", style="dim"))
+    if histogram_layer is not None:
+        layer = next(x for x in result.layers if x.layer == histogram_layer)
+        console.print(histogram_renderable(
+            layer.expert_counts,
+            f"Expert load, layer {layer.layer} ({'recorded' if layer.ids_only else 'kernel'} ids)"))
+    console.print(Text("--details: per-layer tables, every step shape's latency, the expert-load chart, more "
+                       "failing rows; --json for all numbers", style="dim"))
+
+
+def _values(values: list | None, fmt=str) -> str:
+    """A row's ids or weights, compactly: ``3 17 42`` (``-1 ×8`` when all are equal, ``-`` for none)."""
+    if values is None:
+        return "-"
+    if len(values) > 1 and all(v == values[0] for v in values):
+        return f"{fmt(values[0])} ×{len(values)}"
+    return " ".join(fmt(v) for v in values)
+
+
+def _weights(values: list[float] | None) -> str:
+    return _values(values, lambda w: fmt_float(w, 3))
+
+
+def _failing_rows(result: ReplayResult, console: Console, limit: int) -> None:
+    """The first failing rows, each on two lines: where, class and reasons; expected against got,
+    ids and weights."""
+    failures = [(name, f) for name, s in result.totals().items() for f in s.failures]
+    if not failures:
+        return
+    console.print(Text(f"First failing rows ({min(limit, len(failures))} shown):", style="bold"))
+    for name, f in failures[:limit]:
+        console.print(user_text(f"  {_NAMES.get(name, name)}: layer {f.layer} step {f.step} row {f.row}: {f.row_class}"
+                                + (f" ({', '.join(f.reasons)})" if f.reasons else ""), style="red"))
+        console.print(Text(f"    expected ids {_values(f.expected_ids)}; w {_weights(f.expected_weights)}"))
+        console.print(Text(f"    got      ids {_values(f.test_ids)}; w {_weights(f.test_weights)}"))
+
+
+def _recorded_invalid_rows(result: ReplayResult, console: Console, limit: int) -> None:
+    rows = [r for layer in result.layers for r in layer.recorded_invalid_first]
+    if not rows:
+        return
+    total = sum(layer.recorded_invalid_rows for layer in result.layers)
+    console.print(Text(f"First invalid recorded rows ({min(limit, len(rows))} of {total:,}; ids-only layers, checked "
+                       "without logits):", style="bold"))
+    for r in rows[:limit]:
+        console.print(Text(f"  layer {r.layer} step {r.step} row {r.row} ({', '.join(r.reasons)}): ids "
+                           f"{_values(r.topk_ids)}; w {_weights(r.topk_weights)}", style="red"))
+
+
+def _recorded_invalid_layers(result: ReplayResult, console: Console) -> None:
+    for layer in [x for x in result.layers if x.recorded_invalid_rows][:LAYERS_SHOWN]:
+        why = ", ".join(f"{r}: {n:,}" for r, n in layer.recorded_invalid.items() if n)
+        console.print(Text(f"• layer {layer.layer}: {layer.recorded_invalid_rows:,} rows of the recorded outputs are "
+                           f"invalid ({why}); its load leaves them out", style="bold red"))
+
+
+def _load_source(result: ReplayResult) -> str:
+    ids_only = {layer.layer for layer in result.layers if layer.ids_only}
+    return ("recorded ids" if len(ids_only) == len(result.layers) else
+            "kernel ids; recorded ids on ids-only layers" if ids_only else "kernel ids")
+
+
+def _replay_verdict(result: ReplayResult, console: Console) -> None:
+    """The verdict line, with the numbers behind it (decided by ``result.verdict``)."""
+    k = result.totals().get("kernel_vs_reference")
+    # Nothing compared: every replayed layer is ids-only, or holds logits for no rows at all.
+    why = ("hold no logits" if all(layer.ids_only for layer in result.layers) else
+           "hold no rows" if not any(layer.ids_only for layer in result.layers) else
+           "hold no logits or no rows")
+    numbers = ""
+    if k is not None and k.rows:
+        numbers = (f" ({k.rows:,} rows: {k.exact:,} exact, {k.reordered:,} reordered, {k.tie_equivalent:,} "
+                   f"tie-equivalent, {k.padded:,} padded ok; {k.mismatch:,} mismatch, {k.invalid:,} invalid"
+                   + (f" [{_reasons(k)}]" if k.invalid else "") + f", {k.weight_rows_over_tolerance:,} weights out "
+                   "of tolerance)")
+    if result.verdict is Verdict.FAIL and result.compared_rows == 0:
+        console.print(Text(f"FAIL: the replayed layers {why}, and some recorded outputs are invalid; exit code 1",
+                           style="bold red"))
+    elif result.verdict is Verdict.NOTHING_CHECKED:
+        console.print(Text(f"NOTHING CHECKED: the replayed layers {why}", style="bold yellow"))
+    elif result.verdict is Verdict.PASS:
+        console.print(Text("PASS: no real mismatch, no invalid output, weights within tolerance" + numbers,
+                           style="bold green"))
+    else:
+        console.print(Text("FAIL: the kernel (or the recorded output) disagrees with the reference; exit code 1"
+                           + numbers, style="bold red"))
+
+
+
+
+def _replay_details(result: ReplayResult, console: Console, histogram_layer: int | None) -> None:
+    """Every table: the summary by comparison, per layer, latency per shape, the expert-load chart and the
+    failing rows."""
     totals = result.totals()
     summary = table("Summary: rows of all replayed layers", ["", *(_NAMES.get(n, n) for n in totals)], left=("",))
     columns = [_summary_column(s) for s in totals.values()]
     for i, label in enumerate(_SUMMARY_ROWS):
         summary.add_row(label, *(col[i] for col in columns))
     console.print(summary)
+    for name, s in totals.items():
+        if s.invalid:
+            console.print(Text(f"invalid rows ({_NAMES.get(name, name)}) by reason: {_reasons(s)}", style="red"))
 
     per_layer = table("Per layer: kernel vs reference",
                        ["layer", "tokens", "steps", "padded ok", "nonfinite", "exact", "reord", "tie-eq",
@@ -271,11 +460,7 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
         findings.append(f"layer(s) {', '.join(map(str, ids_only))} hold no logits (an ids-only trace): the kernel/"
                         "reference comparison, k-th margins and latency are skipped there; their load comes from the "
                         "recorded ids (`routetool balance` analyses such traces in depth)")
-    bad_recorded = [layer for layer in result.layers if layer.recorded_invalid_rows]
-    for layer in bad_recorded:
-        why = ", ".join(f"{r}: {n:,}" for r, n in layer.recorded_invalid.items() if n)
-        console.print(Text(f"• layer {layer.layer}: {layer.recorded_invalid_rows:,} rows of the recorded outputs are "
-                           f"invalid ({why}); its load leaves them out", style="bold red"))
+    _recorded_invalid_layers(result, console)
     nonfinite = sum(layer.nonfinite_rows for layer in result.layers)
     if nonfinite:
         findings.append(f"{nonfinite:,} rows have non-finite logits (NaN/inf); the reference routes them by the "
@@ -300,9 +485,7 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     else:
         console.print(Text(f"Latency: {result.latency_note}", style="dim"))
 
-    ids_only_layers = {layer.layer for layer in result.layers if layer.ids_only}
-    source = ("recorded ids" if len(ids_only_layers) == len(result.layers) else
-              "kernel ids; recorded ids on ids-only layers" if ids_only_layers else "kernel ids")
+    source = _load_source(result)
     if histogram_layer is None:
         console.print(histogram_renderable(result.total_counts, f"Expert load, all replayed layers ({source})"))
         tl = result.total_load
@@ -318,43 +501,8 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
             console.print(Text(f"layer {layer.layer}: max/mean {fmt_float(layer.load.imbalance)}, CV "
                                f"{fmt_float(layer.load.cv)}, idle experts: {idle or 'none'}", style="dim"))
 
-    failures = [(name, f) for name, s in result.totals().items() for f in s.failures]
-    if failures:
-        ft = table("First failing rows",
-                   ["comparison", "layer", "step", "row", "class", "reasons", "expected ids", "got ids"],
-                   left=("comparison", "class", "reasons", "expected ids", "got ids"))
-        for name, f in failures[:10]:
-            ft.add_row(_NAMES.get(name, name), str(f.layer), str(f.step), str(f.row), f.row_class,
-                       ", ".join(f.reasons) or "-", str(f.expected_ids), str(f.test_ids))
-        console.print(ft)
-    recorded_bad = [r for layer in result.layers for r in layer.recorded_invalid_first]
-    if recorded_bad:
-        total = sum(layer.recorded_invalid_rows for layer in result.layers)
-        shown = recorded_bad[:10]
-        rt = table(f"First invalid recorded rows: {len(shown)} of {total:,} (ids-only layers, checked without logits)",
-                   ["layer", "step", "row", "reasons", "recorded ids", "recorded weights"],
-                   left=("reasons", "recorded ids", "recorded weights"))
-        for r in shown:
-            weights = "-" if r.topk_weights is None else "[" + ", ".join(fmt_float(w) for w in r.topk_weights) + "]"
-            # Text: "[nan, 1]" would be read as rich markup
-            rt.add_row(str(r.layer), str(r.step), str(r.row), ", ".join(r.reasons), Text(str(r.topk_ids)), Text(weights))
-        console.print(rt)
-    # Nothing compared: every replayed layer is ids-only, or holds logits for no rows at all.
-    why = ("hold no logits" if all(layer.ids_only for layer in result.layers) else
-           "hold no rows" if not any(layer.ids_only for layer in result.layers) else
-           "hold no logits or no rows")
-    if result.verdict is Verdict.FAIL and result.compared_rows == 0:
-        console.print(Text(f"FAIL: the replayed layers {why}, and some recorded outputs are invalid; exit code 1",
-                           style="bold red"))
-    elif result.verdict is Verdict.NOTHING_CHECKED:
-        console.print(Text(f"NOTHING CHECKED: the replayed layers {why}", style="bold yellow"))
-    elif result.verdict is Verdict.PASS:
-        console.print(Text("PASS: no real mismatch, no invalid output, weights within tolerance", style="bold green"))
-    else:
-        console.print(Text("FAIL: the kernel (or the recorded output) disagrees with the reference; exit code 1",
-                           style="bold red"))
-
-
+    _failing_rows(result, console, 10)
+    _recorded_invalid_rows(result, console, 10)
 def _summary_json(s: ComparisonSummary) -> dict:
     d = asdict(s)
     d["ok"] = s.ok
@@ -603,11 +751,14 @@ def write_text(text: str, path: str, console_out) -> None:
 BENCH_SCHEMA = "routetool.bench/1"
 BENCH_FIELDS = ("gpu_name", "driver_version", "torch_version", "triton_version", "kernel", "pdl", "num_tokens",
                 "num_experts", "topk", "dtype", "cuda_graph", "status", "latency_us_p10", "latency_us_p50",
-                "latency_us_p90", "bytes_moved", "bandwidth_gbps", "bandwidth_fraction_of_copy", "speedup_vs_baseline")
+                "latency_us_p90", "bytes_moved", "bandwidth_gbps", "bandwidth_fraction_of_copy", "speedup_vs_baseline",
+                "host_us_p10", "host_us_p50", "host_us_p90", "empty_launch_host_us_p50", "host_over_empty_launch")
 
 
 def bench_records(result) -> list[dict]:
-    """One flat record per (point, kernel): the long format of the CSV and JSON outputs."""
+    """One flat record per (point, kernel): the long format of the CSV and JSON outputs. ``host_us_*``: the
+    host cost per eager call; ``empty_launch_host_us_p50``: an empty Triton launch's, the floor, timed in turn
+    with it; ``host_over_empty_launch``: their ratio (p50s)."""
     out = []
     for r in result.rows:
         out.append({
@@ -620,6 +771,11 @@ def bench_records(result) -> list[dict]:
             "latency_us_p90": r.latency.p90_us if r.latency else None,
             "bytes_moved": r.bytes_moved, "bandwidth_gbps": r.bandwidth_gbps,
             "bandwidth_fraction_of_copy": r.bandwidth_fraction, "speedup_vs_baseline": r.speedup,
+            "host_us_p10": r.host.p10_us if r.host else None,
+            "host_us_p50": r.host.p50_us if r.host else None,
+            "host_us_p90": r.host.p90_us if r.host else None,
+            "empty_launch_host_us_p50": r.empty_launch.p50_us if r.empty_launch else None,
+            "host_over_empty_launch": r.host.p50_us / r.empty_launch.p50_us if r.host and r.empty_launch else None,
         })
     return out
 
@@ -644,13 +800,20 @@ def bench_csv(result) -> str:
 
 
 def render_bench(result, console: Console) -> None:
-    """Print the sweep as a table (p50 with p10/p90, bandwidth, speedup)."""
+    """Print the sweep as a table: GPU latency (p50 with p10/p90), bandwidth, speedup, and the host
+    cost per eager call (p50) with its ratio to the empty Triton launch timed in turn with it."""
+    floors = [r.empty_launch.p50_us for r in result.rows if r.empty_launch]
     console.print(Panel(f"{result.gpu_name}, driver {result.driver_version}, torch {result.torch_version}, "
                         f"triton {result.triton_version}; copy bandwidth {result.copy_bandwidth_gbps:,.0f} GB/s "
-                        "(read + write)", title="routetool bench", expand=False))
-    t = table(user_text(f"Latency (µs) and bandwidth; speedup vs {result.baseline or '-'}"),
-               ["kernel", "tokens", "E", "k", "dtype", "p50", "p10-p90", "GB/s", "of copy", "speedup", "status"],
-               left=("kernel", "dtype", "status"))
+                        "(read + write)" + (f"; an empty Triton launch took {min(floors):.1f}-{max(floors):.1f} µs of "
+                                            "host time per call, timed in turn with each row" if floors else ""),
+                        title="routetool bench", expand=False))
+    mode = "CUDA graph" if any(r.cuda_graph for r in result.rows) else "no graph"
+    t = table(user_text(f"GPU latency (µs, {mode}) and bandwidth; speedup vs {result.baseline or '-'}; host µs per "
+                        "eager call (x the empty launch)"),
+              ["kernel", "tokens", "E", "k", "dtype", "p50", "p10-p90", "GB/s", "of copy", "speedup", "host",
+               "x launch", "status"],
+              left=("kernel", "dtype", "status"))
     for r in result.rows:
         label = r.kernel if r.pdl is None else f"{r.kernel} pdl {'on' if r.pdl else 'off'}"
         lat = r.latency
@@ -659,5 +822,7 @@ def render_bench(result, console: Console) -> None:
                   f"{r.bandwidth_gbps:,.0f}" if r.bandwidth_gbps else "-",
                   f"{r.bandwidth_fraction:.0%}" if r.bandwidth_fraction else "-",
                   f"{r.speedup:.2f}x" if r.speedup else "-",
+                  f"{r.host.p50_us:.1f}" if r.host else "-",
+                  f"{r.host.p50_us / r.empty_launch.p50_us:.2f}x" if r.host and r.empty_launch else "-",
                   user_text(r.status, style="green" if r.status == "ok" else "bold red"))
     console.print(t)

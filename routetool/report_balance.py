@@ -115,13 +115,122 @@ def heat_strip(result: BalanceResult, width: int = 128) -> Panel:
     return Panel(Group(*lines), title="Expert load per layer (layer x expert)", expand=False)
 
 
-def render_balance(result: BalanceResult, console: Console, layer: int | None = None) -> None:
-    """Print the balance report: header, expert load, EP ranks, EPLB, bias, capacity, drift, bars.
+WORST_SHOWN = 5
+"""Layers in the summary's table of worst layers."""
 
-    Every per-layer table covers all of ``result.layers`` (with its ``all``/``layers``/``mean``
-    row when there are several); ``layer`` (``--layer L``, one of them) adds that layer's detail:
-    its row in bold, its EPLB placement per GPU, its windows, its expert and rank bars.
+
+def render_balance(result: BalanceResult, console: Console, layer: int | None = None, details: bool = False) -> None:
+    """Print the balance report.
+
+    By default a summary that fits one screen whatever the number of layers: the header, the
+    answer (expert imbalance, EP balancedness, what EPLB would buy, capacity drops, each with
+    its worst layer), the worst layers in one table, the notes and a pointer to ``--details``.
+    ``details``: every per-layer table (expert load, EP ranks, EPLB, bias, capacity, drift) and
+    the charts. ``layer`` (``--layer L``) adds that layer's detail either way.
     """
+    _header(result, console)
+    if details:
+        _render_details(result, console, layer)
+    else:
+        _render_summary(result, console, layer)
+    for note in result.notes:
+        console.print(user_text("• " + note, style="yellow"))
+    if not details:
+        console.print(Text("--details: every layer's tables (expert load, EP ranks, EPLB, bias, capacity, drift) and "
+                           "the charts; --json for all numbers", style="dim"))
+
+
+def _worst(values: list[tuple[int, float | None]], highest: bool) -> tuple[int, float] | None:
+    known = [(layer, v) for layer, v in values if v is not None]
+    if not known:
+        return None
+    return max(known, key=lambda x: x[1]) if highest else min(known, key=lambda x: x[1])
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    return known[len(known) // 2] if known else None
+
+
+def _render_summary(result: BalanceResult, console: Console, layer: int | None) -> None:
+    """The answer, then the worst layers (see :func:`render_balance`)."""
+    layers = result.layers
+    several = len(layers) > 1
+    lines = []
+    imb = [(x.layer, x.load.imbalance) for x in layers]
+    worst = _worst(imb, highest=True)
+    tl = result.total_load
+    text = f"experts: max/mean {_f(_median([v for _, v in imb]))}"
+    if several:
+        text = (f"experts: max/mean {_f(_median([v for _, v in imb]))} median over {len(layers)} layers"
+                + (f" (worst L{worst[0]}: {_f(worst[1])})" if worst else "") + f"; all layers summed {_f(tl.imbalance)}")
+    idle = sum(len(x.load.idle) for x in layers)
+    lines.append(text + f"; idle experts {idle:,}" + (" (layer-expert pairs)" if several else ""))
+    for ep in result.ep:
+        q = ep.balancedness
+        lines.append(f"EP {ep.placement}: balancedness {_f(q.mean)}" + (" mean over layers" if several else "")
+                     + (f" (worst L{ep.worst_layer}: {_f(q.min)})" if several and ep.worst_layer is not None else "")
+                     + f"; per step {_f(ep.step_balancedness_mean)}")
+    if result.eplb is not None:
+        e = result.eplb
+        holdout = _median([y.holdout_after for y in e.layers])
+        lines.append(f"EPLB what-if ({e.num_gpus} GPUs, {e.num_redundant} redundant): balancedness "
+                     f"{_f(e.summary_before.mean)} -> {_f(e.summary_after.mean)}"
+                     + (f"; held-out half {_f(holdout)}" if holdout is not None else ""))
+    if result.capacity_factors:
+        parts = []
+        for j, f in enumerate(result.capacity_factors):
+            dropped = sum(x.capacity[j].dropped for x in layers)
+            total = sum(x.assignments for x in layers)
+            parts.append(f"cf {f:g}: {_pct(dropped / total) if total else '-'}")
+        lines.append("capacity drops: " + ", ".join(parts) + " of assignments")
+    biased = [x for x in layers if x.bias is not None]
+    if biased:
+        w = _median([x.bias.load_with.imbalance for x in biased])
+        wo = _median([x.bias.load_without.imbalance for x in biased])
+        lines.append(f"router bias: max/mean {_f(wo)} without it, {_f(w)} with it (median over layers)")
+    else:
+        lines.append(f"router bias effect: {result.bias_note}")
+    for line in lines:
+        console.print(Text(line))
+    if not several and layer is None:
+        return
+    ep0 = 0 if result.ep else None
+    by_eplb = {y.layer: y for y in result.eplb.layers} if result.eplb is not None else {}
+    if ep0 is not None:
+        order = sorted(layers, key=lambda x: (x.ranks[ep0].balancedness is None,
+                                              x.ranks[ep0].balancedness if x.ranks[ep0].balancedness is not None
+                                              else 0.0))
+        by = f"lowest balancedness at {result.ep[ep0].placement}"
+    else:
+        order = sorted(layers, key=lambda x: -(x.load.imbalance or 0.0))
+        by = "highest max/mean"
+    shown = order[:WORST_SHOWN]
+    if layer is not None and all(x.layer != layer for x in shown):
+        shown += [x for x in layers if x.layer == layer]
+    cols = ["layer", "max/mean", "CV", "idle", "hottest e:share"]
+    if ep0 is not None:
+        cols.append("bal")
+    if by_eplb:
+        cols.append("EPLB")
+    if result.capacity_factors:
+        cols.append(f"drop cf {result.capacity_factors[0]:g}")
+    t = table(f"Worst layers ({len(shown)} of {len(layers)}, by {by})", cols, left=("hottest e:share",))
+    for x in shown:
+        hot = x.load.hottest[0] if x.load.hottest else None
+        cells = [str(x.layer), _f(x.load.imbalance), _f(x.load.cv), str(len(x.load.idle)),
+                 f"{hot[0]}:{_pct(hot[1] / x.assignments)}" if hot and x.assignments else "-"]
+        if ep0 is not None:
+            cells.append(_bal(x.ranks[ep0].balancedness))
+        if by_eplb:
+            cells.append(_bal(by_eplb[x.layer].balancedness_after))
+        if result.capacity_factors:
+            cells.append(_pct(x.capacity[0].dropped_fraction))
+        t.add_row(*cells, style=_focus(x, layer))
+    console.print(t)
+
+
+def _header(result: BalanceResult, console: Console) -> None:
     header = Table.grid(padding=(0, 2))
     header.add_row("input", user_text(f"{result.source} ({result.kind})"))
     header.add_row("model", user_text(result.model or "-"))
@@ -138,6 +247,11 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
                                  + (f" ({rate:,.0f} {unit})" if rate else ""))
     console.print(Panel(header, title="routetool balance", expand=False))
 
+
+def _render_details(result: BalanceResult, console: Console, layer: int | None) -> None:
+    """Every per-layer table (with its ``all``/``layers``/``mean`` row when there are several) and the
+    charts; ``layer`` (``--layer L``) adds that layer's detail: its row in bold, its EPLB placement per
+    GPU, its windows, its expert and rank bars."""
     several = len(result.layers) > 1
     focus = next((x for x in result.layers if x.layer == layer), None) if layer is not None else None
     # expert load
@@ -297,8 +411,6 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
             lines.append(line)
         console.print(Panel(Group(*lines), title="Balancedness per layer, before / after EPLB (1.0 = even)",
                             expand=False))
-    for note in result.notes:
-        console.print(user_text("• " + note, style="yellow"))
 
 
 # ---------------------------------------------------------------------------------------

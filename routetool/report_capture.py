@@ -13,19 +13,10 @@ from rich.table import Table
 from rich.text import Text
 
 from routetool.info import TraceInfo, step_token_quantiles
+from routetool.limits import fmt_bytes
 from routetool.report import fmt_float, router_line, table, user_text
 
 INFO_SCHEMA = "routetool.info/1"
-
-
-def fmt_bytes(n: int) -> str:
-    """Bytes in binary units (``1.4 MiB``)."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _layer_list(layers: list[int]) -> str:

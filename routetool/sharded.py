@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write
-from routetool.jsonstrict import DuplicateKey, unique_keys
+from routetool.files import atomic_write, path_kind, same_file
+from routetool.jsonstrict import JSONProblem, load_file, loads
 from routetool.trace import LayerInfo, Step, Trace, TraceMeta
 
 INDEX_FORMAT = "routetool-trace-index"
@@ -85,11 +85,11 @@ def listed_shard_files(path: str | os.PathLike) -> list[Path]:
     file, a missing or broken index) lists nothing; reading a trace reports such problems.
     """
     p = Path(path)
-    if not p.is_file() or not looks_like_index(p):
+    if path_kind(p) != "file" or not looks_like_index(p):
         return []
     try:
-        doc = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        doc = loads(p.read_bytes().decode("utf-8-sig"))
+    except (OSError, UnicodeDecodeError, JSONProblem):
         return []
     shards = doc.get("shards") if isinstance(doc, dict) else None
     if not isinstance(shards, list):
@@ -139,7 +139,8 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
 
     Raises:
         RouteToolError: missing, unreadable or non-regular file, not JSON, a key repeated in
-            one object, another format, a ``version`` that is not the string ``"1"``,
+            one object, nesting too deep or a number too long (:mod:`routetool.jsonstrict`),
+            another format, a ``version`` that is not the string ``"1"``,
             ``complete`` present but not a JSON boolean, ``stopped_by`` neither a string nor
             null, ``shards`` not a non-empty
             list, a shard entry without a path, a ``size_bytes`` that is not a non-negative
@@ -147,25 +148,16 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
     """
     path = Path(path)
     shown = display_path if display_path is not None else path
-    if not path.exists():
+    kind = path_kind(path, shown=shown)
+    if kind in ("missing", "dangling link"):
         raise RouteToolError("no such file", path=shown, fix="check the path")
-    if path.is_dir():
+    if kind == "folder":
         raise RouteToolError("is a directory, not a trace file", path=shown,
                              fix="name a .safetensors trace or a sharded trace's index .json")
-    if not path.is_file():  # a FIFO, device or socket: reading it could block forever
+    if kind != "file":  # a FIFO, device or socket: reading it could block forever
         raise RouteToolError("is not a regular file (a FIFO, device or socket)", path=shown,
                              fix="name a .safetensors trace or a sharded trace's index .json")
-    try:
-        doc = json.loads(path.read_text(), object_pairs_hook=unique_keys)
-    except OSError as exc:
-        raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=shown, fix="check permissions") from None
-    except DuplicateKey as exc:
-        raise RouteToolError(f"the key {exc.key!r} appears twice in one object of the index; JSON readers differ on "
-                             "which value counts", path=shown, tensor="index",
-                             fix="write each key once, as routetool's recorder does") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RouteToolError(f"not a JSON trace index ({exc})", path=shown,
-                             fix="name a .safetensors trace or a sharded trace's index .json") from None
+    doc = load_file(path, shown=shown, tensor="index", fix="name a .safetensors trace or a sharded trace's index .json")
     if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else None
         raise RouteToolError(f"not a routetool trace index (format={found!r}, expected {INDEX_FORMAT!r})",
@@ -266,18 +258,19 @@ class ShardedTrace:
                 p = Path(entry["path"])
                 full = p if p.is_absolute() else folder / p
                 shown = full if display_path is None else Path(self.display_path).parent / p
-                if not full.exists():
+                kind = path_kind(full, shown=shown)
+                if kind in ("missing", "dangling link"):
                     raise RouteToolError(f"shard {i} listed in the index {index_name} does not exist", path=shown,
                                          fix=fix)
-                if full.is_dir():
+                if kind == "folder":
                     raise RouteToolError(f"shard {i} listed in the index {index_name} is a directory, not a shard "
                                          "file", path=shown, fix="each shard entry must name a .safetensors file")
-                if not full.is_file():  # a FIFO, device or socket: reading it could block forever
+                if kind != "file":  # a FIFO, device or socket: reading it could block forever
                     raise RouteToolError(f"shard {i} listed in the index {index_name} is not a regular file (a FIFO, "
                                          "device or socket)", path=shown,
                                          fix="each shard entry must name a .safetensors file")
                 for j, other in enumerate(self.shard_paths):
-                    if os.path.samefile(full, other):
+                    if same_file(full, other):
                         raise RouteToolError(f"shard {i} listed in the index {index_name} is the same file as shard "
                                              f"{j}; its steps would be counted twice", path=shown,
                                              fix=f"list every shard once in {index_name}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write, check_output_folder
+from routetool.files import atomic_write, check_output_folder, path_kind, require_input
+from routetool.jsonstrict import JSONProblem, loads
+from routetool.limits import MAX_EXPERTS, check_expert_tables
 from routetool.numtext import index_problem, parse_float, parse_int
 
 FORMAT_NAME = "routetool-trace"
@@ -240,8 +243,8 @@ def _parse_int(path: Path, key: str, raw: str | None) -> int:
 def router_config_errors(router: RouterConfig) -> list[str]:
     """Why a router configuration is impossible (empty list when it is fine)."""
     problems = []
-    if router.num_experts < 1:
-        problems.append(f"num_experts={router.num_experts} must be >= 1")
+    if not 1 <= router.num_experts <= MAX_EXPERTS:
+        problems.append(f"num_experts={router.num_experts:,} must be in [1, {MAX_EXPERTS:,}]")
     if not 1 <= router.topk <= max(router.num_experts, 1):
         problems.append(f"topk={router.topk} must be in [1, num_experts={router.num_experts}]")
     if not (math.isfinite(router.route_scale) and router.route_scale > 0):
@@ -352,17 +355,17 @@ class Trace:
     def __init__(self, path: str | os.PathLike, *, display_path: str | os.PathLike | None = None):
         self.path = Path(path)
         self.display_path = Path(display_path) if display_path is not None else self.path
-        if not self.path.exists():
-            raise RouteToolError("no such file", path=self.display_path, fix="check the path")
-        if self.path.is_dir():
+        kind = require_input(self.path, shown=self.display_path)
+        if kind == "folder":
             raise RouteToolError("is a directory, not a trace file", path=self.display_path, fix="name a .safetensors trace")
-        if not self.path.is_file():
+        if kind != "file":
             raise RouteToolError("is not a regular file", path=self.display_path, fix="name a .safetensors trace file")
         try:
             os.fsencode(self.path).decode("utf-8")
         except UnicodeDecodeError:  # safetensors takes UTF-8 paths only, and would call the file corrupt
             raise RouteToolError("the file's path is not valid UTF-8, which safetensors cannot open",
                                  path=self.display_path, fix="rename the file (or a folder above it) to a UTF-8 name") from None
+        read_header(self.path, self.display_path)  # strictly, before safetensors reads it
         try:
             self._file = safe_open(str(self.path), framework="pt", device="cpu")
         except SafetensorError as exc:
@@ -374,6 +377,7 @@ class Trace:
             raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=self.display_path, fix="check permissions") from None
         self.meta = parse_metadata(self.display_path, self._file.metadata())
         self._headers = self._read_headers()
+        self._check_budget()
         self._bias: dict[int, torch.Tensor] = {}
         self._infos: dict[int, LayerInfo] = {}
         for layer in sorted(self._headers):
@@ -437,6 +441,19 @@ class Trace:
         if not layers:
             raise RouteToolError("the trace holds no layers", path=self.display_path, fix="capture at least one MoE layer")
         return layers
+
+    def _check_budget(self) -> None:
+        """Refuse, before any per-layer tensor is made, a trace whose num_experts would make the
+        per-expert tables of its steps exceed what a file of its size may take
+        (:func:`routetool.limits.check_expert_tables`): an ids-only trace declaring a million
+        experts for a few rows. A trace with logits always fits (they are [T, E])."""
+        steps = 0
+        for h in self._headers.values():
+            shape = h.get("step_offsets", ((2,), None))[0]
+            steps += max(shape[0] - 1, 1) if len(shape) == 1 else 1
+        check_expert_tables(self.display_path, experts=self.meta.router.num_experts, layer_steps=steps,
+                            layers=len(self._headers), size=os.stat(self.path).st_size, tensor="__metadata__",
+                            fix="write the model's real num_experts in the metadata")
 
     def _fail(self, tensor: str, message: str, fix: str = "re-capture or re-export the trace") -> RouteToolError:
         """A one-line error naming the file and ``tensor``; ``fix`` defaults to re-making the trace."""
@@ -569,6 +586,48 @@ class Trace:
         return sum(i.num_tokens for i in self._infos.values())
 
 
+SAFETENSORS_MAX_HEADER = 100_000_000
+"""The largest header the safetensors library reads (bytes)."""
+
+
+def read_header(path: str | os.PathLike, shown: object = None) -> dict | None:
+    """The JSON header of a safetensors file, read with routetool's strict reader
+    (:func:`routetool.jsonstrict.loads`): a key repeated in ``__metadata__`` or a tensor given
+    twice, which the safetensors library accepts (keeping the last) although its format forbids
+    both, is refused, as is a header nested too deep or holding an absurdly long number.
+
+    Returns:
+        The header as a dict, or None for a file whose header the strict reader cannot reach
+        (shorter than 8 bytes, a header length beyond the file or beyond
+        :data:`SAFETENSORS_MAX_HEADER`, not UTF-8, not an object): the safetensors library
+        then says what is wrong.
+
+    Raises:
+        RouteToolError: the file cannot be read, or the header is refused (naming the file,
+            ``header`` and the problem).
+    """
+    shown = path if shown is None else shown
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return None
+            (length,) = struct.unpack("<Q", head)
+            if length > min(SAFETENSORS_MAX_HEADER, os.fstat(fh.fileno()).st_size - 8):
+                return None
+            data = fh.read(length)
+    except OSError as exc:
+        raise RouteToolError(f"cannot read file ({exc.strerror or exc})", path=shown, fix="check permissions") from None
+    try:
+        header = loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
+    except JSONProblem as exc:
+        raise exc.error(shown, tensor="header", fix="the file is corrupt, or its writer does not follow the "
+                                                    "safetensors format; capture or copy it again") from None
+    return header if isinstance(header, dict) else None
+
+
 def _standalone(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor that owns its storage (safetensors refuses shared storage)."""
     t = t.detach().to("cpu")
@@ -602,20 +661,26 @@ def write_trace(
             reading the written file back before it replaces anything).
     """
     path = Path(path)
-    if path.exists() and not force:
+    kind = path_kind(path)
+    if kind in ("file", "folder", "special") and not force:
         raise RouteToolError("already exists", path=path, fix="choose another path or pass --force to replace it")
-    if path.is_dir():
+    if kind == "folder":
         raise RouteToolError("is a directory", path=path, fix="name a file")
     check_output_folder(path.parent)
     problems = router_config_errors(meta.router)
     if problems:
         raise RouteToolError("; ".join(problems), path=path, tensor="__metadata__", fix="fix the router parameters")
     tensors: dict[str, torch.Tensor] = {}
+    stored: set[int] = set()
     for layer, arrays in sorted(layers.items()):
         for name in _LAYER_FIELDS:
             value = getattr(arrays, name)
             if value is not None:
-                tensors[f"layers.{int(layer)}.{name}"] = _standalone(value)
+                t = _standalone(value)
+                if t.untyped_storage().data_ptr() in stored:  # one tensor given for two layers: one copy each
+                    t = t.clone()
+                stored.add(t.untyped_storage().data_ptr())
+                tensors[f"layers.{int(layer)}.{name}"] = t
     def write_and_check(tmp: str) -> None:
         try:
             save_file(tensors, tmp, metadata=metadata_dict(meta, len(layers)))
@@ -650,6 +715,7 @@ def open_trace(path: str | os.PathLike, *, display_path: str | os.PathLike | Non
 
     p = Path(path)
     refuse_dump_as_trace(p, display_path)
-    if p.is_file() and looks_like_index(p) or (not p.exists() and p.suffix.lower() == ".json"):
+    kind = path_kind(p, shown=display_path)
+    if kind == "file" and looks_like_index(p) or (kind in ("missing", "dangling link") and p.suffix.lower() == ".json"):
         return ShardedTrace(p, display_path=display_path)
     return Trace(p, display_path=display_path)

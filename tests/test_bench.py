@@ -14,10 +14,12 @@ import mutants
 from conftest import HAS_CUDA
 from helpers import make_trace
 from kernel import VARIANT_NAMES
-from routetool.bench import TORCH_KERNELS, BenchKernel, _call_args, check_fits, point_bytes, trace_step_shapes
+from routetool.bench import (TORCH_KERNELS, BenchKernel, BenchResult, BenchRow, _call_args, check_fits,
+                             host_latencies, point_bytes, trace_step_shapes)
 from routetool.cli import main
 from routetool.errors import RouteToolError
 from routetool.suite import CaseInput
+from routetool.timing import Latency
 from routetool.trace import LayerArrays
 
 
@@ -124,7 +126,7 @@ def test_bench_small_sweep(tmp_path):
     args = ["bench", "--tokens", "1,4096", "--experts", "256", "--dtype", "fp32,bf16", "--kernel", "tiled",
             "--kernel", "seed", "--kernel", "torch", "--kernel", f"{mutants.__file__}:biased_weights",
             "--pdl", "both", "--rep-ms", "5", "--csv", str(out), "--json", str(js), "--no-progress"]
-    res = CliRunner().invoke(main, args)
+    res = CliRunner().invoke(main, args, env={"COLUMNS": "250"})
     assert res.exit_code == 1, res.output  # the biased-weights mutant fails its correctness check
     rows = list(csv.DictReader(io.StringIO(out.read_text())))
     by = {(r["kernel"].rsplit(":", 1)[-1], r["pdl"], r["num_tokens"], r["dtype"]): r for r in rows}
@@ -133,8 +135,14 @@ def test_bench_small_sweep(tmp_path):
     assert by[("seed", "True", "4096", "bf16")]["status"].startswith("rejected")
     assert by[("biased_weights", "", "1", "fp32")]["status"].startswith("failed")
     assert float(by[("tiled", "True", "1", "fp32")]["speedup_vs_baseline"]) > 0
+    for r in rows:  # every timed kernel has its host cost beside its latency, with its floor timed in turn with it
+        assert (r["host_us_p50"] != "") == (r["status"] == "ok") == (r["empty_launch_host_us_p50"] != ""), r
+    assert 0 < float(ok["host_us_p10"]) <= float(ok["host_us_p50"]) <= float(ok["host_us_p90"])
+    assert float(ok["host_over_empty_launch"]) == pytest.approx(float(ok["host_us_p50"])
+                                                                / float(ok["empty_launch_host_us_p50"]))
     doc = json.loads(js.read_text())
     assert doc["schema"] == "routetool.bench/1" and doc["copy_bandwidth_gbps"] > 1000
+    assert "host" in res.output and "x launch" in res.output and "an empty Triton launch took" in res.output
 
 
 @pytest.mark.gpu
@@ -167,3 +175,61 @@ def test_bench_calls_a_kernel_by_the_documented_convention():
                         buffers=(inp.topk_weights, inp.topk_ids))
     assert _call_args(BenchKernel("tiled", kernel, pdl=False), inp)[1]["use_pdl"] is False
     assert "topk_weights" not in _call_args(BenchKernel("torch", kernel), inp)[1]
+
+
+def _result_with_host_costs() -> BenchResult:
+    result = BenchResult(gpu_name="H", driver_version="1", torch_version="t", triton_version="3", copy_bandwidth_gbps=4000.0,
+                         baseline="seed")
+    result.rows = [
+        BenchRow(kernel="tiled", pdl=True, num_tokens=64, num_experts=256, topk=8, dtype="fp32", cuda_graph=True,
+                 status="ok", latency=Latency(1.8, 1.9, 2.0), host=Latency(19.0, 20.0, 22.0),
+                 empty_launch=Latency(15.0, 16.0, 18.0), bytes_moved=70656, bandwidth_gbps=37.2, bandwidth_fraction=0.0093,
+                 speedup=1.5),
+        BenchRow(kernel="seed", pdl=True, num_tokens=64, num_experts=256, topk=8, dtype="fp32", cuda_graph=True,
+                 status="ok", latency=Latency(2.8, 2.9, 3.0), host=Latency(21.0, 22.0, 23.0),
+                 empty_launch=Latency(12.0, 12.5, 13.0)),
+        BenchRow(kernel="seed", pdl=True, num_tokens=64, num_experts=256, topk=8, dtype="bf16", cuda_graph=True,
+                 status="rejected: gating_output dtype bfloat16 is not supported"),
+    ]
+    return result
+
+
+def test_bench_reports_the_host_cost_beside_the_latency_with_the_floor():
+    from rich.console import Console
+
+    from routetool.report import bench_csv, bench_json, render_bench
+
+    result = _result_with_host_costs()
+    rows = list(csv.DictReader(io.StringIO(bench_csv(result))))
+    assert rows[0]["host_us_p50"] == "20.0" and rows[0]["host_us_p10"] == "19.0" and rows[0]["host_us_p90"] == "22.0"
+    assert rows[0]["empty_launch_host_us_p50"] == "16.0" and float(rows[0]["host_over_empty_launch"]) == 1.25
+    assert rows[1]["empty_launch_host_us_p50"] == "12.5" and float(rows[1]["host_over_empty_launch"]) == 1.76
+    assert rows[2]["host_us_p50"] == "" and rows[2]["host_over_empty_launch"] == ""  # not timed
+    doc = bench_json(result)
+    assert doc["rows"][0]["host_us_p50"] == 20.0 and doc["rows"][2]["host_us_p50"] is None
+    console = Console(record=True, width=200)
+    render_bench(result, console)
+    text = console.export_text()
+    assert "an empty Triton launch took 12.5-16.0 µs of host time per call, timed in turn with each row" in text
+    tiled, seed = (next(line for line in text.splitlines() if line.strip().startswith(k)) for k in ("tiled", "seed"))
+    assert tiled.split()[-3:] == ["20.0", "1.25x", "ok"], tiled
+    assert seed.split()[-3:] == ["22.0", "1.76x", "ok"], seed
+
+
+def test_host_latencies_time_batches_of_back_to_back_calls_in_turn(monkeypatch):
+    # per-call means of batches of back-to-back calls, warm-up calls first, one synchronisation per
+    # batch, the functions' batches in turn (so that a floor sees the machine as the kernel does)
+    syncs, calls = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append("".join(calls[-1:])))
+    lats = host_latencies([lambda: calls.append("a"), lambda: calls.append("b")], calls=50, samples=3, warmup_calls=2)
+    assert "".join(calls) == "aabb" + ("a" * 50 + "b" * 50) * 3
+    assert syncs == ["b"] + ["a", "b"] * 3
+    assert all(0 < x.p10_us <= x.p50_us <= x.p90_us < 1e4 for x in lats) and len(lats) == 2
+
+
+def test_the_empty_kernel_of_the_floor_launches(device):
+    # defined on first use, inside a function (Triton is imported only once the device is chosen)
+    from routetool.bench import empty_kernel
+
+    empty_kernel()[(1,)](torch.zeros(1, dtype=torch.int32, device=device))
+    assert empty_kernel() is empty_kernel()

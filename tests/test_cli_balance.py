@@ -50,7 +50,7 @@ def test_balance_json_numbers(tmp_path):
     trace = tmp_path / "ids.safetensors"
     _ids_trace(trace)
     out = tmp_path / "b.json"
-    res = run("balance", trace, "--ep-size", "2", "--redundant", "2", "--json", out, "--no-progress")
+    res = run("balance", "--details", trace, "--ep-size", "2", "--redundant", "2", "--json", out, "--no-progress")
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     assert d["schema"] == "routetool.balance/1" and d["kind"] == "trace"
@@ -161,7 +161,7 @@ def test_balance_on_dumps_directly(tmp_path):
     q = tmp_path / "q.jsonl"
     write_qwen_like(q)
     out = tmp_path / "q.json"
-    res = run("balance", q, "--num-experts", "16", "--ep-size", "4", "--json", out, "--no-progress")
+    res = run("balance", "--details", q, "--num-experts", "16", "--ep-size", "4", "--json", out, "--no-progress")
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     assert d["kind"] == "ids" and d["layers"][0]["tokens"] == 8 and d["num_experts"] == 16
@@ -170,7 +170,7 @@ def test_balance_on_dumps_directly(tmp_path):
     assert "not available: an imported dump holds expert ids" in res.output
     folder = tmp_path / "ds"
     write_deepseek_like(folder)
-    res = run("balance", folder, "--ep-size", "8", "--json", tmp_path / "ds.json", "--no-progress")
+    res = run("balance", "--details", folder, "--ep-size", "8", "--json", tmp_path / "ds.json", "--no-progress")
     assert res.exit_code == 0, res.output
     assert [x["layer"] for x in json.loads((tmp_path / "ds.json").read_text())["layers"]] == [1, 2]
     pt = tmp_path / "stat.pt"
@@ -311,7 +311,7 @@ def test_import_summary_at_80_columns_shows_the_dump_path_on_one_line(tmp_path, 
 def test_balance_tables_at_80_columns_cut_no_number(monkeypatch):
     # the tables ended numbers with "…" at 80 columns: tokens 1,044,…, assign 8,355,…, header max/me…
     monkeypatch.setenv("COLUMNS", "80")
-    res = run("balance", REALDATA / "expert-counts.olmoe-paper.json", "--select", "olmoe-1b-7b-0924", "--topk", "8",
+    res = run("balance", "--details", REALDATA / "expert-counts.olmoe-paper.json", "--select", "olmoe-1b-7b-0924", "--topk", "8",
               "--no-progress")
     assert res.exit_code == 0, res.output
     assert "…" not in res.output and max(map(len, res.output.splitlines())) <= 80, res.output
@@ -368,7 +368,7 @@ def test_layer_detail_shows_the_eplb_placement(tmp_path):
     # slots {e1, e3, e0} on GPU 0 (5.33) and {e2, e0, e0} on GPU 1 (4.67)
     trace = tmp_path / "ids.safetensors"
     _ids_trace(trace)
-    res = CliRunner().invoke(cli, ["balance", str(trace), "--ep-size", "2", "--redundant", "2", "--layer", "0",
+    res = CliRunner().invoke(cli, ["balance", "--details", str(trace), "--ep-size", "2", "--redundant", "2", "--layer", "0",
                                    "--no-progress"], terminal_width=200)
     assert res.exit_code == 0, res.output
     assert "EPLB placement of layer 0" in res.output
@@ -412,8 +412,8 @@ def test_layer_detail_keeps_every_layer_in_the_tables(tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # no cell wraps onto a second line
     trace = tmp_path / "two.safetensors"
     _two_layer_trace(trace)
-    plain = run("balance", trace, "--ep-size", "2", "--no-progress")
-    res = run("balance", trace, "--ep-size", "2", "--layer", "1", "--no-progress")
+    plain = run("balance", "--details", trace, "--ep-size", "2", "--no-progress")
+    res = run("balance", "--details", trace, "--ep-size", "2", "--layer", "1", "--no-progress")
     assert plain.exit_code == 0 and res.exit_code == 0, res.output
     for title, summary in PER_LAYER_TABLES.items():
         rows = ["0", "1"] + ([summary] if summary else [])
@@ -434,7 +434,7 @@ def test_one_layer_has_no_summary_rows_and_no_footnote_for_them(tmp_path, monkey
     monkeypatch.setenv("COLUMNS", "200")
     trace = tmp_path / "ids.safetensors"
     _ids_trace(trace)
-    res = run("balance", trace, "--ep-size", "2", "--layer", "0", "--no-progress")
+    res = run("balance", "--details", trace, "--ep-size", "2", "--layer", "0", "--no-progress")
     assert res.exit_code == 0, res.output
     for title in PER_LAYER_TABLES:
         assert _table_rows(res.output, title) == ["0"], title
@@ -447,7 +447,7 @@ def test_a_counts_file_without_traffic_shows_undefined_statistics(tmp_path, monk
     monkeypatch.chdir(tmp_path)  # the notes name the source as given: z.json
     Path("z.json").write_text('{"0": [0, 0, 0, 0]}')
     out = tmp_path / "z.out.json"
-    res = run("balance", "z.json", "--json", out, "--no-progress")
+    res = run("balance", "--details", "z.json", "--json", out, "--no-progress")
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     for load in (d["all_layers"], d["layers"][0]["load"]):
@@ -1041,7 +1041,7 @@ def test_expert_load_footer_counts_assignments(tmp_path):
     # [4,2,2,2] are 10 assignments of 5 tokens (top-2)
     trace = tmp_path / "ids.safetensors"
     _ids_trace(trace)
-    res = run("balance", trace, "--ep-size", "2", "--layer", "0", "--no-progress")
+    res = run("balance", "--details", trace, "--ep-size", "2", "--layer", "0", "--no-progress")
     assert res.exit_code == 0, res.output
     assert "Expert load, layer 0 (assignments)" in res.output
     assert "mean 2.5 assignments/expert, max 4, total 10 assignments" in res.output

@@ -278,7 +278,7 @@ def test_placement_with_a_key_twice_is_refused(tmp_path):
 def test_placement_file_not_json(tmp_path):
     path = tmp_path / "p.json"
     path.write_bytes(b"\xff\xfe{")
-    with pytest.raises(RouteToolError, match="not a readable JSON file"):
+    with pytest.raises(RouteToolError, match="line 1: not UTF-8 text"):
         load_placement(path, 4, [0])
 
 

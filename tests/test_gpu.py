@@ -130,10 +130,13 @@ DYNAMIC = [
 
 
 @pytest.mark.parametrize("T,E,K,dtype,per_sm,options", DYNAMIC)
-def test_dynamic_tiles_match_reference_and_leave_counters_zero(T, E, K, dtype, per_sm, options, monkeypatch):
+def test_dynamic_tiles_match_reference_and_leave_counters_zero(T, E, K, dtype, per_sm, options, monkeypatch, request):
     from kernel import LaunchConfig, fused_musespark1x_routing, routing
+    from kernel._dispatch import clear_plans
 
     monkeypatch.setattr(routing, "DYNAMIC_TILES_FROM", 1)  # claimed tiles at every size
+    clear_plans()  # plans made under the old threshold would keep their static tiles
+    request.addfinalizer(clear_plans)  # and those made now their claimed ones
     g = torch.Generator(device="cuda").manual_seed(T + E + K)
     bias = torch.randn(E, device="cuda", generator=g) * 0.05
     config = LaunchConfig(block_t=1, chunk=32, num_warps=1, algorithm="two_level", programs_per_sm=per_sm,
@@ -148,6 +151,104 @@ def test_dynamic_tiles_match_reference_and_leave_counters_zero(T, E, K, dtype, p
         assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, (rep, classes)
         assert not cmp.weight_over_tol.any()
         assert not routing.tile_counters(logits.device).any()
+
+
+DIRECT = [
+    # (variant, num_tokens, num_experts, topk, gating dtype, options): every kind of launch a plan
+    # keeps, so that repeated calls take the direct launch of each: scan at one token (num_tokens
+    # specialised to 1) and at 64 with padding, two-level with one program per token, the
+    # persistent grid claiming tiles (per-stream counters) with 256 and 384 experts, the static
+    # persistent grid, the seed, and the seed with a bias it copies to float32
+    ("tiled", 1, 256, 8, torch.float32, {}),
+    ("tiled", 64, 256, 8, torch.bfloat16, dict(pad=True)),
+    ("tiled", 3000, 256, 8, torch.float32, dict(router_score_normalization="softmax")),
+    ("tiled", 65536, 256, 8, torch.bfloat16, dict(pad=True)),
+    ("tiled", 40000, 384, 8, torch.float32, dict(router_output_multiplier=1.3, router_score_division_eps=1e-3)),
+    ("tiled", 20000, 256, 8, torch.float16, dict(static=True)),
+    ("seed", 64, 256, 8, torch.float32, dict(pad=True)),
+    ("seed", 100, 128, 4, torch.float32, dict(bf16_bias=True)),
+]
+
+
+@pytest.mark.parametrize("variant,T,E,K,dtype,options", DIRECT)
+def test_repeated_calls_launch_the_compiled_kernel_directly(variant, T, E, K, dtype, options, monkeypatch):
+    import triton.runtime.jit
+
+    import kernel
+    from kernel import LaunchConfig, routing, seed
+
+    fn = kernel.variant(variant)
+    kw = {k: v for k, v in options.items() if k.startswith("router_")}
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.05
+    if options.get("bf16_bias"):
+        bias = bias.bfloat16()
+    if options.get("static"):
+        kw["config"] = LaunchConfig(block_t=1, chunk=32, num_warps=1, algorithm="two_level", programs_per_sm=8)
+    logits = torch.empty((T, E), device="cuda", dtype=dtype)
+    pad = torch.zeros(T, dtype=torch.bool, device="cuda") if options.get("pad") else None
+    w = torch.empty((T, K), device="cuda")
+    ids = torch.empty((T, K), dtype=torch.int32, device="cuda")
+    fn(logits.normal_(generator=g), bias, K, 2.5, topk_weights=w, topk_ids=ids, is_padding=pad, **kw)  # compiles
+
+    def no_dispatch(*args, **kwargs):
+        raise AssertionError("a call of a known signature went through the JIT's dispatch")
+
+    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", no_dispatch)
+    for rep in range(3):
+        logits.normal_(generator=g).mul_(2)
+        if pad is not None:
+            pad.copy_(torch.rand(T, device="cuda", generator=g) < 0.1)
+        ids.fill_(-7)
+        out_w, out_ids = fn(logits, bias, K, 2.5, topk_weights=w, topk_ids=ids, is_padding=pad, **kw)
+        assert out_w.data_ptr() == w.data_ptr() and out_ids.data_ptr() == ids.data_ptr()
+        ref_kw = {k: v for k, v in kw.items() if k != "config"}
+        assert_routing_invariants(w, ids, E, K, 2.5, is_padding=pad, eps=kw.get("router_score_division_eps"))
+        classes, cmp = _classes(w, ids, logits, bias.float(), K, 2.5, pad, **ref_kw)
+        assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, (rep, classes)
+        assert not cmp.weight_over_tol.any()
+    plans = (routing if variant == "tiled" else seed)._PLANS
+    assert all(p.launch.can_direct for p in plans._plans.values() if p.launch is not None)
+
+
+@pytest.mark.parametrize("T,dtype", [(64, torch.bfloat16), (5000, torch.float32), (65536, torch.bfloat16)])
+def test_an_offset_view_after_an_aligned_one_gets_its_own_kernel(T, dtype):
+    # Triton specialises a pointer on its 16-byte alignment (vector loads): the plan of an aligned
+    # call must not serve a view one element off (a misaligned vector load would fault).
+    from kernel import fused_musespark1x_routing
+
+    E, K = 256, 8
+    flat = torch.randn(T * E + 8, device="cuda").mul_(2).to(dtype)
+    bias = torch.randn(E, device="cuda") * 0.05
+    for x in (flat[:T * E].view(T, E), flat[1:1 + T * E].view(T, E), flat[:T * E].view(T, E)):
+        w, ids = fused_musespark1x_routing(x, bias, K, 2.5)
+        torch.cuda.synchronize()
+        classes, _ = _classes(w, ids, x, bias, K, 2.5)
+        assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, classes
+
+
+def test_a_new_stream_gets_its_tile_counters_then_direct_launches():
+    from kernel import default_config, fused_musespark1x_routing, routing
+
+    T, E, K = 65536, 256, 8
+    assert default_config(T, E, torch.float32).dynamic_tiles
+    x = torch.randn((T, E), device="cuda")
+    bias = torch.randn(E, device="cuda") * 0.05
+    w = torch.empty((T, K), device="cuda")
+    ids = torch.empty((T, K), dtype=torch.int32, device="cuda")
+    fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)  # the plan, on this stream
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for rep in range(3):  # the first call finds no counters for the stream and makes them
+            x.normal_().mul_(2)
+            ids.fill_(-7)
+            fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)
+            classes, _ = _classes(w, ids, x, bias, K, 2.5)
+            assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, (rep, classes)
+    torch.cuda.synchronize()
+    assert (stream.device.index, stream.cuda_stream) in routing._TILE_COUNTERS
+    assert not any(c.any() for c in routing._TILE_COUNTERS.values())
 
 
 def test_dynamic_tiles_in_cuda_graph_replays():

@@ -8,6 +8,7 @@ import torch
 
 from helpers import assert_routing_invariants
 from kernel import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
+from kernel._dispatch import clear_plans
 from kernel.reference import biased_scores, normalized_scores
 from kernel.routing import LaunchConfig, default_config, padded_num_experts
 from routetool.compare import RowClass, compare_step, weight_tolerance
@@ -216,13 +217,127 @@ BAD_CALLS = [
 
 @pytest.mark.parametrize("override,message", BAD_CALLS)
 @pytest.mark.parametrize("launcher", [fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference])
-def test_launcher_errors(override, message, launcher):
-    args = dict(gating_output=torch.zeros((2, 8)), bias=torch.zeros(8), topk=2, route_scale=1.0)
-    args.update(override)
+def test_launcher_errors(override, message, launcher, device):
+    args = dict(gating_output=torch.zeros((2, 8), device=device), bias=torch.zeros(8, device=device), topk=2,
+                route_scale=1.0)
+    launcher(**args)  # a valid call first: its plan must not let the bad call through
+    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in override.items()})
     if launcher is musespark1x_routing_reference and ("topk_weights" in override or "topk_ids" in override):
         pytest.skip("the reference allocates its own outputs")
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         launcher(**args)
+
+
+EQUAL_BUT_WRONG = [
+    # (a valid call's arguments, an override equal to one of them in Python but of a type the
+    # checks refuse, the message): a plan keyed by value alone would let the second call through
+    (dict(topk=1), {"topk": True}, "topk must be an int, got bool"),
+    (dict(route_scale=1.0), {"route_scale": True}, "route_scale must be a Python float, got bool"),
+    (dict(router_output_multiplier=1.0), {"router_output_multiplier": True}, "must be a Python float, got bool"),
+    (dict(router_score_division_eps=0.0), {"router_score_division_eps": False}, "must be a Python float, got bool"),
+]
+
+
+@pytest.mark.parametrize("valid,override,message", EQUAL_BUT_WRONG)
+@pytest.mark.parametrize("launcher", [fused_musespark1x_routing, fused_musespark1x_routing_seed])
+def test_a_value_of_another_type_is_a_new_signature(valid, override, message, launcher, device):
+    args = {**dict(gating_output=torch.zeros((2, 8), device=device), bias=torch.zeros(8, device=device), topk=2,
+                   route_scale=1.0), **valid}
+    launcher(**args)
+    with pytest.raises(ValueError, match=message):
+        launcher(**{**args, **override})
+
+
+def test_a_config_equal_to_a_valid_one_but_of_float_fields_is_checked(device):
+    # LaunchConfig(chunk=32.0) == LaunchConfig(chunk=32): the plan key tells them apart by type
+    x, bias = torch.zeros((2, 64), device=device), torch.zeros(64, device=device)
+    fused_musespark1x_routing(x, bias, 4, 1.0, config=LaunchConfig(block_t=1, chunk=32, num_warps=1))
+    with pytest.raises(ValueError, match="chunk=32.0 must be an int"):
+        fused_musespark1x_routing(x, bias, 4, 1.0, config=LaunchConfig(block_t=1, chunk=32.0, num_warps=1))
+
+
+@pytest.mark.parametrize("launcher, module", [(fused_musespark1x_routing, "routing"), (fused_musespark1x_routing_seed,
+                                                                                        "seed")])
+def test_a_signature_is_checked_once_and_its_plan_serves_later_calls(launcher, module, device, monkeypatch):
+    # Same shapes, dtypes, strides, buffers and parameters with new data (new tensors, new values
+    # in the same buffers, new padding): checked once, every call right.
+    import kernel.routing
+    import kernel.seed
+
+    mod = {"routing": kernel.routing, "seed": kernel.seed}[module]
+    clear_plans()  # (another test may have left a plan of this signature)
+    checks = []
+    real_check = mod.check_routing_args
+    monkeypatch.setattr(mod, "check_routing_args", lambda *a, **k: checks.append(1) or real_check(*a, **k))
+    T, E, K = 9, 40, 4
+    w_buf = torch.full((T, K), -7.0, device=device)
+    id_buf = torch.full((T, K), -7, dtype=torch.int32, device=device)
+    for rep in range(4):
+        logits, bias = _inputs(T, E, torch.float32, device, seed=100 + rep)
+        pad = torch.rand(T, generator=torch.Generator().manual_seed(rep)) < 0.3
+        pad = pad.to(device)
+        w, ids = launcher(logits, bias, K, 2.5, topk_weights=w_buf, topk_ids=id_buf, is_padding=pad,
+                          router_score_normalization="softmax")
+        assert w.data_ptr() == w_buf.data_ptr() and ids.data_ptr() == id_buf.data_ptr()
+        _check_against_reference(w, ids, logits, bias, K, 2.5, 1e-5, is_padding=pad,
+                                 router_score_normalization="softmax")
+        w2, ids2 = launcher(logits, bias, K, 2.5, is_padding=pad, router_score_normalization="softmax")
+        assert torch.equal(ids2, ids) and torch.equal(w2, w) and ids2.data_ptr() != ids.data_ptr()
+    assert len(checks) == 2, "one check per signature (caller buffers, allocated outputs)"
+
+
+def test_plans_keep_every_layout_apart(device):
+    # Strides, a larger caller buffer, int64 ids, an offset view (another pointer alignment) and
+    # the bias's stride are all in the key: each call is right after any other.
+    import kernel.routing
+
+    T, E, K = 7, 48, 5
+    wide = torch.randn((T, E + 5), device=device)
+    flat = torch.randn(T * E + 1, device=device)
+    bias = torch.randn(2 * E, device=device)[::2] * 0.1
+    layouts = [
+        ("contiguous", wide[:, :E].contiguous(), bias.contiguous(), None),
+        ("row slice", wide[:, 1:1 + E], bias, None),
+        ("transposed", torch.randn((E, T), device=device).t(), bias, None),
+        ("offset by one element", flat[1:].view(T, E), bias.contiguous(), None),
+        ("larger int64 buffers", wide[:, :E].contiguous(), bias, (torch.full((T + 3, K + 1), -7.0, device=device),
+                                                                 torch.full((T + 3, K + 1), -7, dtype=torch.int64,
+                                                                            device=device))),
+    ]
+    clear_plans()
+    for rep in range(2):
+        for name, x, b, bufs in layouts:
+            w_buf, id_buf = bufs if bufs else (None, None)
+            w, ids = fused_musespark1x_routing(x, b, K, 2.5, topk_weights=w_buf, topk_ids=id_buf)
+            ref_w, ref_ids = musespark1x_routing_reference(x, b, K, 2.5)
+            assert torch.equal(ids.long().cpu(), ref_ids.long().cpu()), name
+            assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6), name
+            if bufs:
+                assert w.shape == (T, K) and ids.dtype == torch.int64
+                assert (w_buf[T:] == -7).all() and (w_buf[:, K:] == -7).all() and (id_buf[T:] == -7).all()
+        assert len(kernel.routing._PLANS) == len(layouts), rep  # one plan each, found again the second time
+
+
+def test_the_plan_cache_is_bounded_and_can_be_cleared(device, monkeypatch):
+    from kernel import _dispatch, routing
+
+    monkeypatch.setattr(_dispatch, "MAX_PLANS", 2)
+    clear_plans()
+    bias = torch.zeros(16, device=device)
+    for T in (1, 2, 3, 4):
+        w, ids = fused_musespark1x_routing(torch.randn((T, 16), device=device), bias, 2, 1.0)
+        assert ids.shape == (T, 2)
+        assert len(routing._PLANS) <= 2
+    clear_plans()
+    assert len(routing._PLANS) == 0
+
+
+def test_an_empty_batch_has_a_plan_too(device):
+    for _ in range(2):
+        w, ids = fused_musespark1x_routing(torch.empty((0, 32), device=device), torch.zeros(32, device=device), 4, 1.0,
+                                           topk_weights=torch.empty((3, 4), device=device),
+                                           topk_ids=torch.empty((3, 4), dtype=torch.int32, device=device))
+        assert w.shape == (0, 4) and ids.shape == (0, 4)
 
 
 def test_seed_rejects_half_precision_gating():

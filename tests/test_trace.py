@@ -236,3 +236,13 @@ def test_a_path_that_is_not_utf8_is_named_as_such(tmp_path):
 
 def test_format_name_is_stable():
     assert FORMAT_NAME == "routetool-trace"
+
+
+def test_one_tensor_given_for_two_layers_is_written_once_per_layer(tmp_path):
+    # safetensors refuses tensors that share storage: a RuntimeError traceback from write_trace
+    layer = LayerArrays(gating_output=torch.randn(3, 4), step_offsets=torch.tensor([0, 3]))
+    meta = TraceMeta(model="m", router=RouterConfig(num_experts=4, topk=2), provenance="p")
+    path = write_trace(tmp_path / "t.safetensors", meta, {0: layer, 1: layer})
+    with Trace(path) as t:
+        assert t.layers == (0, 1)
+        assert torch.equal(t.read_rows(0, 0, 3).gating_output, t.read_rows(1, 0, 3).gating_output)

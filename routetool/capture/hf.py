@@ -31,7 +31,6 @@ Weight semantics, written to the trace's ``weights_semantics`` metadata:
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -42,7 +41,8 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.jsonstrict import DuplicateKey, unique_keys
+from routetool.files import path_kind
+from routetool.jsonstrict import load_file
 from routetool.trace import (
     WEIGHTS_SEMANTICS,
     LayerArrays,
@@ -395,17 +395,10 @@ def load_config(path: str | Path, **overrides):
     """
     transformers = require_transformers()
     p = Path(path)
-    file = p / "config.json" if p.is_dir() else p
-    if not file.is_file():
+    file = p / "config.json" if path_kind(p) == "folder" else p
+    if path_kind(file) != "file":
         raise RouteToolError("no such config file", path=file, fix="name a config.json or a folder holding one")
-    try:
-        fields = json.loads(file.read_text(), object_pairs_hook=unique_keys)
-    except DuplicateKey as exc:
-        raise RouteToolError(f"the key {exc.key!r} appears twice in one object; JSON readers differ on which value "
-                             "counts", path=file, fix="write each key once in the config") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RouteToolError(f"not a readable JSON config ({exc})", path=file,
-                             fix="name a transformers config.json") from None
+    fields = load_file(file, fix="name a transformers config.json")
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise RouteToolError("has no model_type", path=file, fix="name a transformers config.json")
     fields.update(overrides)
@@ -585,9 +578,10 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", toke
     """
     transformers = require_transformers()
     p = Path(path)
-    if not (p.is_dir() and (p / "config.json").is_file()):
+    if not (path_kind(p) == "folder" and path_kind(p / "config.json") == "file"):
         raise RouteToolError("is not a checkpoint folder (no config.json)", path=p,
                              fix="name a local folder saved with save_pretrained (or use --config/--arch)")
+    load_file(p / "config.json", fix="fix the checkpoint's config.json")  # strictly, before transformers reads it
     if tokenizer not in ("auto", "checkpoint", "bytes"):
         raise RouteToolError(f"tokenizer {tokenizer!r} must be auto, checkpoint or bytes", fix="e.g. --tokenizer auto")
     try:
@@ -596,7 +590,7 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", toke
         raise RouteToolError(f"cannot read the config ({_one_line(exc)})", path=p / "config.json",
                              fix="check the checkpoint") from None
     router_config_for(config)
-    has_files = any((p / name).is_file() for name in _TOKENIZER_FILES)
+    has_files = any(path_kind(p / name) == "file" for name in _TOKENIZER_FILES)
     tok = None
     if tokenizer == "checkpoint" or (tokenizer == "auto" and has_files):
         try:
@@ -629,9 +623,10 @@ def read_text(path: str | Path) -> str:
         data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
     else:
         p = Path(path)
-        if not p.exists():
+        kind = path_kind(p)
+        if kind in ("missing", "dangling link"):
             raise RouteToolError("no such file", path=p, fix=fix)
-        if p.is_dir():
+        if kind == "folder":
             raise RouteToolError("is a directory, not a text file", path=p, fix=fix)
         try:
             data = p.read_bytes()

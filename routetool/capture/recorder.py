@@ -91,7 +91,7 @@ import torch
 from routetool.capture import ring as ring_mod
 from routetool.capture.ranks import RankInfo, detect_ranks
 from routetool.errors import RouteToolError
-from routetool.files import check_output_folder
+from routetool.files import check_output_folder, path_kind
 from routetool.sharded import shard_path, write_index
 from routetool.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors, write_trace
 
@@ -413,14 +413,14 @@ class RoutingRecorder:
             if not os.access(run, os.W_OK):
                 raise RouteToolError("folder is not writable", path=run, fix="choose a writable folder")
             return
-        if out.is_dir():
+        if path_kind(out) == "folder":
             raise RouteToolError("is a directory", path=out, fix="name the index file, e.g. run.json")
         folder = out.parent if str(out.parent) else Path(".")
         check_output_folder(folder)
         if not os.access(folder, os.W_OK):
             raise RouteToolError("folder is not writable", path=folder, fix="choose a writable folder")
         if not self.force:
-            existing = [p for p in (out, shard_path(out, 0)) if p.exists()]
+            existing = [p for p in (out, shard_path(out, 0)) if path_kind(p) not in ("missing", "dangling link")]
             if existing:
                 raise RouteToolError("already exists", path=existing[0],
                                      fix="choose another index name or pass force=True to replace the recording")

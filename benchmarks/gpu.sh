@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks, by mode, on a GPU machine (run from the repository root):
+#
+#   bash benchmarks/gpu.sh [MODE ...]      (default: tests validate replays bench host engine)
+#
+#   tests     every test marked gpu, and all kernel and bench tests (compiled), in parallel shards
+#   gpu-tests only the tests marked gpu, in parallel shards (a shorter check of GPU paths)
+#   validate  routetool validate --suite full --kernel tiled (the shapes family in a process of its own)
+#   replays   routetool replay of every bundled trace, with latency
+#   bench     routetool bench: tiled vs seed, 64 and 65536 tokens, 256 experts, fp32 and bf16
+#   host      benchmarks/bench_host_cost.py: host cost per call against an empty Triton launch
+#   engine    benchmarks/bench_engine.py --set gpu: replay, balance and validate against a raw read
+#   recorder  the recorder under CUDA graphs: tests/test_capture_gpu.py and the record kernel's parity
+#             (tests/test_ring.py), then benchmarks/bench_recorder.py (overhead per routing call)
+#
+# tests and validate run first, side by side (compiling is CPU-bound); the timed modes run after them, alone.
+# Logs go to $OUT/r/ (packed into $OUT/results.tgz), the exit code of each step to $OUT/summary.txt, and the
+# measurements, one long-format row each, to $OUT/results.csv: append it to benchmarks/results.csv
+# (`tail -n +2 results.csv >> benchmarks/results.csv`). BUDGET_S (default 570) bounds the whole run.
+set -u
+OUT=${OUT:-out}
+R="$OUT/r"
+S="$OUT/summary.txt"
+mkdir -p "$R"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+DEADLINE=$((SECONDS + ${BUDGET_S:-570}))
+MODES=${*:-tests validate replays bench host engine}
+RESULTS="$OUT/results.csv"
+
+run() {  # run NAME SECONDS CMD...: log to $R/NAME.txt, exit code to $S, never past the deadline
+  local name=$1 secs=$2; shift 2
+  local left=$((DEADLINE - SECONDS - 10))
+  if [ "$left" -lt 15 ]; then echo "$name: not run (time budget spent)" >> "$S"; return; fi
+  [ "$secs" -gt "$left" ] && secs=$left
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$R/$name.txt" 2>&1
+  echo "$name: exit $? ($((SECONDS - t0)) s)" >> "$S"
+  tar czf "$OUT/results.tgz" -C "$R" .
+}
+has() { case " $MODES " in *" $1 "*) return 0 ;; esac; return 1; }
+
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git rev-parse --short=12 HEAD 2>/dev/null; } >> "$S"
+
+if has tests || has gpu-tests; then
+  { has tests && python3 -m pytest -q -p no:cacheprovider --co tests/test_kernel.py tests/test_bench.py 2>/dev/null
+    python3 -m pytest -q -p no:cacheprovider --co -m gpu tests 2>/dev/null; } | grep '::' | sort -u > "$R/pytest-ids.txt"
+  for i in 1 2 3 4 5 6; do
+    # spread by a hash of the test id, so that neighbouring (similarly heavy) parametrizations part
+    python3 -c "import sys, zlib; [print(l, end='') for l in open(sys.argv[1]) if zlib.crc32(l.encode()) % 6 == $i - 1]" \
+      "$R/pytest-ids.txt" > "$R/pytest-ids-$i.txt"
+    run "pytest-$i" 420 xargs -d '\n' -a "$R/pytest-ids-$i.txt" python3 -m pytest -q -p no:cacheprovider &
+  done
+fi
+if has validate; then
+  run validate-shapes 450 python3 -m routetool validate --suite full --kernel tiled --device cuda --family shapes \
+    --json "$R/validate-shapes.json" --no-progress &
+  run validate-rest 300 python3 -m routetool validate --suite full --kernel tiled --device cuda --family ties \
+    --family nonfinite --family bias --family layouts --family dtypes --family padding --family parameters \
+    --json "$R/validate-rest.json" --no-progress &
+fi
+wait
+if has replays; then
+  for t in traces/*.safetensors; do
+    n=$(basename "$t" .safetensors)
+    COLUMNS=100 run "replay-$n" 90 python3 -m routetool replay "$t" --device cuda --no-progress --json "$R/replay-$n.json"
+  done
+fi
+if has bench; then
+  COLUMNS=150 run bench 150 python3 -m routetool bench --tokens 64,65536 --experts 256 --dtype fp32,bf16 \
+    --kernel tiled --kernel seed --rep-ms 8 --csv "$R/bench.csv" --no-progress
+  python3 benchmarks/results.py from-bench "$R/bench.csv" --out "$RESULTS"
+fi
+if has host; then
+  run host 150 python3 benchmarks/bench_host_cost.py --label after --csv "$R/host.csv"
+  python3 benchmarks/results.py from-host "$R/host.csv" --out "$RESULTS"
+fi
+if has engine; then
+  run engine 300 python3 benchmarks/bench_engine.py --set gpu --workdir /tmp/routetool-engine --csv "$RESULTS"
+fi
+if has recorder; then
+  run recorder-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py tests/test_ring.py
+  run recorder-bench 150 python3 benchmarks/bench_recorder.py --csv "$RESULTS" --json "$R/recorder.json"
+fi
+tar czf "$OUT/results.tgz" -C "$R" .
+cat "$S"
+for f in "$R"/pytest-?.txt; do [ -f "$f" ] && tail -n 1 "$f"; done
+grep -h -A8 "^FAILED\|^E  " "$R"/pytest-?.txt 2>/dev/null | head -40
+for f in "$R"/validate-*.txt "$R"/replay-*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(PASS|FAIL|NOTHING)" "$f"; }; done
+for f in bench host engine; do [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 20 "$R/$f.txt"; }; done
