@@ -10,6 +10,8 @@
 #   bench     routetool bench: tiled vs seed, 64 and 65536 tokens, 256 experts, fp32 and bf16
 #   host      benchmarks/bench_host_cost.py: host cost per call against an empty Triton launch
 #   engine    benchmarks/bench_engine.py --set gpu: replay, balance and validate against a raw read
+#   recorder  the recorder under CUDA graphs: tests/test_capture_gpu.py and the record kernel's parity
+#             (tests/test_ring.py), then benchmarks/bench_recorder.py (overhead per routing call)
 #
 # tests and validate run first, side by side (compiling is CPU-bound); the timed modes run after them, alone.
 # Logs go to $OUT/r/ (packed into $OUT/results.tgz), the exit code of each step to $OUT/summary.txt, and the
@@ -78,6 +80,10 @@ if has host; then
 fi
 if has engine; then
   run engine 300 python3 benchmarks/bench_engine.py --set gpu --workdir /tmp/routetool-engine --csv "$RESULTS"
+fi
+if has recorder; then
+  run recorder-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py tests/test_ring.py
+  run recorder-bench 150 python3 benchmarks/bench_recorder.py --csv "$RESULTS" --json "$R/recorder.json"
 fi
 tar czf "$OUT/results.tgz" -C "$R" .
 cat "$S"

@@ -1,7 +1,8 @@
 """The call-site recorder (routetool.capture.recorder) on a CPU stand-in of vLLM's routing module.
 
-The stand-in module has the seed's signature and computes with the one reference; a fake
-"engine" calls it through the module attribute at call time, as vLLM does.
+The stand-in module has the seed's signature and computes with the one reference
+(tests/standin_engine.py); a fake "engine" calls it through the module attribute at call time,
+as vLLM does.
 """
 
 import json
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kernel.reference import musespark1x_routing_reference
+from standin_engine import E, K, fused_musespark1x_routing
 from routetool.capture import recorder as recorder_mod
 from routetool.capture.recorder import RoutingRecorder
 from routetool.errors import RouteToolError
@@ -21,24 +23,6 @@ from conftest import DEVICE
 
 MODULE = "routetool_test_fake_vllm_routing"
 TARGET = f"{MODULE}:fused_musespark1x_routing"
-E, K = 24, 4  # non-power-of-2 experts, as real MoE configs (e.g. 384) often are
-
-
-def fused_musespark1x_routing(gating_output, bias, topk, route_scale, router_output_multiplier=None,
-                              router_score_normalization="sigmoid", router_score_division_eps=None,
-                              topk_weights=None, topk_ids=None, *, is_padding=None):
-    """Stand-in with the seed's signature: the reference, written into caller buffers if given."""
-    w, ids = musespark1x_routing_reference(gating_output, bias, topk, route_scale, router_output_multiplier,
-                                           router_score_normalization, router_score_division_eps,
-                                           is_padding=is_padding)
-    n = gating_output.shape[0]
-    if topk_weights is None:
-        topk_weights = torch.empty((n, topk), dtype=torch.float32)
-    if topk_ids is None:
-        topk_ids = torch.empty((n, topk), dtype=torch.int32)
-    topk_weights[:n, :topk] = w
-    topk_ids[:n, :topk] = ids.to(torch.int32)
-    return topk_weights[:n, :topk], topk_ids[:n, :topk]
 
 
 @pytest.fixture
@@ -251,18 +235,24 @@ def test_exception_mid_run_keeps_everything_recorded(fake_module, tmp_path):
         assert torch.equal(last.gating_output, engine.calls[-1][2])
 
 
-def test_cuda_graph_capture_fails_loudly(fake_module, tmp_path, monkeypatch):
+def test_calls_during_graph_capture_are_recorded(fake_module, tmp_path, monkeypatch):
+    # the record op is device work: a call inside CUDA-graph capture is recorded like any other
+    # call, where the recorder used to refuse it (on the GPU the capture records the op's kernel
+    # and every replay repeats it: tests/test_capture_gpu.py); a CPU ring is never captured
     out = tmp_path / "run.json"
     engine = FakeEngine(fake_module)
-    with pytest.raises(RouteToolError, match="stream capture.*enforce_eager"):
-        with RoutingRecorder(out, target=TARGET, num_layers=3):
-            engine.forward(0, 8)  # recorded eagerly
-            monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-            engine.forward(1, 8)  # "captured": must not silently record nothing
+    with RoutingRecorder(out, target=TARGET, num_layers=3, drain_interval_s=0):
+        engine.forward(0, 8)
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+            engine.forward(1, 8)
+            engine.forward(2, 5)
     index = json.loads(out.read_text())
-    assert index["complete"] is False
+    assert index["complete"] is True
     with open_trace(out) as t:
-        assert t.info(0).num_steps == 1
+        assert t.info(0).step_offsets == (0, 8, 16, 21)
+        for step, call in zip(t.steps(2), _expected(engine, 2, range(3))):
+            assert torch.equal(step.gating_output, call[2])
 
 
 def test_recording_nothing_is_an_error(fake_module, tmp_path):

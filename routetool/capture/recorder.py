@@ -1,5 +1,5 @@
 """Record a running engine's routing call site (vLLM's ``fused_musespark1x_routing``) into a
-sharded routetool trace.
+sharded routetool trace, also under CUDA graphs, torch.compile, and in every worker process.
 
 How it works:
 
@@ -10,47 +10,59 @@ How it works:
   module attribute at call time are recorded. Code that did ``from module import function``
   holds its own reference: name that place too, with ``targets=["its.module:function"]``.
   The originals are put back when recording stops.
-* The wrapper calls the original first, unchanged, then copies the call's inputs
-  (``gating_output``, ``bias``, ``is_padding``, the scalar parameters) and, by default, its
-  outputs (``topk_weights``, ``topk_ids``) to the host. On CUDA the copies are
-  ``non_blocking`` into pinned host buffers carved from a preallocated arena, and a CUDA
-  event is recorded on the stream after each step; the host never waits for the GPU in the
-  wrapper. On the CPU the copies are plain copies.
+* The wrapper calls the original first, unchanged, then the custom op
+  ``torch.ops.routetool.record_routing`` (:mod:`routetool.capture.ring`): one kernel that
+  copies the call's ``gating_output``, ``bias``, ``is_padding`` and, by default, its outputs
+  (``topk_weights``, ``topk_ids``) into a preallocated ring buffer on the call's device, at
+  rows the kernel claims from device-side counters. Its router parameters are the op's
+  arguments. No host sync, no Python on replay: a CUDA graph captured while recording
+  repeats the copy on every replay, and torch.compile keeps the op as one opaque call. On the
+  CPU the same op runs eagerly.
+* The host drains the ring off the hot path, on the thread that runs the model, while no
+  graph is being captured: at most every ``drain_interval_s`` when a routing call runs in
+  Python, at :meth:`RoutingRecorder.drain` / :meth:`RoutingRecorder.step` (the vLLM plugin
+  calls it after every model step; under CUDA-graph replay nothing else runs Python), and at
+  the end. A drain enqueues copies of the complete steps into pinned memory and the release
+  of their rows; a writer thread (no CUDA calls) turns landed copies into shards (complete
+  trace v1 files, each at least ``shard_mb``) and rewrites the index (see
+  :mod:`routetool.sharded`).
+* Memory is bounded: the ring (``ring_mb``) on the device, the drained copies in flight and
+  one pending shard on the host. When the ring is full a sampled step is dropped whole and
+  counted, never written over rows the host has not copied; so is a step larger than the
+  ring. The index records the drops.
 * Layers: an explicit index (``with recorder.layer(L):``, ``recorder.set_layer(L)``, or a
   ``layer_fn`` callback returning the index) wins; otherwise the *i*-th call of a forward
   step is MoE layer ``layer_ids[i]`` (``range(num_layers)`` by default). A step ends when
   ``num_layers`` calls were seen, when an explicitly numbered layer repeats, or at
-  :meth:`RoutingRecorder.step`. Each layer's ``step_offsets`` keep the step boundaries, so
-  replay reproduces the production batch shapes.
-* Memory is bounded: when ``shard_mb`` MB of recorded data are buffered, the next step
-  boundary hands them to a writer thread that waits for the copies' events and writes them
-  as one shard (a complete trace v1 file) and rewrites the index (see
-  :mod:`routetool.sharded`). At most two arenas of ``shard_mb`` exist; a step larger than
-  what is left of an arena gets buffers of its own. A step is never split across shards.
-* Sampling: ``every_n_steps`` records one step in N (steps 0, N, 2N, ...);
-  ``max_tokens`` stops recording before the first step that would take the recorded token
-  rows per layer over the budget (steps are never cut). ``skip_steps`` ignores the first
-  steps (warm-up).
+  :meth:`RoutingRecorder.step`. These decisions are taken on the device (they hold on graph
+  replay); inside compiled code and graph replays, explicit layer indexes are those Python
+  saw when it traced or captured the call. Each layer's ``step_offsets`` keep the step
+  boundaries, so replay reproduces the production batch shapes.
+* Sampling, decided on the device: ``every_n_steps`` records one step in N (steps 0, N, 2N, ...
+  after ``skip_steps`` warm-up steps); ``max_tokens`` stops recording before the first step
+  that would take the recorded token rows per layer over the budget (steps are never cut).
+* Ranks: each process records itself. ``out`` may hold ``{rank}``
+  (``RUN/rank-{rank}/trace.json``), filled in at the first call from
+  :func:`routetool.capture.ranks.detect_ranks` (or ``ranks=``); the rank, world size and
+  DP/TP/EP/PP ranks go into every shard's metadata and the index.
 * Stopping: on leaving the ``with`` block (normally or by an exception), on :meth:`close`,
   or at interpreter exit (``atexit``) for :meth:`start`-ed recorders, the originals are
   restored, everything recorded so far is written, and the index says whether the run ended
   normally (``complete``) and why it stopped (``stopped_by``).
 * The recorder never breaks the run it records: a problem of its own (a full disk, a
-  router parameter that changes mid-run, an output it cannot read) stops the recording,
-  keeps what was written, and is raised as a :class:`~routetool.errors.RouteToolError` when
-  recording stops. The exceptions are CUDA-graph stream capture and ``torch.compile``
-  tracing, where a Python wrapper cannot record at all: those raise at once, with the fix.
+  router parameter or bias that changes mid-run, an output it cannot read) stops the
+  recording, keeps what was written, and is raised as a
+  :class:`~routetool.errors.RouteToolError` when recording stops.
 
-Example (vLLM, eager mode, engine in this process)::
+Example (vLLM in this process; for worker processes use the plugin,
+:mod:`routetool.capture.vllm_plugin`)::
 
-    import os
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # run the model in this process
     from vllm import LLM
     from routetool.capture.recorder import RoutingRecorder
 
-    llm = LLM(model=..., enforce_eager=True)                  # no CUDA graphs, no torch.compile
+    llm = LLM(model=...)                      # CUDA graphs and torch.compile as in production
     with RoutingRecorder("traces/run.json", num_layers=58, layer_ids=range(3, 61),
-                         shard_mb=512, every_n_steps=4, max_tokens=2_000_000) as rec:
+                         every_n_steps=4, max_tokens=2_000_000) as rec:
         llm.generate(prompts)
     print(rec.stats)
 """
@@ -67,6 +79,7 @@ import platform
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -75,6 +88,8 @@ from pathlib import Path
 
 import torch
 
+from routetool.capture import ring as ring_mod
+from routetool.capture.ranks import RankInfo, detect_ranks
 from routetool.errors import RouteToolError
 from routetool.files import check_output_folder, path_kind
 from routetool.sharded import shard_path, write_index
@@ -97,26 +112,25 @@ _DEFAULTS = {
     "topk_ids": None,
     "is_padding": None,
 }
-_ALIGN = 64
-_GRAPH_FIX = (
-    "a Python wrapper does not run on CUDA-graph replay, so it cannot record graph-captured steps: "
-    "run the recorded steps eagerly (vLLM: LLM(..., enforce_eager=True) or --enforce-eager), "
-    "and start recording after the engine is built"
-)
-_COMPILE_FIX = (
-    "the routing call is being traced by torch.compile, where a Python wrapper cannot copy tensors "
-    "to the host: run the recorded steps eagerly (vLLM: enforce_eager=True)"
-)
+_GATING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NOTHING_FIX = (
     "the function was never called through the patched attribute: if the caller did "
     "`from module import function`, patch that module too (targets=['caller.module:function']); "
-    "for vLLM run the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and eagerly "
-    "(enforce_eager=True), since CUDA graphs captured before recording replay without Python"
+    "for vLLM with worker processes use the plugin (ROUTETOOL_CAPTURE_DIR), which records inside every worker"
 )
+_CAPTURED_FIRST_FIX = (
+    "run one step eagerly before capturing graphs (engines do: a warm-up or profile run), or give the "
+    "recorder its device up front: RoutingRecorder(..., device='cuda:0')"
+)
+_MAX_COPIES_IN_FLIGHT = 4
 
 
-def _stream_capturing() -> bool:
-    """``torch.cuda.is_current_stream_capturing()``, False where CUDA is absent."""
+def _stream_capturing(device: torch.device | None = None) -> bool:
+    """``torch.cuda.is_current_stream_capturing()`` for work on ``device``: False for the CPU
+    and where CUDA is absent."""
+    if device is not None and device.type != "cuda":
+        return False
     try:
         return bool(torch.cuda.is_current_stream_capturing())
     except (RuntimeError, AssertionError, AttributeError):
@@ -169,70 +183,47 @@ def resolve_target(spec: str) -> tuple[object, str, Callable]:
 
 @dataclass
 class RecorderStats:
-    """What a :class:`RoutingRecorder` saw and did (``recorder.stats``).
+    """What a :class:`RoutingRecorder` saw and did (``recorder.stats``), as of its last drain.
 
     Attributes:
-        calls_seen / calls_recorded: routing calls through the wrapper / of them recorded.
-        steps_seen / steps_recorded: forward steps seen / recorded (after sampling).
+        calls_seen / calls_recorded: routing calls that reached the record op (graph replays
+            included) / of them stored in the ring.
+        steps_seen / steps_recorded: forward steps seen / stored in the ring (after sampling).
+        steps_written: recorded steps written into shards.
+        steps_dropped: sampled steps dropped because the ring was full (the host drained too
+            rarely or the disk was slow: call ``drain()`` more often or raise ``ring_mb``).
+        steps_too_large: sampled steps dropped because one step needs more rows than the
+            whole ring (raise ``ring_mb``).
+        calls_dropped: calls of a recorded step not stored (rows other than the step's first
+            call, or more calls than ``max_layers``).
         tokens_recorded: token rows recorded per layer (the ``max_tokens`` budget counts these).
-        bytes_recorded: bytes copied to the host.
-        shards_written: shard files written. oneoff_buffers: host buffers allocated outside
-            the arenas (a step too large for the arena; raise ``shard_mb`` if this grows).
-        writer_waits / writer_wait_s: times (and seconds) the recorded run waited for the
-            writer to free an arena (the disk is slower than the recording).
+        bytes_recorded: bytes of recorded tensors handed to the shard writer.
+        shards_written: shard files written. drains: copies of drained steps made.
+        ring_bytes / ring_rows: the ring's size and the token rows (of one call) it holds.
     """
 
     calls_seen: int = 0
     calls_recorded: int = 0
     steps_seen: int = 0
     steps_recorded: int = 0
+    steps_written: int = 0
+    steps_dropped: int = 0
+    steps_too_large: int = 0
+    calls_dropped: int = 0
     tokens_recorded: int = 0
     bytes_recorded: int = 0
     shards_written: int = 0
-    oneoff_buffers: int = 0
-    writer_waits: int = 0
-    writer_wait_s: float = 0.0
-
-
-@dataclass
-class _Call:
-    layer: int
-    num_tokens: int
-    gating: torch.Tensor
-    padding: torch.Tensor | None
-    ids: torch.Tensor | None
-    weights: torch.Tensor | None
-
-
-@dataclass
-class _Arena:
-    """A preallocated host buffer (pinned for CUDA sources) carved into tensor views."""
-
-    buf: torch.Tensor
-    offset: int = 0
-
-    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
-        numel = math.prod(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        start = -(-self.offset // _ALIGN) * _ALIGN
-        if start + nbytes > self.buf.numel():
-            return None
-        self.offset = start + nbytes
-        return self.buf[start:start + nbytes].view(dtype).view(shape)
+    drains: int = 0
+    ring_bytes: int = 0
+    ring_rows: int = 0
 
 
 @dataclass
 class _Shard:
-    """Recorded steps waiting to be written as one shard."""
+    """Drained steps waiting to be written as one shard."""
 
     number: int
-    calls: list[_Call] = field(default_factory=list)
-    bias: dict[int, torch.Tensor] = field(default_factory=dict)
-    events: list = field(default_factory=list)
-    arenas: list[_Arena] = field(default_factory=list)
-    first_step: int | None = None
-    last_step: int | None = None
-    num_steps: int = 0
+    steps: list[ring_mod.RingStep] = field(default_factory=list)
     nbytes: int = 0
 
 
@@ -240,11 +231,13 @@ class RoutingRecorder:
     """Record every call of a routing function (the seed's signature) into a sharded trace.
 
     Use as a context manager, or call :meth:`start` and :meth:`close`. See the module
-    docstring for how layers, steps, memory, sharding and sampling work.
+    docstring for how layers, steps, memory, sharding, sampling and ranks work.
 
     Args:
         out: the index file of the sharded trace to write (``.json``); shards are written
             next to it as ``<stem>-00000.safetensors``, ``<stem>-00001.safetensors``, ...
+            It may hold ``{rank}``, filled in with the process's rank at the first call
+            (e.g. ``RUN/rank-{rank}/trace.json``; the ``rank-<r>`` folder is created then).
         target: ``module:function`` to record (default :data:`DEFAULT_TARGET`).
         targets: further ``module:attribute`` places that hold the same function (callers
             that imported it with ``from ... import``); all are patched.
@@ -254,7 +247,7 @@ class RoutingRecorder:
             e.g. ``range(3, 61)`` for DeepSeek-V3, whose first 3 layers are dense).
         layer_fn: optional callback returning the current call's layer index (or None to
             fall back to call order); e.g. reading the engine's forward context.
-        shard_mb: write a shard whenever this many MB are buffered (at a step boundary).
+        shard_mb: write a shard whenever this many MB of drained steps are pending.
         every_n_steps: record one forward step in N.
         max_tokens: stop recording before the step that would take the recorded token rows
             per layer over this budget (None = no budget).
@@ -264,13 +257,29 @@ class RoutingRecorder:
         model / provenance: trace metadata (defaults describe the recording).
         force: replace an existing index and shards of the same name.
         background: write shards on a writer thread (default); False writes them inline.
+        ring_mb: size of the ring buffer on the recorded calls' device, MiB; it must hold the
+            largest recorded step (rows x calls x (experts x logit bytes + topk x 8 + 1) bytes).
+        ring_steps: step slots of the ring (recorded steps that can wait for a drain).
+        max_layers: the most distinct layers / calls per step the ring keeps (default
+            ``max(64, num_layers)``).
+        device: allocate the ring on this device at :meth:`start` (default: at the first
+            call, on its device; give it when the first call is CUDA-graph captured or traced
+            by ``torch.compile(fullgraph=True)``).
+        drain_interval_s: at most this often a routing call run in Python drains the ring
+            (0: at every call).
+        ranks: this process's :class:`~routetool.capture.ranks.RankInfo` (default: detected
+            at the first call).
+        paused: start paused (:meth:`pause`): calls launch the record kernel, so graphs
+            captured now record once :meth:`resume` is called, but nothing is stored yet.
+        require_calls: a recording that saw no call is an error when it stops (False: it
+            ends quietly, writing nothing; for processes that may never route, as the
+            plugin's engine and API processes).
 
     Raises:
         RouteToolError: at construction, for a bad target, bad parameters, an existing
-            output (without ``force``) or an unwritable folder; during capture/compile
-            tracing (see the module docstring); when recording stops, for a problem of the
-            recorder (disk full, router parameters that changed) or a run that recorded
-            nothing.
+            output (without ``force``) or an unwritable folder; when recording stops, for a
+            problem of the recorder (disk full, router parameters or bias that changed) or a
+            run that recorded nothing.
     """
 
     def __init__(
@@ -291,7 +300,16 @@ class RoutingRecorder:
         provenance: str = "",
         force: bool = False,
         background: bool = True,
+        ring_mb: float = 256.0,
+        ring_steps: int = 256,
+        max_layers: int | None = None,
+        device: str | torch.device | None = None,
+        drain_interval_s: float = 0.05,
+        ranks: RankInfo | None = None,
+        paused: bool = False,
+        require_calls: bool = True,
     ):
+        self.out_template = str(out)
         self.out = Path(out)
         self.target = target
         self.targets = (target, *targets)
@@ -309,17 +327,38 @@ class RoutingRecorder:
         self.layer_fn = layer_fn
         if not (shard_mb > 0 and math.isfinite(shard_mb)):
             raise RouteToolError(f"shard_mb={shard_mb} must be > 0", fix="e.g. shard_mb=256")
+        if not (ring_mb > 0 and math.isfinite(ring_mb)):
+            raise RouteToolError(f"ring_mb={ring_mb} must be > 0", fix="e.g. ring_mb=256")
         if every_n_steps < 1 or skip_steps < 0 or (max_tokens is not None and max_tokens < 1):
             raise RouteToolError("every_n_steps must be >= 1, skip_steps >= 0 and max_tokens >= 1",
                                  fix="e.g. every_n_steps=4, max_tokens=1_000_000")
-        self.shard_bytes = max(_ALIGN, int(shard_mb * 2**20))
+        self.max_layers = max_layers if max_layers is not None else max(64, len(self.layer_ids))
+        if ring_steps < 1 or self.max_layers < max(1, len(self.layer_ids)):
+            raise RouteToolError(f"ring_steps={ring_steps} must be >= 1 and max_layers={self.max_layers} at least "
+                                 f"num_layers", fix="e.g. ring_steps=256")
+        if not (drain_interval_s >= 0 and math.isfinite(drain_interval_s)):
+            raise RouteToolError(f"drain_interval_s={drain_interval_s} must be >= 0", fix="e.g. 0.05")
+        self.shard_bytes = max(64, int(shard_mb * 2**20))
+        self.ring_bytes = int(ring_mb * 2**20)
+        header = ring_mod.header_layout(self.ring_bytes, ring_steps, self.max_layers).header_bytes
+        if header >= self.ring_bytes // 2:
+            raise RouteToolError(f"ring_mb={ring_mb} leaves too little room for rows: {ring_steps} step slots x "
+                                 f"{self.max_layers} layers take {header} bytes of it",
+                                 fix="raise ring_mb or lower ring_steps / max_layers")
+        self.ring_steps = ring_steps
         self.every_n_steps = every_n_steps
         self.max_tokens = max_tokens
         self.skip_steps = skip_steps
         self.record_outputs = record_outputs
         self.force = force
         self.background = background
-        self._check_output()
+        self.device = torch.device(device) if device is not None else None
+        self.drain_interval_s = drain_interval_s
+        self.ranks = ranks
+        self.require_calls = require_calls
+        self._paused = paused
+        self._deferred_out = "{rank}" in self.out_template
+        self._check_output(deferred=self._deferred_out)
         self.model = model or f"recorded at {target}"
         self.provenance = provenance or (
             f"recorded at the call site {target} by routetool.capture.recorder on {platform.node() or 'unknown host'}, "
@@ -336,27 +375,44 @@ class RoutingRecorder:
         self._active = False
         self._closed = False
         self._started = False
-        self._step_index = -1
-        self._step_layers: list[int] = []
-        self._step_sampled = False
-        self._step_streams: dict = {}
-        self._layer_dtype: dict[int, torch.dtype] = {}
-        self._outputs_ok = record_outputs
+        self._layers: list[int] = list(self.layer_ids)  # layer position -> layer index
+        self._position_of: dict[int, int] = {layer: i for i, layer in enumerate(self._layers)}
+        self._sites: dict[tuple, int] = {}
+        self._ring: ring_mod.DeviceRing | None = None
+        # the tensor the record op is declared to mutate (the ring is found by the handle): it exists
+        # before the ring does, so that code compiled before the first call records too
+        self._token = torch.zeros(1, dtype=torch.uint8)
+        self._handle = ring_mod.register_sink(self)
+        self._snapshot: ring_mod.RingSnapshot | None = None
+        self._copies: deque[ring_mod.RingCopy] = deque()
+        self._released_rows = 0
+        self._released_steps = 0
+        self._last_drain = 0.0
+        self._state: list[int] | None = None
+        self._stop_pending = False
+        self._backlog = 0
+        self._bias: dict[int, torch.Tensor] = {}
         self._shard: _Shard | None = None
-        self._arena: _Arena | None = None
-        self._free_arenas: list[_Arena] = []
-        self._arena_count = 0
-        self._arena_cond = threading.Condition(self._lock)
         self._shard_number = 0
+        self._last_drops = 0
+        self._discarding = False
         self._written: list[dict] = []
         self._executor: ThreadPoolExecutor | None = None
 
     # -- set-up ------------------------------------------------------------------------------
-    def _check_output(self) -> None:
+    def _check_output(self, deferred: bool = False) -> None:
         out = self.out
         if out.suffix.lower() != ".json":
             raise RouteToolError("the recorder writes a sharded trace: name its index file (.json)", path=out,
                                  fix="e.g. traces/run.json (shards go next to it as run-00000.safetensors, ...)")
+        if deferred:  # RUN/rank-{rank}/trace.json: the run folder must exist, the rank folder is made later
+            parts = Path(self.out_template).parts
+            first = next(i for i, part in enumerate(parts) if "{rank}" in part)
+            run = Path(*parts[:first]) if first else Path(".")
+            check_output_folder(run)
+            if not os.access(run, os.W_OK):
+                raise RouteToolError("folder is not writable", path=run, fix="choose a writable folder")
+            return
         if path_kind(out) == "folder":
             raise RouteToolError("is a directory", path=out, fix="name the index file, e.g. run.json")
         folder = out.parent if str(out.parent) else Path(".")
@@ -369,12 +425,24 @@ class RoutingRecorder:
                 raise RouteToolError("already exists", path=existing[0],
                                      fix="choose another index name or pass force=True to replace the recording")
 
+    def _resolve_output(self) -> None:
+        """Fill in ``{rank}`` (first call): detect the ranks, make the rank folder, check it."""
+        if self.ranks is None:
+            self.ranks = detect_ranks()
+        if self._deferred_out:
+            self.out = Path(self.out_template.replace("{rank}", str(self.ranks.rank)))
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self._deferred_out = False
+            self._check_output()
+
     def start(self) -> RoutingRecorder:
         """Patch the target(s) and start recording (also registers an ``atexit`` close)."""
         if self._started:
             raise RouteToolError("this recorder was already started", fix="make a new RoutingRecorder per recording")
         self._started = True
         resolved = [resolve_target(spec) for spec in self.targets]
+        if self.device is not None:
+            self._allocate(self.device)
         for module, attr, fn in resolved:
             wrapper = self._make_wrapper(fn)
             setattr(module, attr, wrapper)
@@ -390,6 +458,26 @@ class RoutingRecorder:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(exc)
+
+    def _capturing(self) -> bool:
+        """A CUDA graph is being captured on the current stream of the ring's device."""
+        return self._ring is not None and _stream_capturing(self._ring.device)
+
+    def _allocate(self, device: torch.device) -> None:
+        """Make the ring on ``device`` (never while a graph is being captured)."""
+        self._resolve_output()
+        try:
+            ring = ring_mod.DeviceRing(
+                ring_bytes=self.ring_bytes, steps=self.ring_steps, max_layers=self.max_layers,
+                num_layers=self.num_layers or 0, skip_steps=self.skip_steps, every_n_steps=self.every_n_steps,
+                max_tokens=-1 if self.max_tokens is None else self.max_tokens,
+                record_outputs=self.record_outputs, device=device)
+        except ValueError as exc:
+            raise RouteToolError(str(exc), path=self.out, fix="raise ring_mb or lower ring_steps / max_layers") from None
+        self._ring = ring
+        self.stats.ring_bytes = self.ring_bytes
+        if self._paused:
+            ring.stop()
 
     # -- layer / step control -------------------------------------------------------------
     def set_layer(self, layer: int | None) -> None:
@@ -407,41 +495,69 @@ class RoutingRecorder:
             self._local.layer = previous
 
     def step(self) -> None:
-        """End the current forward step now (the next call starts a new one)."""
+        """End the current forward step now (the next call starts a new one), then drain.
+
+        The end of the step is device work on the current stream, so it is also recorded
+        into a graph being captured; the drain is skipped while capturing."""
         with self._lock:
-            self._end_step()
+            if self._ring is not None and self._active:
+                self._ring.end_step()
+        self.drain()
+
+    def pause(self) -> None:
+        """Stop storing steps until :meth:`resume` (device work on the current stream, so it
+        also holds for graph replays); calls still launch the record kernel."""
+        with self._lock:
+            self._paused = True
+            if self._ring is not None:
+                self._ring.stop()
+
+    def resume(self) -> None:
+        """Store steps again, numbering them from 0 (``skip_steps`` and ``every_n_steps`` count
+        from here): e.g. after an engine's warm-up, profile and graph-capture runs."""
+        with self._lock:
+            if not self._paused or self.error is not None:
+                return
+            self._paused = False
+            if self._ring is not None:
+                self._ring.restart()
+
+    def flush(self) -> None:
+        """Write everything recorded so far (complete steps) before returning: a drain that
+        waits for the copies and for the writer (a host sync; not for the hot path; nothing
+        while the current stream captures a graph)."""
+        with self._lock:
+            if self._capturing() or self._ring is None:
+                return
+            for _ in range(3):  # a snapshot after all prior work -> copies of its steps -> the writer
+                self._drain(wait=True)
+            while self._copies:
+                copy = self._copies.popleft()
+                copy.wait()
+                self._submit(copy)
+            executor = self._executor
+        if executor is not None:
+            try:
+                executor.submit(lambda: None).result()  # the writer works in order: all before this is done
+            except RuntimeError:
+                pass
+
+    def drain(self) -> None:
+        """Hand the ring's complete steps to the writer (host work on the current stream, no
+        sync; nothing while the current stream captures a graph). Call it between steps when
+        the model runs as CUDA-graph replays, where no recorded call runs Python."""
+        with self._lock:
+            if not self._capturing():
+                self._drain()
 
     # -- the wrapper ------------------------------------------------------------------------
     def _make_wrapper(self, fn: Callable) -> Callable:
         recorder = self
 
         def wrapper(*args, **kwargs):
-            if not recorder._active:
-                return fn(*args, **kwargs)
-            if _stream_capturing() or _compiling():
-                capturing = _stream_capturing()
-                err = RouteToolError(
-                    "routing call recorded during " + ("CUDA-graph stream capture" if capturing else
-                                                       "torch.compile tracing"),
-                    path=recorder.out, fix=_GRAPH_FIX if capturing else _COMPILE_FIX)
-                with recorder._lock:
-                    recorder._fail(err)
-                raise err
-            with recorder._lock:
-                position = recorder._begin_call(args, kwargs) if recorder._active else None
             out = fn(*args, **kwargs)
-            if position is not None:
-                with recorder._lock:
-                    if recorder._active:
-                        try:
-                            recorder._record_call(position, args, kwargs, out)
-                        except RouteToolError as exc:
-                            recorder._fail(exc)
-                        except Exception as exc:  # never break the recorded run
-                            recorder._fail(RouteToolError(f"recording failed ({type(exc).__name__}: {exc})",
-                                                          path=recorder.out, fix="report this as a routetool bug"))
-                    if recorder.num_layers is not None and len(recorder._step_layers) >= recorder.num_layers:
-                        recorder._end_step()
+            if recorder._active:
+                recorder._record(args, kwargs, out)
             return out
 
         wrapper.__wrapped__ = fn
@@ -457,138 +573,111 @@ class RoutingRecorder:
         params.update(kwargs)
         return params
 
-    def _begin_call(self, args: tuple, kwargs: dict) -> tuple[int, bool] | None:
-        """Step/layer bookkeeping before the original runs: (layer, sampled) or None."""
-        self.stats.calls_seen += 1
+    def _record(self, args: tuple, kwargs: dict, out) -> None:
+        """Call the record op for one routing call (Python side of the wrapper)."""
+        if _compiling():
+            self._record_traced(args, kwargs, out)
+            return
+        try:
+            p = self._params(args, kwargs)
+            g = p["gating_output"]
+            if not isinstance(g, torch.Tensor) or g.dim() != 2:
+                raise RouteToolError("gating_output is not a 2-D tensor", path=self.out,
+                                     fix="record a function with the seed's signature")
+            w = ids = None
+            if self.record_outputs:
+                w, ids = self._outputs(out, g, p["topk"])
+            position = self._position()
+            torch.ops.routetool.record_routing(self._token, g, p["bias"], p["is_padding"], w, ids, self._handle,
+                                               position, *_router_args(p))
+        except RouteToolError as exc:
+            with self._lock:
+                self._fail(exc)
+        except Exception as exc:  # never break the recorded run
+            with self._lock:
+                self._fail(RouteToolError(f"recording failed ({type(exc).__name__}: {exc})", path=self.out,
+                                          fix="report this as a routetool bug"))
+
+    def _record_traced(self, args: tuple, kwargs: dict, out) -> None:
+        """The wrapper's recording as torch.compile traces it: only the op (layers by call order)."""
+        p = self._params(args, kwargs)
+        w, ids = out if self.record_outputs else (None, None)
+        torch.ops.routetool.record_routing(self._token, p["gating_output"], p["bias"], p["is_padding"], w, ids,
+                                           self._handle, -1, *_router_args(p))
+
+    def _outputs(self, out, g: torch.Tensor, topk) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(g.shape[0])
+        try:
+            w_out, ids_out = out
+            ok = (isinstance(w_out, torch.Tensor) and isinstance(ids_out, torch.Tensor)
+                  and tuple(w_out.shape) == (n, topk) and tuple(ids_out.shape) == (n, topk))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise RouteToolError(f"the function did not return (topk_weights [{n}, {topk}], topk_ids [{n}, {topk}])",
+                                 path=self.out, tensor="topk_ids", fix="pass record_outputs=False to record inputs only")
+        return w_out, ids_out
+
+    def _position(self) -> int:
+        """The layer position of the current call (-1: by call order)."""
         explicit = getattr(self._local, "layer", None)
         if explicit is None and self.layer_fn is not None:
             explicit = self.layer_fn()
-        if explicit is not None:
-            explicit = int(explicit)
-            if explicit in self._step_layers:
-                self._end_step()
-            layer = explicit
-        else:
+        if explicit is None:
             if self.num_layers is None:
-                self._fail(RouteToolError("a routing call without a layer index and no num_layers to count calls",
-                                          fix="give num_layers, or make layer_fn return an index for every call"))
-                return None
-            position = len(self._step_layers)
-            if position >= self.num_layers:
-                self._end_step()
-                position = 0
-            layer = self.layer_ids[position]
-        if not self._step_layers:
-            self._start_step(args, kwargs)
-        self._step_layers.append(layer)
-        return layer, self._step_sampled
+                raise RouteToolError("a routing call without a layer index and no num_layers to count calls",
+                                     fix="give num_layers, or make layer_fn return an index for every call")
+            return -1
+        layer = int(explicit)
+        with self._lock:
+            pos = self._position_of.get(layer)
+            if pos is None:
+                if len(self._layers) >= self.max_layers:
+                    raise RouteToolError(f"more than max_layers={self.max_layers} distinct layers were called",
+                                         path=self.out, fix="raise max_layers")
+                pos = len(self._layers)
+                self._layers.append(layer)
+                self._position_of[layer] = pos
+        return pos
 
-    def _start_step(self, args: tuple, kwargs: dict) -> None:
-        self._step_index += 1
-        self.stats.steps_seen += 1
-        n = self._step_index - self.skip_steps
-        sampled = n >= 0 and n % self.every_n_steps == 0
-        if sampled and self.max_tokens is not None:
-            g = self._params(args, kwargs)["gating_output"]
-            rows = int(g.shape[0]) if isinstance(g, torch.Tensor) and g.dim() == 2 else 0
-            if self.stats.tokens_recorded + rows > self.max_tokens:
-                self.stopped_by = "max_tokens"
-                self._active = False
-                sampled = False
-        self._step_sampled = sampled
-        if sampled:
-            self.stats.steps_recorded += 1
-            if self._shard is None:
-                self._shard = _Shard(number=self._shard_number)
-                self._shard_number += 1
-            shard = self._shard
-            shard.first_step = self._step_index if shard.first_step is None else shard.first_step
-            shard.last_step = self._step_index
-            shard.num_steps += 1
-            self._step_tokens_counted = False
+    # -- the op's host side ---------------------------------------------------------------------
+    def record_call(self, token: torch.Tensor, g: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
+                    w: torch.Tensor | None, ids: torch.Tensor | None, position: int, params: tuple) -> None:
+        """The record op's host side (runs when Python runs the op: eager, compiled code, capture):
+        check the call against the ring's layout and launch the record kernel."""
+        with self._lock:
+            if not self._active:
+                return
+            try:
+                if self._ring is None:
+                    if _stream_capturing(g.device):
+                        raise RouteToolError("the first recorded routing call is being captured into a CUDA graph, "
+                                             "before the recorder has its ring", path=self.out,
+                                             fix=_CAPTURED_FIRST_FIX)
+                    self._allocate(g.device)
+                self._check_call(g, bias, pad, w, ids, int(params[0]))
+                site = self._site(params, int(g.shape[1]))
+                if position < 0 and self.num_layers is None:
+                    raise RouteToolError("a routing call without a layer index and no num_layers to count calls "
+                                         "(compiled code counts calls)", fix="give num_layers")
+                self._ring.launch(g, bias, pad, w, ids, position, site)
+            except RouteToolError as exc:
+                self._fail(exc)
+                return
+            except Exception as exc:  # never break the recorded run
+                self._fail(RouteToolError(f"recording failed ({type(exc).__name__}: {exc})", path=self.out,
+                                          fix="report this as a routetool bug"))
+                return
+            if time.monotonic() - self._last_drain >= self.drain_interval_s and not self._capturing():
+                self._drain()
 
-    def _end_step(self) -> None:
-        if not self._step_layers:
-            return
-        self._step_layers = []
-        if self._step_sampled and self._shard is not None:
-            for stream in self._step_streams.values():
-                event = torch.cuda.Event()
-                event.record(stream)
-                self._shard.events.append(event)
-            self._step_streams = {}
-            if self._shard.nbytes >= self.shard_bytes or self._shard_overflowed:
-                self._flush()
-        self._step_sampled = False
-
-    _shard_overflowed = False
-    _step_tokens_counted = False
-    _write_failed = False
-
-    def _host(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A host copy of ``t`` (optionally converted), in the arena when it fits."""
-        t = t.detach()
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        pin = t.is_cuda
-        if self._arena is None:
-            self._arena = self._new_arena(pin)
-            self._shard.arenas.append(self._arena)
-        dst = self._arena.take(t.shape, t.dtype)
-        if dst is None:
-            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            self.stats.oneoff_buffers += 1
-            self._shard_overflowed = True
-        dst.copy_(t, non_blocking=pin)
-        if pin:
-            self._step_streams.setdefault(t.device, torch.cuda.current_stream(t.device))
-        nbytes = t.numel() * t.element_size()
-        self._shard.nbytes += nbytes
-        self.stats.bytes_recorded += nbytes
-        return dst
-
-    def _new_arena(self, pin: bool) -> _Arena:
-        if self._free_arenas:
-            arena = self._free_arenas.pop()
-            arena.offset = 0
-            return arena
-        while self._arena_count >= 2:
-            t0 = time.perf_counter()
-            self.stats.writer_waits += 1
-            self._arena_cond.wait(timeout=1.0)
-            self.stats.writer_wait_s += time.perf_counter() - t0
-            if self._free_arenas:
-                arena = self._free_arenas.pop()
-                arena.offset = 0
-                return arena
-            if self.error is not None:
-                raise self.error
-        self._arena_count += 1
-        return _Arena(torch.empty(self.shard_bytes, dtype=torch.uint8, pin_memory=pin))
-
-    def _router_of(self, p: dict, num_experts: int) -> RouterConfig:
-        def opt(v):
-            return None if v is None else float(v)
-
-        return RouterConfig(
-            num_experts=num_experts, topk=int(p["topk"]), route_scale=float(p["route_scale"]),
-            router_score_normalization=str(p["router_score_normalization"]),
-            router_output_multiplier=opt(p["router_output_multiplier"]),
-            router_score_division_eps=opt(p["router_score_division_eps"]),
-        )
-
-    def _record_call(self, position: tuple[int, bool], args: tuple, kwargs: dict, out) -> None:
-        layer, sampled = position
-        if not sampled:
-            return
-        p = self._params(args, kwargs)
-        g = p["gating_output"]
-        where = f"layers.{layer}.gating_output"
-        if not isinstance(g, torch.Tensor) or g.dim() != 2:
-            raise RouteToolError(f"gating_output of layer {layer} is not a 2-D tensor", path=self.out, tensor=where,
-                                 fix="record a function with the seed's signature")
-        n, num_experts = int(g.shape[0]), int(g.shape[1])
-        router = self._router_of(p, num_experts)
+    def _site(self, params: tuple, num_experts: int) -> int:
+        """The number of the call's router parameters; the first call's are the trace's."""
+        topk, scale, mult, norm, eps = params
+        router = RouterConfig(num_experts=num_experts, topk=int(topk), route_scale=float(scale),
+                              router_score_normalization=str(norm),
+                              router_output_multiplier=None if mult is None else float(mult),
+                              router_score_division_eps=None if eps is None else float(eps))
         if self.router is None:
             problems = router_config_errors(router)
             if problems:
@@ -597,136 +686,265 @@ class RoutingRecorder:
             self.router = router
         elif router != self.router:
             raise RouteToolError(
-                f"router parameters changed during the run (layer {layer}: {router}; first call: {self.router})",
+                f"router parameters changed during the run ({router}; first call: {self.router})",
                 path=self.out, tensor="__metadata__",
                 fix="a trace holds one router configuration; record runs with different parameters separately",
             )
-        if self._layer_dtype.setdefault(layer, g.dtype) != g.dtype:
-            raise RouteToolError(f"layer {layer}'s gating_output changed dtype from {self._layer_dtype[layer]} to "
-                                 f"{g.dtype}", path=self.out, tensor=where, fix="record runs of one dtype")
-        if n == 0:
-            return  # an empty call carries nothing to replay (trace steps are never empty)
-        shard = self._shard
-        bias = p["bias"]
-        if layer not in shard.bias:
-            shard.bias[layer] = self._host(bias, torch.float32) if bias.dtype not in (
-                torch.float32, torch.bfloat16, torch.float16) else self._host(bias)
-        gating = self._host(g)
-        pad = p["is_padding"]
-        padding = self._host(pad) if isinstance(pad, torch.Tensor) else None
-        ids = weights = None
-        if self._outputs_ok:
+        key = (router.topk, router.route_scale, router.router_output_multiplier, router.router_score_normalization,
+               router.router_score_division_eps)
+        return self._sites.setdefault(key, len(self._sites))
+
+    def _check_call(self, g, bias, pad, w, ids, topk: int) -> None:
+        ring = self._ring
+        device = ring.device
+        if g.dim() != 2 or g.dtype not in _GATING_DTYPES:
+            raise RouteToolError(f"gating_output is {g.dtype} {list(g.shape)}, not a 2-D float32/bfloat16/float16 "
+                                 "tensor", path=self.out, tensor="gating_output",
+                                 fix="record a function with the seed's signature")
+        n, num_experts = (int(s) for s in g.shape)
+        if g.device != device:
+            raise RouteToolError(f"gating_output is on {g.device} but the recorder's ring is on {device}",
+                                 path=self.out, fix="record the calls of one device per recorder (device=...)")
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (num_experts,) or bias.device != device \
+                or not bias.is_floating_point():
+            raise RouteToolError(f"bias is not a float tensor [{num_experts}] on {device}", path=self.out,
+                                 tensor="bias", fix="record a function with the seed's signature")
+        if pad is not None and (pad.dtype != torch.bool or tuple(pad.shape) != (n,) or pad.device != device):
+            raise RouteToolError(f"is_padding is not a bool tensor [{n}] on {device}", path=self.out,
+                                 tensor="is_padding", fix="record a function with the seed's signature")
+        if self.record_outputs:
+            for name, t, dtypes in (("topk_weights", w, None), ("topk_ids", ids, (torch.int32, torch.int64))):
+                ok = (isinstance(t, torch.Tensor) and tuple(t.shape) == (n, topk) and t.device == device
+                      and (t.is_floating_point() if dtypes is None else t.dtype in dtypes))
+                if not ok:
+                    raise RouteToolError(f"the function did not return {name} [{n}, {topk}] on {device}",
+                                         path=self.out, tensor=name,
+                                         fix="pass record_outputs=False to record inputs only")
+        lay = ring.layout
+        if not lay.bound:
+            wdtype = w.dtype if w is not None and w.dtype in _WEIGHT_DTYPES else torch.float32
             try:
-                w_out, ids_out = out
-                ok = (isinstance(w_out, torch.Tensor) and isinstance(ids_out, torch.Tensor)
-                      and tuple(w_out.shape) == (n, router.topk) and tuple(ids_out.shape) == (n, router.topk))
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise RouteToolError(f"the function did not return (topk_weights [{n}, {router.topk}], topk_ids "
-                                     f"[{n}, {router.topk}])", path=self.out, tensor=f"layers.{layer}.topk_ids",
-                                     fix="pass record_outputs=False to record inputs only")
-            weights = self._host(w_out, torch.float32 if w_out.dtype not in (
-                torch.float32, torch.bfloat16, torch.float16) else None)
-            ids = self._host(ids_out, torch.int32)
-        shard.calls.append(_Call(layer=layer, num_tokens=n, gating=gating, padding=padding, ids=ids, weights=weights))
-        self.stats.calls_recorded += 1
-        if not self._step_tokens_counted:
-            self.stats.tokens_recorded += n
-            self._step_tokens_counted = True
+                ring.bind(num_experts, topk, g.dtype, wdtype)
+            except ValueError as exc:
+                raise RouteToolError(str(exc), path=self.out, fix="raise ring_mb") from None
+            self.stats.ring_rows = ring.layout.rows
+        elif g.dtype != lay.gating_dtype:
+            raise RouteToolError(f"gating_output changed dtype from {lay.gating_dtype} to {g.dtype}", path=self.out,
+                                 tensor="gating_output", fix="record runs of one dtype")
 
-    # -- flushing ---------------------------------------------------------------------------
-    def _flush(self) -> None:
-        """Hand the buffered shard to the writer (called at a step boundary, under the lock)."""
-        shard, self._shard, self._arena = self._shard, None, None
-        self._shard_overflowed = False
-        if shard is None or not shard.calls:
-            if shard is not None:
-                self._release(shard)
+    # -- draining (the model's thread, no graph capture underway) --------------------------------
+    def _drain(self, final: bool = False, wait: bool = False) -> None:
+        """Move the ring's complete steps towards the writer (under the lock): hand landed copies
+        to the writer; turn a landed snapshot into copies of its complete steps (``final``: every
+        step it shows, for a snapshot taken after the device stopped); take the next snapshot.
+        ``wait``: wait for copies and snapshot instead of leaving them for the next drain."""
+        ring = self._ring
+        if ring is None:
             return
+        self._last_drain = time.monotonic()
+        if self._stop_pending:
+            ring.stop()
+            self._stop_pending = False
+        while self._copies and (wait or self._copies[0].ready()):
+            copy = self._copies.popleft()
+            copy.wait()
+            self._submit(copy)
+        snap = self._snapshot
+        if snap is not None and (wait or snap.ready()):
+            snap.wait()
+            self._snapshot = None
+            state = snap.values()
+            self._update_stats(state)
+            if final or self._backlog + len(self._copies) < _MAX_COPIES_IN_FLIGHT:
+                copy = ring.copy_out(state, self._released_rows, self._released_steps, final)
+                if copy is not None:
+                    copy.state = state
+                    self._released_rows = copy.rows_end
+                    self._released_steps = copy.first_slot + int(copy.steps.shape[0])
+                    self._copies.append(copy)
+                    self.stats.drains += 1
+        if self._snapshot is None and not final:
+            self._snapshot = ring.snapshot()
+
+    def _final_drain(self) -> None:
+        """Everything the ring holds, synchronously (at close)."""
+        ring = self._ring
+        if ring is None or self._capturing():
+            return
+        self._drain(wait=True)  # what the last snapshot showed, as during the run
+        ring.stop()  # nothing is recorded after this: the next snapshot shows the end
+        self._stop_pending = False
+        self._snapshot = ring.snapshot()
+        self._drain(final=True, wait=True)
+        self._drain(final=True, wait=True)
+
+    def _update_stats(self, state: list[int]) -> None:
+        S = ring_mod
+        st = self.stats
+        st.calls_seen = state[S.STATE_CALLS_SEEN]
+        st.calls_recorded = state[S.STATE_CALLS_RECORDED]
+        st.steps_seen = state[S.STATE_STEPS_SEEN]
+        st.steps_recorded = state[S.STATE_HEAD_STEPS]
+        st.steps_dropped = state[S.STATE_DROPPED_FULL]
+        st.steps_too_large = state[S.STATE_DROPPED_LARGE]
+        st.calls_dropped = state[S.STATE_CALLS_DROPPED]
+        st.tokens_recorded = state[S.STATE_TOKENS]
+        if state[S.STATE_STOPPED] == S.STOPPED_BUDGET and self.stopped_by is None:
+            self.stopped_by = "max_tokens"
+
+    def _submit(self, copy: ring_mod.RingCopy) -> None:
+        self._backlog += 1
         if self._executor is not None:
-            self._executor.submit(self._write_shard, shard)
-        else:
-            self._write_shard(shard)
+            try:
+                self._executor.submit(self._consume, copy)
+                return
+            except RuntimeError:  # at interpreter exit, thread pools refuse work before atexit runs
+                pass
+        self._consume(copy)
 
-    def _release(self, shard: _Shard) -> None:
-        with self._arena_cond:
-            self._free_arenas.extend(shard.arenas)
-            shard.arenas = []
-            self._arena_cond.notify_all()
+    # -- the writer (no CUDA calls) -----------------------------------------------------------------
+    def _consume(self, copy: ring_mod.RingCopy) -> None:
+        """Turn a landed copy into pending steps; write a shard whenever ``shard_mb`` are pending.
 
-    def _shard_meta(self, shard: _Shard) -> TraceMeta:
-        extra = {
-            "capture": f"routetool.capture.recorder ({self.target})",
-            "sampling": f"every_n_steps={self.every_n_steps} skip_steps={self.skip_steps} max_tokens={self.max_tokens}",
-            "shard": str(shard.number),
-            "first_step": str(shard.first_step),
-            "last_step": str(shard.last_step),
-        }
-        if self.record_outputs and self._outputs_ok:
-            extra["weights_semantics"] = "renormalized"
-        return TraceMeta(model=self.model, router=self.router, provenance=self.provenance, extra=extra)
+        A call whose bias differs from its layer's first recorded bias (bit for bit) ends the
+        recording there: a trace holds one bias per layer; the steps before it are kept."""
+        try:
+            copy.rows = {name: _pageable(t) for name, t in copy.rows.items()}  # free the pinned copies now
+            for step in self._ring.decode(copy):
+                if self._bias_changed:
+                    break
+                for call in step.calls:
+                    first = self._bias.setdefault(call.position, call.bias)
+                    if not torch.equal(first.view(torch.int32), call.bias.view(torch.int32)):
+                        layer = self._layers[call.position]
+                        with self._lock:
+                            self._bias_changed = True
+                            self._fail(RouteToolError(
+                                f"the bias of layer {layer} changed at step {step.number}; the steps before it are "
+                                "kept", path=self.out, tensor=f"layers.{layer}.bias",
+                                fix="a trace holds one bias per layer: record runs with another bias separately"),
+                                from_writer=True)
+                        break
+                if self._bias_changed or not step.calls:
+                    continue
+                if self._shard is None:
+                    self._shard = _Shard(number=self._shard_number)
+                    self._shard_number += 1
+                self._shard.steps.append(step)
+                nbytes = sum(_call_bytes(c) for c in step.calls)
+                self._shard.nbytes += nbytes
+                self.stats.bytes_recorded += nbytes
+                if self._shard.nbytes >= self.shard_bytes:
+                    self._write_pending()
+        except Exception as exc:  # never break the recorded run
+            with self._lock:
+                self._fail(RouteToolError(f"recording failed ({type(exc).__name__}: {exc})", path=self.out,
+                                          fix="report this as a routetool bug"), from_writer=True)
+        finally:
+            with self._lock:
+                self._backlog -= 1
 
-    def _write_shard(self, shard: _Shard) -> None:
+    _bias_changed = False
+
+    def _write_pending(self) -> None:
+        shard, self._shard = self._shard, None
+        if shard is None or not shard.steps:
+            return
         path = shard_path(self.out, shard.number)
         try:
             if self._write_failed:  # the disk failed before: keep the shards written, stop writing
-                self._release(shard)
                 return
-            for event in shard.events:
-                event.synchronize()
-            by_layer: dict[int, list[_Call]] = {}
-            for call in shard.calls:
-                by_layer.setdefault(call.layer, []).append(call)
-            layers: dict[int, LayerArrays] = {}
-            for layer, calls in by_layer.items():
-                any_pad = any(c.padding is not None for c in calls)
-                with_outputs = all(c.ids is not None for c in calls)
-                padding = None
-                if any_pad:  # calls without a mask are unpadded
-                    padding = torch.cat([c.padding if c.padding is not None else
-                                         torch.zeros(c.num_tokens, dtype=torch.bool) for c in calls])
-                layers[layer] = LayerArrays(
-                    gating_output=torch.cat([c.gating for c in calls]),
-                    bias=shard.bias[layer].clone(),
-                    is_padding=padding,
-                    step_offsets=torch.tensor([0] + [c.num_tokens for c in calls], dtype=torch.int64).cumsum(0),
-                    topk_ids=torch.cat([c.ids for c in calls]) if with_outputs else None,
-                    topk_weights=torch.cat([c.weights for c in calls]) if with_outputs else None,
-                )
-            shard.calls = []
-            self._release(shard)  # the data now lives in the concatenated tensors
+            layers = self._shard_layers(shard)
             write_trace(path, self._shard_meta(shard), layers, force=self.force)
-            entry = {"path": path.name, "size_bytes": path.stat().st_size, "num_steps": shard.num_steps,
-                     "first_step": shard.first_step, "last_step": shard.last_step}
+            first, last = shard.steps[0], shard.steps[-1]
+            drops = last.drops_before - self._last_drops
+            self._last_drops = last.drops_before
+            entry = {"path": path.name, "size_bytes": path.stat().st_size, "num_steps": len(shard.steps),
+                     "first_step": first.number, "last_step": last.number, "dropped_steps": drops}
             with self._lock:
                 self._written.append(entry)
                 self.stats.shards_written += 1
+                self.stats.steps_written += len(shard.steps)
                 written = list(self._written)
-            write_index(self.out, written, complete=False, stopped_by=None, extra=self._index_extra())
+                extra = self._index_extra()
+            write_index(self.out, written, complete=False, stopped_by=None, extra=extra)
         except RouteToolError as exc:
-            self._release(shard)
             with self._lock:
                 self._write_failed = True
-                self._fail(exc)
+                self._fail(exc, from_writer=True)
         except Exception as exc:
-            self._release(shard)
             with self._lock:
                 self._write_failed = True
                 self._fail(RouteToolError(f"cannot write shard ({type(exc).__name__}: {exc})", path=path,
-                                          fix="check free disk space and permissions"))
+                                          fix="check free disk space and permissions"), from_writer=True)
+
+    _write_failed = False
+
+    def _shard_layers(self, shard: _Shard) -> dict[int, LayerArrays]:
+        by_pos: dict[int, list[ring_mod.RingCall]] = {}
+        for step in shard.steps:
+            for call in step.calls:
+                by_pos.setdefault(call.position, []).append(call)
+        layers: dict[int, LayerArrays] = {}
+        for pos, calls in sorted(by_pos.items(), key=lambda kv: self._layers[kv[0]]):
+            any_pad = any(c.padding is not None for c in calls)
+            with_outputs = all(c.ids is not None for c in calls)
+            padding = None
+            if any_pad:  # calls without a mask are unpadded
+                padding = torch.cat([c.padding if c.padding is not None else
+                                     torch.zeros(c.gating.shape[0], dtype=torch.bool) for c in calls])
+            sizes = [int(c.gating.shape[0]) for c in calls]
+            layers[self._layers[pos]] = LayerArrays(
+                gating_output=torch.cat([c.gating for c in calls]),
+                bias=self._bias[pos].clone(),
+                is_padding=padding,
+                step_offsets=torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0),
+                topk_ids=torch.cat([c.ids for c in calls]) if with_outputs else None,
+                topk_weights=torch.cat([c.weights for c in calls]) if with_outputs else None,
+            )
+        return layers
+
+    def _shard_meta(self, shard: _Shard) -> TraceMeta:
+        extra = {
+            "capture": f"routetool.capture.recorder ({self.target}; device ring)",
+            "sampling": f"every_n_steps={self.every_n_steps} skip_steps={self.skip_steps} max_tokens={self.max_tokens}",
+            "shard": str(shard.number),
+            "first_step": str(shard.steps[0].number),
+            "last_step": str(shard.steps[-1].number),
+        }
+        if self.ranks is not None:
+            extra.update(self.ranks.metadata())
+        if self.record_outputs:
+            extra["weights_semantics"] = "renormalized"
+        return TraceMeta(model=self.model, router=self.router, provenance=self.provenance, extra=extra)
 
     def _index_extra(self) -> dict:
-        return {"created_by": "routetool.capture.recorder", "target": self.target}
+        st = self.stats
+        extra: dict[str, object] = {"created_by": "routetool.capture.recorder", "target": self.target}
+        if self.ranks is not None:
+            extra["ranks"] = self.ranks.as_dict()
+        extra["recording"] = {
+            "calls_seen": st.calls_seen, "steps_seen": st.steps_seen, "steps_recorded": st.steps_recorded,
+            "steps_written": st.steps_written, "dropped_steps": st.steps_dropped,
+            "dropped_steps_too_large": st.steps_too_large, "dropped_calls": st.calls_dropped,
+            "tokens_recorded": st.tokens_recorded, "ring_bytes": st.ring_bytes, "ring_rows": st.ring_rows,
+            "sampling": {"every_n_steps": self.every_n_steps, "skip_steps": self.skip_steps,
+                         "max_tokens": self.max_tokens},
+        }
+        return extra
 
-    def _fail(self, exc: RouteToolError) -> None:
-        """A problem of the recorder: stop recording, keep what was written, raise at close."""
+    def _fail(self, exc: RouteToolError, from_writer: bool = False) -> None:
+        """A problem of the recorder: stop recording, keep what was written, raise at close
+        (under the lock). The device stops now (stream-ordered) from the model's thread outside
+        capture; from the writer or inside capture, at the next drain."""
         if self.error is None:
             self.error = exc
             self.stopped_by = f"recorder error: {exc}"
         self._active = False
-        with self._arena_cond:
-            self._arena_cond.notify_all()
+        self._stop_pending = True
+        if self._ring is not None and not from_writer and not self._capturing() and not _compiling():
+            self._ring.stop()
+            self._stop_pending = False
 
     # -- stopping ------------------------------------------------------------------------------
     def _unpatch(self) -> None:
@@ -745,7 +963,7 @@ class RoutingRecorder:
             warnings.warn(f"routetool recorder: {exc}", stacklevel=1)
 
     def close(self, exc: BaseException | None = None) -> None:
-        """Stop recording: restore the originals, write what is buffered, finish the index.
+        """Stop recording: restore the originals, write what the ring holds, finish the index.
 
         Args:
             exc: the exception that ended the recorded run, if any (the index then says
@@ -762,15 +980,20 @@ class RoutingRecorder:
         self._unpatch()
         with self._lock:
             self._active = False
-            if self._step_sampled:
-                self._end_step()
-            self._flush()
+            try:
+                self._final_drain()
+            except Exception as drain_error:  # a broken device: keep what was written
+                if self.error is None:
+                    self.error = RouteToolError(f"cannot drain the ring ({type(drain_error).__name__}: "
+                                                f"{drain_error})", path=self.out, fix="report this as a routetool bug")
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        with self._lock:
+            self._write_pending()
         if exc is not None:
             stopped_by = f"error: {type(exc).__name__}: {exc}"
         elif self.error is not None:
-            stopped_by = self.stopped_by
+            stopped_by = f"recorder error: {self.error}"
         else:
             stopped_by = self.stopped_by or "exit"
         complete = exc is None and self.error is None
@@ -788,12 +1011,37 @@ class RoutingRecorder:
             return
         if self.error is not None:
             raise self.error
+        if self.stats.calls_seen == 0 and not self.require_calls and not self._written:
+            return
         if self.stats.calls_seen == 0:
             raise RouteToolError(f"the recorder saw no call of {', '.join(self.targets)}", path=self.out,
                                  fix=_NOTHING_FIX)
         if not self._written:
             raise RouteToolError(
                 f"recorded no step ({self.stats.calls_seen} calls in {self.stats.steps_seen} steps seen; "
-                f"skip_steps={self.skip_steps}, every_n_steps={self.every_n_steps}, max_tokens={self.max_tokens})",
-                path=self.out, fix="lower skip_steps/every_n_steps or raise max_tokens above one step's tokens",
-            )
+                f"skip_steps={self.skip_steps}, every_n_steps={self.every_n_steps}, max_tokens={self.max_tokens}, "
+                f"dropped: {self.stats.steps_dropped} (ring full), {self.stats.steps_too_large} (larger than the "
+                f"ring))",
+                path=self.out, fix="lower skip_steps/every_n_steps, raise max_tokens above one step's tokens, or "
+                                   "raise ring_mb")
+
+
+def _router_args(p: dict) -> tuple:
+    """The record op's router arguments from a call's parameters (int, float, float?, str, float?)."""
+    mult, eps = p["router_output_multiplier"], p["router_score_division_eps"]
+    return (int(p["topk"]), float(p["route_scale"]), None if mult is None else float(mult),
+            str(p["router_score_normalization"]), None if eps is None else float(eps))
+
+
+def _pageable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in ordinary host memory (a copy if ``t`` is pinned)."""
+    if not t.is_pinned():
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype)
+    out.copy_(t)
+    return out
+
+
+def _call_bytes(call: ring_mod.RingCall) -> int:
+    return sum(t.numel() * t.element_size() for t in (call.gating, call.padding, call.ids, call.weights)
+               if t is not None)
