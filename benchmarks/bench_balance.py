@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from routetool.balance import BalanceOptions, EplbOptions, TraceSource, analyze_balance, route_fn_from  # noqa: E402
-from routetool.trace import LayerArrays, RouterConfig, Trace, TraceMeta, write_trace  # noqa: E402
+from routetool.analysis.balance import BalanceOptions, EplbOptions, TraceSource, analyze_balance, route_fn_from  # noqa: E402
+from routetool.io.trace import LayerArrays, RouterConfig, Trace, TraceMeta, write_trace  # noqa: E402
 
 
 def _base_ids(tokens: int, experts: int, topk: int, skew: float, seed: int) -> torch.Tensor:

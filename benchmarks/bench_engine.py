@@ -87,7 +87,7 @@ def _timed(args: list[str], repeat: int) -> float:
 
 def _steps(trace: Path) -> int:
     sys.path.insert(0, str(ROOT))
-    from routetool.trace import open_trace
+    from routetool.io.trace import open_trace
 
     with open_trace(trace) as t:
         return sum(t.info(layer).num_steps for layer in t.layers)

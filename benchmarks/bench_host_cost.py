@@ -5,7 +5,7 @@ Usage (GPU machine, repository root):
         [--variant tiled,seed] [--label after] [--csv PATH]
 
 Per point (tokens x experts x dtype, topk 8) and variant, as ``routetool bench`` measures it
-(``routetool.bench.host_latencies``: back-to-back eager calls, p10/p50/p90 over 20 samples of
+(``routetool.analysis.bench.host_latencies``: back-to-back eager calls, p10/p50/p90 over 20 samples of
 100 calls, one synchronisation after each sample, outside the timed region; inputs rotated over
 the bench's input sets, arguments by keyword, PDL left to the launcher's default):
 
@@ -20,7 +20,7 @@ host's speed drifts within a run); it is also measured alone first and last. Bes
 ``torch.topk`` on the same logits and, with a ``kernel`` package that has ``kernel._dispatch``
 (the signature plans), the empty kernel launched directly (``KernelLaunch.direct``: the
 compiled kernel's own launch, without the JIT's dispatch), and whether the variant's calls took
-the direct launch. The script imports only ``kernel`` and ``routetool.bench``, so the same
+the direct launch. The script imports only ``kernel`` and ``routetool.analysis.bench``, so the same
 script times another checkout's kernels: put that checkout's ``kernel`` first on PYTHONPATH.
 """
 
@@ -35,9 +35,9 @@ import sys
 import torch
 import triton
 
-from routetool.bench import (DTYPES, BenchKernel, empty_kernel, empty_launch_call, host_latencies, host_latency,
+from routetool.analysis.bench import (DTYPES, BenchKernel, empty_kernel, empty_launch_call, host_latencies, host_latency,
                              input_sets, rotating_call)
-from routetool.timing import cuda_graph_latency
+from routetool.engine.timing import cuda_graph_latency
 
 TARGET = 1.5
 """The issue's target: a routing call's host cost at most this many times an empty Triton launch's."""

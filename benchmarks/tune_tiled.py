@@ -24,7 +24,7 @@ import triton.testing
 from kernel import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
 from kernel.reference import biased_scores, normalized_scores
 from kernel.routing import LaunchConfig, default_config, padded_num_experts
-from routetool.compare import RowClass, compare_step, weight_tolerance
+from routetool.engine.compare import RowClass, compare_step, weight_tolerance
 
 L2_BYTES = 60 * 2**20
 

@@ -6,7 +6,7 @@ whitespace. A file or an option that relies on that is almost always wrong, and 
 one number (``layers.0`` and ``layers.00``) would silently become one. Everything routetool reads
 as a number from text goes through this module: ASCII digits ``0-9``, an optional sign, for floats
 a decimal point and an exponent, nothing else. Numeric command-line options go through it by the
-click types of :mod:`routetool.cli_numbers`.
+click types of :mod:`routetool.cli.numbers`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
+from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
 
 def assert_routing_invariants(weights, ids, num_experts, topk, route_scale, is_padding=None, eps=None):

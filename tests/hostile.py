@@ -43,8 +43,8 @@ import torch  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
 from routetool.cli import main  # noqa: E402
-from routetool.sharded import write_index  # noqa: E402
-from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace  # noqa: E402
+from routetool.io.sharded import write_index  # noqa: E402
+from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, write_trace  # noqa: E402
 
 CASE_SECONDS = 20.0
 """Longest a case may take (the slowest legitimate one, replay under the Triton interpreter, takes

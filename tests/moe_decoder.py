@@ -108,7 +108,7 @@ def assert_trace_holds(trace_path, routed: list[tuple[torch.Tensor, torch.Tensor
     """The trace holds exactly the routed steps: per layer and step, the logits, the padding, the
     ids and weights (bit for bit). ``routed``: per step ``(logits, weights, ids, is_padding)`` as
     the model returned them (stacked over layers)."""
-    from routetool.trace import open_trace
+    from routetool.io.trace import open_trace
 
     with open_trace(trace_path) as t:
         num_layers = routed[0][0].shape[0]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from routetool.balance import (
+from routetool.analysis.balance import (
     BalanceOptions,
     CountsSource,
     EplbOptions,
@@ -18,9 +18,9 @@ from routetool.balance import (
     window_of_steps,
 )
 from routetool.errors import EXIT_FINDINGS, EXIT_USAGE, KernelError, RouteToolError
-from routetool.imports import ImportedCounts, ImportedLayer, ImportedRouting
-from routetool.load import load_stats
-from routetool.trace import LayerArrays, RouterConfig, Trace
+from routetool.io.dumps import ImportedCounts, ImportedLayer, ImportedRouting
+from routetool.engine.load import load_stats
+from routetool.io.trace import LayerArrays, RouterConfig, Trace
 from tests.helpers import make_trace
 
 

@@ -14,13 +14,13 @@ import mutants
 from conftest import HAS_CUDA
 from helpers import make_trace
 from kernel import VARIANT_NAMES
-from routetool.bench import (TORCH_KERNELS, BenchKernel, BenchResult, BenchRow, _call_args, check_fits,
+from routetool.analysis.bench import (TORCH_KERNELS, BenchKernel, BenchResult, BenchRow, _call_args, check_fits,
                              host_latencies, point_bytes, trace_step_shapes)
 from routetool.cli import main
 from routetool.errors import RouteToolError
-from routetool.suite import CaseInput
-from routetool.timing import Latency
-from routetool.trace import LayerArrays
+from routetool.analysis.suite import CaseInput
+from routetool.engine.timing import Latency
+from routetool.io.trace import LayerArrays
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only refusal")
@@ -197,7 +197,7 @@ def _result_with_host_costs() -> BenchResult:
 def test_bench_reports_the_host_cost_beside_the_latency_with_the_floor():
     from rich.console import Console
 
-    from routetool.report import bench_csv, bench_json, render_bench
+    from routetool.report.bench import bench_csv, bench_json, render_bench
 
     result = _result_with_host_costs()
     rows = list(csv.DictReader(io.StringIO(bench_csv(result))))
@@ -229,7 +229,7 @@ def test_host_latencies_time_batches_of_back_to_back_calls_in_turn(monkeypatch):
 
 def test_the_empty_kernel_of_the_floor_launches(device):
     # defined on first use, inside a function (Triton is imported only once the device is chosen)
-    from routetool.bench import empty_kernel
+    from routetool.analysis.bench import empty_kernel
 
     empty_kernel()[(1,)](torch.zeros(1, dtype=torch.int32, device=device))
     assert empty_kernel() is empty_kernel()

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from conftest import DEVICE
 from routetool.cli import _Group
-from routetool.cli_balance import balance, import_
-from routetool.trace import LayerArrays, RouterConfig, Trace
+from routetool.cli.balance import balance, import_
+from routetool.io.trace import LayerArrays, RouterConfig, Trace
 from tests.helpers import make_trace
 from tests.test_imports import (
     write_deepseek_like,
@@ -346,7 +346,7 @@ def test_real_deepseek_folder_through_the_cli(tmp_path):
 
 
 def test_sharded_trace_index_is_read_as_one_trace(tmp_path):
-    pytest.importorskip("routetool.sharded")
+    pytest.importorskip("routetool.io.sharded")
     router = RouterConfig(num_experts=4, topk=2, route_scale=1.0)
     make_trace(tmp_path / "run-00000.safetensors",
                {0: LayerArrays(topk_ids=torch.tensor([[0, 1], [0, 2]], dtype=torch.int32))}, router=router)
@@ -468,7 +468,7 @@ def test_a_counts_file_without_traffic_shows_undefined_statistics(tmp_path, monk
 
 
 def test_sparkline_of_no_load_is_flat_and_low():
-    from routetool.report_balance import _spark
+    from routetool.report.balance import _spark
 
     assert _spark([0.0, 0.0, 0.0], lo=0.0).plain == "▁▁▁"
     assert _spark([2.0, 2.0], lo=0.0).plain == "██"          # equal, nonzero: full
@@ -622,7 +622,7 @@ def test_plot_folder_under_a_file_is_refused_before_the_analysis(tmp_path, under
 
 def test_plot_probe_leaves_no_folder_behind(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from routetool import plots
+    from routetool.report import plots
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -640,7 +640,7 @@ def test_plot_probe_leaves_no_folder_behind(tmp_path, monkeypatch):
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (a folder nothing can be created in)")
 def test_late_plot_write_error_is_one_line(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from routetool import plots
+    from routetool.report import plots
 
     monkeypatch.setattr(plots, "check_plot_dir", lambda folder, force: Path(folder))  # let it through early
     trace = tmp_path / "ids.safetensors"
@@ -1051,7 +1051,7 @@ def test_expert_load_footer_counts_assignments(tmp_path):
 def test_expert_load_strip_of_many_experts_names_assignments():
     from rich.console import Console
 
-    from routetool.report import histogram_renderable
+    from routetool.report.tables import histogram_renderable
 
     console = Console(width=100, record=True)
     console.print(histogram_renderable([3] * 99 + [6], "Expert load (assignments)"))  # > 64 experts: block strip

@@ -14,8 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from routetool.cli import _Group
-from routetool.cli_capture import capture, info, synth
-from routetool.trace import open_trace
+from routetool.cli.capture import capture, info, synth
+from routetool.io.trace import open_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "traces" / "text" / "public-domain-openings.txt"
@@ -89,7 +89,7 @@ def test_synth_never_overwrites_without_force(tmp_path):
 
 
 def test_disk_full_leaves_the_existing_file_intact(tmp_path, monkeypatch):
-    import routetool.trace as trace_mod
+    import routetool.io.trace as trace_mod
 
     out = tmp_path / "s.safetensors"
     assert _run("synth", "-o", out, *SMALL).exit_code == 0
@@ -224,8 +224,8 @@ def test_info_bad_input_exit_2(tmp_path, make, fragments):
 def test_info_refuses_an_index_whose_complete_is_not_a_boolean(tmp_path):
     # "complete": "yes" used to be shown as a complete recording
     from helpers import make_trace
-    from routetool.sharded import shard_path, write_index
-    from routetool.trace import LayerArrays, RouterConfig
+    from routetool.io.sharded import shard_path, write_index
+    from routetool.io.trace import LayerArrays, RouterConfig
 
     index = tmp_path / "run.json"
     shard = make_trace(shard_path(index, 0), {0: LayerArrays(gating_output=torch.zeros(3, 4))},
@@ -240,7 +240,7 @@ def _raw_trace(path, tensors, **meta_overrides):
     """A trace file written around routetool's writer (names and metadata exactly as given)."""
     from safetensors.torch import save_file
 
-    from routetool.trace import RouterConfig, TraceMeta, metadata_dict
+    from routetool.io.trace import RouterConfig, TraceMeta, metadata_dict
 
     meta = metadata_dict(TraceMeta(model="m", router=RouterConfig(num_experts=4, topk=2), provenance="p"), 1)
     meta.update(meta_overrides)
@@ -431,7 +431,7 @@ def test_capture_hf_refuses_stdout_and_its_own_input_as_output(tmp_path, monkeyp
 
 
 def test_info_json_refuses_the_trace_and_its_shards(tmp_path):
-    from routetool.sharded import write_index
+    from routetool.io.sharded import write_index
 
     trace = tmp_path / "t.safetensors"
     assert _run("synth", "-o", trace, *SMALL).exit_code == 0

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from routetool.cli import main
-from routetool.cli_numbers import FLOAT, INT, FloatRange, IntRange
+from routetool.cli.numbers import FLOAT, INT, FloatRange, IntRange
 from routetool.errors import RouteToolError
 from routetool.numtext import list_items, number_problem
 from tests.helpers import command_params

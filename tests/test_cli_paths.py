@@ -1,4 +1,4 @@
-"""An empty file or folder name is refused as such (routetool.cli_paths).
+"""An empty file or folder name is refused as such (routetool.cli.paths).
 
 ``Path("")`` is ``Path(".")``: `routetool balance ''` read the current folder and then said it
 held no dump, `replay --json ''` said the current folder was a directory.
@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from routetool.cli import main
-from routetool.cli_paths import EMPTY, PATH, PATH_TEXT, NonEmptyPath, NonEmptyText
+from routetool.cli.paths import EMPTY, PATH, PATH_TEXT, NonEmptyPath, NonEmptyText
 from tests.helpers import command_params
 
 

@@ -22,17 +22,17 @@ TRACE = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
 _PAUSED_WRITER = """
 import sys, time
 from pathlib import Path
-import routetool.trace
+import routetool.io.trace
 from routetool.cli import main
 
-real_save_file = routetool.trace.save_file
+real_save_file = routetool.io.trace.save_file
 
 def save_then_pause(*args, **kwargs):
     real_save_file(*args, **kwargs)
     Path(sys.argv[1]).touch()
     time.sleep(120)
 
-routetool.trace.save_file = save_then_pause
+routetool.io.trace.save_file = save_then_pause
 main(sys.argv[2:], prog_name="routetool")
 """
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from conftest import HAS_CUDA
 from helpers import make_trace
 from routetool.cli import main
-from routetool.trace import LayerArrays, RouterConfig, TraceMeta, metadata_dict
+from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, metadata_dict
 from test_imports import write_deepseek_like, write_mixtral_like, write_sglang_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -517,7 +517,7 @@ def test_an_empty_layers_list_or_item_is_refused(spec, words):
 def test_a_huge_layers_range_is_one_line(tmp_path):
     # a range used to be expanded into a list first (MemoryError, or a 189 MB message)
     from routetool.errors import RouteToolError
-    from routetool.replay import parse_layers
+    from routetool.analysis.replay import parse_layers
 
     with pytest.raises(RouteToolError, match=r"no layer 0 \(in the range '0-99999999999'\)"):
         parse_layers("0-99999999999", [1, 2, 3])
@@ -680,7 +680,7 @@ def test_a_kernel_cannot_close_or_bypass_the_output_streams(tmp_path):
 def test_kernel_stdout_gives_stand_ins_that_forward_and_ignore_close(monkeypatch):
     import io
 
-    from routetool.execution import kernel_stdout
+    from routetool.engine.execution import kernel_stdout
 
     streams = out, err, real_out, real_err = [io.StringIO() for _ in range(4)]
     for name, stream in zip(("stdout", "stderr", "__stdout__", "__stderr__"), streams):

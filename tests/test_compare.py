@@ -2,7 +2,7 @@
 
 import torch
 
-from routetool.compare import (INVALID_REASONS, ComparisonSummary, RowClass, compare_step, own_pick_weights,
+from routetool.engine.compare import (INVALID_REASONS, ComparisonSummary, RowClass, compare_step, own_pick_weights,
                                weight_tolerance)
 
 E, K = 6, 2

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from routetool.cli import main
 from routetool.engine.contract import CONTRACT_CLASSES, call_kernel
-from routetool.trace import LayerArrays, RouterConfig
+from routetool.io.trace import LayerArrays, RouterConfig
 from tests.helpers import make_trace
 
 KERNELS = '''
@@ -116,9 +116,9 @@ def test_every_command_judges_a_kernel_alike(setup, name):
     if cls in CONTRACT_CLASSES:  # a broken call stops replay and balance with one line
         for res in (replay, balance):
             assert res.output.startswith("routetool: error:") and len(res.output.strip().splitlines()) == 1
-    from routetool.bench import judge_kernel_call
-    from routetool.suite import CaseInput
-    from routetool.execution import load_kernel
+    from routetool.analysis.bench import judge_kernel_call
+    from routetool.analysis.suite import CaseInput
+    from routetool.engine.execution import load_kernel
 
     _, fn = load_kernel(kernel)
     inp = CaseInput(gating_output=g_bf16(), bias=torch.zeros(8), topk=2, route_scale=1.0)

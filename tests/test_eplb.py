@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from routetool.eplb import (
+from routetool.analysis.eplb import (
     balanced_packing,
     balancedness,
     check_eplb_config,
@@ -292,7 +292,7 @@ def test_single_row_placement_applies_to_every_layer(tmp_path):
 # -- on real counts (../shared/realdata), when present ---------------------------------------
 @pytest.mark.skipif(not (REALDATA / "expert-counts.olmoe-paper.json").exists(), reason="../shared/realdata not present")
 def test_eplb_on_real_olmoe_counts():
-    from routetool.imports import ImportOptions, read_counts_json
+    from routetool.io.dumps import ImportOptions, read_counts_json
 
     counts = read_counts_json(REALDATA / "expert-counts.olmoe-paper.json", ImportOptions(select="olmoe-1b-7b-0924"))
     layers = sorted(counts.layers)

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from helpers import assert_routing_invariants
-from routetool.compare import RowClass, compare_step, weight_tolerance
+from routetool.engine.compare import RowClass, compare_step, weight_tolerance
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from routetool.capture.hf import (  # noqa: E402
     small_config,
 )
 from routetool.errors import RouteToolError  # noqa: E402
-from routetool.trace import open_trace, write_trace  # noqa: E402
+from routetool.io.trace import open_trace, write_trace  # noqa: E402
 from conftest import DEVICE
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
@@ -38,8 +38,8 @@ def _capture(tmp_path, arch, dtype=torch.float32, seed=0, **overrides):
 
 
 def _replay(path):
-    from routetool.execution import load_kernel, select_execution
-    from routetool.replay import replay_trace
+    from routetool.engine.execution import load_kernel, select_execution
+    from routetool.analysis.replay import replay_trace
 
     execution = select_execution(DEVICE.type)
     name, fn = load_kernel("tiled")
@@ -247,7 +247,7 @@ def test_capture_progress_counts_forward_passes():
     ("mixtral", {}, "renormalized"),
 ])
 def test_weights_semantics_are_documented_values(arch, overrides, semantics):
-    from routetool.trace import WEIGHTS_SEMANTICS
+    from routetool.io.trace import WEIGHTS_SEMANTICS
 
     _, _, got = router_config_for(small_config(arch, **TINY, **overrides))
     assert got == semantics and got in WEIGHTS_SEMANTICS

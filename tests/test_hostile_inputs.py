@@ -1,8 +1,8 @@
 """The hostile-input promise (docs/cli-contract.md), kept under a seeded campaign of mutated
 traces, headers, indexes, dumps and paths (tests/hostile.py), and the seven holes an earlier
-campaign found, each at its mechanism: the one path check (routetool.files.path_kind), the
-strict JSON reader (routetool.jsonstrict, safetensors headers included), the budget on what an
-input may make routetool allocate (routetool.limits)."""
+campaign found, each at its mechanism: the one path check (routetool.io.files.path_kind), the
+strict JSON reader (routetool.io.jsonstrict, safetensors headers included), the budget on what an
+input may make routetool allocate (routetool.io.limits)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from click.testing import CliRunner
 import routetool
 from routetool.cli import main
 from routetool.errors import RouteToolError
-from routetool.files import check_output_paths, path_kind
-from routetool.jsonstrict import MAX_DEPTH, DuplicateKey, JSONProblem, NumberTooLong, TooDeep, loads
-from routetool.limits import check_materialised, materialised_bytes
+from routetool.io.files import check_output_paths, path_kind
+from routetool.io.jsonstrict import MAX_DEPTH, DuplicateKey, JSONProblem, NumberTooLong, TooDeep, loads
+from routetool.io.limits import check_materialised, materialised_bytes
 
 ROOT = Path(routetool.__file__).resolve().parents[1]
 TRACE = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.imports import (
+from routetool.io.dumps import (
     DEFAULT_DROP_REPEATS,
     ImportedCounts,
     ImportedRouting,
@@ -21,7 +21,7 @@ from routetool.imports import (
     read_dump,
     write_imported_trace,
 )
-from routetool.trace import Trace
+from routetool.io.trace import Trace
 
 REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
 needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason="../shared/realdata not present")
@@ -301,7 +301,7 @@ def test_dump_format_on_a_trace_says_so(tmp_path):
 
 def test_any_other_parse_failure_is_one_line(tmp_path, monkeypatch):
     # last resort: a reader failing in an unforeseen way still gives one line naming the file
-    from routetool import imports
+    from routetool.io import dumps as imports
 
     def broken(path, options):
         raise KeyError("records\nsecond line")

@@ -1,4 +1,4 @@
-"""routetool.info: header facts without reading data, counts with --scan, sharded traces."""
+"""routetool.io.info: header facts without reading data, counts with --scan, sharded traces."""
 
 from pathlib import Path
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from helpers import make_trace
-from routetool.info import trace_info
-from routetool.report_capture import info_json
-from routetool.sharded import shard_path, write_index
-from routetool.trace import LayerArrays, RouterConfig, Trace, open_trace
+from routetool.io.info import trace_info
+from routetool.report.capture import info_json
+from routetool.io.sharded import shard_path, write_index
+from routetool.io.trace import LayerArrays, RouterConfig, Trace, open_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNTH = ROOT / "traces" / "musespark1x-synth-bf16.safetensors"
@@ -107,7 +107,7 @@ def test_check_trace_file_refuses_non_regular_files(tmp_path):
     import os
 
     from routetool.errors import RouteToolError
-    from routetool.info import check_trace_file
+    from routetool.io.info import check_trace_file
 
     fifo = tmp_path / "t.safetensors"
     os.mkfifo(fifo)

@@ -11,7 +11,7 @@ from kernel import fused_musespark1x_routing, fused_musespark1x_routing_seed, mu
 from kernel._dispatch import clear_plans
 from kernel.reference import biased_scores, normalized_scores
 from kernel.routing import LaunchConfig, default_config, padded_num_experts
-from routetool.compare import RowClass, compare_step, weight_tolerance
+from routetool.engine.compare import RowClass, compare_step, weight_tolerance
 
 SHAPES = [
     # (num_tokens, num_experts, topk): why the case is here

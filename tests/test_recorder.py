@@ -17,8 +17,8 @@ from standin_engine import E, K, fused_musespark1x_routing
 from routetool.capture import recorder as recorder_mod
 from routetool.capture.recorder import RoutingRecorder
 from routetool.errors import RouteToolError
-from routetool.sharded import ShardedTrace
-from routetool.trace import Trace, open_trace
+from routetool.io.sharded import ShardedTrace
+from routetool.io.trace import Trace, open_trace
 from conftest import DEVICE
 
 MODULE = "routetool_test_fake_vllm_routing"
@@ -108,8 +108,8 @@ def test_multi_layer_multi_step_round_trip(fake_module, tmp_path, background):
 
 
 def test_replay_of_recorded_trace_matches(fake_module, tmp_path):
-    from routetool.execution import load_kernel, select_execution
-    from routetool.replay import replay_trace
+    from routetool.engine.execution import load_kernel, select_execution
+    from routetool.analysis.replay import replay_trace
 
     out = tmp_path / "run.json"
     engine = FakeEngine(fake_module, dtype=torch.float32)
@@ -412,7 +412,7 @@ def test_start_close_api_and_atexit(fake_module, tmp_path):
 
 def test_weights_semantics_written_is_a_documented_value(fake_module, tmp_path):
     # the trace reader refuses any weights_semantics but renormalized / unnormalized
-    from routetool.trace import WEIGHTS_SEMANTICS
+    from routetool.io.trace import WEIGHTS_SEMANTICS
 
     out = tmp_path / "run.json"
     with RoutingRecorder(out, target=TARGET, num_layers=3, shard_mb=0.002):

@@ -7,7 +7,7 @@ import re
 import pytest
 from rich.console import Console
 
-from routetool.report import table
+from routetool.report.tables import table
 
 HEADERS = ["layer", "steps", "tokens", "assign", "max/mean", "CV", "entropy", "Gini", "idle", "hottest e:assign"]
 ROWS = [

@@ -15,7 +15,7 @@ from routetool.capture.recorder import RoutingRecorder
 from standin_engine import E, K
 from test_recorder import TARGET, FakeEngine, _expected, fake_module  # noqa: F401  (a fixture)
 from routetool.errors import RouteToolError
-from routetool.trace import open_trace
+from routetool.io.trace import open_trace
 from conftest import DEVICE
 
 

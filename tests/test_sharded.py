@@ -1,4 +1,4 @@
-"""Sharded traces (routetool.sharded) and the open_trace entry point."""
+"""Sharded traces (routetool.io.sharded) and the open_trace entry point."""
 
 import json
 
@@ -7,8 +7,8 @@ import torch
 
 from helpers import make_trace
 from routetool.errors import RouteToolError
-from routetool.sharded import ShardedTrace, looks_like_index, read_index, shard_path, write_index
-from routetool.trace import LayerArrays, RouterConfig, Trace, open_trace
+from routetool.io.sharded import ShardedTrace, looks_like_index, read_index, shard_path, write_index
+from routetool.io.trace import LayerArrays, RouterConfig, Trace, open_trace
 from conftest import DEVICE
 
 E, K = 12, 3
@@ -87,8 +87,8 @@ def test_open_trace_picks_the_reader(tmp_path):
 
 
 def test_replay_reads_a_sharded_trace_like_one_file(tmp_path):
-    from routetool.execution import load_kernel, select_execution
-    from routetool.replay import replay_trace
+    from routetool.engine.execution import load_kernel, select_execution
+    from routetool.analysis.replay import replay_trace
 
     gen = torch.Generator().manual_seed(2)
     parts = [{3: _layer(gen, [6, 2])}, {3: _layer(gen, [5])}]
@@ -230,7 +230,7 @@ def test_a_shard_with_loose_layer_names_or_numbers_is_refused(tmp_path, tensors,
 
     from safetensors.torch import save_file
 
-    from routetool.trace import TraceMeta, metadata_dict
+    from routetool.io.trace import TraceMeta, metadata_dict
 
     gen = torch.Generator().manual_seed(8)
     router = replace(ROUTER, route_scale=25.0)

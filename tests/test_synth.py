@@ -1,4 +1,4 @@
-"""routetool.synth: determinism, step structure, padding, skew, fitted bias, ties, non-finite rows."""
+"""routetool.capture.synth: determinism, step structure, padding, skew, fitted bias, ties, non-finite rows."""
 
 from pathlib import Path
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kernel.reference import biased_scores, normalized_scores
-from routetool.compare import boundary_margins
+from routetool.engine.compare import boundary_margins
 from routetool.errors import RouteToolError
-from routetool.synth import (
+from routetool.capture.synth import (
     DEFAULT_TIES,
     GRAPH_BATCH_SIZES,
     SynthSpec,
@@ -17,7 +17,7 @@ from routetool.synth import (
     synthesize,
     with_default_ties,
 )
-from routetool.trace import RouterConfig, Trace, metadata_dict
+from routetool.io.trace import RouterConfig, Trace, metadata_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -204,7 +204,7 @@ def test_bad_specs(kw, message):
 # ---------------------------------------------------------------------------------------
 # imbalance targets below the unskewed level, limits, calibration report
 def _targets(skew, **kw):
-    from routetool.synth import generate
+    from routetool.capture.synth import generate
 
     base = dict(num_layers=2, router=RouterConfig(num_experts=256, topk=8, route_scale=2.5), prefill_chunks=(2048,),
                 decode_steps=0, ties=0, nonfinite=0, skew=skew, seed=5)
@@ -216,7 +216,7 @@ def _targets(skew, **kw):
 def test_imbalance_targets_below_the_unskewed_level_are_met():
     # at 256 experts, top-8, the affinity 1.5 alone gives max/mean ~3-4: targets below
     # that used to be silently ignored (imbalance:1.5:0 and imbalance:3:0 gave the same trace)
-    from routetool.synth import DEFAULT_AFFINITY, synth_warnings
+    from routetool.capture.synth import DEFAULT_AFFINITY, synth_warnings
 
     low, low_stats = _targets("imbalance:1.5:0")
     mid, mid_stats = _targets("imbalance:3:0")
@@ -238,7 +238,7 @@ def test_imbalance_targets_below_the_unskewed_level_are_met():
 
 
 def test_unreachable_imbalance_targets_are_reported():
-    from routetool.synth import synth_warnings
+    from routetool.capture.synth import synth_warnings
 
     # below what sampling noise alone gives on the calibration batch
     _, stats = _targets("imbalance:1.05:0")
@@ -265,7 +265,7 @@ def test_auto_affinity_is_deterministic():
 
 
 def test_stats_in_blocks_equal_stats_in_one_piece(monkeypatch):
-    import routetool.synth as synth_mod
+    import routetool.capture.synth as synth_mod
 
     meta, layers = synthesize(small(ties=5, nonfinite=3, padding="fraction:0.2"))
     whole = synth_stats(meta, layers)
@@ -274,7 +274,7 @@ def test_stats_in_blocks_equal_stats_in_one_piece(monkeypatch):
 
 
 def test_progress_adds_up_to_the_work():
-    from routetool.synth import generate, synth_work
+    from routetool.capture.synth import generate, synth_work
 
     spec = small(skew="imbalance:2", bias="fitted")
     done = []
@@ -324,7 +324,7 @@ def test_impossible_specs_fail_before_any_work(kw, message, monkeypatch):
 
 def _refused_before_any_work(kw, message, monkeypatch):
     """``synthesize`` refuses ``small(**kw)`` with ``message`` before drawing anything."""
-    import routetool.synth as synth_mod
+    import routetool.capture.synth as synth_mod
 
     def no_work(*a, **k):
         raise AssertionError("the spec must be refused before any logits are drawn")

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from helpers import make_trace
 from routetool.errors import RouteToolError
-from routetool.trace import FORMAT_NAME, LayerArrays, RouterConfig, Trace, TraceMeta, metadata_dict, write_trace
+from routetool.io.trace import FORMAT_NAME, LayerArrays, RouterConfig, Trace, TraceMeta, metadata_dict, write_trace
 
 E, K = 8, 2
 

@@ -13,10 +13,10 @@ import mutants
 from conftest import DEVICE, HAS_CUDA
 from helpers import make_trace
 from routetool.cli import main
-from routetool.execution import select_execution
-from routetool.suite import BATCH_SIZES, FAMILIES, GPU_BATCH_SIZES, build_suite
-from routetool.trace import LayerArrays
-from routetool.validate import rejection_documented, validate
+from routetool.engine.execution import select_execution
+from routetool.analysis.suite import BATCH_SIZES, FAMILIES, GPU_BATCH_SIZES, build_suite
+from routetool.io.trace import LayerArrays
+from routetool.analysis.validate import rejection_documented, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = build_suite("quick")
@@ -195,7 +195,8 @@ def test_batch_variance_reports_the_token_both_batch_sizes_and_both_outputs(rows
 
 def test_a_failing_case_shows_its_class_first_row_and_both_outputs_on_one_screen(tmp_path):
     # the terminal showed ids only (`row 1: [39, 1, ...] -> [39, 1, ...]`), in a table that split at 80 columns
-    from routetool.report import Console, render_validate
+    from routetool.report.tables import Console
+    from routetool.report.validate import render_validate
 
     execution = select_execution("cpu")
     cases = [c for c in QUICK if c.family in ("models", "nonfinite")]
@@ -215,7 +216,7 @@ def test_a_failing_case_shows_its_class_first_row_and_both_outputs_on_one_screen
         text = console.export_text()
         assert len(text.splitlines()) <= 50, text
         assert all(m in text for m in must), text
-        doc = json.loads(json.dumps(__import__("routetool.report", fromlist=["x"]).validate_json(result)))
+        doc = json.loads(json.dumps(__import__("routetool.report.validate", fromlist=["x"]).validate_json(result)))
         rows = [r for c in doc["cases"] for r in c["rows"]]
         assert all(("batch_sizes" in r) == (r["failure_class"] == "batch_variant") for r in rows)
 
@@ -282,7 +283,7 @@ def test_outputs_that_are_not_two_tensors_on_the_inputs_device_fail(execution, f
 
 def test_evaluate_refuses_outputs_on_another_device():
     # bench judges outputs with evaluate(): meta outputs raised NotImplementedError, a "rejected" row
-    from routetool.validate import evaluate
+    from routetool.analysis.validate import evaluate
 
     inp = QUICK[0].build(DEVICE)
     w, ids = mutants.correct(inp.gating_output, inp.bias, **inp.kwargs())
@@ -389,7 +390,8 @@ def test_a_run_that_routed_nothing_says_nothing_validated(execution, tmp_path):
     # documented rejections and skips alone ended in "PASS: n cases, nothing failed"
     import kernel
 
-    from routetool.report import Console, render_validate
+    from routetool.report.tables import Console
+    from routetool.report.validate import render_validate
 
     bf16_cases = [c for c in QUICK if c.name.startswith("dtypes/bfloat16")]
     result = validate(kernel.variant("seed"), "seed", execution, cases=bf16_cases)
@@ -459,8 +461,9 @@ def test_junit_holds_characters_xml_cannot(tmp_path):
     # a kernel's message (through the Python API) or a trace's file name may hold control
     # characters or lone surrogates; the JUnit file was written as is and did not parse
     # (a lone surrogate even stopped the write with a traceback)
-    from routetool.report import validate_junit, write_text
-    from routetool.validate import CaseResult, ValidateResult
+    from routetool.report.formats import write_text
+    from routetool.report.validate import validate_junit
+    from routetool.analysis.validate import CaseResult, ValidateResult
 
     nasty = "bad \x00 \x1b[31mred \udc80 \ufffe end"
     cases = [CaseResult(family="fam\x01", name="fam/one\x1b", description="d", verdict="fail",
@@ -486,7 +489,7 @@ def test_cli_junit_of_a_trace_whose_name_holds_control_characters(tmp_path):
     import torch
     from helpers import make_trace
 
-    from routetool.trace import LayerArrays
+    from routetool.io.trace import LayerArrays
 
     g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
     trace = make_trace(tmp_path / "t\x1b[31m\x01.safetensors", {0: LayerArrays(gating_output=g)})
@@ -513,7 +516,7 @@ def test_cli_one_trace_twice_is_refused_and_same_names_stay_apart(tmp_path):
     import torch
     from helpers import make_trace
 
-    from routetool.trace import LayerArrays
+    from routetool.io.trace import LayerArrays
 
     g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
     (tmp_path / "a").mkdir()

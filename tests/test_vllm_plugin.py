@@ -19,7 +19,7 @@ import standin_engine
 from routetool.capture import vllm_plugin
 from routetool.capture.vllm_plugin import config_from_env, parse_layers
 from routetool.errors import RouteToolError
-from routetool.trace import open_trace
+from routetool.io.trace import open_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY_POINT = "routetool_capture = routetool.capture.vllm_plugin:register"

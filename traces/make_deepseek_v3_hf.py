@@ -22,7 +22,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from routetool.capture.hf import HFRouterRecorder, router_modules
-from routetool.trace import write_trace
+from routetool.io.trace import write_trace
 
 OUT = "traces/deepseek-v3-hf-tiny.safetensors"
 TEXT = Path("traces/text/public-domain-openings.txt")

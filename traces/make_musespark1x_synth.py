@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from routetool.synth import SynthSpec, synthesize
-from routetool.trace import RouterConfig, write_trace
+from routetool.capture.synth import SynthSpec, synthesize
+from routetool.io.trace import RouterConfig, write_trace
 
 OUT = "traces/musespark1x-synth-bf16.safetensors"
 

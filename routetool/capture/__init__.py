@@ -10,5 +10,5 @@
 * :mod:`routetool.capture.hf`: forward hooks on the router modules of HF transformers MoE
   models (DeepSeek-V3, Kimi-K2, GLM-4.5, Qwen3-MoE, Mixtral), behind ``routetool capture hf``.
 
-Synthetic traces are made by :mod:`routetool.synth` (``routetool synth``).
+Synthetic traces are made by :mod:`routetool.capture.synth` (``routetool synth``).
 """

@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.files import path_kind
-from routetool.jsonstrict import load_file
-from routetool.trace import (
+from routetool.io.files import path_kind
+from routetool.io.jsonstrict import load_file
+from routetool.io.trace import (
     WEIGHTS_SEMANTICS,
     LayerArrays,
     RouterConfig,
@@ -117,7 +117,7 @@ def router_config_for(config, source: object = None) -> tuple[RouterFamily, Rout
 
     Returns:
         ``(family, router, weights_semantics)`` with semantics ``"renormalized"`` or
-        ``"unnormalized"`` (:data:`routetool.trace.WEIGHTS_SEMANTICS`).
+        ``"unnormalized"`` (:data:`routetool.io.trace.WEIGHTS_SEMANTICS`).
 
     Raises:
         RouteToolError: an unsupported ``model_type``, group-limited routing, or router
@@ -727,7 +727,7 @@ def capture_hf(model: torch.nn.Module, input_ids: torch.Tensor, *, max_new_token
         progress: called with 1 after each forward pass (``max(1, max_new_tokens)`` in all).
 
     Returns:
-        ``(meta, layers)`` for :func:`routetool.trace.write_trace`.
+        ``(meta, layers)`` for :func:`routetool.io.trace.write_trace`.
 
     Raises:
         RouteToolError: an unsupported model, no router call seen, or any failure of the

@@ -25,7 +25,7 @@ How it works:
   the end. A drain enqueues copies of the complete steps into pinned memory and the release
   of their rows; a writer thread (no CUDA calls) turns landed copies into shards (complete
   trace v1 files, each at least ``shard_mb``) and rewrites the index (see
-  :mod:`routetool.sharded`).
+  :mod:`routetool.io.sharded`).
 * Memory is bounded: the ring (``ring_mb``) on the device, the drained copies in flight and
   one pending shard on the host. When the ring is full a sampled step is dropped whole and
   counted, never written over rows the host has not copied; so is a step larger than the
@@ -91,9 +91,9 @@ import torch
 from routetool.capture import ring as ring_mod
 from routetool.capture.ranks import RankInfo, detect_ranks
 from routetool.errors import RouteToolError
-from routetool.files import check_output_folder, path_kind
-from routetool.sharded import shard_path, write_index
-from routetool.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors, write_trace
+from routetool.io.files import check_output_folder, path_kind
+from routetool.io.sharded import shard_path, write_index
+from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors, write_trace
 
 DEFAULT_TARGET = "vllm.models.muse_spark.common.ops.fused_routing:fused_musespark1x_routing"
 """The seed's routing function, the default call site to record."""

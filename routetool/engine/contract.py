@@ -18,7 +18,7 @@ to (:attr:`KernelOutcome.exit_code`, the same in every command):
 * ``wrong_device`` (1): outputs on another device than ``gating_output``'s.
 
 What the outputs hold (invalid ids, wrong weights) is judged by the comparison
-(:mod:`routetool.compare`), per chunk of steps, not here.
+(:mod:`routetool.engine.compare`), per chunk of steps, not here.
 
 The input check copies the inputs before the call and compares bits after it, which
 synchronises with the GPU: :class:`InputGuard` does it once for a chunk of many calls (the
@@ -168,7 +168,7 @@ def call_kernel(fn: RoutingFn, gating_output: torch.Tensor, bias: torch.Tensor, 
         gating_output: ``[n, E]`` logits. bias: ``[E]`` float32. is_padding: ``[n]`` bool or None.
         params: the router parameters by keyword (``topk``, ``route_scale``,
             ``router_output_multiplier``, ``router_score_normalization``,
-            ``router_score_division_eps``; :meth:`routetool.trace.RouterConfig.kernel_kwargs`).
+            ``router_score_division_eps``; :meth:`routetool.io.trace.RouterConfig.kernel_kwargs`).
         topk_weights / topk_ids: output buffers the kernel should write, or None (it allocates).
         feature: the input's unusual feature for :func:`rejection_documented` (default: the
             logits' dtype, :func:`dtype_feature`).

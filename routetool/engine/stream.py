@@ -100,7 +100,7 @@ def stream_layer(trace, layer: int, device: torch.device, *, budget_bytes: int =
     """Yield the captured steps of ``layer`` in chunks (see the module docstring).
 
     Args:
-        trace: an open trace (:func:`routetool.trace.open_trace`). layer: one of its layers.
+        trace: an open trace (:func:`routetool.io.trace.open_trace`). layer: one of its layers.
         device: where the chunks go. budget_bytes: see :data:`DEFAULT_CHUNK_BYTES`.
         read_ahead: read the next chunk on a background thread while this one is used.
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from routetool.errors import RouteToolError, first_line
-from routetool.files import path_kind
+from routetool.io.files import path_kind
 
 if TYPE_CHECKING:
     import torch

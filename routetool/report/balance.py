@@ -1,5 +1,5 @@
 """Reporters of ``routetool balance`` and ``routetool import``: rich tables, terminal bars,
-JSON documents. Nothing here computes results (see :mod:`routetool.balance`).
+JSON documents. Nothing here computes results (see :mod:`routetool.analysis.balance`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from routetool.balance import BalanceResult, LayerBalance, Quantiles
-from routetool.eplb import placement_document
-from routetool.imports import ImportedCounts, ImportedRouting
-from routetool.report import fmt_float, histogram_renderable, load_json, table, user_text
+from routetool.analysis.balance import BalanceResult, LayerBalance, Quantiles
+from routetool.analysis.eplb import placement_document
+from routetool.io.dumps import ImportedCounts, ImportedRouting
+from routetool.report.formats import load_json
+from routetool.report.tables import fmt_float, histogram_renderable, table, user_text
 
 BALANCE_SCHEMA = "routetool.balance/1"
 _LEVELS = "▁▂▃▄▅▆▇█"

@@ -23,9 +23,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write, check_output_folder, path_kind, require_input
-from routetool.jsonstrict import JSONProblem, loads
-from routetool.limits import MAX_EXPERTS, check_expert_tables
+from routetool.io.files import atomic_write, check_output_folder, path_kind, require_input
+from routetool.io.jsonstrict import JSONProblem, loads
+from routetool.io.limits import MAX_EXPERTS, check_expert_tables
 from routetool.numtext import index_problem, parse_float, parse_int
 
 FORMAT_NAME = "routetool-trace"
@@ -445,7 +445,7 @@ class Trace:
     def _check_budget(self) -> None:
         """Refuse, before any per-layer tensor is made, a trace whose num_experts would make the
         per-expert tables of its steps exceed what a file of its size may take
-        (:func:`routetool.limits.check_expert_tables`): an ids-only trace declaring a million
+        (:func:`routetool.io.limits.check_expert_tables`): an ids-only trace declaring a million
         experts for a few rows. A trace with logits always fits (they are [T, E])."""
         steps = 0
         for h in self._headers.values():
@@ -592,7 +592,7 @@ SAFETENSORS_MAX_HEADER = 100_000_000
 
 def read_header(path: str | os.PathLike, shown: object = None) -> dict | None:
     """The JSON header of a safetensors file, read with routetool's strict reader
-    (:func:`routetool.jsonstrict.loads`): a key repeated in ``__metadata__`` or a tensor given
+    (:func:`routetool.io.jsonstrict.loads`): a key repeated in ``__metadata__`` or a tensor given
     twice, which the safetensors library accepts (keeping the last) although its format forbids
     both, is refused, as is a header nested too deep or holding an absurdly long number.
 
@@ -697,21 +697,21 @@ def open_trace(path: str | os.PathLike, *, display_path: str | os.PathLike | Non
 
     The one entry point every command uses to read a trace. A path ending in ``.json``, or a
     file whose content is JSON text, is read as a sharded-trace index
-    (:class:`routetool.sharded.ShardedTrace`, see that module for the index format);
+    (:class:`routetool.io.sharded.ShardedTrace`, see that module for the index format);
     anything else as a single trace v1 file (:class:`Trace`). Both have the same public
     interface: ``path``, ``display_path``, ``meta``, ``layers``, ``info(L)``, ``bias(L)``,
     ``steps(L)``, ``read_rows(L, start, stop)``, ``total_tokens``, ``close()``, context manager.
 
     A routing dump that ``routetool import`` reads (JSON lines, CSV, SGLang ``.pt``) is refused
     as such, naming ``routetool import`` and ``routetool balance``
-    (:func:`routetool.imports.refuse_dump_as_trace`).
+    (:func:`routetool.io.dumps.refuse_dump_as_trace`).
 
     Raises:
-        RouteToolError: as :class:`Trace` or :class:`~routetool.sharded.ShardedTrace` do; a
+        RouteToolError: as :class:`Trace` or :class:`~routetool.io.sharded.ShardedTrace` do; a
             routing dump.
     """
-    from routetool.imports import refuse_dump_as_trace
-    from routetool.sharded import ShardedTrace, looks_like_index
+    from routetool.io.dumps import refuse_dump_as_trace
+    from routetool.io.sharded import ShardedTrace, looks_like_index
 
     p = Path(path)
     refuse_dump_as_trace(p, display_path)

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write, missing_folders, path_kind
+from routetool.io.files import atomic_write, missing_folders, path_kind
 
 if TYPE_CHECKING:  # importing it would import torch, and --plot's checks run before any work
-    from routetool.balance import BalanceResult
+    from routetool.analysis.balance import BalanceResult
 
 FIGURES = ("expert_load_heatmap.png", "balancedness_eplb.png", "rank_load.png")
 """Files :func:`write_balance_plots` writes (the EPLB figure shows the EP placements

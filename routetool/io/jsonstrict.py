@@ -1,7 +1,7 @@
 """The one strict JSON reader: every JSON text routetool reads goes through :func:`loads`.
 
 Dumps, counts files, sharded-trace indexes, EPLB placements, model configs, ``--set`` values
-and the header of every safetensors trace (:func:`routetool.trace.read_header`) are parsed
+and the header of every safetensors trace (:func:`routetool.io.trace.read_header`) are parsed
 here, with three rules :func:`json.loads` does not keep:
 
 * a key given twice in one object is refused (:class:`DuplicateKey`): :func:`json.loads`
@@ -31,7 +31,7 @@ import os
 import re
 
 from routetool.errors import RouteToolError
-from routetool.files import path_kind
+from routetool.io.files import path_kind
 
 MAX_DEPTH = 64
 """Deepest nesting of arrays and objects accepted (routetool's own files nest at most 5 deep)."""
@@ -169,14 +169,14 @@ def load_file(path: str | os.PathLike, *, fix: str, shown: object = None, tensor
     """Read a whole JSON file with :func:`loads`.
 
     Args:
-        path: the file (checked with :func:`routetool.files.path_kind` first).
+        path: the file (checked with :func:`routetool.io.files.path_kind` first).
         fix: what to do about a file that is no JSON routetool reads.
         shown: the name the messages give the file (default ``path``).
         tensor: what the messages name after the file (``index``), or None.
 
     Raises:
         RouteToolError: a missing file, a folder, a FIFO, device or socket (or a path that
-            cannot be examined: :func:`~routetool.files.path_kind`), a file that cannot be
+            cannot be examined: :func:`~routetool.io.files.path_kind`), a file that cannot be
             read, text that is not UTF-8, or a :class:`JSONProblem`; one line naming the file.
     """
     shown = path if shown is None else shown

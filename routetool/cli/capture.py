@@ -16,12 +16,12 @@ from pathlib import Path
 
 import click
 
-from routetool.cli_numbers import FLOAT, IntRange
-from routetool.cli_paths import PATH, PATH_TEXT
+from routetool.cli.numbers import FLOAT, IntRange
+from routetool.cli.paths import PATH, PATH_TEXT
 from routetool.errors import RouteToolError, printable
-from routetool.jsonstrict import JSONProblem, loads
+from routetool.io.jsonstrict import JSONProblem, loads
 from routetool.numtext import list_items, number_problem, parse_int
-from routetool.report import Console, markup_safe
+from routetool.report.tables import Console, markup_safe
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
            "bf16": "bfloat16", "fp16": "float16"}
@@ -102,7 +102,7 @@ MAX_SEED = 2**63 - 1
 
 def _affinity(ctx, param, value):
     """``--affinity``: auto (None) or a finite number in [0, 10]."""
-    from routetool.synth import MAX_AFFINITY
+    from routetool.capture.synth import MAX_AFFINITY
 
     if value is None or str(value).strip().lower() == "auto":
         return None
@@ -185,9 +185,9 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
     with the bias, the imbalance target and the affinity used), and a warning for targets
     the model cannot make. The model of the logits and the size limits are in docs/capture.md.
     """
-    from routetool.files import check_output_paths
-    from routetool.report_capture import render_synth
-    from routetool.synth import (
+    from routetool.io.files import check_output_paths
+    from routetool.report.capture import render_synth
+    from routetool.capture.synth import (
         SynthSpec,
         generate,
         synth_stats,
@@ -195,7 +195,7 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
         synth_work,
         with_default_ties,
     )
-    from routetool.trace import RouterConfig, write_trace
+    from routetool.io.trace import RouterConfig, write_trace
 
     check_output_paths([out], force=force, allow_stdout=False)
     spec = SynthSpec(
@@ -239,14 +239,14 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
     TRACE is a .safetensors trace or a sharded trace's index (.json). Reads headers only
     (fast on any size) unless --scan is given.
     """
-    from routetool.files import check_output_paths, require_input
+    from routetool.io.files import check_output_paths, require_input
 
     require_input(trace)  # usage errors before torch is imported
     check_output_paths([json_path], force=force, inputs=[trace])
-    from routetool.info import check_trace_file, trace_info
-    from routetool.report import write_json
-    from routetool.report_capture import info_json, render_info
-    from routetool.trace import open_trace
+    from routetool.io.info import check_trace_file, trace_info
+    from routetool.report.formats import write_json
+    from routetool.report.capture import info_json, render_info
+    from routetool.io.trace import open_trace
 
     check_trace_file(trace)
     with open_trace(trace) as t:
@@ -262,7 +262,8 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
 # routetool capture hf
 @click.group()
 def capture() -> None:
-    """Record traces from real model runs (HF transformers; the vLLM recorder is a Python API)."""
+    """Record traces from real model runs: HF transformers here; engines (vLLM through its plugin and
+    ROUTETOOL_CAPTURE_DIR, SGLang or any engine through the Python API) as docs/capture.md says."""
 
 
 MAX_CAPTURE_LOGITS = 2**30
@@ -311,9 +312,9 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
     DeepSeek-V3 / Kimi-K2 / GLM-4.5 (sigmoid + bias), Qwen3-MoE / Mixtral (softmax).
     """
     from routetool.capture import hf
-    from routetool.files import check_output_paths
-    from routetool.report_capture import render_hf_capture
-    from routetool.trace import write_trace
+    from routetool.io.files import check_output_paths
+    from routetool.report.capture import render_hf_capture
+    from routetool.io.trace import write_trace
 
     sources = [name for name, v in (("--model", model_path), ("--config", config_path), ("--arch", arch)) if v]
     if len(sources) != 1:

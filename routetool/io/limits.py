@@ -55,7 +55,7 @@ MATERIALISED_PER_STORED_BYTE = 4
 """Materialised bytes allowed per byte of a ``.pt`` file: a real dump stores every tensor it
 holds (about 1), an amplifying one repeats a few stored bytes (a stride-0 view) or references."""
 MAX_NESTING = 64
-"""Deepest nesting of containers read from a ``.pt`` dump (as :data:`routetool.jsonstrict.MAX_DEPTH`)."""
+"""Deepest nesting of containers read from a ``.pt`` dump (as :data:`routetool.io.jsonstrict.MAX_DEPTH`)."""
 
 
 def fmt_bytes(n: int) -> str:

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from routetool.errors import RouteToolError, first_line
-from routetool.execution import RoutingFn
-from routetool.suite import CaseInput
-from routetool.timing import Latency, cuda_graph_latency
+from routetool.engine.execution import RoutingFn
+from routetool.analysis.suite import CaseInput
+from routetool.engine.timing import Latency, cuda_graph_latency
 
 TORCH_KERNELS = ("torch", "torch-compile")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -128,7 +128,7 @@ def resolve_kernels(specs: Sequence[str], pdl: str) -> list[BenchKernel]:
     """
     import kernel
     from kernel.reference import musespark1x_routing_reference
-    from routetool.execution import load_kernel
+    from routetool.engine.execution import load_kernel
 
     if pdl not in ("on", "off", "both"):
         raise RouteToolError(f"--pdl {pdl!r}", fix="use on, off or both")
@@ -203,7 +203,7 @@ def judge_kernel_call(fn: RoutingFn, inp: CaseInput, *, tie_ulps: float, buffers
         ``("failed: CLASS: ...", 1)`` for a broken contract or failed checks.
     """
     from routetool.engine.contract import call_kernel
-    from routetool.validate import evaluate
+    from routetool.analysis.validate import evaluate
 
     params = inp.kwargs()
     pad = params.pop("is_padding")
@@ -392,7 +392,7 @@ def trace_step_shapes(path):
             trace, e.g. from ``routetool import``: its shapes and router settings are not those
             of a captured router call).
     """
-    from routetool.trace import open_trace
+    from routetool.io.trace import open_trace
 
     with open_trace(path) as t:
         layers = [x for x in t.layers if t.info(x).has_logits]

@@ -53,9 +53,9 @@ or a CSV header (``topk_ids`` and ``experts``: the names above are alternatives)
 disagree, or one layer or expert spelled two ways (``"0"`` and ``"00"``), is an error. Every failure, including text that is not UTF-8,
 is a :class:`RouteToolError` of one line naming the file and the line, key or tensor element.
 
-JSON is read by :mod:`routetool.jsonstrict` (keys once per object, nesting and number length
-bounded), paths are examined by :func:`routetool.files.path_kind`, and what a dump may make the
-tool allocate is checked on declared sizes first (:mod:`routetool.limits`): the per-expert tables
+JSON is read by :mod:`routetool.io.jsonstrict` (keys once per object, nesting and number length
+bounded), paths are examined by :func:`routetool.io.files.path_kind`, and what a dump may make the
+tool allocate is checked on declared sizes first (:mod:`routetool.io.limits`): the per-expert tables
 E makes over the dump's steps and layers, an SGLang ``.pt``'s records and tensors counted as
 materialised (stride-0 views and shared references in full).
 """
@@ -75,14 +75,14 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.files import path_kind, refuse_special_file, require_input
-from routetool.jsonstrict import JSONProblem, load_file, loads
-from routetool.limits import (MAX_EXPERTS, MAX_LAYERS, check_expert_tables, check_materialised, check_torch_archive,
+from routetool.io.files import path_kind, refuse_special_file, require_input
+from routetool.io.jsonstrict import JSONProblem, load_file, loads
+from routetool.io.limits import (MAX_EXPERTS, MAX_LAYERS, check_expert_tables, check_materialised, check_torch_archive,
                               input_bytes)
 from routetool.numtext import parse_float, parse_int
-from routetool.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
+from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
-from routetool.dump_options import (  # noqa: F401 - the options of the importers, part of this interface
+from routetool.io.dump_options import (  # noqa: F401 - the options of the importers, part of this interface
     COUNTS_OPTIONS, DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS,
 )
 
@@ -335,7 +335,7 @@ def detect_format(path: Path) -> str:
     if suffix == ".safetensors":
         return "trace"
     if suffix == ".json" and _is_trace_index(path):
-        return "trace"  # a sharded trace's index (routetool.sharded)
+        return "trace"  # a sharded trace's index (routetool.io.sharded)
     if suffix in (".jsonl", ".ndjson"):
         return "jsonl"
     if suffix in (".csv", ".tsv"):
@@ -440,7 +440,7 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
               meta_experts: int | None, meta_topk: int | None, notes: list[str], size: int) -> ImportedRouting:
     """Rows (already filtered) -> per-layer tensors with step offsets, checking E and K, and the
     per-expert tables E makes against the budget of an input of ``size`` bytes
-    (:func:`routetool.limits.check_expert_tables`) before any tensor is made."""
+    (:func:`routetool.io.limits.check_expert_tables`) before any tensor is made."""
     if not rows:
         raise RouteToolError("no token rows left to import", path=source,
                              fix="check the file, --skip-rows and --drop-repeats")
@@ -857,7 +857,7 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
 # SGLang expert-distribution dumps
 def _torch_load(path: Path):
     """``torch.load(weights_only=True)`` of an SGLang dump, within the budget of its size
-    (:mod:`routetool.limits`): what its zip records declare is checked before loading, what the
+    (:mod:`routetool.io.limits`): what its zip records declare is checked before loading, what the
     loaded tensors hold materialised (expanded views, shared references) before anything reads it."""
     try:
         with open(path, "rb") as fh:
@@ -1416,7 +1416,7 @@ def write_imported_trace(imported: ImportedRouting, out: str | Path, *, force: b
     ``route_scale=1`` as a placeholder and says so in ``router_parameters``.
 
     Raises:
-        RouteToolError: as :func:`routetool.trace.write_trace` (existing file without
+        RouteToolError: as :func:`routetool.io.trace.write_trace` (existing file without
             ``force`` ...).
     """
     meta = TraceMeta(

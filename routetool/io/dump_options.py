@@ -1,4 +1,4 @@
-"""The formats and reading options of the dump importers (:mod:`routetool.imports`), without
+"""The formats and reading options of the dump importers (:mod:`routetool.io.dumps`), without
 importing them: the command line declares its options from these before torch is loaded."""
 
 FORMATS = ("auto", "trace", "jsonl", "csv", "sglang", "counts-json")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from routetool.files import refuse_special_file
-from routetool.trace import FORMAT_VERSION, RouterConfig, read_header
+from routetool.io.files import refuse_special_file
+from routetool.io.trace import FORMAT_VERSION, RouterConfig, read_header
 
 _ST_DTYPE_NAMES = {
     "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
@@ -80,7 +80,7 @@ class TraceFile:
 
 @dataclass
 class TraceInfo:
-    """Everything ``routetool info`` reports (rendered by :mod:`routetool.report_capture`).
+    """Everything ``routetool info`` reports (rendered by :mod:`routetool.report.capture`).
 
     Attributes:
         trace: the path given. sharded: an index + shards. files: the files, with sizes.
@@ -144,8 +144,8 @@ def check_trace_file(path: str | Path) -> None:
     """Refuse a trace path that exists but is not a regular file or a folder (a FIFO, a
     device, a socket), before anything opens it: reading one could block forever.
 
-    A missing path or a directory is left to :func:`routetool.trace.open_trace`, which names
-    them (a sharded trace's shards are checked by :class:`routetool.sharded.ShardedTrace`).
+    A missing path or a directory is left to :func:`routetool.io.trace.open_trace`, which names
+    them (a sharded trace's shards are checked by :class:`routetool.io.sharded.ShardedTrace`).
 
     Raises:
         RouteToolError: naming the path and the fix.
@@ -155,7 +155,7 @@ def check_trace_file(path: str | Path) -> None:
 
 def _header_dtypes(paths: list[Path]) -> dict[str, str]:
     """Tensor name -> dtype name, from the safetensors headers of ``paths`` (first file wins),
-    read as opening the trace read them (:func:`routetool.trace.read_header`)."""
+    read as opening the trace read them (:func:`routetool.io.trace.read_header`)."""
     out: dict[str, str] = {}
     for path in paths:
         for name, entry in (read_header(path) or {}).items():
@@ -187,10 +187,10 @@ def step_token_quantiles(step_tokens: list[int]) -> tuple[int, float, int] | Non
 
 
 def trace_info(trace, *, scan: bool = False, progress: Callable[[int], None] | None = None) -> TraceInfo:
-    """Summarise an open trace (:func:`routetool.trace.open_trace`).
+    """Summarise an open trace (:func:`routetool.io.trace.open_trace`).
 
     Args:
-        trace: a :class:`~routetool.trace.Trace` or :class:`~routetool.sharded.ShardedTrace`.
+        trace: a :class:`~routetool.io.trace.Trace` or :class:`~routetool.io.sharded.ShardedTrace`.
         scan: also read every step (one at a time) to count padded and non-finite rows.
         progress: called with the rows done after each scanned step.
 

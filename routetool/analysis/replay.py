@@ -1,6 +1,6 @@
 """Replay a trace through a routing kernel and the reference, layer by layer, step by step.
 
-Streams one step at a time from disk (see :class:`routetool.trace.Trace`); per layer it
+Streams one step at a time from disk (see :class:`routetool.io.trace.Trace`); per layer it
 keeps only counters and a ``[E]`` histogram, so trace size is bounded by disk, not memory.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from routetool.compare import (
+from routetool.engine.compare import (
     INVALID_REASONS,
     ComparisonSummary,
     WeightTolerance,
@@ -26,14 +26,14 @@ from routetool.engine.contract import RoutingFn
 from routetool.engine.stream import DEFAULT_CHUNK_BYTES, route_steps, stream_layer
 from routetool.engine.verdict import Verdict
 from routetool.errors import RouteToolError
-from routetool.execution import Execution
-from routetool.load import LoadStats, expert_counts, load_stats
+from routetool.engine.execution import Execution
+from routetool.engine.load import LoadStats, expert_counts, load_stats
 from routetool.numtext import list_items, parse_int
-from routetool.timing import Latency, cuda_graph_latency, synchronize
-from routetool.trace import RouterConfig, Trace
+from routetool.engine.timing import Latency, cuda_graph_latency, synchronize
+from routetool.io.trace import RouterConfig, Trace
 
 DEFAULT_TIE_ULPS = 16.0
-"""Near-tie tolerance of the comparison, in float32 ulps (see :mod:`routetool.compare`)."""
+"""Near-tie tolerance of the comparison, in float32 ulps (see :mod:`routetool.engine.compare`)."""
 
 
 MAX_RECORDED_INVALID_SHOWN = 5
@@ -46,7 +46,7 @@ class RecordedInvalidRow:
 
     Attributes:
         layer / step: where. row: the row's index in the layer (as :class:`RowFailure` counts).
-        reasons: which of :data:`routetool.compare.INVALID_REASONS` apply.
+        reasons: which of :data:`routetool.engine.compare.INVALID_REASONS` apply.
         topk_ids: the recorded ``[K]`` ids. topk_weights: the recorded ``[K]`` weights (float),
             or None when the trace records no weights.
     """
@@ -81,7 +81,7 @@ class LayerReplay:
         ids_only: the layer has no logits (an imported routing dump): nothing was compared
             or timed, only the recorded ids' load counted.
         recorded_invalid / recorded_invalid_rows: ids-only layers: rows of the recorded
-            outputs per invalid reason (:data:`routetool.compare.INVALID_REASONS`: ids out of
+            outputs per invalid reason (:data:`routetool.engine.compare.INVALID_REASONS`: ids out of
             range or repeated, non-finite or negative weights), found without a reference, and
             the rows with any of them; None / 0 elsewhere. recorded_invalid_first: the first
             (up to :data:`MAX_RECORDED_INVALID_SHOWN`) of those rows.
@@ -126,7 +126,7 @@ class ShapeLatency:
     Attributes:
         num_tokens: rows per call. steps: captured steps of this shape (all layers).
         layer / step: the step whose tensors were timed.
-        kernel / reference: :class:`~routetool.timing.Latency` in microseconds.
+        kernel / reference: :class:`~routetool.engine.timing.Latency` in microseconds.
         speedup: reference p50 / kernel p50.
     """
 
@@ -144,7 +144,7 @@ class ShapeLatency:
 
 @dataclass
 class ReplayResult:
-    """Everything ``routetool replay`` found (rendered by :mod:`routetool.report`).
+    """Everything ``routetool replay`` found (rendered by :mod:`routetool.report.replay`).
 
     Attributes:
         trace: trace path. model / provenance: from the trace metadata. router: parameters.
@@ -274,7 +274,7 @@ def replay_trace(
 
     Args:
         trace: an open trace. kernel_name / kernel_fn: the kernel under test.
-        execution: from :func:`routetool.execution.select_execution`.
+        execution: from :func:`routetool.engine.execution.select_execution`.
         layers: layers to replay (default all). Layers without gating_output (ids-only
             traces) are not compared or timed: only their recorded ids' load is counted.
         tie_ulps: near-tie tolerance of the comparison (float32 ulps).

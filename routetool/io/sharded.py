@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.files import atomic_write, path_kind, same_file
-from routetool.jsonstrict import JSONProblem, load_file, loads
-from routetool.trace import LayerInfo, Step, Trace, TraceMeta
+from routetool.io.files import atomic_write, path_kind, same_file
+from routetool.io.jsonstrict import JSONProblem, load_file, loads
+from routetool.io.trace import LayerInfo, Step, Trace, TraceMeta
 
 INDEX_FORMAT = "routetool-trace-index"
 INDEX_VERSION = "1"
@@ -139,7 +139,7 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
 
     Raises:
         RouteToolError: missing, unreadable or non-regular file, not JSON, a key repeated in
-            one object, nesting too deep or a number too long (:mod:`routetool.jsonstrict`),
+            one object, nesting too deep or a number too long (:mod:`routetool.io.jsonstrict`),
             another format, a ``version`` that is not the string ``"1"``,
             ``complete`` present but not a JSON boolean, ``stopped_by`` neither a string nor
             null, ``shards`` not a non-empty
@@ -229,7 +229,7 @@ class _Part:
 
 class ShardedTrace:
     """A sharded trace (index + shard files) with the public interface of
-    :class:`routetool.trace.Trace`: ``path``, ``display_path``, ``meta``, ``layers``,
+    :class:`routetool.io.trace.Trace`: ``path``, ``display_path``, ``meta``, ``layers``,
     ``info(L)``, ``bias(L)``, ``steps(L)``, ``read_rows(L, start, stop)``,
     ``total_tokens``, ``close()`` and the context manager.
 

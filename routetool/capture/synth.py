@@ -55,7 +55,7 @@ import torch
 
 from routetool.errors import RouteToolError
 from routetool.numtext import number_problem
-from routetool.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors
+from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_TIES = 4
@@ -710,8 +710,8 @@ def synth_stats(meta: TraceMeta, layers: dict[int, LayerArrays],
         progress: called with work units done (rows x experts per layer).
     """
     from kernel.reference import biased_scores, normalized_scores, select_topk
-    from routetool.compare import boundary_margins
-    from routetool.load import load_stats
+    from routetool.engine.compare import boundary_margins
+    from routetool.engine.load import load_stats
 
     progress = progress or _noop
     r = meta.router

@@ -12,9 +12,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from routetool.info import TraceInfo, step_token_quantiles
-from routetool.limits import fmt_bytes
-from routetool.report import fmt_float, router_line, table, user_text
+from routetool.io.info import TraceInfo, step_token_quantiles
+from routetool.io.limits import fmt_bytes
+from routetool.report.tables import fmt_float, router_line, table, user_text
 
 INFO_SCHEMA = "routetool.info/1"
 
@@ -162,7 +162,7 @@ def info_json(info: TraceInfo) -> dict:
 # ---------------------------------------------------------------------------------------
 # routetool synth
 def render_synth(path: str, stats: list, console: Console) -> None:
-    """Print the realised statistics of a synthetic trace (:class:`routetool.synth.SynthLayerStats`):
+    """Print the realised statistics of a synthetic trace (:class:`routetool.capture.synth.SynthLayerStats`):
     one table of rows and special rows, one of the load (two, so that each fits 80 columns)."""
     rows = table(user_text(f"{path}: realised statistics per layer"),
                  ["layer", "tokens", "steps", "padded", "nonfinite", "ties@k"])

@@ -1,17 +1,17 @@
 """Load-balance analysis: experts, expert-parallel ranks, EPLB what-if, bias, capacity.
 
 Streams a routing source layer by layer and step by step (a trace through
-:class:`routetool.trace.Trace`, or an imported dump), keeps per layer only ``[E]``-sized
+:class:`routetool.io.trace.Trace`, or an imported dump), keeps per layer only ``[E]``-sized
 accumulators plus one scalar per step and EP configuration, and runs the statistics with
 torch on the chosen device (``cuda`` when there is one): the expert histogram of a step is
 one ``bincount``/``index_add_``, EP rank loads one ``[E] @ [E, N]`` product. Nothing here
-prints; results are dataclasses rendered by :mod:`routetool.report_balance`.
+prints; results are dataclasses rendered by :mod:`routetool.report.balance`.
 
 Definitions (docs/balance.md):
 
 * *assignments*: (token, expert) pairs; a token routed to K experts makes K.
 * *imbalance*: max / mean assignments per expert; *CV*: std / mean; *normalized entropy*:
-  entropy / log E; *Gini* of the per-expert loads (see :func:`routetool.load.load_stats`);
+  entropy / log E; *Gini* of the per-expert loads (see :func:`routetool.engine.load.load_stats`);
   all four None where there is no traffic (no assignments), as balancedness is.
 * *balancedness*: mean / max assignments per EP rank (vLLM, SGLang). Per layer it is given
   for the layer's whole traffic (``balancedness``) and per step (forward pass), summarised
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from routetool.compare import INVALID_REASONS, invalid_reasons
-from routetool.eplb import (
+from routetool.engine.compare import INVALID_REASONS, invalid_reasons
+from routetool.analysis.eplb import (
     Placement,
     balancedness,
     check_eplb_config,
@@ -46,9 +46,9 @@ from routetool.eplb import (
 from routetool.engine.contract import RoutingFn, call_kernel
 from routetool.engine.stream import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, route_steps, stream_layer
 from routetool.errors import KernelError, RouteToolError
-from routetool.imports import ImportedCounts, ImportedRouting
-from routetool.load import LoadStats, load_stats
-from routetool.trace import Trace
+from routetool.io.dumps import ImportedCounts, ImportedRouting
+from routetool.engine.load import LoadStats, load_stats
+from routetool.io.trace import Trace
 
 PHASES = ("prefill", "decode")
 DEFAULT_CAPACITY_FACTORS = (1.0, 1.25, 2.0)
@@ -182,8 +182,8 @@ class ChunkLoad:
         counts_nobias / ids_nobias: that routing with the bias zeroed, or None.
         uncounted: 0-d tensor, ids outside ``[0, E)`` on unpadded rows.
         invalid: ``[n, len(INVALID_REASONS)]`` bool, which of
-            :data:`routetool.compare.INVALID_REASONS` apply to each row of ``ids`` (from
-            :func:`routetool.compare.invalid_reasons`; padded rows never), or None.
+            :data:`routetool.engine.compare.INVALID_REASONS` apply to each row of ``ids`` (from
+            :func:`routetool.engine.compare.invalid_reasons`; padded rows never), or None.
         invalid_bias: ``(invalid, ids)`` of each of a kernel's routings for the bias effect, or None.
         row_start: the layer row of the chunk's first row (rows are named in the layer).
     """
@@ -263,7 +263,7 @@ class Source:
 
 @dataclass
 class InvalidRows:
-    """Unpadded rows whose expert ids are invalid (:data:`routetool.compare.INVALID_REASONS`
+    """Unpadded rows whose expert ids are invalid (:data:`routetool.engine.compare.INVALID_REASONS`
     ``id_out_of_range``, ``duplicate_id``, ``minus_one_on_unpadded_row``): how many, and the first.
 
     Attributes:
@@ -290,7 +290,7 @@ class InvalidRows:
 
 def first_invalid_row(ids: torch.Tensor, reasons: torch.Tensor, step: int, row_start: int) -> InvalidRows | None:
     """The invalid rows of one step's ``ids`` ``[n, K]``, given their ``reasons`` ``[n, R]`` (from
-    :func:`routetool.compare.invalid_reasons`), or None when there are none. Reads back to the host."""
+    :func:`routetool.engine.compare.invalid_reasons`), or None when there are none. Reads back to the host."""
     bad = reasons.any(-1)
     count = int(bad.sum())
     if not count:
@@ -310,7 +310,7 @@ class Routing:
     Attributes:
         name: for reports (``kernel tiled (NVIDIA H200)``, ``reference (PyTorch)``).
         fn: a routing function with the seed's signature.
-        params: the router parameters by keyword (:meth:`routetool.trace.RouterConfig.kernel_kwargs`).
+        params: the router parameters by keyword (:meth:`routetool.io.trace.RouterConfig.kernel_kwargs`).
         kernel: ``fn`` is a kernel under test: it runs once per captured step, each call judged by
             the one contract (:mod:`routetool.engine.contract`); otherwise ``fn`` is the PyTorch
             reference, which routes rows independently and runs once per chunk of steps.
@@ -384,7 +384,7 @@ class TraceSource(Source):
     """A routetool trace, routed by a function of the logits or by its recorded ids.
 
     Args:
-        trace: an open :class:`~routetool.trace.Trace`.
+        trace: an open :class:`~routetool.io.trace.Trace`.
         layers: layers to analyse.
         routing: ``auto`` (``route_fn`` on layers with logits, recorded ids on ids-only
             layers), ``kernel`` / ``reference`` (``route_fn``; every layer needs logits) or
@@ -539,7 +539,7 @@ class TraceSource(Source):
 
 
 class ImportedSource(Source):
-    """Per-token ids read from a dump (:class:`~routetool.imports.ImportedRouting`)."""
+    """Per-token ids read from a dump (:class:`~routetool.io.dumps.ImportedRouting`)."""
 
     kind = "ids"
 
@@ -571,7 +571,7 @@ class ImportedSource(Source):
 
 
 class CountsSource(Source):
-    """Per-step expert counts read from a dump (:class:`~routetool.imports.ImportedCounts`)."""
+    """Per-step expert counts read from a dump (:class:`~routetool.io.dumps.ImportedCounts`)."""
 
     kind = "counts"
 
@@ -599,7 +599,7 @@ class CountsSource(Source):
 # options and results
 @dataclass
 class EplbOptions:
-    """EPLB what-if configuration (see :func:`routetool.eplb.rebalance_experts`).
+    """EPLB what-if configuration (see :func:`routetool.analysis.eplb.rebalance_experts`).
 
     Attributes:
         num_redundant: R redundant experts (None = one per GPU).
@@ -832,7 +832,7 @@ class EpSummary:
 
 @dataclass
 class BalanceResult:
-    """What ``routetool balance`` found (rendered by :mod:`routetool.report_balance`)."""
+    """What ``routetool balance`` found (rendered by :mod:`routetool.report.balance`)."""
 
     source: str
     kind: str

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from routetool.compare import INVALID_REASONS, RowClass, compare_step, own_pick_weights, weight_tolerance
+from routetool.engine.compare import INVALID_REASONS, RowClass, compare_step, own_pick_weights, weight_tolerance
 from routetool.engine.contract import (
     KERNEL_ID_DTYPES,
     KERNEL_WEIGHT_DTYPE,
@@ -52,8 +52,8 @@ from routetool.engine.contract import (
 from routetool.engine.stream import route_steps, stream_layer
 from routetool.engine.verdict import Verdict
 from routetool.errors import EXIT_FINDINGS, EXIT_USAGE, RouteToolError, first_line
-from routetool.execution import Execution
-from routetool.suite import Case, CaseInput, batch_around
+from routetool.engine.execution import Execution
+from routetool.analysis.suite import Case, CaseInput, batch_around
 
 VERDICTS = ("pass", "pass_tie", "rejected", "fail", "skipped")
 
@@ -294,7 +294,7 @@ def _twice(fn: RoutingFn, inp: CaseInput, first: tuple, feature: str | None,
 
 def _batch_check(case: Case, fn: RoutingFn, inp: CaseInput, base: tuple) -> tuple[list[str], list[RowReport]]:
     """``"batch"``: each token of ``inp`` routed in a batch of each of the case's sizes
-    (:func:`routetool.suite.batch_around`), compared bit for bit with ``base``, its
+    (:func:`routetool.analysis.suite.batch_around`), compared bit for bit with ``base``, its
     ``(weights, ids)`` in the case's own batch; with ``"batch_determinism"`` the largest batch
     is routed twice (a GPU kernel's persistent grid and its atomics run there). At most one row
     per size, 3 in all."""
@@ -444,7 +444,7 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
     Raises:
         RouteToolError: the trace cannot be read (bad input, not a verdict).
     """
-    from routetool.trace import open_trace
+    from routetool.io.trace import open_trace
 
     with open_trace(path) as trace:
         family = f"trace:{label or trace.display_path.name}"

@@ -233,7 +233,7 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
             belongs (:func:`check_output_folder`); an output or input path that cannot be
             examined (a loop of symbolic links, a NUL byte: :func:`path_kind`).
     """
-    from routetool.sharded import listed_shard_files  # (sharded imports this module)
+    from routetool.io.sharded import listed_shard_files  # (sharded imports this module)
 
     protected = [Path(i) for i in inputs if i is not None and str(i) != "-"]
     protected += [shard for i in list(protected) for shard in listed_shard_files(i)]

@@ -1,6 +1,6 @@
 """``routetool balance`` and ``routetool import`` (click commands; registered by routetool.cli).
 
-Thin: parse options, build a source, call :func:`routetool.balance.analyze_balance` or the
+Thin: parse options, build a source, call :func:`routetool.analysis.balance.analyze_balance` or the
 importers, render, write. Bad input raises :class:`~routetool.errors.RouteToolError`, which
 the ``routetool`` group turns into a one-line message and exit code 2; a faulty kernel under
 test raises :class:`~routetool.errors.KernelError`, one line and exit code 1.
@@ -15,13 +15,13 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from routetool.cli_numbers import INT, IntRange
-from routetool.cli_paths import PATH, PATH_TEXT
+from routetool.cli.numbers import INT, IntRange
+from routetool.cli.paths import PATH, PATH_TEXT
 from routetool.errors import EXIT_OK, RouteToolError
-from routetool.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
-from routetool.dump_options import DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS
+from routetool.engine.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
+from routetool.io.dump_options import DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS
 from routetool.numtext import list_items, parse_float, parse_int, refuse_repeats
-from routetool.report import Console, markup_safe, user_text
+from routetool.report.tables import Console, markup_safe, user_text
 
 _CTX = {"help_option_names": ["-h", "--help"]}
 
@@ -66,7 +66,7 @@ def _stats_device(choice: str):
 
 
 def _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model=None, refuse_counts=None):
-    from routetool.imports import ImportOptions
+    from routetool.io.dumps import ImportOptions
 
     ctx = click.get_current_context()
     return ImportOptions(format=fmt, num_experts=num_experts, topk=topk, skip_rows=skip_rows,
@@ -126,7 +126,7 @@ def _reject_dump_options(source: Path) -> None:
 
 def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], inputs: list) -> None:
     """No --plot figure may be another output of the run or one of its inputs."""
-    from routetool.files import resolved
+    from routetool.io.files import resolved
 
     for fig in figures:
         for flag, out in outputs.items():
@@ -198,7 +198,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     balancedness before/after, the router bias effect, capacity overflow, and drift
     between prefill and decode and over time.
     """
-    from routetool.files import check_output_paths, require_input
+    from routetool.io.files import check_output_paths, require_input
 
     if reference and recorded:
         raise RouteToolError("--reference and --recorded exclude each other", fix="pass one of them")
@@ -219,22 +219,22 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     if eplb_out and not eplb:
         raise RouteToolError("--eplb-out needs the EPLB what-if", fix="drop --no-eplb")
     if plot_dir is not None:
-        from routetool.plots import check_plot_dir, figure_paths
+        from routetool.report.plots import check_plot_dir, figure_paths
 
         check_plot_dir(plot_dir, force)
         _check_figures_apart(figure_paths(plot_dir), {"--json": json_path, "--eplb-out": eplb_out},
                              [source, placement_path])
     capacity = _float_list("--capacity-factor", capacity_spec)
     ep_sizes = _int_list("--ep-size", ep_spec)
-    from routetool.balance import (  # after the usage checks: these import torch
+    from routetool.analysis.balance import (  # after the usage checks: these import torch
         BalanceOptions, CountsSource, EplbOptions, ImportedSource, TraceSource, analyze_balance,
         default_ep_sizes, route_fn_from,
     )
-    from routetool.eplb import load_placement, placement_document
-    from routetool.imports import ImportedCounts, read_dump, resolve_format
-    from routetool.replay import parse_layers
-    from routetool.report import write_json
-    from routetool.report_balance import balance_json, render_balance
+    from routetool.analysis.eplb import load_placement, placement_document
+    from routetool.io.dumps import ImportedCounts, read_dump, resolve_format
+    from routetool.analysis.replay import parse_layers
+    from routetool.report.formats import write_json
+    from routetool.report.balance import balance_json, render_balance
 
     resolved_format = resolve_format(source, fmt)
     if resolved_format == "trace":
@@ -248,17 +248,16 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     with kernel_stdout("-" in (json_path, eplb_out)):  # a kernel's print() must not mix into the document
         try:
             if resolved_format == "trace":
-                from routetool import trace as trace_module
+                from routetool.io.trace import open_trace
 
-                # open_trace also reads sharded traces (an index of trace files); plain Trace otherwise
-                trace = getattr(trace_module, "open_trace", trace_module.Trace)(source)
+                trace = open_trace(source)  # a trace file, or a sharded trace's index
                 layers = parse_layers(layers_spec, trace.layers, trace.display_path)
                 needs_logits = not recorded and any(trace.info(x).has_logits for x in layers)
                 bias_wanted = bias_effect and any(trace.info(x).has_logits for x in layers)
                 route_fn = nobias_fn = None
                 route_name = nobias_name = ""
                 if needs_logits or bias_wanted:
-                    from routetool.execution import load_kernel, select_execution
+                    from routetool.engine.execution import load_kernel, select_execution
 
                     execution = select_execution(device)
                     stats_device = execution.device
@@ -329,7 +328,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
         if eplb_out != "-":
             status.print(user_text(f"wrote {eplb_out}"))
     if plot_dir is not None:
-        from routetool.plots import write_balance_plots
+        from routetool.report.plots import write_balance_plots
 
         for p in write_balance_plots(result, plot_dir, force=force):
             status.print(user_text(f"wrote {p}"))
@@ -351,13 +350,13 @@ def import_(source: Path, output: Path, fmt: str, num_experts, topk, skip_rows, 
     Per-expert counts (counts JSON, SGLang stat/per-pass dumps) have no per-token ids and
     cannot become a trace: analyse them directly with `routetool balance FILE`.
     """
-    from routetool.files import check_output_paths, require_input
+    from routetool.io.files import check_output_paths, require_input
 
     require_input(source, what="file or folder")  # usage errors before torch is imported
     # before any work: '-' is refused (a trace is a file), and the dump is never the output
     check_output_paths([output], force=force, inputs=[source], allow_stdout=False)
-    from routetool.imports import read_dump, write_imported_trace
-    from routetool.report_balance import render_import
+    from routetool.io.dumps import read_dump, write_imported_trace
+    from routetool.report.balance import render_import
 
     # a dump of per-expert counts is refused as soon as it is recognised, before --select and the like apply
     imported = read_dump(source, _import_options(fmt, num_experts, topk, skip_rows, drop_repeats, select, model,

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.jsonstrict import load_file
+from routetool.io.jsonstrict import load_file
 
 PLACEMENT_SCHEMA = "routetool.placement/1"
 POLICIES = ("auto", "hierarchical", "global")

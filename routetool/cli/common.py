@@ -1,0 +1,72 @@
+"""What several commands' option handling shares: the progress bar, finite-number and integer-list
+options."""
+
+from __future__ import annotations
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+import click
+
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+
+
+
+
+
+
+from routetool.errors import RouteToolError
+
+
+
+
+from routetool.report.tables import Console
+
+
+from routetool.numtext import list_items, parse_int, refuse_repeats
+
+
+def _progress(enabled: bool) -> Progress:
+    """A transient progress bar on stderr; off when stderr is not a terminal (logs, pipes)."""
+    console = Console(stderr=True)
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not enabled or not console.is_terminal,
+    )
+
+
+def _finite(ctx, param, value):
+    if value is not None and value != value:
+        raise click.BadParameter("must be a number, not nan")
+    return value
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    values = [parse_int(v) for v in list_items(name, text, "1,64,4096")]
+    if any(v is None for v in values):
+        raise RouteToolError(f"{name} {text!r} is not a comma-separated list of integers", fix="e.g. 1,64,4096")
+    if any(v < 1 for v in values):
+        raise RouteToolError(f"{name} {text!r} needs positive integers", fix="e.g. 1,64,4096")
+    return refuse_repeats(name, text, values)
+
+

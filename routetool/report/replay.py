@@ -1,0 +1,435 @@
+"""The replay report: verdict first, the comparisons, failing layers and rows (summary), or every
+table (``--details``); and its JSON document (docs/replay-json.md)."""
+
+from __future__ import annotations
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+from dataclasses import asdict
+
+
+
+
+
+
+
+
+
+
+from rich.panel import Panel
+
+
+from rich.table import Table
+
+
+from rich.text import Text
+
+
+from typing import TYPE_CHECKING
+
+
+from routetool.engine.verdict import Verdict
+
+
+
+
+from routetool.report.formats import load_json
+from routetool.report.tables import Console, _count, _values, _weights, fmt_float, histogram_renderable, router_line, table, user_text
+
+
+if TYPE_CHECKING:  # the types of the results rendered here; importing them would import torch
+    from routetool.engine.compare import ComparisonSummary
+    from routetool.analysis.replay import ReplayResult
+
+
+REPLAY_SCHEMA = "routetool.replay/1"
+
+
+# ---------------------------------------------------------------------------------------
+# replay
+_NAMES = {
+    "kernel_vs_reference": "kernel vs ref",
+    "reference_vs_recorded": "recorded vs ref",
+    "kernel_vs_recorded": "kernel vs recorded",
+}
+
+
+_SUMMARY_ROWS = ("rows", "exact", "reordered", "tie-eq (exact)", "mismatch", "invalid", "padded ok",
+                 "max |Δw|", "max rel Δw", "Δw > tol", "verdict")
+
+
+def _summary_column(s: ComparisonSummary) -> list:
+    return [
+        f"{s.rows:,}",
+        _count(s.exact),
+        _count(s.reordered),
+        Text(f"{s.tie_equivalent:,} ({s.exact_ties:,})", style="yellow" if s.tie_equivalent else "dim"),
+        _count(s.mismatch, bad=True),
+        _count(s.invalid, bad=True),
+        _count(s.padded),
+        fmt_float(s.weight_max_abs_err),
+        fmt_float(s.weight_max_rel_err),
+        _count(s.weight_rows_over_tolerance, bad=True),
+        Text("-", style="dim") if not s.rows else Text("pass", style="green") if s.ok else Text("FAIL", style="bold red"),
+    ]
+
+
+def render_replay(result: ReplayResult, console: Console, histogram_layer: int | None = None,
+                  details: bool = False) -> None:
+    """Print the replay report, verdict first.
+
+    By default one screen whatever the number of layers: the header, the verdict with the
+    numbers behind it, the comparisons in one table (the reasons behind ``invalid`` named), the
+    layers that failed, the first failing rows with both outputs and weights, the load in one
+    line, latency of the most frequent step shapes, and a pointer to ``--details``. ``details``:
+    every table (per layer, every step shape, the expert-load chart). ``histogram_layer``: the
+    chart of that layer (either way).
+    """
+    r = result.router
+    ex = result.execution
+    header = Table.grid(padding=(0, 2))
+    header.add_row("trace", user_text(result.trace))
+    header.add_row("model", user_text(result.model or "-"))
+    header.add_row("router", router_line(r, result.router_parameters))
+    header.add_row("kernel", user_text(f"{result.kernel} on {ex.device_name}"))
+    header.add_row("ties", f"tie-equivalent within {result.tie_ulps:g} float32 ulps")
+    console.print(Panel(header, title="routetool replay", expand=False))
+    _replay_verdict(result, console)
+    if details:
+        _replay_details(result, console, histogram_layer)
+        return
+    _replay_summary(result, console, histogram_layer)
+
+
+_SHORT_NAMES = {"kernel_vs_reference": "kernel/ref", "reference_vs_recorded": "recorded/ref",
+                "kernel_vs_recorded": "kernel/recorded"}
+
+
+FAILING_ROWS_SHOWN = 3
+"""Failing rows in replay's summary (``--details``: up to 10)."""
+
+
+SHAPES_SHOWN = 5
+"""Step shapes in replay's summary latency table (the most frequent; ``--details``: all)."""
+
+
+LAYERS_SHOWN = 10
+"""Failing layers named in replay's summary."""
+
+
+def _reasons(s: ComparisonSummary) -> str:
+    return ", ".join(f"{r} {n:,}" for r, n in s.invalid_reasons.items() if n)
+
+
+def _replay_summary(result: ReplayResult, console: Console, histogram_layer: int | None) -> None:
+    totals = result.totals()
+    compared = [(n, s) for n, s in totals.items() if s.rows]
+    if compared:
+        t = table("Comparisons (rows of all replayed layers)",
+                  ["", "rows", "exact", "reord", "tie-eq", "mism", "inval", "Δw>tol", "max|Δw|", "verdict"], left=("",))
+        for name, s in compared:
+            t.add_row(_SHORT_NAMES.get(name, name), f"{s.rows:,}", _count(s.exact), _count(s.reordered),
+                      Text(f"{s.tie_equivalent:,}", style="yellow" if s.tie_equivalent else "dim"),
+                      _count(s.mismatch, bad=True), _count(s.invalid, bad=True),
+                      _count(s.weight_rows_over_tolerance, bad=True), fmt_float(s.weight_max_abs_err),
+                      Text("pass", style="green") if s.ok else Text("FAIL", style="bold red"))
+        console.print(t)
+        for name, s in compared:
+            if s.invalid:
+                console.print(Text(f"invalid rows ({_NAMES.get(name, name)}) by reason: {_reasons(s)}", style="red"))
+    bad_layers = [layer for layer in result.layers if not layer.ok]
+    if bad_layers:
+        parts = []
+        for layer in bad_layers[:LAYERS_SHOWN]:
+            s = layer.kernel_vs_reference
+            what = [f"{v:,} {k}" for k, v in (("mismatch", s.mismatch), ("invalid", s.invalid),
+                                                ("Δw>tol", s.weight_rows_over_tolerance)) if v]
+            for name, c in layer.comparisons().items():
+                if name != "kernel_vs_reference" and not c.ok:
+                    what.append(f"{_NAMES.get(name, name)} fails")
+            if layer.recorded_invalid_rows:
+                what.append(f"{layer.recorded_invalid_rows:,} invalid recorded rows")
+            parts.append(f"L{layer.layer} ({', '.join(what)})")
+        more = f" and {len(bad_layers) - LAYERS_SHOWN} more" if len(bad_layers) > LAYERS_SHOWN else ""
+        console.print(Text(f"failing layers ({len(bad_layers)} of {len(result.layers)}): " + "; ".join(parts) + more,
+                           style="red"))
+    _recorded_invalid_layers(result, console)
+    _failing_rows(result, console, FAILING_ROWS_SHOWN)
+    _recorded_invalid_rows(result, console, FAILING_ROWS_SHOWN)
+    tl = result.total_load
+    imb = [(layer.layer, layer.load.imbalance) for layer in result.layers if layer.load and layer.load.imbalance]
+    worst = max(imb, key=lambda x: x[1]) if imb else None
+    console.print(Text(f"load ({_load_source(result)}): all layers max/mean {fmt_float(tl.imbalance)}, CV {fmt_float(tl.cv)}, idle experts "
+                       f"{len(tl.idle)}" + (f"; most imbalanced layer {worst[0]} (max/mean {fmt_float(worst[1])})"
+                                           if worst and len(result.layers) > 1 else "")))
+    padded = sum(layer.padded_rows for layer in result.layers)
+    nonfinite = sum(layer.nonfinite_rows for layer in result.layers)
+    ties = sum(layer.boundary_ties for layer in result.layers)
+    facts = [f"{padded:,} padded rows", f"{nonfinite:,} with non-finite logits", f"{ties:,} exact ties at the k-th pick"]
+    ids_only = [layer.layer for layer in result.layers if layer.ids_only]
+    if ids_only:
+        facts.append(f"{len(ids_only)} ids-only layer(s): load from the recorded ids, nothing compared")
+    console.print(Text("inputs: " + ", ".join(facts), style="dim"))
+    if result.latency:
+        shapes = sorted(result.latency, key=lambda x: -x.steps)[:SHAPES_SHOWN]
+        lat = table(f"Latency (µs, CUDA-graph replay): {len(shapes)} most frequent of {len(result.latency)} step shapes",
+                    ["tokens", "steps", "kernel p50", "p90", "reference p50", "speedup"])
+        for x in sorted(shapes, key=lambda x: x.num_tokens):
+            lat.add_row(f"{x.num_tokens:,}", f"{x.steps:,}", f"{x.kernel.p50_us:.2f}", f"{x.kernel.p90_us:.2f}",
+                        f"{x.reference.p50_us:.2f}", f"{x.speedup:.1f}x")
+        console.print(lat)
+    else:
+        console.print(Text(f"latency: {result.latency_note}", style="dim"))
+    if histogram_layer is not None:
+        layer = next(x for x in result.layers if x.layer == histogram_layer)
+        console.print(histogram_renderable(
+            layer.expert_counts,
+            f"Expert load, layer {layer.layer} ({'recorded' if layer.ids_only else 'kernel'} ids)"))
+    console.print(Text("--details: per-layer tables, every step shape's latency, the expert-load chart, more "
+                       "failing rows; --json for all numbers", style="dim"))
+
+
+def _failing_rows(result: ReplayResult, console: Console, limit: int) -> None:
+    """The first failing rows, each on two lines: where, class and reasons; expected against got,
+    ids and weights."""
+    failures = [(name, f) for name, s in result.totals().items() for f in s.failures]
+    if not failures:
+        return
+    console.print(Text(f"First failing rows ({min(limit, len(failures))} shown):", style="bold"))
+    for name, f in failures[:limit]:
+        console.print(user_text(f"  {_NAMES.get(name, name)}: layer {f.layer} step {f.step} row {f.row}: {f.row_class}"
+                                + (f" ({', '.join(f.reasons)})" if f.reasons else ""), style="red"))
+        console.print(Text(f"    expected ids {_values(f.expected_ids)}; w {_weights(f.expected_weights)}"))
+        console.print(Text(f"    got      ids {_values(f.test_ids)}; w {_weights(f.test_weights)}"))
+
+
+def _recorded_invalid_rows(result: ReplayResult, console: Console, limit: int) -> None:
+    rows = [r for layer in result.layers for r in layer.recorded_invalid_first]
+    if not rows:
+        return
+    total = sum(layer.recorded_invalid_rows for layer in result.layers)
+    console.print(Text(f"First invalid recorded rows ({min(limit, len(rows))} of {total:,}; ids-only layers, checked "
+                       "without logits):", style="bold"))
+    for r in rows[:limit]:
+        console.print(Text(f"  layer {r.layer} step {r.step} row {r.row} ({', '.join(r.reasons)}): ids "
+                           f"{_values(r.topk_ids)}; w {_weights(r.topk_weights)}", style="red"))
+
+
+def _recorded_invalid_layers(result: ReplayResult, console: Console) -> None:
+    for layer in [x for x in result.layers if x.recorded_invalid_rows][:LAYERS_SHOWN]:
+        why = ", ".join(f"{r}: {n:,}" for r, n in layer.recorded_invalid.items() if n)
+        console.print(Text(f"• layer {layer.layer}: {layer.recorded_invalid_rows:,} rows of the recorded outputs are "
+                           f"invalid ({why}); its load leaves them out", style="bold red"))
+
+
+def _load_source(result: ReplayResult) -> str:
+    ids_only = {layer.layer for layer in result.layers if layer.ids_only}
+    return ("recorded ids" if len(ids_only) == len(result.layers) else
+            "kernel ids; recorded ids on ids-only layers" if ids_only else "kernel ids")
+
+
+def _replay_verdict(result: ReplayResult, console: Console) -> None:
+    """The verdict line, with the numbers behind it (decided by ``result.verdict``)."""
+    k = result.totals().get("kernel_vs_reference")
+    # Nothing compared: every replayed layer is ids-only, or holds logits for no rows at all.
+    why = ("hold no logits" if all(layer.ids_only for layer in result.layers) else
+           "hold no rows" if not any(layer.ids_only for layer in result.layers) else
+           "hold no logits or no rows")
+    numbers = ""
+    if k is not None and k.rows:
+        numbers = (f" ({k.rows:,} rows: {k.exact:,} exact, {k.reordered:,} reordered, {k.tie_equivalent:,} "
+                   f"tie-equivalent, {k.padded:,} padded ok; {k.mismatch:,} mismatch, {k.invalid:,} invalid"
+                   + (f" [{_reasons(k)}]" if k.invalid else "") + f", {k.weight_rows_over_tolerance:,} weights out "
+                   "of tolerance)")
+    if result.verdict is Verdict.FAIL and result.compared_rows == 0:
+        console.print(Text(f"FAIL: the replayed layers {why}, and some recorded outputs are invalid; exit code 1",
+                           style="bold red"))
+    elif result.verdict is Verdict.NOTHING_CHECKED:
+        console.print(Text(f"NOTHING CHECKED: the replayed layers {why}", style="bold yellow"))
+    elif result.verdict is Verdict.PASS:
+        console.print(Text("PASS: no real mismatch, no invalid output, weights within tolerance" + numbers,
+                           style="bold green"))
+    else:
+        console.print(Text("FAIL: the kernel (or the recorded output) disagrees with the reference; exit code 1"
+                           + numbers, style="bold red"))
+
+
+def _replay_details(result: ReplayResult, console: Console, histogram_layer: int | None) -> None:
+    """Every table: the summary by comparison, per layer, latency per shape, the expert-load chart and the
+    failing rows."""
+    totals = result.totals()
+    summary = table("Summary: rows of all replayed layers", ["", *(_NAMES.get(n, n) for n in totals)], left=("",))
+    columns = [_summary_column(s) for s in totals.values()]
+    for i, label in enumerate(_SUMMARY_ROWS):
+        summary.add_row(label, *(col[i] for col in columns))
+    console.print(summary)
+    for name, s in totals.items():
+        if s.invalid:
+            console.print(Text(f"invalid rows ({_NAMES.get(name, name)}) by reason: {_reasons(s)}", style="red"))
+
+    per_layer = table("Per layer: kernel vs reference",
+                       ["layer", "tokens", "steps", "padded ok", "nonfinite", "exact", "reord", "tie-eq",
+                        "mism", "inval"])
+    for layer in result.layers:
+        s = layer.kernel_vs_reference
+        if layer.ids_only:  # nothing compared: no logits
+            per_layer.add_row(str(layer.layer), f"{layer.num_tokens:,}", str(layer.num_steps), *["-"] * 7)
+            continue
+        pad_ok = layer.padded_rows_ok == layer.padded_rows
+        per_layer.add_row(
+            str(layer.layer), f"{layer.num_tokens:,}", str(layer.num_steps),
+            Text(f"{layer.padded_rows_ok:,}/{layer.padded_rows:,}", style="" if pad_ok else "bold red"),
+            _count(layer.nonfinite_rows), _count(s.exact), _count(s.reordered), _count(s.tie_equivalent),
+            _count(s.mismatch, bad=True), _count(s.invalid, bad=True),
+        )
+    console.print(per_layer)
+
+    load_table = table("Per layer: weights, k-th boundary, expert load (padded rows excluded)",
+                        ["layer", "max|Δw|", "min margin", "ties@k", "max/mean", "CV", "idle", "hottest e:tokens"],
+                        left=("hottest e:tokens",))
+    for layer in result.layers:
+        load = layer.load
+        hot = ", ".join(f"{e}:{c}" for e, c in load.hottest[:3]) if load else "-"
+        load_table.add_row(
+            str(layer.layer), fmt_float(layer.kernel_vs_reference.weight_max_abs_err),
+            fmt_float(layer.min_margin), _count(layer.boundary_ties),
+            fmt_float(load.imbalance) if load else "-", fmt_float(load.cv) if load else "-",
+            str(len(load.idle)) if load else "-", hot,
+        )
+    console.print(load_table)
+
+    findings = []
+    ids_only = [layer.layer for layer in result.layers if layer.ids_only]
+    if ids_only:
+        findings.append(f"layer(s) {', '.join(map(str, ids_only))} hold no logits (an ids-only trace): the kernel/"
+                        "reference comparison, k-th margins and latency are skipped there; their load comes from the "
+                        "recorded ids (`routetool balance` analyses such traces in depth)")
+    _recorded_invalid_layers(result, console)
+    nonfinite = sum(layer.nonfinite_rows for layer in result.layers)
+    if nonfinite:
+        findings.append(f"{nonfinite:,} rows have non-finite logits (NaN/inf); the reference routes them by the "
+                        "documented safe rule (docs/semantics.md)")
+    recorded = [layer for layer in result.layers if layer.reference_vs_recorded is not None]
+    if recorded:
+        findings.append(f"{len(recorded)} layer(s) carry recorded production outputs; compared above")
+        if result.weights_semantics == "unnormalized":
+            findings.append("recorded weights are unnormalized top-k scores: compared with the reference's raw "
+                            "scores; kernel vs recorded compares ids only")
+    for text in findings:
+        console.print(Text("• " + text, style="yellow"))
+
+    if result.latency:
+        lat = table("Latency per step shape (µs, CUDA-graph replay)",
+                     ["tokens", "steps", "kernel p10", "p50", "p90", "reference p50", "speedup"])
+        for s in result.latency:
+            lat.add_row(f"{s.num_tokens:,}", str(s.steps), f"{s.kernel.p10_us:.2f}", f"{s.kernel.p50_us:.2f}",
+                        f"{s.kernel.p90_us:.2f}", f"{s.reference.p50_us:.2f}", f"{s.speedup:.1f}x")
+        console.print(lat)
+        console.print(Text(result.latency_note, style="dim"))
+    else:
+        console.print(Text(f"Latency: {result.latency_note}", style="dim"))
+
+    source = _load_source(result)
+    if histogram_layer is None:
+        console.print(histogram_renderable(result.total_counts, f"Expert load, all replayed layers ({source})"))
+        tl = result.total_load
+        console.print(Text(f"all layers: max/mean {fmt_float(tl.imbalance)}, CV {fmt_float(tl.cv)}, "
+                           f"idle experts {len(tl.idle)}", style="dim"))
+    else:
+        layer = next(x for x in result.layers if x.layer == histogram_layer)
+        console.print(histogram_renderable(
+            layer.expert_counts,
+            f"Expert load, layer {layer.layer} ({'recorded' if layer.ids_only else 'kernel'} ids)"))
+        if layer.load:
+            idle = ", ".join(map(str, layer.load.idle[:20])) + (" ..." if len(layer.load.idle) > 20 else "")
+            console.print(Text(f"layer {layer.layer}: max/mean {fmt_float(layer.load.imbalance)}, CV "
+                               f"{fmt_float(layer.load.cv)}, idle experts: {idle or 'none'}", style="dim"))
+
+    _failing_rows(result, console, 10)
+    _recorded_invalid_rows(result, console, 10)
+
+
+def _summary_json(s: ComparisonSummary) -> dict:
+    d = asdict(s)
+    d["ok"] = s.ok
+    return d
+
+
+def replay_json(result: ReplayResult) -> dict:
+    """The replay result as the documented JSON document (docs/json-schema.md)."""
+    import torch
+    import triton
+
+    r = result.router
+    return {
+        "schema": REPLAY_SCHEMA,
+        "trace": result.trace,
+        "model": result.model,
+        "provenance": result.provenance,
+        "router": asdict(r),
+        "kernel": result.kernel,
+        "execution": {
+            "device": str(result.execution.device),
+            "device_name": result.execution.device_name,
+            "interpreted": result.execution.interpreted,
+            "torch_version": torch.__version__,
+            "triton_version": triton.__version__,
+        },
+        "tie_tolerance_ulps": result.tie_ulps,
+        "weights_semantics": result.weights_semantics,
+        "verdict": result.verdict.value,
+        "exit_code": result.verdict.exit_code,
+        "totals": {name: _summary_json(s) for name, s in result.totals().items()},
+        "layers": [
+            {
+                "layer": layer.layer,
+                "ids_only": layer.ids_only,
+                "recorded_invalid": layer.recorded_invalid,
+                "recorded_invalid_rows": layer.recorded_invalid_rows,
+                "recorded_invalid_first_rows": [asdict(r) for r in layer.recorded_invalid_first],
+                "num_tokens": layer.num_tokens,
+                "num_steps": layer.num_steps,
+                "padded_rows": layer.padded_rows,
+                "padded_rows_ok": layer.padded_rows_ok,
+                "nonfinite_rows": layer.nonfinite_rows,
+                "nonfinite_padded_rows": layer.nonfinite_padded_rows,
+                "min_boundary_margin": layer.min_margin,
+                "boundary_ties": layer.boundary_ties,
+                "comparisons": {name: _summary_json(s) for name, s in layer.comparisons().items()},
+                "load": load_json(layer.load),
+                "expert_counts_tokens": layer.expert_counts,
+            }
+            for layer in result.layers
+        ],
+        "load_all_layers": {**(load_json(result.total_load) or {}), "expert_counts_tokens": result.total_counts},
+        "latency": {
+            "measured": result.latency is not None,
+            "note": result.latency_note,
+            "shapes": [
+                {
+                    "num_tokens": s.num_tokens,
+                    "steps": s.steps,
+                    "timed_layer": s.layer,
+                    "timed_step": s.step,
+                    "kernel_latency_us": {"p10": s.kernel.p10_us, "p50": s.kernel.p50_us, "p90": s.kernel.p90_us},
+                    "reference_latency_us": {"p10": s.reference.p10_us, "p50": s.reference.p50_us,
+                                             "p90": s.reference.p90_us},
+                    "speedup_p50": s.speedup,
+                }
+                for s in (result.latency or [])
+            ],
+        },
+    }
+
+
