@@ -3,46 +3,24 @@ pipes), and the registration of the commands, one thin module each."""
 
 from __future__ import annotations
 
-
 import contextlib
-
-
 import os
-
-
 import signal
-
-
 import sys
-
-
 import threading
-
-
 from collections.abc import Iterator
-
-
-
 
 import click
 
-
-
-
 from routetool import __version__
-
-
-
-
-
-
-from routetool.errors import EXIT_OK, EXIT_SIGNAL, EXIT_USAGE, RouteToolError, Terminated, printable
-
-
-
-
-
-
+from routetool.errors import (
+    EXIT_OK,
+    EXIT_SIGNAL,
+    EXIT_USAGE,
+    RouteToolError,
+    Terminated,
+    printable,
+)
 
 
 def _raise_terminated(signum: int, frame) -> None:

@@ -2,47 +2,18 @@
 
 from __future__ import annotations
 
-
-
-
-
-
-
-
 import sys
-
-
-
-
-
-
 from pathlib import Path
-
 
 import click
 
-
-
-
-
-
-from routetool.cli.numbers import FloatRange
-
-
-from routetool.cli.paths import PATH, PATH_TEXT
-
-
-from routetool.errors import EXIT_FINDINGS, EXIT_OK, RouteToolError
-
-
-from routetool.engine.execution import kernel_source, kernel_stdout
-
-
-from routetool.report.tables import Console
-
-
-from routetool.numtext import list_items, refuse_repeats
 from routetool.cli.common import _finite, _int_list, _progress
+from routetool.cli.numbers import FloatRange
+from routetool.cli.paths import PATH, PATH_TEXT
+from routetool.engine.execution import kernel_source, kernel_stdout
+from routetool.errors import EXIT_FINDINGS, EXIT_OK, RouteToolError
+from routetool.numtext import list_items, refuse_repeats
+from routetool.report.tables import Console
 
 
 @click.command()
@@ -78,7 +49,14 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
     """
     import torch
 
-    from routetool.analysis.bench import DTYPES, MAX_TOKENS, check_fits, resolve_kernels, run_bench, trace_step_shapes
+    from routetool.analysis.bench import (
+        DTYPES,
+        MAX_TOKENS,
+        check_fits,
+        resolve_kernels,
+        run_bench,
+        trace_step_shapes,
+    )
     from routetool.engine.execution import select_execution
     from routetool.io.files import check_output_paths
     from routetool.report.bench import bench_csv, bench_json, render_bench

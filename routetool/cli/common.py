@@ -3,42 +3,18 @@ options."""
 
 from __future__ import annotations
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 import click
-
-
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-
-
-
-
-
-
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 from routetool.errors import RouteToolError
-
-
-
-
-from routetool.report.tables import Console
-
-
 from routetool.numtext import list_items, parse_int, refuse_repeats
+from routetool.report.tables import Console
 
 
 def _progress(enabled: bool) -> Progress:

@@ -2,46 +2,17 @@
 
 from __future__ import annotations
 
-
-
-
-
-
-
-
 import sys
-
-
-
-
-
-
 from pathlib import Path
-
 
 import click
 
-
-
-
-
-
-from routetool.cli.numbers import INT, FloatRange
-
-
-from routetool.cli.paths import PATH, PATH_TEXT
-
-
-from routetool.errors import RouteToolError
-
-
-from routetool.engine.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
-
-
-from routetool.report.tables import Console, markup_safe
-
-
 from routetool.cli.common import _finite, _progress
+from routetool.cli.numbers import INT, FloatRange
+from routetool.cli.paths import PATH, PATH_TEXT
+from routetool.engine.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
+from routetool.errors import RouteToolError
+from routetool.report.tables import Console, markup_safe
 
 
 @click.command()
@@ -78,11 +49,11 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
 
     require_input(trace)  # usage errors before torch is imported
     check_output_paths([json_path], force=force, inputs=[trace, kernel_source(kernel_spec)])
+    from routetool.analysis.replay import parse_layers, replay_trace
     from routetool.engine.execution import load_kernel, select_execution
+    from routetool.io.trace import open_trace
     from routetool.report.formats import write_json
     from routetool.report.replay import render_replay, replay_json
-    from routetool.analysis.replay import parse_layers, replay_trace
-    from routetool.io.trace import open_trace
 
     execution = select_execution(device)
     # a kernel's print() must not mix into the JSON on stdout

@@ -3,46 +3,17 @@ with the result's code."""
 
 from __future__ import annotations
 
-
-
-
-
-
-
-
 import sys
-
-
-
-
-
-
 from pathlib import Path
-
 
 import click
 
-
-
-
-
-
-from routetool.cli.numbers import FloatRange
-
-
-from routetool.cli.paths import PATH, PATH_TEXT
-
-
-from routetool.errors import RouteToolError
-
-
-from routetool.engine.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
-
-
-from routetool.report.tables import Console, markup_safe
-
-
 from routetool.cli.common import _finite, _progress
+from routetool.cli.numbers import FloatRange
+from routetool.cli.paths import PATH, PATH_TEXT
+from routetool.engine.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
+from routetool.errors import RouteToolError
+from routetool.report.tables import Console, markup_safe
 
 
 @click.command()
@@ -80,13 +51,13 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     check_output_paths([json_path, junit_path], force=force, inputs=[*traces, kernel_source(kernel_spec)])
     if suite == "none" and not traces:
         raise RouteToolError("nothing to validate: --suite none and no trace given", fix="give a trace or a suite")
-    from routetool.engine.execution import load_kernel, select_execution
-    from routetool.report.formats import write_json, write_text
-    from routetool.report.validate import render_validate, validate_json, validate_junit
     from routetool.analysis.suite import build_suite
-    from routetool.io.trace import open_trace
     from routetool.analysis.validate import trace_labels
     from routetool.analysis.validate import validate as run_validate
+    from routetool.engine.execution import load_kernel, select_execution
+    from routetool.io.trace import open_trace
+    from routetool.report.formats import write_json, write_text
+    from routetool.report.validate import render_validate, validate_json, validate_junit
 
     try:
         cases = [] if suite == "none" else build_suite(suite, list(families) or None)

@@ -2,45 +2,11 @@
 
 from __future__ import annotations
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+from typing import TYPE_CHECKING
 
 from rich.panel import Panel
 
-
-
-
-
-
-from typing import TYPE_CHECKING
-
-
-
-
-
-
 from routetool.report.tables import Console, table, user_text
-
 
 if TYPE_CHECKING:  # the types of the results rendered here; importing them would import torch
     pass

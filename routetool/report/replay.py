@@ -3,54 +3,30 @@ table (``--details``); and its JSON document (docs/replay-json.md)."""
 
 from __future__ import annotations
 
-
-
-
-
-
-
-
-
-
-
-
-
-
 from dataclasses import asdict
-
-
-
-
-
-
-
-
-
-
-from rich.panel import Panel
-
-
-from rich.table import Table
-
-
-from rich.text import Text
-
-
 from typing import TYPE_CHECKING
 
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
 
 from routetool.engine.verdict import Verdict
-
-
-
-
 from routetool.report.formats import load_json
-from routetool.report.tables import Console, _count, _values, _weights, fmt_float, histogram_renderable, router_line, table, user_text
-
+from routetool.report.tables import (
+    Console,
+    _count,
+    _values,
+    _weights,
+    fmt_float,
+    histogram_renderable,
+    router_line,
+    table,
+    user_text,
+)
 
 if TYPE_CHECKING:  # the types of the results rendered here; importing them would import torch
-    from routetool.engine.compare import ComparisonSummary
     from routetool.analysis.replay import ReplayResult
+    from routetool.engine.compare import ComparisonSummary
 
 
 REPLAY_SCHEMA = "routetool.replay/1"

@@ -3,55 +3,21 @@ word, terminal bars, and a row's ids and weights written compactly."""
 
 from __future__ import annotations
 
-
 import copy
-
-
 import errno
-
-
-
-
 import math
-
-
 import os
-
-
-
-
 from dataclasses import replace
-
-
-
-
-from rich import box
-
-
-from rich.console import Console as RichConsole
-
-
-from rich.console import Group
-
-
-from rich.panel import Panel
-
-
-from rich.table import Table
-
-
-from rich.text import Text
-
-
 from typing import TYPE_CHECKING
 
-
-
+from rich import box
+from rich.console import Console as RichConsole
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
 
 from routetool.errors import printable
-
-
-
 
 if TYPE_CHECKING:  # the types of the results rendered here; importing them would import torch
     pass

@@ -3,51 +3,17 @@ one screen; its JSON and JUnit documents (docs/validate.md)."""
 
 from __future__ import annotations
 
-
-
-
-
-
-
-
 import math
-
-
-
-
-
-
 from dataclasses import asdict
-
-
-
-
-
-
-
-
-
-
-from rich.panel import Panel
-
-
-
-
-from rich.text import Text
-
-
 from typing import TYPE_CHECKING
 
+from rich.panel import Panel
+from rich.text import Text
 
 from routetool.engine.verdict import Verdict
-
-
 from routetool.errors import printable
-
-
 from routetool.report.formats import xml_safe
 from routetool.report.tables import Console, _count, _values, _weights, table, user_text
-
 
 if TYPE_CHECKING:  # the types of the results rendered here; importing them would import torch
     pass
