@@ -1,10 +1,11 @@
 """Load-balance analysis: experts, expert-parallel ranks, EPLB what-if, bias, capacity.
 
-Streams a routing source layer by layer and step by step (a trace through
-:class:`routetool.io.trace.Trace`, or an imported dump), keeps per layer only ``[E]``-sized
+Streams a routing source layer by layer in chunks of consecutive steps (a trace through
+:mod:`routetool.engine.stream`, or an imported dump), keeps per layer only ``[E]``-sized
 accumulators plus one scalar per step and EP configuration, and runs the statistics with
-torch on the chosen device (``cuda`` when there is one): the expert histogram of a step is
-one ``bincount``/``index_add_``, EP rank loads one ``[E] @ [E, N]`` product. Nothing here
+torch on the chosen device (``cuda`` when there is one), a chunk at a time with no host sync
+per step: the ``[steps, E]`` histogram of a chunk is one ``index_add_``, its EP rank loads one
+``[steps, E] @ [E, N]`` product. A kernel under test still runs once per captured step. Nothing here
 prints; results are dataclasses rendered by :mod:`routetool.report.balance`.
 
 Definitions (docs/balance.md):
@@ -288,18 +289,6 @@ class InvalidRows:
         return "hold " + " and ".join(words.get(r, r) for r in self.reasons)
 
 
-def first_invalid_row(ids: torch.Tensor, reasons: torch.Tensor, step: int, row_start: int) -> InvalidRows | None:
-    """The invalid rows of one step's ``ids`` ``[n, K]``, given their ``reasons`` ``[n, R]`` (from
-    :func:`routetool.engine.compare.invalid_reasons`), or None when there are none. Reads back to the host."""
-    bad = reasons.any(-1)
-    count = int(bad.sum())
-    if not count:
-        return None
-    r = int(torch.nonzero(bad)[0, 0])
-    return InvalidRows(rows=count, step=step, row=row_start + r, ids=[int(v) for v in ids[r].tolist()],
-                       reasons=[name for name, on in zip(INVALID_REASONS, reasons[r].tolist()) if on])
-
-
 _FIX_KERNEL = "fix the kernel (check it with `routetool validate`), or use --reference"
 
 
@@ -369,15 +358,6 @@ def _phase(num_tokens: int, padded: int, decode_max_tokens: int) -> str:
 
 def _mask(ids: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
     return ids if padding is None else ids.masked_fill(padding[:, None], -1)
-
-
-def _count_step(ids: torch.Tensor, num_experts: int, padding: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if padding is not None:
-        ids = ids.masked_fill(padding[:, None], -1)
-    counts, uncounted = count_experts(ids, num_experts)
-    if padding is not None:
-        uncounted = uncounted - padding.sum() * ids.shape[1]
-    return counts, uncounted
 
 
 class TraceSource(Source):
@@ -1057,7 +1037,7 @@ def analyze_balance(
             recorded or imported ids that are invalid (out of range, -1, one expert twice),
             named by layer, step and row.
         KernelError: the routing function failed or returned wrong or invalid outputs
-            (:func:`call_route`).
+            (the one kernel contract, :mod:`routetool.engine.contract`), or invalid ids.
     """
     device = torch.device(device)
     E = source.num_experts

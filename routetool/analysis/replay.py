@@ -1,6 +1,7 @@
-"""Replay a trace through a routing kernel and the reference, layer by layer, step by step.
+"""Replay a trace through a routing kernel and the reference, layer by layer.
 
-Streams one step at a time from disk (see :class:`routetool.io.trace.Trace`); per layer it
+The kernel runs once per captured step, on that step's rows; the reference, the comparison and
+the counts run per chunk of consecutive steps (:mod:`routetool.engine.stream`). Per layer it
 keeps only counters and a ``[E]`` histogram, so trace size is bounded by disk, not memory.
 """
 
