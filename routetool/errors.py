@@ -54,6 +54,10 @@ class RouteToolError(Exception):
         self.tensor = tensor
         self.fix = fix
 
+    def __reduce__(self):
+        """Pickled as its text and attributes, so that it can travel between processes (torchrun)."""
+        return _restore, (type(self), str(self), dict(self.__dict__))
+
 
 class KernelError(RouteToolError):
     """The kernel under test crashed, wrote into its inputs, or returned outputs of the wrong shape,
@@ -82,6 +86,13 @@ class KernelRejection(RouteToolError):
     """
 
     failure_class = "rejected_documented"
+
+
+def _restore(cls: type, text: str, state: dict) -> RouteToolError:
+    err = Exception.__new__(cls)
+    Exception.__init__(err, text)
+    err.__dict__.update(state)
+    return err
 
 
 def printable(text: str) -> str:

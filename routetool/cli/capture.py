@@ -171,21 +171,30 @@ def _std(ctx, param, value):
               help="Rows per layer given a NaN and a +inf logit (at most the unpadded rows not taken by --ties).")
 @click.option("--seed", type=IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed (0 to 2**63-1).")
 @click.option("--model", "model_name", default="synthetic", show_default=True, help="Model name in the metadata.")
+@click.option("--ranks", "num_ranks", type=IntRange(1, 1024), default=1, show_default=True,
+              help="Data-parallel ranks: above 1, OUT is a run folder of rank-<r>/trace.safetensors, rank r "
+                   "drawn with seed + r.")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: float, normalization: str,
           multiplier: float | None, eps: float | None, dtype: str, prefill: str, decode_steps: int,
           max_decode_batch: int, padding: str, order: str, skew: str, affinity: float | None, bias: str,
-          bias_rate: float, fit_steps: int, ties: int, nonfinite: int, seed: int, model_name: str, force: bool,
-          progress: bool) -> None:
+          bias_rate: float, fit_steps: int, ties: int, nonfinite: int, seed: int, model_name: str, num_ranks: int,
+          force: bool, progress: bool) -> None:
     """Write a synthetic trace with controlled shape, skew, padding, ties and bias.
 
     Deterministic for a given seed. Prints the realised statistics per layer (tokens,
     padded and non-finite rows, exact ties at the k-th boundary, max/mean load without and
     with the bias, the imbalance target and the affinity used), and a warning for targets
     the model cannot make. The model of the logits and the size limits are in docs/capture.md.
+
+    With --ranks N, OUT is a run folder (docs/trace-format.md) of N data-parallel ranks, each a
+    trace of the same shape drawn with its own seed and its rank in the metadata, as a
+    multi-process capture writes them; the statistics shown are rank 0's.
     """
-    from routetool.io.files import check_output_paths
+    import dataclasses
+
+    from routetool.io.files import check_output_folder, check_output_paths, path_kind
     from routetool.report.capture import render_synth
     from routetool.capture.synth import (
         SynthSpec,
@@ -197,7 +206,20 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
     )
     from routetool.io.trace import RouterConfig, write_trace
 
-    check_output_paths([out], force=force, allow_stdout=False)
+    outs = [out] if num_ranks == 1 else [out / f"rank-{r}" / "trace.safetensors" for r in range(num_ranks)]
+    if num_ranks > 1:
+        kind = path_kind(out)
+        if kind not in ("missing", "folder"):
+            raise RouteToolError("is not a folder, and a run folder of --ranks goes there", path=out,
+                                 fix="name a new folder, or drop --ranks")
+        check_output_folder(out.parent)
+        for o in outs:
+            if path_kind(o.parent) == "folder":
+                check_output_paths([o], force=force, allow_stdout=False)
+            elif path_kind(o.parent) != "missing":
+                raise RouteToolError("is in the way of a rank folder", path=o.parent, fix="choose another output folder")
+    else:
+        check_output_paths([out], force=force, allow_stdout=False)
     spec = SynthSpec(
         num_layers=num_layers,
         router=RouterConfig(num_experts=num_experts, topk=topk, route_scale=route_scale,
@@ -211,16 +233,26 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
     if click.get_current_context().get_parameter_source("ties") == click.core.ParameterSource.DEFAULT:
         spec = with_default_ties(spec)  # the default, not the user, asked for 4: a smaller trace holds fewer
     total = synth_work(spec)  # checks the spec and its sizes before any work
+    stats = None
     with _progress(progress, percent=True) as bar:
-        task = bar.add_task(markup_safe(f"synth {out.name}"), total=total)
-        result = generate(spec, progress=lambda n: bar.advance(task, n))
-        stats = synth_stats(result.meta, result.layers, result.calibration, progress=lambda n: bar.advance(task, n))
-        bar.update(task, description=f"write {out.name}")
-        write_trace(out, result.meta, result.layers, force=force)
-    render_synth(str(out), stats, Console())
+        task = bar.add_task(markup_safe(f"synth {out.name}"), total=total * num_ranks)
+        for r, target in enumerate(outs):
+            rank_spec = spec if num_ranks == 1 else dataclasses.replace(spec, seed=(seed + r) % (MAX_SEED + 1))
+            result = generate(rank_spec, progress=lambda n: bar.advance(task, n))
+            meta = result.meta
+            if num_ranks > 1:
+                layout = {"rank": r, "world_size": num_ranks, "dp_rank": r, "dp_size": num_ranks}
+                meta = dataclasses.replace(meta, extra={**meta.extra, **{k: str(v) for k, v in layout.items()},
+                                                        "rank_source": "synth"})
+                target.parent.mkdir(parents=True, exist_ok=True)
+            if r == 0:
+                stats = synth_stats(meta, result.layers, result.calibration, progress=lambda n: bar.advance(task, n))
+            bar.update(task, description=f"write {target.name}")
+            write_trace(target, meta, result.layers, force=force)
+    render_synth(str(outs[0]), stats, Console())
     for line in synth_warnings(stats):
         _warn(line)
-    click.echo(printable(f"wrote {out}"), err=True)
+    click.echo(printable(f"wrote {out}" + (f" ({num_ranks} ranks)" if num_ranks > 1 else "")), err=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,8 +268,9 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
 def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: bool) -> None:
     """Show what TRACE holds: metadata, provenance, layers, steps, shapes, dtypes, sizes.
 
-    TRACE is a .safetensors trace or a sharded trace's index (.json). Reads headers only
-    (fast on any size) unless --scan is given.
+    TRACE is a .safetensors trace, a sharded trace's index (.json) or a run folder of
+    rank-<r>/ traces (one row per rank). Reads headers only (fast on any size) unless --scan
+    is given.
     """
     from routetool.io.files import check_output_paths, require_input
 
@@ -245,17 +278,21 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
     check_output_paths([json_path], force=force, inputs=[trace])
     from routetool.io.info import check_trace_file, trace_info
     from routetool.report.formats import write_json
-    from routetool.report.capture import info_json, render_info
-    from routetool.io.trace import open_trace
+    from routetool.io.run import open_input
+    from routetool.report.capture import info_json, render_info, render_run_info, run_info_json
 
     check_trace_file(trace)
-    with open_trace(trace) as t:
+    with open_input(trace) as run:
         with _progress(progress and scan) as bar:
-            task = bar.add_task(markup_safe(f"scan {trace.name}"), total=t.total_tokens)
-            result = trace_info(t, scan=scan, progress=lambda n: bar.advance(task, n))
-    render_info(result, Console(stderr=json_path == "-"))
+            task = bar.add_task(markup_safe(f"scan {trace.name}"), total=sum(r.trace.total_tokens for r in run.ranks))
+            infos = [trace_info(r.trace, scan=scan, progress=lambda n: bar.advance(task, n)) for r in run.ranks]
+    console = Console(stderr=json_path == "-")
+    if run.is_run:
+        render_run_info(run, infos, console)
+    else:
+        render_info(infos[0], console)
     if json_path is not None:
-        write_json(info_json(result), json_path, sys.stdout)
+        write_json(run_info_json(run, infos) if run.is_run else info_json(infos[0]), json_path, sys.stdout)
 
 
 # ---------------------------------------------------------------------------------------

@@ -318,6 +318,10 @@ def detect_format(path: Path) -> str:
     require_input(path, what="file or folder")
     _refuse_special_files(path)
     if path_kind(path) == "folder":
+        from routetool.io.run import is_run_folder
+
+        if is_run_folder(path):
+            return "trace"  # a run folder of rank-<r>/ traces (routetool.io.run)
         try:
             kinds = {p.suffix.lower() for p in path.iterdir() if not p.name.startswith(".") and path_kind(p) == "file"}
         except OSError as exc:

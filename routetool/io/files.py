@@ -215,6 +215,14 @@ def check_output_folder(folder: str | os.PathLike) -> None:
     raise RouteToolError("folder does not exist", path=folder, fix="create it first")
 
 
+def _json_files(folder: Path) -> list[Path]:
+    """The ``.json`` files directly in ``folder`` (indexes whose shards an output must not replace)."""
+    try:
+        return [Path(e.path) for e in os.scandir(folder) if e.name.lower().endswith(".json") and e.is_file()]
+    except OSError:
+        return []
+
+
 def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = True) -> None:
     """Fail before any work when an output cannot be written or would destroy data.
 
@@ -222,7 +230,8 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
         outputs: output paths (None entries are ignored; ``-`` means stdout when allowed).
         force: allow replacing existing files (never an input, never twice in one run).
         inputs: the run's input paths (a sharded trace's index stands for its shard files
-            too, a folder for the files directly in it); no output may be one of them.
+            too, a folder for the files directly in it and a run folder for its ranks' traces);
+            no output may be one of them.
         allow_stdout: whether ``-`` is accepted.
 
     Raises:
@@ -233,9 +242,12 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
             belongs (:func:`check_output_folder`); an output or input path that cannot be
             examined (a loop of symbolic links, a NUL byte: :func:`path_kind`).
     """
-    from routetool.io.sharded import listed_shard_files  # (sharded imports this module)
+    from routetool.io.run import rank_folders  # (run and sharded import this module)
+    from routetool.io.sharded import listed_shard_files
 
     protected = [Path(i) for i in inputs if i is not None and str(i) != "-"]
+    protected += [folder for i in list(protected) for folder in rank_folders(i)]  # a run folder's ranks
+    protected += [index for i in list(protected) if path_kind(i) == "folder" for index in _json_files(i)]
     protected += [shard for i in list(protected) for shard in listed_shard_files(i)]
     seen: list[Path] = []
     for out in outputs:

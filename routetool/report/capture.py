@@ -114,6 +114,46 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
                            style="dim"))
 
 
+def render_run_info(run, infos: list[TraceInfo], console: Console) -> None:
+    """Print ``routetool info`` of a run folder: the run, its router, and one row per rank
+    (``routetool info RUN/rank-<r>/...`` shows a rank in full)."""
+    first = infos[0]
+    header = Table.grid(padding=(0, 2))
+    header.add_row("run", user_text(str(run.display_path)))
+    worlds = {r.layout.get("world_size") for r in run.ranks} - {None}
+    header.add_row("ranks", f"{len(run.ranks)}" + (f" of a run of {worlds.pop()}" if len(worlds) == 1 else "")
+                            + f", size {fmt_bytes(sum(i.size_bytes for i in infos))}")
+    header.add_row("model", user_text(first.model or "-"))
+    header.add_row("router", router_line(first.router, first.metadata.get("router_parameters")))
+    header.add_row("tokens", f"{sum(i.total_tokens for i in infos):,} rows in {sum(i.total_steps for i in infos):,} "
+                             "layer-steps, all ranks")
+    console.print(Panel(header, title="routetool info", expand=False))
+    columns = ["rank", "role", "layout", "layers", "steps", "tokens", "size", "recorded"]
+    if first.scanned:
+        columns += ["padded", "nonfinite"]
+    tbl = table("Per rank", columns, left=("rank", "role", "layout", "recorded"))
+    for r, i in zip(run.ranks, infos):
+        idx = i.index or {}
+        layout = (f"{idx.get('num_shards')} shards" + ("" if idx.get("complete") else ", INCOMPLETE")) if i.sharded \
+            else "one file"
+        steps = {x.num_steps for x in i.layers}
+        row = [r.label, r.role or "-", layout, f"{len(i.layers)}", f"{steps.pop():,}" if len(steps) == 1 else "varies",
+               f"{i.total_tokens:,}", fmt_bytes(i.size_bytes), i.recorded_outputs]
+        if first.scanned:
+            row += [f"{i.padded_rows:,}", f"{i.nonfinite_rows:,}"]
+        tbl.add_row(*row)
+    console.print(tbl)
+    for note in run.notes:
+        console.print(user_text(f"note: {note}", style="yellow"))
+    console.print(Text("Each rank in full: routetool info RUN/rank-<r>/<trace>", style="dim"))
+
+
+def run_info_json(run, infos: list[TraceInfo]) -> dict:
+    """The ``routetool info --json`` document of a run folder: the run and each rank's document."""
+    return {"schema": INFO_SCHEMA, "run": str(run.display_path), "notes": run.notes,
+            "ranks": [{"rank": r.rank, "layout": r.layout, **info_json(i)} for r, i in zip(run.ranks, infos)]}
+
+
 def info_json(info: TraceInfo) -> dict:
     """The ``routetool info --json`` document (schema ``routetool.info/1``, docs/capture.md)."""
     return {

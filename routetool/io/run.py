@@ -1,0 +1,262 @@
+"""Inputs of several ranks: a run folder (one trace per process of a parallel run) read as one input.
+
+A capture from a multi-process engine (the vLLM plugin, or ``RoutingRecorder`` with ``{rank}``
+in its output path) is a *run folder* (docs/trace-format.md, "Run folders")::
+
+    RUN/rank-0/trace.json   (+ its shards)     one trace per rank: a sharded trace's index,
+    RUN/rank-1/trace.json                      or one .safetensors file
+    ...
+
+:func:`open_input` opens what every trace-reading command takes, a trace file, an index or a
+run folder, as a :class:`RunInput` of one or more :class:`RankTrace`; a plain trace is a run
+of one rank whose ``rank`` is None. Each rank's trace is read as a trace by itself
+(:func:`routetool.io.trace.open_trace`); the ranks must agree on the router (``num_experts``,
+``topk``, scale, normalization, multiplier, eps) and on ``weights_semantics``.
+
+Which ranks routed the same tokens (:meth:`RunInput.token_groups`): the ranks of one
+data-parallel rank (its tensor-parallel peers, same ``dp_rank`` in the metadata) route the
+same tokens, so a global expert load counts one of them (the lowest rank); ranks of different
+DP ranks route different tokens and add. A rank whose ``dp_rank`` is unknown (a plain torchrun
+job records none) counts as a data-parallel rank of its own: its load adds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from routetool.errors import RouteToolError
+from routetool.io.files import path_kind
+
+RANK_FOLDER = re.compile(r"rank-(0|[1-9][0-9]{0,5})")
+"""A rank folder's name: ``rank-<r>``, ``r`` in plain decimal digits."""
+
+LAYOUT_FIELDS = ("rank", "world_size", "local_rank", "dp_rank", "dp_size", "tp_rank", "tp_size",
+                 "ep_rank", "ep_size", "pp_rank", "pp_size")
+"""The parallel-layout metadata a recorder writes (:class:`routetool.capture.ranks.RankInfo`)."""
+
+_SAME_ROUTER = ("num_experts", "topk", "route_scale", "router_score_normalization", "router_output_multiplier",
+                "router_score_division_eps")
+
+
+@dataclass
+class RankTrace:
+    """One rank's trace of a run.
+
+    Attributes:
+        rank: the global rank (from the folder's name), or None for a plain trace.
+        trace: the open trace (:class:`~routetool.io.trace.Trace` or a sharded trace).
+        layout: the known layout fields (:data:`LAYOUT_FIELDS`) from the trace's metadata.
+    """
+
+    rank: int | None
+    trace: object
+    layout: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """``rank-<r>`` (empty for a plain trace)."""
+        return "" if self.rank is None else f"rank-{self.rank}"
+
+    @property
+    def role(self) -> str:
+        """The rank's place in words, e.g. ``dp 1 tp 0``; empty when nothing is known."""
+        parts = [f"{name} {self.layout[f'{name}_rank']}" for name in ("dp", "tp", "ep", "pp")
+                 if f"{name}_rank" in self.layout]
+        return " ".join(parts)
+
+
+def _layout(meta_extra) -> dict[str, int]:
+    out = {}
+    for name in LAYOUT_FIELDS:
+        value = meta_extra.get(name)
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            out[name] = int(value)
+    return out
+
+
+def is_run_folder(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a folder holding at least one ``rank-<r>`` folder."""
+    p = Path(path)
+    if path_kind(p) != "folder":
+        return False
+    try:
+        return any(RANK_FOLDER.fullmatch(e.name) and e.is_dir() for e in os.scandir(p))
+    except OSError:
+        return False
+
+
+def rank_folders(path: str | os.PathLike) -> list[Path]:
+    """The ``rank-<r>`` folders of a run folder (none for anything else), for protecting inputs."""
+    if not is_run_folder(path):
+        return []
+    try:
+        return [Path(e.path) for e in os.scandir(path) if RANK_FOLDER.fullmatch(e.name) and e.is_dir()]
+    except OSError:
+        return []
+
+
+def _rank_trace_path(folder: Path, shown: Path) -> Path:
+    """The one trace of a rank folder: its ``*.json`` index, else its one ``.safetensors`` file."""
+    try:
+        names = sorted(e.name for e in os.scandir(folder) if e.is_file())
+    except OSError as exc:
+        raise RouteToolError(f"cannot list the rank folder ({exc.strerror or exc})", path=shown,
+                             fix="check its permissions") from None
+    indexes = [n for n in names if n.lower().endswith(".json")]
+    files = [n for n in names if n.lower().endswith(".safetensors")]
+    if len(indexes) == 1:
+        return folder / indexes[0]
+    if len(indexes) > 1:
+        raise RouteToolError(f"holds {len(indexes)} indexes ({', '.join(indexes[:3])}), one rank's trace needs one",
+                             path=shown, fix="keep one trace per rank folder")
+    if len(files) == 1:
+        return folder / files[0]
+    if files:
+        raise RouteToolError(f"holds {len(files)} .safetensors files and no index: which is the rank's trace is "
+                             "unclear", path=shown, fix="keep one trace per rank folder, or its index with its shards")
+    raise RouteToolError("holds no trace (no .json index, no .safetensors file)", path=shown,
+                         fix="copy the rank's recording into it, or remove the empty rank folder")
+
+
+class RunInput:
+    """An input of one or more ranks: a run folder, or one trace (a run of one rank).
+
+    Attributes:
+        path / display_path: the input as given.
+        is_run: whether it is a run folder.
+        ranks: the ranks' traces, by rank.
+        meta: the first rank's :class:`~routetool.io.trace.TraceMeta` (the router all ranks share).
+        layers: every layer any rank holds, ascending.
+        notes: facts worth reporting (ranks missing from the recorded world size).
+
+    Use as a context manager; :meth:`close` closes every rank's trace.
+
+    Raises:
+        RouteToolError: on open: a folder without ``rank-<r>`` folders, a rank folder without
+            exactly one trace, a trace that names another rank than its folder, ranks that
+            disagree on the router, or any error of reading a rank's trace.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, display_path: str | os.PathLike | None = None):
+        from routetool.io.trace import open_trace
+
+        self.path = Path(path)
+        self.display_path = Path(display_path) if display_path is not None else self.path
+        self.ranks: list[RankTrace] = []
+        self.notes: list[str] = []
+        self.is_run = path_kind(self.path, shown=self.display_path) == "folder"
+        try:
+            if not self.is_run:
+                t = open_trace(self.path, display_path=self.display_path)
+                self.ranks.append(RankTrace(rank=None, trace=t, layout=_layout(t.meta.extra)))
+            else:
+                from routetool.io.dumps import refuse_dump_as_trace
+
+                refuse_dump_as_trace(self.path, self.display_path)  # a folder of CSV dumps, named as such
+                self._open_ranks(open_trace)
+            self._check_agree()
+        except BaseException:
+            self.close()
+            raise
+        self.meta = self.ranks[0].trace.meta
+        self.layers = sorted({layer for r in self.ranks for layer in r.trace.layers})
+
+    @classmethod
+    def of_trace(cls, trace) -> RunInput:
+        """An open trace as a run of one rank (closing it stays with the caller)."""
+        self = cls.__new__(cls)
+        self.path, self.display_path, self.is_run, self.notes = trace.path, trace.display_path, False, []
+        self.ranks = [RankTrace(rank=None, trace=trace, layout=_layout(trace.meta.extra))]
+        self.meta, self.layers = trace.meta, list(trace.layers)
+        return self
+
+    def _open_ranks(self, open_trace) -> None:
+        try:
+            found = sorted((int(m.group(1)), e.name) for e in os.scandir(self.path)
+                           if (m := RANK_FOLDER.fullmatch(e.name)) and e.is_dir())
+        except OSError as exc:
+            raise RouteToolError(f"cannot list the folder ({exc.strerror or exc})", path=self.display_path,
+                                 fix="check its permissions") from None
+        if not found:
+            raise RouteToolError("is a folder without rank-<r>/ traces: not a trace, not a run folder",
+                                 path=self.display_path,
+                                 fix="name a .safetensors trace, a sharded trace's .json index, or a run folder "
+                                     "of rank-<r>/ traces")
+        for rank, name in found:
+            shown_folder = self.display_path / name
+            p = _rank_trace_path(self.path / name, shown_folder)
+            t = open_trace(p, display_path=shown_folder / p.name)
+            layout = _layout(t.meta.extra)
+            self.ranks.append(RankTrace(rank=rank, trace=t, layout=layout))
+            if layout.get("rank", rank) != rank:
+                raise RouteToolError(f"holds the trace of rank {layout['rank']}, not of rank {rank}",
+                                     path=shown_folder, fix=f"move it to rank-{layout['rank']}/")
+        worlds = {r.layout["world_size"] for r in self.ranks if "world_size" in r.layout}
+        if len(worlds) > 1:
+            raise RouteToolError(f"its ranks were recorded in runs of different sizes (world_size "
+                                 f"{', '.join(map(str, sorted(worlds)))})", path=self.display_path,
+                                 fix="keep the ranks of one run in one folder")
+        if worlds:
+            world = worlds.pop()
+            missing = sorted(set(range(world)) - {r.rank for r in self.ranks})
+            if missing:
+                shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+                self.notes.append(f"the run had {world} ranks; {len(missing)} hold no trace here (rank {shown}): "
+                                  "totals cover the ranks present")
+
+    def _check_agree(self) -> None:
+        first = self.ranks[0]
+        for other in self.ranks[1:]:
+            a, b = first.trace.meta.router, other.trace.meta.router
+            for name in _SAME_ROUTER:
+                if getattr(a, name) != getattr(b, name):
+                    raise RouteToolError(f"{other.label} routes with {name} {getattr(b, name)!r}, {first.label} with "
+                                         f"{getattr(a, name)!r}: the ranks of one run share one router",
+                                         path=self.display_path, fix="keep the ranks of one run (one model) in one folder")
+            sa = first.trace.meta.extra.get("weights_semantics", "renormalized")
+            sb = other.trace.meta.extra.get("weights_semantics", "renormalized")
+            if sa != sb:
+                raise RouteToolError(f"{other.label} records {sb} weights, {first.label} {sa}",
+                                     path=self.display_path, fix="keep the ranks of one run in one folder")
+
+    def token_groups(self, layer: int | None = None) -> list[list[int]]:
+        """Indices into :attr:`ranks` (of the ranks holding ``layer``, or all), grouped by the
+        tokens they route: one group per data-parallel rank (see the module docstring), each
+        sorted by rank, the groups by their first rank."""
+        groups: dict[object, list[int]] = {}
+        for i, r in enumerate(self.ranks):
+            if layer is not None and layer not in r.trace.layers:
+                continue
+            key = ("dp", r.layout["dp_rank"]) if "dp_rank" in r.layout else ("rank", i)
+            groups.setdefault(key, []).append(i)
+        return sorted(groups.values(), key=lambda g: g[0])
+
+    def num_tokens(self, layers) -> int:
+        """Rows of ``layers`` over every rank that holds them."""
+        return sum(r.trace.info(layer).num_tokens for r in self.ranks for layer in layers if layer in r.trace.layers)
+
+    def __iter__(self) -> Iterator[RankTrace]:
+        return iter(self.ranks)
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.trace.close()
+
+    def __enter__(self) -> RunInput:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_input(path: str | os.PathLike, *, display_path: str | os.PathLike | None = None) -> RunInput:
+    """Open a trace file, a sharded trace's index or a run folder as a :class:`RunInput`.
+
+    Raises:
+        RouteToolError: as :class:`RunInput` and :func:`routetool.io.trace.open_trace` do.
+    """
+    return RunInput(path, display_path=display_path)
