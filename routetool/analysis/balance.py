@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -45,6 +45,7 @@ from routetool.analysis.eplb import (
     rebalance_experts,
 )
 from routetool.engine.contract import RoutingFn, call_kernel
+from routetool.engine.distributed import Workers
 from routetool.engine.stream import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, route_steps, stream_layer
 from routetool.errors import KernelError, RouteToolError
 from routetool.io.dumps import ImportedCounts, ImportedRouting
@@ -518,6 +519,157 @@ class TraceSource(Source):
             yield load
 
 
+def _slice_load(load: ChunkLoad, a: int, b: int) -> ChunkLoad:
+    """Steps ``[a, b)`` of a chunk (relative to its first step), rows cut at the step offsets."""
+    if a == 0 and b == load.num_steps:
+        return load
+    o = load.offsets
+    ra, rb = o[a], o[b]
+
+    def rows(x):
+        return None if x is None else x[ra:rb]
+
+    return ChunkLoad(
+        first_step=load.first_step + a, counts=load.counts[a:b],
+        num_tokens=None if load.num_tokens is None else load.num_tokens[a:b],
+        phases=None if load.phases is None else load.phases[a:b], ids=rows(load.ids),
+        offsets=[v - ra for v in o[a:b + 1]],
+        bias_counts_with=None if load.bias_counts_with is None else load.bias_counts_with[a:b],
+        bias_ids_with=rows(load.bias_ids_with),
+        counts_nobias=None if load.counts_nobias is None else load.counts_nobias[a:b], ids_nobias=rows(load.ids_nobias),
+        uncounted=load.uncounted if a == 0 else None, row_start=load.row_start + ra)
+
+
+def _sum_or_none(parts: list) -> torch.Tensor | None:
+    return None if any(p is None for p in parts) else torch.stack(parts).sum(0)
+
+
+def _cat_or_none(parts: list) -> torch.Tensor | None:
+    return None if any(p is None for p in parts) else torch.cat(parts)
+
+
+def _combine_loads(parts: list[ChunkLoad]) -> ChunkLoad:
+    """The same steps of several data-parallel ranks as one chunk of global steps: counts and
+    tokens added per step, the rows of every rank together (a step is prefill if any rank's is).
+    Invalid rows are judged per rank before (:class:`RunSource`)."""
+    if len(parts) == 1:
+        load = parts[0]
+        return replace(load, invalid=None, invalid_bias=None, offsets=None)
+    first = parts[0]
+    tokens = None if any(p.num_tokens is None for p in parts) else [sum(t) for t in zip(*(p.num_tokens for p in parts))]
+    phases = None
+    if all(p.phases is not None for p in parts):
+        phases = ["prefill" if "prefill" in step else "decode" for step in zip(*(p.phases for p in parts))]
+    uncounted = [p.uncounted for p in parts if p.uncounted is not None]
+    return ChunkLoad(
+        first_step=first.first_step, counts=torch.stack([p.counts for p in parts]).sum(0), num_tokens=tokens,
+        phases=phases, ids=_cat_or_none([p.ids for p in parts]), offsets=None,
+        bias_counts_with=_sum_or_none([p.bias_counts_with for p in parts]),
+        bias_ids_with=_cat_or_none([p.bias_ids_with for p in parts]),
+        counts_nobias=_sum_or_none([p.counts_nobias for p in parts]),
+        ids_nobias=_cat_or_none([p.ids_nobias for p in parts]),
+        uncounted=torch.stack(uncounted).sum() if uncounted else None)
+
+
+class RunSource(Source):
+    """The ranks of a run folder as one source: the global expert load, what EPLB balances.
+
+    A global step ``s`` is step ``s`` of every data-parallel rank together: their counts and
+    tokens add (vLLM's EPLB and SGLang's recorder sum the load over the DP ranks per forward
+    pass). Ranks that route the same tokens (tensor-parallel peers of one DP rank:
+    :meth:`routetool.io.run.RunInput.token_groups`) count once: the lowest rank of the group
+    is read, the others are not. A rank with fewer steps adds nothing to the later ones. Each
+    rank is routed as a :class:`TraceSource` of its own (same routing options) with its share
+    of the memory budget, and its invalid ids are named by its own trace, step and row.
+
+    Args:
+        run: an open :class:`~routetool.io.run.RunInput`. layers: layers to analyse.
+        make_source: ``(trace, layers, budget_bytes) -> TraceSource`` for one rank.
+        budget_bytes: memory per chunk of steps over all ranks read together.
+    """
+
+    kind = "trace"
+
+    def __init__(self, run, layers: Sequence[int], make_source: Callable, budget_bytes: int = DEFAULT_CHUNK_BYTES):
+        self.run = run
+        self.layers = list(layers)
+        self._groups = {layer: run.token_groups(layer) for layer in self.layers}
+        readers = sorted({g[0] for groups in self._groups.values() for g in groups})
+        share = max(1 << 20, budget_bytes // max(1, max(len(g) for g in self._groups.values())))
+        self._sources: dict[int, TraceSource] = {}
+        for i in readers:
+            trace = run.ranks[i].trace
+            self._sources[i] = make_source(trace, [x for x in self.layers if x in trace.layers], share)
+        first = self._sources[readers[0]]
+        self.path = str(run.display_path)
+        self.model = first.model
+        self.num_experts = first.num_experts
+        self.topk = first.topk
+        self.routing = first.routing
+        self.bias_effect = all(src.bias_effect for src in self._sources.values())
+        self.bias_note = first.bias_note
+        self.notes = list(run.notes)
+        peers = sorted(run.ranks[j].rank for groups in self._groups.values() for g in groups for j in g[1:])
+        shown = ", ".join(f"rank-{r}" for r in sorted(set(peers))[:8]) + (" ..." if len(set(peers)) > 8 else "")
+        self.notes.append(f"{len(run.ranks)} ranks: the load is summed over {len(readers)} data-parallel rank(s) "
+                          "step by step" + (f"; {shown} route the same tokens as a lower rank of their DP rank "
+                                            "(tensor-parallel peers) and are counted once" if peers else ""))
+        self._rank_totals: dict[int, dict[int, torch.Tensor]] = {}
+
+    def readers(self, layer: int) -> list[int]:
+        """Indices into the run's ranks of the ranks read for ``layer`` (one per DP rank)."""
+        return [g[0] for g in self._groups[layer]]
+
+    def step_sizes(self, layer: int) -> list[int]:
+        per_rank = [self._sources[i].step_sizes(layer) for i in self.readers(layer)]
+        steps = max(len(x) for x in per_rank)
+        return [sum(x[s] for x in per_rank if s < len(x)) for s in range(steps)]
+
+    def rank_totals(self, layer: int) -> dict[int, torch.Tensor]:
+        """``[E]`` assignments per expert of each rank read for ``layer`` (by run rank), on the CPU,
+        once its chunks are done."""
+        return {self.run.ranks[i].rank: t.cpu() for i, t in self._rank_totals.get(layer, {}).items()}
+
+    def chunks(self, layer: int, device: torch.device) -> Iterator[ChunkLoad]:
+        readers = self.readers(layer)
+        streams = {i: iter(self._sources[i].chunks(layer, device)) for i in readers}
+        pending: dict[int, tuple[ChunkLoad, int]] = {}
+        totals = self._rank_totals[layer] = {i: torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+                                             for i in readers}
+        checks = {i: (_FirstInvalid(device), _FirstInvalid(device)) for i in readers}
+        while True:
+            for i in list(streams):
+                if i not in pending:
+                    load = next(streams[i], None)
+                    if load is None:
+                        del streams[i]
+                        continue
+                    totals[i] += load.counts.sum(0)
+                    if load.invalid is not None:
+                        checks[i][0].add(load.invalid, load.ids, load)
+                    for reasons, ids in load.invalid_bias or ():
+                        checks[i][1].add(reasons, ids, load)
+                    pending[i] = (load, 0)
+            if not pending:
+                break
+            start = min(load.first_step + at for load, at in pending.values())
+            end = min(load.first_step + load.num_steps for load, _ in pending.values())
+            parts = []
+            for i in sorted(pending):
+                load, at = pending[i]
+                parts.append(_slice_load(load, at, at + end - start))
+                if load.first_step + load.num_steps == end:
+                    del pending[i]
+                else:
+                    pending[i] = (load, at + end - start)
+            yield _combine_loads(parts)
+        for i in readers:
+            for bias_effect, check in zip((False, True), checks[i]):
+                found = check.found()
+                if found is not None:
+                    raise self._sources[i].invalid_error(layer, found, bias_effect=bias_effect)
+
+
 class ImportedSource(Source):
     """Per-token ids read from a dump (:class:`~routetool.io.dumps.ImportedRouting`)."""
 
@@ -811,8 +963,32 @@ class EpSummary:
 
 
 @dataclass
+class RankShare:
+    """One data-parallel rank's own load in a run folder (over the analysed layers).
+
+    Attributes:
+        rank: the run's rank. role: its place (``dp 1 tp 0``), or "". assignments: its
+        (token, expert) pairs. share: of the global load. imbalance / cv / hottest: of its
+        per-expert load. tv_from_global: TV distance of its expert shares from the global ones.
+    """
+
+    rank: int
+    role: str
+    assignments: int
+    share: float | None
+    imbalance: float | None
+    cv: float | None
+    hottest: int | None
+    tv_from_global: float | None
+
+
+@dataclass
 class BalanceResult:
-    """What ``routetool balance`` found (rendered by :mod:`routetool.report.balance`)."""
+    """What ``routetool balance`` found (rendered by :mod:`routetool.report.balance`).
+
+    ``ranks``: each read rank's own load, for a run folder (None otherwise); ``world_size``:
+    the processes it ran on (torchrun; 1 alone).
+    """
 
     source: str
     kind: str
@@ -832,6 +1008,8 @@ class BalanceResult:
     notes: list[str]
     elapsed_s: float
     rows: int
+    ranks: list[RankShare] | None = None
+    world_size: int = 1
 
     @property
     def token_layers_per_s(self) -> float | None:
@@ -1019,14 +1197,18 @@ def analyze_balance(
     options: BalanceOptions,
     device: torch.device | str = "cpu",
     progress: Callable[[int], None] | None = None,
+    workers: Workers | None = None,
 ) -> BalanceResult:
     """Stream ``source`` once and compute every load-balance statistic.
 
     Args:
-        source: a :class:`TraceSource`, :class:`ImportedSource` or :class:`CountsSource`.
+        source: a :class:`TraceSource`, :class:`RunSource`, :class:`ImportedSource` or :class:`CountsSource`.
         options: what to compute (EP sizes, placement file, windows, capacity, EPLB).
         device: where the statistics run (``cuda`` when available is the CLI's default).
-        progress: called with the rows (or steps for counts) done after each step.
+        progress: called with the rows (or steps for counts) done after each chunk.
+        workers: the processes to share the layers among (torchrun,
+            :mod:`routetool.engine.distributed`); each layer is one unit, the EPLB what-if and
+            the summaries run on the gathered layers. Default: this process alone.
 
     Returns:
         A :class:`BalanceResult`.
@@ -1065,12 +1247,8 @@ def analyze_balance(
                                  fix="choose --gpus dividing the expert count")
     notes = list(source.notes)
     t0 = time.perf_counter()
-    rows = 0
-    results: list[LayerBalance] = []
-    total = torch.zeros(E, dtype=torch.int64, device=device)
-    window_counts: dict[int, torch.Tensor] = {}
-    uncounted_total = 0
-    for layer in layers:
+
+    def analyse_layer(layer: int) -> tuple:
         sizes = source.step_sizes(layer)
         window_of, W = window_of_steps(sizes, options.windows)
         acc = _LayerAccumulator(E, placements, layer, len(sizes), window_of, W, options.capacity_factors, device,
@@ -1085,12 +1263,18 @@ def analyze_balance(
         found = acc.invalid_bias.found()
         if found is not None:
             raise source.invalid_error(layer, found, bias_effect=True)
-        rows += sum(sizes) if source.kind != "counts" else len(sizes)
         res = _finish_layer(layer, acc, placements, source, options, sizes)
-        uncounted_total += res.uncounted
-        total += acc.total
-        window_counts[layer] = acc.windows.cpu()
-        results.append(res)
+        rows = sum(sizes) if source.kind != "counts" else len(sizes)
+        per_rank = source.rank_totals(layer) if isinstance(source, RunSource) else None
+        return res, acc.total.cpu(), acc.windows.cpu(), rows, per_rank
+
+    parts = (workers or Workers()).run(layers, analyse_layer)
+    results = [p[0] for p in parts]
+    total = torch.stack([p[1] for p in parts]).sum(0)
+    window_counts = {layer: p[2] for layer, p in zip(layers, parts)}
+    rows = sum(p[3] for p in parts)
+    uncounted_total = sum(r.uncounted for r in results)
+    rank_shares = _rank_shares(source, [p[4] for p in parts], total) if isinstance(source, RunSource) else None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     empty = [r.layer for r in results if r.assignments == 0]
@@ -1118,14 +1302,35 @@ def analyze_balance(
                             step_balancedness_mean=sum(step_means) / len(step_means) if step_means else None,
                             worst_layer=worst))
     elapsed = time.perf_counter() - t0
-    total_cpu = total.cpu()
+    total_cpu = total
     return BalanceResult(
         source=source.path, kind=source.kind, model=source.model, routing=source.routing, num_experts=E,
         topk=source.topk, device=str(device), layers=results, total_counts=total_cpu.tolist(),
         total_load=load_stats(total_cpu, top_n=options.top_n), ep=ep, eplb=eplb, eplb_note=eplb_note,
         bias_note=source.bias_note, capacity_factors=list(options.capacity_factors), notes=notes,
-        elapsed_s=elapsed, rows=rows,
+        elapsed_s=elapsed, rows=rows, ranks=rank_shares, world_size=(workers or Workers()).world_size,
     )
+
+
+def _rank_shares(source: RunSource, per_layer: list[dict[int, torch.Tensor]], total: torch.Tensor) -> list[RankShare]:
+    """Each read rank's load over the analysed layers, against the global load ``total``."""
+    by_rank: dict[int, torch.Tensor] = {}
+    for layer_totals in per_layer:
+        for rank, counts in layer_totals.items():
+            by_rank[rank] = by_rank.get(rank, 0) + counts
+    whole = int(total.sum())
+    g = total.double() / whole if whole else None
+    out = []
+    roles = {r.rank: r.role for r in source.run.ranks}
+    for rank in sorted(by_rank):
+        counts = by_rank[rank]
+        n = int(counts.sum())
+        st = load_stats(counts, top_n=1)
+        out.append(RankShare(rank=rank, role=roles.get(rank, ""), assignments=n,
+                             share=n / whole if whole else None, imbalance=st.imbalance, cv=st.cv,
+                             hottest=st.hottest[0][0] if st.hottest else None,
+                             tv_from_global=tv_distance(counts.double() / n, g) if n and g is not None else None))
+    return out
 
 
 def _finish_layer(layer: int, acc: _LayerAccumulator, placements: list[Placement], source: Source,

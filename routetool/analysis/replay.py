@@ -1,8 +1,13 @@
-"""Replay a trace through a routing kernel and the reference, layer by layer.
+"""Replay a trace, or every rank of a run folder, through a routing kernel and the reference, layer by layer.
 
 The kernel runs once per captured step, on that step's rows; the reference, the comparison and
 the counts run per chunk of consecutive steps (:mod:`routetool.engine.stream`). Per layer it
 keeps only counters and a ``[E]`` histogram, so trace size is bounded by disk, not memory.
+
+The unit of work is one rank's layer. A run folder (:mod:`routetool.io.run`) is replayed rank by
+rank; a layer's results are the sums over the ranks that hold it (:func:`merge_layers`), and each
+rank's own totals are kept (:class:`RankReplay`). Under torchrun the units are dealt out over
+the processes and gathered (:mod:`routetool.engine.distributed`); the result is the same.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from routetool.engine.execution import Execution
 from routetool.engine.load import LoadStats, expert_counts, load_stats
 from routetool.numtext import list_items, parse_int
 from routetool.engine.timing import Latency, cuda_graph_latency, synchronize
+from routetool.engine.distributed import Workers
+from routetool.io.run import RunInput
 from routetool.io.trace import RouterConfig, Trace
 
 DEFAULT_TIE_ULPS = 16.0
@@ -50,6 +57,7 @@ class RecordedInvalidRow:
         reasons: which of :data:`routetool.engine.compare.INVALID_REASONS` apply.
         topk_ids: the recorded ``[K]`` ids. topk_weights: the recorded ``[K]`` weights (float),
             or None when the trace records no weights.
+        rank: the run folder's rank, None for one trace.
     """
 
     layer: int
@@ -58,6 +66,7 @@ class RecordedInvalidRow:
     reasons: list[str]
     topk_ids: list[int]
     topk_weights: list[float] | None
+    rank: int | None = None
 
 
 @dataclass
@@ -65,7 +74,8 @@ class LayerReplay:
     """Replay results of one MoE layer.
 
     Attributes:
-        layer: layer index. num_tokens / num_steps: rows and captured steps replayed.
+        layer: layer index. num_tokens / num_steps: rows and captured steps replayed (over the
+            ranks that hold the layer, for a run folder).
         padded_rows: rows with ``is_padding``; padded_rows_ok: of those, rows the kernel
             set to exactly -1 / 0.0.
         nonfinite_rows: rows whose logits hold NaN or inf (of them, nonfinite_padded_rows
@@ -144,6 +154,27 @@ class ShapeLatency:
 
 
 @dataclass
+class RankReplay:
+    """One rank's share of the replay of a run folder.
+
+    Attributes:
+        rank: the global rank. trace: its trace's path. role: its place (``dp 1 tp 0``), or "".
+        layers: its replayed layers. num_tokens / num_steps: its rows and steps (over them).
+        kernel_vs_reference: its comparison, summed over its layers.
+        ok: none of its layers has a finding.
+    """
+
+    rank: int
+    trace: str
+    role: str
+    layers: list[int]
+    num_tokens: int
+    num_steps: int
+    kernel_vs_reference: ComparisonSummary
+    ok: bool
+
+
+@dataclass
 class ReplayResult:
     """Everything ``routetool replay`` found (rendered by :mod:`routetool.report.replay`).
 
@@ -159,6 +190,9 @@ class ReplayResult:
         router_parameters: the trace's ``router_parameters`` metadata, set when only E and K
             of ``router`` are real (an imported ids-only trace: ``unknown (...)``; the other
             values are placeholders), else None.
+        ranks: per rank, for a run folder (None for one trace).
+        world_size: the processes the replay ran on (torchrun; 1 alone).
+        notes: facts about the input (ranks missing from a run).
     """
 
     trace: str
@@ -175,6 +209,9 @@ class ReplayResult:
     latency_note: str
     weights_semantics: str = "renormalized"
     router_parameters: str | None = None
+    ranks: list[RankReplay] | None = None
+    world_size: int = 1
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -260,7 +297,7 @@ def _nonfinite_rows(gating: torch.Tensor) -> torch.Tensor:
 
 
 def replay_trace(
-    trace: Trace,
+    trace: Trace | RunInput,
     kernel_name: str,
     kernel_fn: RoutingFn,
     execution: Execution,
@@ -270,21 +307,26 @@ def replay_trace(
     measure_latency: bool = True,
     progress: Callable[[int], None] | None = None,
     budget_bytes: int = DEFAULT_CHUNK_BYTES,
+    workers: Workers | None = None,
 ) -> ReplayResult:
-    """Replay ``trace`` through ``kernel_fn`` and the reference; compare, count, time.
+    """Replay ``trace`` (or every rank of a run) through ``kernel_fn`` and the reference; compare, count, time.
 
     Args:
-        trace: an open trace. kernel_name / kernel_fn: the kernel under test.
+        trace: an open trace, or a :class:`~routetool.io.run.RunInput` (a run folder's ranks).
+        kernel_name / kernel_fn: the kernel under test.
         execution: from :func:`routetool.engine.execution.select_execution`.
-        layers: layers to replay (default all). Layers without gating_output (ids-only
-            traces) are not compared or timed: only their recorded ids' load is counted.
+        layers: layers to replay (default all; of a run, every layer any rank holds). Layers
+            without gating_output (ids-only traces) are not compared or timed: only their
+            recorded ids' load is counted.
         tie_ulps: near-tie tolerance of the comparison (float32 ulps).
         measure_latency: time each distinct step shape under CUDA graphs (GPU only).
-        progress: called with the number of rows done after each chunk of steps.
+        progress: called with the number of rows done after each chunk of steps (this
+            process's share under torchrun).
         budget_bytes: memory per chunk of steps (:mod:`routetool.engine.stream`).
+        workers: the processes to share the units among (default: this one alone).
 
     Returns:
-        A :class:`ReplayResult`.
+        A :class:`ReplayResult` (the same on every process).
 
     Raises:
         KernelRejection: the kernel rejecting the trace's inputs as its docstring documents (exit 2).
@@ -292,28 +334,43 @@ def replay_trace(
             inputs or returning outputs of the wrong shape, dtype or device (exit 1; see
             :mod:`routetool.engine.contract`).
     """
-    router = trace.meta.router
+    run = trace if isinstance(trace, RunInput) else RunInput.of_trace(trace)
+    workers = workers or Workers()
+    router = run.meta.router
     E = router.num_experts
     device = execution.device
-    chosen = list(trace.layers) if layers is None else list(layers)
-    semantics = trace.meta.extra.get("weights_semantics", "renormalized")
-    shapes: dict[int, list] = {}
-    total_counts = torch.zeros(E, dtype=torch.int64, device=device)
-    results: list[LayerReplay] = []
-    for layer in chosen:
-        info = trace.info(layer)
+    chosen = list(run.layers) if layers is None else list(layers)
+    semantics = run.meta.extra.get("weights_semantics", "renormalized")
+    units = [(i, layer) for layer in chosen for i, r in enumerate(run.ranks) if layer in r.trace.layers]
+    shapes: dict[int, list] = {}  # rows -> [steps, rank index, layer, step] of its first step
+    for i, layer in units:
+        info = run.ranks[i].trace.info(layer)
+        if info.has_logits:
+            for index, (a, b) in enumerate(zip(info.step_offsets, info.step_offsets[1:])):
+                shapes.setdefault(b - a, [0, i, layer, index])[0] += 1
+
+    def replay_unit(unit: tuple[int, int]) -> LayerReplay:
+        i, layer = unit
+        rank = run.ranks[i]
+        info = rank.trace.info(layer)
         res = LayerReplay(layer=layer, num_tokens=info.num_tokens, num_steps=info.num_steps)
         if not info.has_logits:
-            results.append(_ids_only_layer(trace, res, E, device, progress, budget_bytes))
+            _ids_only_layer(rank.trace, res, E, device, progress, budget_bytes)
         else:
-            for index, (a, b) in enumerate(zip(info.step_offsets, info.step_offsets[1:])):
-                entry = shapes.setdefault(b - a, [0, layer, index])
-                entry[0] += 1
-            results.append(_replay_layer(trace, res, kernel_name, kernel_fn, device, tie_ulps=tie_ulps,
-                                         unnormalized=semantics == "unnormalized", progress=progress,
-                                         budget_bytes=budget_bytes))
-        total_counts += torch.tensor(res.expert_counts, device=device)
+            _replay_layer(rank.trace, res, kernel_name, kernel_fn, device, tie_ulps=tie_ulps,
+                          unnormalized=semantics == "unnormalized", progress=progress, budget_bytes=budget_bytes)
+        if rank.rank is not None:
+            for failure in [f for c in res.comparisons().values() for f in c.failures] + res.recorded_invalid_first:
+                failure.rank = rank.rank
+        return res
+
+    parts = workers.run(units, replay_unit)
     synchronize(device)
+    by_layer: dict[int, list[LayerReplay]] = {}
+    for (_, layer), res in zip(units, parts):
+        by_layer.setdefault(layer, []).append(res)
+    results = [merge_layers(by_layer[layer]) for layer in chosen]
+    total_counts = [sum(c) for c in zip(*(res.expert_counts for res in results))] if results else [0] * E
 
     latency = None
     if execution.interpreted:
@@ -321,24 +378,70 @@ def replay_trace(
     elif not measure_latency:
         note = "not measured (--no-latency)"
     else:
-        latency = _measure_latency(trace, kernel_fn, router, device, shapes)
+        latency = workers.run(sorted(shapes), lambda n: _measure_shape(run, kernel_fn, router, device, n, shapes[n]))
         note = "CUDA-graph replay of each distinct step shape, on that step's own tensors (cache-warm)"
+        if workers.world_size > 1:
+            note += f"; the shapes shared among {workers.world_size} processes"
+    ranks = None
+    if run.is_run:
+        ranks = []
+        for i, r in enumerate(run.ranks):
+            mine = [res for (j, _), res in zip(units, parts) if j == i]
+            summary = ComparisonSummary()
+            for res in mine:
+                summary.merge(res.kernel_vs_reference)
+            ranks.append(RankReplay(rank=r.rank, trace=str(r.trace.display_path), role=r.role,
+                                    layers=[res.layer for res in mine], num_tokens=sum(res.num_tokens for res in mine),
+                                    num_steps=sum(res.num_steps for res in mine), kernel_vs_reference=summary,
+                                    ok=all(res.ok for res in mine)))
     return ReplayResult(
-        trace=str(trace.display_path),
-        model=trace.meta.model,
-        provenance=trace.meta.provenance,
+        trace=str(run.display_path),
+        model=run.meta.model,
+        provenance=run.meta.provenance,
         router=router,
         kernel=kernel_name,
         execution=execution,
         tie_ulps=tie_ulps,
         layers=results,
-        total_counts=total_counts.tolist(),
-        total_load=load_stats(total_counts),
+        total_counts=total_counts,
+        total_load=load_stats(torch.tensor(total_counts, dtype=torch.int64)),
         latency=latency,
         latency_note=note,
         weights_semantics=semantics,
-        router_parameters=trace.meta.extra.get("router_parameters"),
+        router_parameters=run.meta.extra.get("router_parameters"),
+        ranks=ranks,
+        world_size=workers.world_size,
+        notes=list(run.notes),
     )
+
+
+def merge_layers(parts: Sequence[LayerReplay]) -> LayerReplay:
+    """One layer's results over the ranks that hold it: counts summed, comparisons merged
+    (:meth:`ComparisonSummary.merge`, first failing rows in rank order), the smallest margin.
+    One part is returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    out = LayerReplay(layer=parts[0].layer, ids_only=all(p.ids_only for p in parts))
+    for name in ("num_tokens", "num_steps", "padded_rows", "padded_rows_ok", "nonfinite_rows", "nonfinite_padded_rows",
+                 "boundary_ties", "recorded_invalid_rows"):
+        setattr(out, name, sum(getattr(p, name) for p in parts))
+    margins = [p.min_margin for p in parts if p.min_margin is not None]
+    out.min_margin = min(margins) if margins else None
+    for p in parts:
+        out.kernel_vs_reference.merge(p.kernel_vs_reference)
+        for name in ("reference_vs_recorded", "kernel_vs_recorded"):
+            theirs = getattr(p, name)
+            if theirs is not None:
+                if getattr(out, name) is None:
+                    setattr(out, name, ComparisonSummary())
+                getattr(out, name).merge(theirs)
+        if p.recorded_invalid is not None:
+            out.recorded_invalid = {k: (out.recorded_invalid or {}).get(k, 0) + v for k, v in p.recorded_invalid.items()}
+        room = MAX_RECORDED_INVALID_SHOWN - len(out.recorded_invalid_first)
+        out.recorded_invalid_first.extend(p.recorded_invalid_first[:max(0, room)])
+    out.expert_counts = [sum(c) for c in zip(*(p.expert_counts for p in parts))]
+    out.load = load_stats(torch.tensor(out.expert_counts, dtype=torch.int64))
+    return out
 
 
 def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: RoutingFn, device: torch.device, *,
@@ -458,30 +561,27 @@ def _ids_only_layer(trace: Trace, res: LayerReplay, E: int, device: torch.device
     return res
 
 
-def _measure_latency(trace: Trace, kernel_fn: RoutingFn, router: RouterConfig, device: torch.device,
-                     shapes: dict[int, list]) -> list[ShapeLatency]:
+def _measure_shape(run: RunInput, kernel_fn: RoutingFn, router: RouterConfig, device: torch.device, n: int,
+                   where: list) -> ShapeLatency:
+    """Kernel and reference latency of the step shape of ``n`` rows, on its first step's tensors."""
     from kernel.reference import musespark1x_routing_reference
 
-    out = []
-    for n in sorted(shapes):
-        count, layer, index = shapes[n]
-        offsets = trace.info(layer).step_offsets
-        step = trace.read_rows(layer, offsets[index], offsets[index + 1])
-        gating = step.gating_output.to(device)
-        bias = trace.bias(layer).to(device)
-        pad = step.is_padding.to(device) if step.is_padding is not None else None
-        w = torch.empty((n, router.topk), dtype=torch.float32, device=device)
-        ids = torch.empty((n, router.topk), dtype=torch.int32, device=device)
-        kwargs = router.kernel_kwargs()
+    count, i, layer, index = where
+    trace = run.ranks[i].trace
+    offsets = trace.info(layer).step_offsets
+    step = trace.read_rows(layer, offsets[index], offsets[index + 1])
+    gating = step.gating_output.to(device)
+    bias = trace.bias(layer).to(device)
+    pad = step.is_padding.to(device) if step.is_padding is not None else None
+    w = torch.empty((n, router.topk), dtype=torch.float32, device=device)
+    ids = torch.empty((n, router.topk), dtype=torch.int32, device=device)
+    kwargs = router.kernel_kwargs()
 
-        def run_kernel():
-            kernel_fn(gating, bias, topk_weights=w, topk_ids=ids, is_padding=pad, **kwargs)
+    def run_kernel():
+        kernel_fn(gating, bias, topk_weights=w, topk_ids=ids, is_padding=pad, **kwargs)
 
-        def run_reference():
-            musespark1x_routing_reference(gating, bias, is_padding=pad, **kwargs)
+    def run_reference():
+        musespark1x_routing_reference(gating, bias, is_padding=pad, **kwargs)
 
-        out.append(ShapeLatency(
-            num_tokens=n, steps=count, layer=layer, step=index,
-            kernel=cuda_graph_latency(run_kernel), reference=cuda_graph_latency(run_reference),
-        ))
-    return out
+    return ShapeLatency(num_tokens=n, steps=count, layer=layer, step=index,
+                        kernel=cuda_graph_latency(run_kernel), reference=cuda_graph_latency(run_reference))

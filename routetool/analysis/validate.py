@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from routetool.engine.compare import INVALID_REASONS, RowClass, compare_step, own_pick_weights, weight_tolerance
+from routetool.engine.distributed import Workers
 from routetool.engine.contract import (
     KERNEL_ID_DTYPES,
     KERNEL_WEIGHT_DTYPE,
@@ -115,6 +116,8 @@ class ValidateResult:
     suite: str | None
     tie_ulps: float
     cases: list[CaseResult]
+    world_size: int = 1
+    """The processes the cases ran on (torchrun; 1 alone)."""
 
     @property
     def ok(self) -> bool:
@@ -421,15 +424,15 @@ def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float
     return res
 
 
-def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, *,
-                   tie_ulps: float, label: str | None = None) -> list[CaseResult]:
-    """One case per layer of a trace: the kernel on every captured step, each output judged as a
+def validate_layer(trace, layer: int, family: str, fn: RoutingFn, kernel_name: str, execution: Execution, *,
+                   tie_ulps: float) -> CaseResult:
+    """The case of one layer of a trace: the kernel on every captured step, each output judged as a
     suite case's is (:func:`evaluate`: the reference, the invalid-row reasons, padding, and the
     weights against the kernel's own picks, tie-equivalent rows included).
 
-    ``label``: the family is ``trace:LABEL`` (default: the trace's file name; see
-    :func:`trace_labels` for several traces). Offending rows are numbered by their row in the
-    layer (counted over all its steps), as replay numbers them.
+    ``trace``: an open trace; ``family``: the case's family (``trace:LABEL``, see
+    :func:`trace_labels`); the case is ``FAMILY/layerL``. Offending rows are numbered by their
+    row in the layer (counted over all its steps), as replay numbers them.
 
     A trace is production input: a kernel that rejects a step fails the layer's case, with
     ``rejected_documented`` when its docstring names the logits' dtype as unsupported (the seed
@@ -440,70 +443,49 @@ def validate_trace(path, fn: RoutingFn, kernel_name: str, execution: Execution, 
     (:mod:`routetool.engine.stream`).
     A layer without logits (ids-only) or without token rows is ``skipped``: the kernel has
     nothing to route there.
-
-    Raises:
-        RouteToolError: the trace cannot be read (bad input, not a verdict).
     """
-    from routetool.io.trace import open_trace
-
-    with open_trace(path) as trace:
-        family = f"trace:{label or trace.display_path.name}"
-        router = trace.meta.router
-        params = router.kernel_kwargs()
-        device = execution.device
-        out = []
-        for layer in trace.layers:
-            name = f"{family}/layer{layer}"
-            info = trace.info(layer)
-            if not info.has_logits:
-                out.append(CaseResult(family=family, name=name, description=f"layer {layer}: ids only",
-                                      verdict="skipped",
-                                      message="the layer holds no logits (an ids-only trace): nothing to validate"))
-                continue
-            if info.num_tokens == 0:
-                out.append(CaseResult(family=family, name=name, description=f"layer {layer}: no token rows",
-                                      verdict="skipped",
-                                      message="the layer holds no token rows: nothing to validate"))
-                continue
-            description = f"layer {layer}: {info.num_tokens} tokens in {info.num_steps} steps"
-            start = time.perf_counter()
-            bias = trace.bias(layer).to(device)
-            first_seen: dict[str, tuple[int, int]] = {}  # class -> (step it first shows in, check order)
-            tie_rows = 0
-            rows: list[RowReport] = []
-            failed = None
-            for chunk in stream_layer(trace, layer, device):
-                routed = route_steps(fn, chunk, bias, params)
-                if not routed.ok:
-                    failed = routed
-                    break
-                inp = CaseInput(gating_output=chunk.gating_output, bias=bias, is_padding=chunk.is_padding, **params)
-                chunk_classes, chunk_ties, chunk_rows, first_rows = evaluate(inp, routed.weights, routed.ids,
-                                                                             tie_ulps=tie_ulps, first_rows=True)
-                for order, c in enumerate(chunk_classes):
-                    first_seen.setdefault(c, (chunk.step_of(first_rows[c]), order))
-                tie_rows += chunk_ties
-                for r in chunk_rows[:max(0, 3 - len(rows))]:
-                    r.row += chunk.start
-                    rows.append(r)
-            if failed is not None:  # a rejection, documented or not, fails too: a trace is production input
-                outcome = failed.outcome
-                out.append(CaseResult(family=family, name=name, description=description, verdict="fail",
-                                      failure_classes=[outcome.failure_class],
-                                      message=str(outcome.error(f"kernel {kernel_name!r}", f"layer {layer} step {failed.step}",
-                                                                path=trace.display_path,
-                                                                tensor=f"layers.{layer}.gating_output")),
-                                      duration_s=time.perf_counter() - start, exit_code=outcome.exit_code))
-                continue
-            classes = sorted(first_seen, key=first_seen.__getitem__)  # as a step-by-step run meets them
-            verdict = "fail" if classes else ("pass_tie" if tie_rows else "pass")
-            out.append(CaseResult(
-                family=family, name=name, description=description, verdict=verdict, tie_rows=tie_rows,
-                failure_classes=classes,
-                message=", ".join(classes) or (f"{tie_rows} tie-equivalent rows" if tie_rows else ""),
-                rows=rows, duration_s=time.perf_counter() - start,
-            ))
-        return out
+    router = trace.meta.router
+    params = router.kernel_kwargs()
+    device = execution.device
+    name = f"{family}/layer{layer}"
+    info = trace.info(layer)
+    if not info.has_logits:
+        return CaseResult(family=family, name=name, description=f"layer {layer}: ids only", verdict="skipped",
+                          message="the layer holds no logits (an ids-only trace): nothing to validate")
+    if info.num_tokens == 0:
+        return CaseResult(family=family, name=name, description=f"layer {layer}: no token rows", verdict="skipped",
+                          message="the layer holds no token rows: nothing to validate")
+    description = f"layer {layer}: {info.num_tokens} tokens in {info.num_steps} steps"
+    start = time.perf_counter()
+    bias = trace.bias(layer).to(device)
+    first_seen: dict[str, tuple[int, int]] = {}  # class -> (step it first shows in, check order)
+    tie_rows = 0
+    rows: list[RowReport] = []
+    for chunk in stream_layer(trace, layer, device):
+        routed = route_steps(fn, chunk, bias, params)
+        if not routed.ok:  # a rejection, documented or not, fails too: a trace is production input
+            outcome = routed.outcome
+            return CaseResult(family=family, name=name, description=description, verdict="fail",
+                              failure_classes=[outcome.failure_class],
+                              message=str(outcome.error(f"kernel {kernel_name!r}", f"layer {layer} step {routed.step}",
+                                                        path=trace.display_path, tensor=f"layers.{layer}.gating_output")),
+                              duration_s=time.perf_counter() - start, exit_code=outcome.exit_code)
+        inp = CaseInput(gating_output=chunk.gating_output, bias=bias, is_padding=chunk.is_padding, **params)
+        chunk_classes, chunk_ties, chunk_rows, first_rows = evaluate(inp, routed.weights, routed.ids,
+                                                                     tie_ulps=tie_ulps, first_rows=True)
+        for order, c in enumerate(chunk_classes):
+            first_seen.setdefault(c, (chunk.step_of(first_rows[c]), order))
+        tie_rows += chunk_ties
+        for r in chunk_rows[:max(0, 3 - len(rows))]:
+            r.row += chunk.start
+            rows.append(r)
+    classes = sorted(first_seen, key=first_seen.__getitem__)  # as a step-by-step run meets them
+    verdict = "fail" if classes else ("pass_tie" if tie_rows else "pass")
+    return CaseResult(
+        family=family, name=name, description=description, verdict=verdict, tie_rows=tie_rows,
+        failure_classes=classes, message=", ".join(classes) or (f"{tie_rows} tie-equivalent rows" if tie_rows else ""),
+        rows=rows, duration_s=time.perf_counter() - start,
+    )
 
 
 def trace_labels(traces: Sequence) -> list[str]:
@@ -535,19 +517,41 @@ def validate(
     suite: str | None = None,
     tie_ulps: float = 16.0,
     progress: Callable[[str], None] | None = None,
+    workers: Workers | None = None,
 ) -> ValidateResult:
-    """Run ``fn`` on ``cases`` and on every trace; return every verdict.
+    """Run ``fn`` on ``cases`` and on every layer of every trace; return every verdict.
+
+    ``traces``: trace files, indexes or run folders; a run folder's rank ``r`` is the family
+    ``trace:LABEL/rank-r``. The units of work (a suite case, a rank's layer) are shared among
+    ``workers`` (torchrun; :mod:`routetool.engine.distributed`), the results kept in unit order.
+    ``progress``: called with each unit's name after it ran (this process's share).
 
     Raises:
         RouteToolError: a trace cannot be read, or one is given twice (:func:`trace_labels`).
     """
-    results = []
-    for case in cases:
-        results.append(run_case(case, fn, execution, tie_ulps=tie_ulps))
-        if progress is not None:
-            progress(case.name)
-    for path, label in zip(traces, trace_labels(traces)):
-        results.extend(validate_trace(path, fn, kernel_name, execution, tie_ulps=tie_ulps, label=label))
-        if progress is not None:
-            progress(str(path))
-    return ValidateResult(kernel=kernel_name, execution=execution, suite=suite, tie_ulps=tie_ulps, cases=results)
+    from contextlib import ExitStack
+
+    from routetool.io.run import open_input
+
+    workers = workers or Workers()
+    with ExitStack() as stack:
+        units: list[tuple] = [("case", case) for case in cases]
+        for path, label in zip(traces, trace_labels(traces)):
+            run = stack.enter_context(open_input(path))
+            for rank in run.ranks:
+                family = f"trace:{label}" + (f"/{rank.label}" if rank.rank is not None else "")
+                units.extend(("layer", rank.trace, layer, family) for layer in rank.trace.layers)
+
+        def work(unit: tuple) -> CaseResult:
+            if unit[0] == "case":
+                res = run_case(unit[1], fn, execution, tie_ulps=tie_ulps)
+            else:
+                _, trace, layer, family = unit
+                res = validate_layer(trace, layer, family, fn, kernel_name, execution, tie_ulps=tie_ulps)
+            if progress is not None:
+                progress(res.name)
+            return res
+
+        results = workers.run(units, work)
+    return ValidateResult(kernel=kernel_name, execution=execution, suite=suite, tie_ulps=tie_ulps, cases=results,
+                          world_size=workers.world_size)

@@ -58,6 +58,14 @@ def _stdout_closed() -> int:
     return EXIT_SIGNAL + signal.SIGPIPE
 
 
+def _first_process() -> bool:
+    """Whether this process speaks: alone, or rank 0 of a torchrun job (every process meets the
+    same error, and one line of it is enough)."""
+    from routetool.engine.distributed import launched
+
+    return not launched() or os.environ.get("RANK") == "0"
+
+
 class _Group(click.Group):
     """Maps errors to one-line messages and the documented exit codes, in one place.
 
@@ -79,7 +87,8 @@ class _Group(click.Group):
         except KeyboardInterrupt:  # (click would write an empty line before its Abort)
             raise Terminated(signal.SIGINT) from None
         except RouteToolError as exc:
-            click.echo(f"routetool: error: {exc}", err=True)
+            if _first_process():
+                click.echo(f"routetool: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except BrokenPipeError:  # (click would make it exit 1)
             ctx.exit(_stdout_closed())
@@ -102,7 +111,8 @@ class _Group(click.Group):
                 sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
         except click.UsageError as exc:
             command = exc.ctx.command_path if exc.ctx is not None else "routetool"
-            click.echo(printable(f"routetool: error: {exc.format_message()} (see `{command} --help`)"), err=True)
+            if _first_process():
+                click.echo(printable(f"routetool: error: {exc.format_message()} (see `{command} --help`)"), err=True)
             return EXIT_USAGE
         except click.exceptions.Abort:
             click.echo("routetool: aborted", err=True)

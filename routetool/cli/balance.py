@@ -227,9 +227,11 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     capacity = _float_list("--capacity-factor", capacity_spec)
     ep_sizes = _int_list("--ep-size", ep_spec)
     from routetool.analysis.balance import (  # after the usage checks: these import torch
-        BalanceOptions, CountsSource, EplbOptions, ImportedSource, TraceSource, analyze_balance,
+        BalanceOptions, CountsSource, EplbOptions, ImportedSource, RunSource, TraceSource, analyze_balance,
         default_ep_sizes, route_fn_from,
     )
+    from routetool.engine.distributed import join
+    from routetool.engine.stream import DEFAULT_CHUNK_BYTES
     from routetool.analysis.eplb import load_placement, placement_document
     from routetool.io.dumps import ImportedCounts, read_dump, resolve_format
     from routetool.analysis.replay import parse_layers
@@ -245,15 +247,17 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                              path=source, fix=f"drop {flag if kernel_given else 'the flag'}")
 
     trace = None
+    workers = join(device)
     with kernel_stdout("-" in (json_path, eplb_out)):  # a kernel's print() must not mix into the document
         try:
             if resolved_format == "trace":
-                from routetool.io.trace import open_trace
+                from routetool.io.run import open_input
 
-                trace = open_trace(source)  # a trace file, or a sharded trace's index
+                trace = open_input(source)  # a trace file, a sharded trace's index or a run folder
                 layers = parse_layers(layers_spec, trace.layers, trace.display_path)
-                needs_logits = not recorded and any(trace.info(x).has_logits for x in layers)
-                bias_wanted = bias_effect and any(trace.info(x).has_logits for x in layers)
+                logits = [r.trace.info(x).has_logits for r in trace.ranks for x in layers if x in r.trace.layers]
+                needs_logits = not recorded and any(logits)
+                bias_wanted = bias_effect and any(logits)
                 route_fn = nobias_fn = None
                 route_name = nobias_name = ""
                 if needs_logits or bias_wanted:
@@ -277,10 +281,18 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                     stats_device = _stats_device(device)
                 # an explicit --kernel, like --reference, routes every layer (an ids-only layer is refused)
                 routing = "recorded" if recorded else "reference" if reference else "kernel" if kernel_given else "auto"
-                src = TraceSource(trace, layers, routing=routing, route_fn=route_fn, route_name=route_name,
-                                  nobias_fn=nobias_fn, nobias_name=nobias_name, bias_effect=bias_effect,
-                                  decode_max_tokens=decode_max_tokens)
-                total_work = sum(trace.info(x).num_tokens for x in layers)
+
+                def rank_source(t, rank_layers, budget_bytes=DEFAULT_CHUNK_BYTES):
+                    return TraceSource(t, rank_layers, routing=routing, route_fn=route_fn, route_name=route_name,
+                                       nobias_fn=nobias_fn, nobias_name=nobias_name, bias_effect=bias_effect,
+                                       decode_max_tokens=decode_max_tokens, budget_bytes=budget_bytes)
+
+                if trace.is_run:
+                    src = RunSource(trace, layers, rank_source)
+                    total_work = sum(sum(src.step_sizes(x)) for x in layers)
+                else:
+                    src = rank_source(trace.ranks[0].trace, layers)
+                    total_work = trace.num_tokens(layers)
             else:
                 stats_device = _stats_device(device)
                 imported = read_dump(source, _import_options(resolved_format, num_experts, topk, skip_rows,
@@ -306,12 +318,16 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                 eplb=EplbOptions(num_redundant=redundant, num_gpus=gpus, num_nodes=nodes, num_groups=groups,
                                  policy=eplb_policy) if eplb else None,
             )
-            with _progress(progress) as bar:
+            with _progress(progress and workers.is_first) as bar:
                 task = bar.add_task(markup_safe(f"balance {source.name}"), total=total_work)
-                result = analyze_balance(src, options, stats_device, progress=lambda n: bar.advance(task, n))
+                result = analyze_balance(src, options, stats_device, progress=lambda n: bar.advance(task, n),
+                                         workers=workers)
         finally:
             if trace is not None:
                 trace.close()
+    workers.close()
+    if not workers.is_first:
+        click.get_current_context().exit(EXIT_OK)
 
     console = Console(stderr=json_path == "-" or eplb_out == "-")
     render_balance(result, console, focus_layer, details=details)

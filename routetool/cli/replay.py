@@ -37,44 +37,50 @@ from routetool.report.tables import Console, markup_safe
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogram_layer: int | None,
            tie_ulps: float, latency: bool, json_path: str | None, details: bool, force: bool, progress: bool) -> None:
-    """Replay TRACE through the routing kernel and the reference, and report.
+    """Replay TRACE (a trace file, an index, or a run folder of rank-<r>/ traces) through the
+    routing kernel and the reference, and report.
 
     For every layer and captured step: classifies each token row (exact, reordered,
     tie-equivalent, mismatch, invalid), checks padding and weights, builds expert-load
     histograms, and on a GPU times each distinct step shape. Exit 1 on a real mismatch,
     invalid output or weight outside tolerance, or a kernel that fails (crashes, rejects the
     trace without documenting it); exit 2 when it rejects the trace as its docstring documents.
+
+    A run folder is replayed rank by rank and summed, each rank's totals shown too. Under
+    `torchrun --nproc-per-node N -m routetool replay ...` the ranks' layers are shared among
+    the N processes (one GPU each where there are enough) and the first process reports.
     """
     from routetool.io.files import check_output_paths, require_input
 
     require_input(trace)  # usage errors before torch is imported
     check_output_paths([json_path], force=force, inputs=[trace, kernel_source(kernel_spec)])
     from routetool.analysis.replay import parse_layers, replay_trace
+    from routetool.engine.distributed import join
     from routetool.engine.execution import load_kernel, select_execution
-    from routetool.io.trace import open_trace
+    from routetool.io.run import open_input
     from routetool.report.formats import write_json
     from routetool.report.replay import render_replay, replay_json
 
+    workers = join(device)
     execution = select_execution(device)
     # a kernel's print() must not mix into the JSON on stdout
     with kernel_stdout(json_path == "-"):
         name, fn = load_kernel(kernel_spec)
-        with open_trace(trace) as t:
+        with open_input(trace) as t:
             layers = parse_layers(layers_spec, t.layers, t.display_path)
             if histogram_layer is not None and histogram_layer not in layers:
                 raise RouteToolError(f"--layer {histogram_layer} is not among the replayed layers",
                                      fix=f"choose among {', '.join(map(str, layers))}")
-            total = sum(t.info(layer).num_tokens for layer in layers)
-            with _progress(progress) as bar:
-                task = bar.add_task(markup_safe(f"replay {trace.name} ({name})"), total=total)
+            with _progress(progress and workers.is_first) as bar:
+                task = bar.add_task(markup_safe(f"replay {trace.name} ({name})"), total=t.num_tokens(layers))
                 result = replay_trace(
                     t, name, fn, execution, layers=layers, tie_ulps=tie_ulps, measure_latency=latency,
-                    progress=lambda n: bar.advance(task, n),
+                    progress=lambda n: bar.advance(task, n), workers=workers,
                 )
-    console = Console(stderr=json_path == "-")
-    render_replay(result, console, histogram_layer, details=details)
-    if json_path is not None:
-        write_json(replay_json(result), json_path, sys.stdout)
+    workers.close()
+    if workers.is_first:
+        console = Console(stderr=json_path == "-")
+        render_replay(result, console, histogram_layer, details=details)
+        if json_path is not None:
+            write_json(replay_json(result), json_path, sys.stdout)
     click.get_current_context().exit(result.verdict.exit_code)
-
-

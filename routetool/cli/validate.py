@@ -41,6 +41,10 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     case's unusual input; a kernel that rejects a trace fails), skipped, or fail (with the failure
     class, the first offending rows, their inputs and both outputs). Exit 0 when nothing failed,
     1 otherwise.
+
+    Each TRACE is a trace file, an index or a run folder (one family per rank). Under
+    `torchrun --nproc-per-node N -m routetool validate ...` the cases and the traces' layers are
+    shared among the N processes and the first process reports.
     """
     from routetool.io.files import check_output_paths, require_input
 
@@ -55,7 +59,6 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     from routetool.analysis.validate import trace_labels
     from routetool.analysis.validate import validate as run_validate
     from routetool.engine.execution import load_kernel, select_execution
-    from routetool.io.trace import open_trace
     from routetool.report.formats import write_json, write_text
     from routetool.report.validate import render_validate, validate_json, validate_junit
 
@@ -63,23 +66,29 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
         cases = [] if suite == "none" else build_suite(suite, list(families) or None)
     except ValueError as exc:
         raise RouteToolError(str(exc), fix="see `routetool validate --help`") from None
-    for t in traces:  # bad traces fail before any work
-        open_trace(t).close()
-    trace_labels(traces)  # one file given twice fails before any work too
+    from routetool.engine.distributed import join
+    from routetool.io.run import open_input
+
+    trace_labels(traces)  # one file given twice fails before any work
+    layers = 0
+    for t in traces:  # bad traces fail before any work too
+        with open_input(t) as run:
+            layers += sum(len(r.trace.layers) for r in run.ranks)
+    workers = join(device)
     execution = select_execution(device)
     with kernel_stdout("-" in (json_path, junit_path)):  # a kernel's print() must not mix into the document
         name, fn = load_kernel(kernel_spec)
-        with _progress(progress) as bar:
-            task = bar.add_task(markup_safe(f"validate {name}"), total=len(cases) + len(traces))
+        with _progress(progress and workers.is_first) as bar:
+            task = bar.add_task(markup_safe(f"validate {name}"), total=len(cases) + layers)
             result = run_validate(fn, name, execution, cases=cases, traces=traces,
                                   suite=None if suite == "none" else suite, tie_ulps=tie_ulps,
-                                  progress=lambda _: bar.advance(task))
-    console = Console(stderr="-" in (json_path, junit_path))
-    render_validate(result, console)
-    if json_path is not None:
-        write_json(validate_json(result), json_path, sys.stdout)
-    if junit_path is not None:
-        write_text(validate_junit(result), junit_path, sys.stdout)
+                                  progress=lambda _: bar.advance(task), workers=workers)
+    workers.close()
+    if workers.is_first:
+        console = Console(stderr="-" in (json_path, junit_path))
+        render_validate(result, console)
+        if json_path is not None:
+            write_json(validate_json(result), json_path, sys.stdout)
+        if junit_path is not None:
+            write_text(validate_junit(result), junit_path, sys.stdout)
     click.get_current_context().exit(result.exit_code)
-
-

@@ -286,7 +286,8 @@ def own_pick_weights(scores: torch.Tensor, ids: torch.Tensor, route_scale: float
 
 @dataclass
 class RowFailure:
-    """One failing row, for the report: where, what class, and both outputs."""
+    """One failing row, for the report: where (``rank``: the run folder's rank, None for one
+    trace), what class, and both outputs."""
 
     layer: int
     step: int
@@ -297,6 +298,7 @@ class RowFailure:
     test_ids: list[int]
     expected_weights: list[float] | None
     test_weights: list[float] | None
+    rank: int | None = None
 
 
 @dataclass

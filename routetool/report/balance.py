@@ -132,13 +132,38 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
     _header(result, console)
     if details:
         _render_details(result, console, layer)
+        _rank_table(result, console)
     else:
         _render_summary(result, console, layer)
+        _rank_line(result, console)
     for note in result.notes:
         console.print(user_text("• " + note, style="yellow"))
     if not details:
         console.print(Text("--details: every layer's tables (expert load, EP ranks, EPLB, bias, capacity, drift) and "
                            "the charts; --json for all numbers", style="dim"))
+
+
+def _rank_line(result: BalanceResult, console: Console) -> None:
+    """A run folder's ranks in one line: how far each rank's own expert load is from the global one."""
+    if not result.ranks or len(result.ranks) < 2:
+        return
+    worst = max(result.ranks, key=lambda r: r.imbalance if r.imbalance is not None else -1.0)
+    far = max(result.ranks, key=lambda r: r.tv_from_global if r.tv_from_global is not None else -1.0)
+    big = max(result.ranks, key=lambda r: r.share if r.share is not None else -1.0)
+    console.print(Text(f"ranks ({len(result.ranks)} summed): own max/mean up to {_f(worst.imbalance)} (rank-{worst.rank}); "
+                       f"largest share {_pct(big.share)} (rank-{big.rank}); TV distance from the global load up to "
+                       f"{_f(far.tv_from_global)} (rank-{far.rank})"))
+
+
+def _rank_table(result: BalanceResult, console: Console) -> None:
+    if not result.ranks:
+        return
+    t = table("Per rank: each data-parallel rank's own load (all analysed layers)",
+              ["rank", "role", "assign", "share", "max/mean", "CV", "hottest", "TV from global"], left=("rank", "role"))
+    for r in result.ranks:
+        t.add_row(f"rank-{r.rank}", r.role or "-", f"{r.assignments:,}", _pct(r.share), _f(r.imbalance), _f(r.cv),
+                  "-" if r.hottest is None else str(r.hottest), _f(r.tv_from_global))
+    console.print(t)
 
 
 def _worst(values: list[tuple[int, float | None]], highest: bool) -> tuple[int, float] | None:
@@ -245,7 +270,8 @@ def _header(result: BalanceResult, console: Console) -> None:
     rate = result.token_layers_per_s
     unit = "token-layers/s" if result.kind != "counts" else "steps/s"
     header.add_row("statistics", f"on {result.device}, {result.elapsed_s:.2f} s"
-                                 + (f" ({rate:,.0f} {unit})" if rate else ""))
+                                 + (f" ({rate:,.0f} {unit})" if rate else "")
+                                 + (f"; {result.world_size} processes (torchrun)" if result.world_size > 1 else ""))
     console.print(Panel(header, title="routetool balance", expand=False))
 
 
@@ -520,6 +546,12 @@ def balance_json(result: BalanceResult, include_placement: bool = True) -> dict:
         "rows": result.rows,
         "throughput_token_layers_per_s": result.token_layers_per_s if result.kind != "counts" else None,
         "notes": result.notes,
+        "world_size": result.world_size,
+        "ranks": None if result.ranks is None else [
+            {"rank": r.rank, "role": r.role, "assignments": r.assignments, "share": r.share, "imbalance": r.imbalance,
+             "cv": r.cv, "hottest_expert": r.hottest, "tv_distance_from_global": r.tv_from_global}
+            for r in result.ranks
+        ],
         "capacity_factors": result.capacity_factors,
         "bias_effect_note": result.bias_note,
         "eplb_note": result.eplb_note,

@@ -80,12 +80,51 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     header.add_row("router", router_line(r, result.router_parameters))
     header.add_row("kernel", user_text(f"{result.kernel} on {ex.device_name}"))
     header.add_row("ties", f"tie-equivalent within {result.tie_ulps:g} float32 ulps")
+    if result.ranks is not None:
+        header.add_row("ranks", f"{len(result.ranks)} ({_rank_span(result)}), replayed rank by rank and summed")
+    if result.world_size > 1:
+        header.add_row("processes", f"{result.world_size} (torchrun), the ranks' layers shared among them")
     console.print(Panel(header, title="routetool replay", expand=False))
     _replay_verdict(result, console)
+    _ranks_line(result, console)
+    for note in result.notes:
+        console.print(user_text(f"note: {note}", style="yellow"))
     if details:
         _replay_details(result, console, histogram_layer)
         return
     _replay_summary(result, console, histogram_layer)
+
+
+RANKS_SHOWN = 5
+"""Failing ranks named in replay's summary (``--details``: a table of every rank)."""
+
+
+def _rank_span(result: ReplayResult) -> str:
+    labels = [f"rank-{r.rank}" for r in result.ranks]
+    return ", ".join(labels) if len(labels) <= 4 else f"{labels[0]} ... {labels[-1]}"
+
+
+def _ranks_line(result: ReplayResult, console: Console) -> None:
+    """One line on the ranks of a run folder: all pass, or the failing ones with their counts."""
+    if result.ranks is None:
+        return
+    bad = [r for r in result.ranks if not r.ok]
+    if not bad:
+        console.print(Text(f"ranks: all {len(result.ranks)} pass", style="green"))
+        return
+    parts = []
+    for r in bad[:RANKS_SHOWN]:
+        s = r.kernel_vs_reference
+        what = [f"{v:,} {k}" for k, v in (("mismatch", s.mismatch), ("invalid", s.invalid),
+                                            ("Δw>tol", s.weight_rows_over_tolerance)) if v]
+        parts.append(f"rank-{r.rank} ({', '.join(what) or 'recorded outputs fail'})")
+    more = f" and {len(bad) - RANKS_SHOWN} more" if len(bad) > RANKS_SHOWN else ""
+    console.print(Text(f"failing ranks ({len(bad)} of {len(result.ranks)}): " + "; ".join(parts) + more, style="red"))
+
+
+def _where(f) -> str:
+    """Where a failing row is: ``[rank-R ]layer L step S row N``."""
+    return (f"rank-{f.rank} " if f.rank is not None else "") + f"layer {f.layer} step {f.step} row {f.row}"
 
 
 _SHORT_NAMES = {"kernel_vs_reference": "kernel/ref", "reference_vs_recorded": "recorded/ref",
@@ -184,7 +223,7 @@ def _failing_rows(result: ReplayResult, console: Console, limit: int) -> None:
         return
     console.print(Text(f"First failing rows ({min(limit, len(failures))} shown):", style="bold"))
     for name, f in failures[:limit]:
-        console.print(user_text(f"  {_NAMES.get(name, name)}: layer {f.layer} step {f.step} row {f.row}: {f.row_class}"
+        console.print(user_text(f"  {_NAMES.get(name, name)}: {_where(f)}: {f.row_class}"
                                 + (f" ({', '.join(f.reasons)})" if f.reasons else ""), style="red"))
         console.print(Text(f"    expected ids {_values(f.expected_ids)}; w {_weights(f.expected_weights)}"))
         console.print(Text(f"    got      ids {_values(f.test_ids)}; w {_weights(f.test_weights)}"))
@@ -198,7 +237,7 @@ def _recorded_invalid_rows(result: ReplayResult, console: Console, limit: int) -
     console.print(Text(f"First invalid recorded rows ({min(limit, len(rows))} of {total:,}; ids-only layers, checked "
                        "without logits):", style="bold"))
     for r in rows[:limit]:
-        console.print(Text(f"  layer {r.layer} step {r.step} row {r.row} ({', '.join(r.reasons)}): ids "
+        console.print(Text(f"  {_where(r)} ({', '.join(r.reasons)}): ids "
                            f"{_values(r.topk_ids)}; w {_weights(r.topk_weights)}", style="red"))
 
 
@@ -253,6 +292,17 @@ def _replay_details(result: ReplayResult, console: Console, histogram_layer: int
     for name, s in totals.items():
         if s.invalid:
             console.print(Text(f"invalid rows ({_NAMES.get(name, name)}) by reason: {_reasons(s)}", style="red"))
+
+    if result.ranks is not None:
+        per_rank = table("Per rank: kernel vs reference", ["rank", "role", "layers", "tokens", "steps", "exact", "mism",
+                                                           "inval", "Δw>tol", "verdict"], left=("rank", "role"))
+        for r in result.ranks:
+            k = r.kernel_vs_reference
+            per_rank.add_row(f"rank-{r.rank}", r.role or "-", f"{len(r.layers):,}", f"{r.num_tokens:,}",
+                             f"{r.num_steps:,}", _count(k.exact), _count(k.mismatch, bad=True),
+                             _count(k.invalid, bad=True), _count(k.weight_rows_over_tolerance, bad=True),
+                             Text("pass", style="green") if r.ok else Text("FAIL", style="bold red"))
+        console.print(per_rank)
 
     per_layer = table("Per layer: kernel vs reference",
                        ["layer", "tokens", "steps", "padded ok", "nonfinite", "exact", "reord", "tie-eq",
@@ -336,8 +386,17 @@ def _replay_details(result: ReplayResult, console: Console, histogram_layer: int
     _recorded_invalid_rows(result, console, 10)
 
 
+def _row_json(row) -> dict:
+    """A failing or invalid row as JSON; ``rank`` only for a run folder's rows."""
+    d = asdict(row)
+    if d.get("rank", 0) is None:
+        del d["rank"]
+    return d
+
+
 def _summary_json(s: ComparisonSummary) -> dict:
     d = asdict(s)
+    d["failures"] = [_row_json(f) for f in s.failures]
     d["ok"] = s.ok
     return d
 
@@ -367,13 +426,20 @@ def replay_json(result: ReplayResult) -> dict:
         "verdict": result.verdict.value,
         "exit_code": result.verdict.exit_code,
         "totals": {name: _summary_json(s) for name, s in result.totals().items()},
+        "world_size": result.world_size,
+        "notes": result.notes,
+        "ranks": None if result.ranks is None else [
+            {"rank": r.rank, "trace": r.trace, "role": r.role, "layers": r.layers, "num_tokens": r.num_tokens,
+             "num_steps": r.num_steps, "ok": r.ok, "kernel_vs_reference": _summary_json(r.kernel_vs_reference)}
+            for r in result.ranks
+        ],
         "layers": [
             {
                 "layer": layer.layer,
                 "ids_only": layer.ids_only,
                 "recorded_invalid": layer.recorded_invalid,
                 "recorded_invalid_rows": layer.recorded_invalid_rows,
-                "recorded_invalid_first_rows": [asdict(r) for r in layer.recorded_invalid_first],
+                "recorded_invalid_first_rows": [_row_json(r) for r in layer.recorded_invalid_first],
                 "num_tokens": layer.num_tokens,
                 "num_steps": layer.num_steps,
                 "padded_rows": layer.padded_rows,

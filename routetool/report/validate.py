@@ -163,6 +163,7 @@ def validate_json(result) -> dict:
         "tie_tolerance_ulps": result.tie_ulps,
         "verdict": result.verdict.value,
         "exit_code": result.exit_code,
+        "world_size": result.world_size,
         "families": result.families(),
         "cases": [
             {

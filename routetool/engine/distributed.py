@@ -1,0 +1,142 @@
+"""One command over several processes (torchrun): who does which unit of work, and the reduction.
+
+``torchrun --nproc-per-node N -m routetool replay RUN`` (also ``validate`` and ``balance``)
+starts N processes with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_ADDR`` set;
+:func:`join` makes them a ``torch.distributed`` process group: NCCL when every process of the
+host has a GPU of its own (``cuda:LOCAL_RANK``), else gloo (CPU runs, or more processes than
+GPUs, which then share them). Without those variables, or with one process, nothing is joined
+and the command runs as one process.
+
+A command splits its work into units that are independent of each other (replay and validate:
+one rank's layer; balance: a layer, over every rank that holds it) and :meth:`Workers.run` deals
+them out round-robin in their order: process ``p`` of ``W`` takes units ``p, p + W, ...``. Every
+unit's result comes back to every process in unit order (``all_gather_object``), so the
+reduction that follows, and the report, are exactly one process's. A unit that raises stops its
+process's share; the error of the first failing unit in unit order is raised on every process,
+as one process would have raised it. Process 0 alone renders and writes outputs; every process
+exits with the verdict's exit code. Results travel pickled, so they hold CPU data only.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Workers:
+    """The processes one command runs on.
+
+    Attributes:
+        rank / world_size: this process's rank and the number of processes (0 / 1 alone).
+        backend: the process group's backend (``nccl`` or ``gloo``), None alone.
+        local_rank: its rank on its host (its GPU, with NCCL).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    backend: str | None = None
+    local_rank: int = 0
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this process renders and writes (rank 0)."""
+        return self.rank == 0
+
+    def run(self, units: Sequence[T], work: Callable[[T], R]) -> list[R]:
+        """``work(unit)`` for this process's share of ``units``; every unit's result, in unit order.
+
+        Raises:
+            Exception: the exception of the first failing unit (in unit order), on every process.
+        """
+        mine: dict[int, R] = {}
+        error: tuple[int, BaseException] | None = None
+        for i in range(self.rank, len(units), self.world_size):
+            try:
+                mine[i] = work(units[i])
+            except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+                if self.world_size == 1:
+                    raise
+                error = (i, _portable(exc))
+                break
+        if self.world_size == 1:
+            return [mine[i] for i in range(len(units))]
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (mine, error))
+        errors = [e for _, e in gathered if e is not None]
+        if errors:
+            raise min(errors, key=lambda e: e[0])[1]
+        merged: dict[int, R] = {}
+        for part, _ in gathered:
+            merged.update(part)
+        return [merged[i] for i in range(len(units))]
+
+    def close(self) -> None:
+        """Leave the process group (after the last collective)."""
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (routetool's errors do), else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any exception that cannot travel
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun) started this process as one of several."""
+    if any(v not in os.environ for v in _LAUNCHER_VARS):
+        return False
+    world = os.environ["WORLD_SIZE"]
+    return world.isascii() and world.isdigit() and int(world) > 1
+
+
+def join(device: str = "auto") -> Workers:
+    """This process's :class:`Workers`: joined into torchrun's process group when :func:`launched`.
+
+    Args:
+        device: the command's ``--device`` (``cpu`` keeps the group on gloo).
+
+    Call it once, before the command's engine picks its device: with NCCL it makes
+    ``cuda:LOCAL_RANK`` the current CUDA device, the GPU the process then runs on.
+
+    Raises:
+        RouteToolError: the launcher's variables are not plain integers.
+    """
+    if not launched():
+        return Workers()
+    from routetool.errors import RouteToolError
+
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        text = os.environ.get(name, "0" if name == "LOCAL_RANK" else os.environ["WORLD_SIZE"])
+        if not (text.isascii() and text.isdigit()):
+            raise RouteToolError(f"the launcher set {name}={text!r}, not an integer",
+                                 fix="start the command with torchrun --nproc-per-node N -m routetool ...")
+        values[name] = int(text)
+    import torch
+    import torch.distributed as dist
+
+    local, local_world = values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"]
+    gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+    backend = "nccl" if gpus and gpus >= local_world else "gloo"
+    if gpus:
+        torch.cuda.set_device(local % gpus)
+    dist.init_process_group(backend)
+    return Workers(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=backend, local_rank=local)

@@ -1,0 +1,241 @@
+"""A run folder (one trace per rank) as one input of replay, validate, balance and info, and the
+same commands under torchrun (gloo, 2 processes on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from routetool.cli import main
+from routetool.io.trace import LayerArrays, RouterConfig
+from tests.helpers import make_trace
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+ROOT = Path(__file__).resolve().parent.parent
+MUTANTS = str(Path(__file__).resolve().parent / "mutants.py")
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [*map(str, args)], catch_exceptions=False)
+
+
+def _json(*args) -> dict:
+    res = _run(*args, "--json", "-")
+    assert res.exit_code in (0, 1), res.output
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """Two data-parallel ranks of 2 layers, 64 experts, bf16, padded decode steps."""
+    out = tmp_path_factory.mktemp("run") / "RUN"
+    res = _run("synth", "-o", out, "--ranks", "2", "--layers", "2", "--experts", "64", "--topk", "4",
+               "--prefill", "48", "--decode-steps", "5", "--max-decode-batch", "8", "--seed", "7", "--no-progress")
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def _rank_trace(run: Path, r: int) -> Path:
+    return run / f"rank-{r}" / "trace.safetensors"
+
+
+def test_synth_ranks_writes_a_run_folder_that_info_lists(run_dir):
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank-0", "rank-1"]
+    doc = _json("info", run_dir)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    assert doc["ranks"][1]["layout"] == {"rank": 1, "world_size": 2, "dp_rank": 1, "dp_size": 2}
+    assert doc["ranks"][0]["trace"].endswith("rank-0/trace.safetensors")
+    res = _run("info", run_dir)
+    assert res.exit_code == 0 and "rank-1" in res.output and "Per rank" in res.output, res.output
+
+
+def test_replay_of_a_run_is_the_sum_of_its_ranks(run_dir):
+    whole = _json("replay", run_dir, "--device", DEVICE, "--no-latency", "--no-progress")
+    alone = [_json("replay", _rank_trace(run_dir, r), "--device", DEVICE, "--no-latency", "--no-progress")
+             for r in (0, 1)]
+    k = whole["totals"]["kernel_vs_reference"]
+    for key in ("rows", "exact", "mismatch", "invalid", "padded"):
+        assert k[key] == sum(a["totals"]["kernel_vs_reference"][key] for a in alone), key
+    assert whole["load_all_layers"]["expert_counts_tokens"] == [
+        x + y for x, y in zip(*(a["load_all_layers"]["expert_counts_tokens"] for a in alone))]
+    for layer, a0, a1 in zip(whole["layers"], alone[0]["layers"], alone[1]["layers"]):
+        assert layer["num_tokens"] == a0["num_tokens"] + a1["num_tokens"]
+        assert layer["padded_rows"] == a0["padded_rows"] + a1["padded_rows"]
+    assert [r["rank"] for r in whole["ranks"]] == [0, 1]
+    assert [r["num_tokens"] for r in whole["ranks"]] == [sum(x["num_tokens"] for x in a["layers"]) for a in alone]
+    assert whole["world_size"] == 1 and whole["verdict"] == "pass"
+    assert alone[0]["ranks"] is None
+
+
+def test_a_failing_rank_is_named_in_the_terminal_and_the_json(run_dir):
+    res = _run("replay", run_dir, "--device", DEVICE, "--no-latency", "--no-progress",
+               "--kernel", f"{MUTANTS}:padding_ignored")
+    assert res.exit_code == 1, res.output
+    assert "failing ranks (2 of 2): rank-0" in res.output, res.output
+    assert "rank-0 layer 0 step" in res.output, res.output  # a failing row says where, rank first
+    doc = _json("replay", run_dir, "--device", DEVICE, "--no-latency", "--no-progress",
+                "--kernel", f"{MUTANTS}:padding_ignored")
+    assert doc["totals"]["kernel_vs_reference"]["failures"][0]["rank"] == 0
+    assert [r["ok"] for r in doc["ranks"]] == [False, False]
+
+
+def test_validate_takes_a_run_folder_as_one_family_per_rank(run_dir):
+    doc = _json("validate", run_dir, "--suite", "none", "--device", DEVICE, "--no-progress")
+    assert [c["name"] for c in doc["cases"]] == [f"trace:RUN/rank-{r}/layer{x}" for r in (0, 1) for x in (0, 1)]
+    assert doc["verdict"] == "pass" and doc["world_size"] == 1
+
+
+def _balance(path, *extra) -> dict:
+    return _json("balance", path, "--device", DEVICE, "--no-progress", "--reference", "--ep-size", "4", *extra)
+
+
+def test_balance_adds_the_data_parallel_ranks_loads(run_dir):
+    whole = _balance(run_dir)
+    alone = [_balance(_rank_trace(run_dir, r)) for r in (0, 1)]
+    assert whole["all_layers"]["expert_counts_assignments"] == [
+        x + y for x, y in zip(*(a["all_layers"]["expert_counts_assignments"] for a in alone))]
+    for layer, a0, a1 in zip(whole["layers"], alone[0]["layers"], alone[1]["layers"]):
+        assert layer["assignments"] == a0["assignments"] + a1["assignments"]
+        assert layer["num_steps"] == max(a0["num_steps"], a1["num_steps"])  # step s of both ranks is one global step
+    assert [r["rank"] for r in whole["ranks"]] == [0, 1]
+    assert [r["assignments"] for r in whole["ranks"]] == [sum(x["assignments"] for x in a["layers"]) for a in alone]
+    assert sum(r["share"] for r in whole["ranks"]) == pytest.approx(1.0)
+    res = _run("balance", run_dir, "--device", DEVICE, "--no-progress", "--reference", "--ep-size", "4")
+    assert res.exit_code == 0 and "ranks (2 summed)" in res.output, res.output
+
+
+def _copy_run(run_dir: Path, tmp_path: Path, layouts: dict[int, dict[str, int]]) -> Path:
+    """The run's rank-0 trace written again as ranks with the given layout metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = tmp_path / "TP"
+    with safe_open(str(_rank_trace(run_dir, 0)), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = {k: v for k, v in f.metadata().items() if k not in ("rank", "world_size", "dp_rank", "dp_size")}
+    for r, layout in layouts.items():
+        (out / f"rank-{r}").mkdir(parents=True)
+        save_file(tensors, str(out / f"rank-{r}" / "trace.safetensors"),
+                  metadata={**meta, **{k: str(v) for k, v in layout.items()}})
+    return out
+
+
+def test_tensor_parallel_peers_are_counted_once_and_dp_ranks_step_by_step(run_dir, tmp_path):
+    # ranks 0, 1: DP rank 0 (TP peers, the same tokens); ranks 2, 3: DP rank 1
+    layouts = {r: {"rank": r, "world_size": 4, "dp_rank": r // 2, "tp_rank": r % 2} for r in range(4)}
+    run = _copy_run(run_dir, tmp_path, layouts)
+    one = _balance(_rank_trace(run_dir, 0))
+    whole = _balance(run)
+    assert whole["all_layers"]["expert_counts_assignments"] == [2 * c for c in one["all_layers"]["expert_counts_assignments"]]
+    assert [r["rank"] for r in whole["ranks"]] == [0, 2]
+    assert any("rank-1, rank-3 route the same tokens" in n for n in whole["notes"]), whole["notes"]
+    # two identical DP ranks: every global step is twice one rank's step, so every share-based figure is the same
+    for a, b in zip(whole["layers"], one["layers"]):
+        assert a["num_steps"] == b["num_steps"]
+        assert a["ranks"][0]["step_balancedness"] == b["ranks"][0]["step_balancedness"]
+
+
+def test_run_folder_errors_are_one_line(run_dir, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = _run("replay", empty, "--no-progress")
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "without rank-<r>/ traces" in res.output
+
+    two = tmp_path / "two"
+    shutil.copytree(run_dir, two)
+    shutil.copy(_rank_trace(run_dir, 1), two / "rank-0" / "other.safetensors")
+    res = _run("replay", two, "--no-progress")
+    assert res.exit_code == 2 and "rank-0: holds 2 .safetensors files" in res.output, res.output
+
+    moved = tmp_path / "moved"
+    (moved / "rank-0").mkdir(parents=True)
+    shutil.copy(_rank_trace(run_dir, 1), moved / "rank-0" / "trace.safetensors")
+    res = _run("balance", moved, "--no-progress")
+    assert res.exit_code == 2 and "holds the trace of rank 1, not of rank 0" in res.output, res.output
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(run_dir, mixed)
+    layer = LayerArrays(gating_output=torch.zeros(3, 16), bias=torch.zeros(16), step_offsets=torch.tensor([0, 3]))
+    make_trace(mixed / "rank-1" / "trace.safetensors", {0: layer}, RouterConfig(num_experts=16, topk=2))
+    for command in ("replay", "validate", "balance", "info"):
+        res = _run(command, mixed, "--no-progress") if command != "validate" else \
+            _run(command, mixed, "--suite", "none", "--no-progress")
+        assert res.exit_code == 2 and res.output.count("\n") == 1, (command, res.output)
+        assert "rank-1 routes with num_experts 16, rank-0 with 64" in res.output, (command, res.output)
+
+
+def test_outputs_never_replace_a_ranks_trace(run_dir):
+    target = _rank_trace(run_dir, 1)
+    before = target.read_bytes()
+    res = _run("replay", run_dir, "--no-progress", "--json", target, "--force")
+    assert res.exit_code == 2 and "input" in res.output, res.output
+    assert target.read_bytes() == before
+
+
+# --------------------------------------------------------------------------------------- torchrun
+def _torchrun(*args, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1" if DEVICE == "cpu" else os.environ.get("TRITON_INTERPRET", "0"),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), "-m", "routetool", *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def _same(a: dict, b: dict, drop=("world_size", "elapsed_s", "throughput_token_layers_per_s", "duration_s")):
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items() if k not in drop}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+    return clean(a) == clean(b)
+
+
+@pytest.mark.parametrize("command", [
+    ["replay", "RUN", "--no-latency"],
+    ["validate", "RUN", "--suite", "none"],
+    ["balance", "RUN", "--reference", "--ep-size", "4"],
+])
+def test_torchrun_two_processes_equal_one(run_dir, tmp_path, command):
+    args = [run_dir if a == "RUN" else a for a in command] + ["--device", DEVICE, "--no-progress"]
+    single = _json(*args)
+    proc = _torchrun(*args, "--json", tmp_path / "two.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["world_size"] == 2 and single["world_size"] == 1
+    assert _same(single, two)
+    assert proc.stdout.count("routetool ") == 1, proc.stdout  # one report (the first process's)
+
+
+def test_torchrun_findings_and_errors_are_reported_once(run_dir, tmp_path):
+    proc = _torchrun("replay", run_dir, "--device", DEVICE, "--no-progress", "--no-latency",
+                     "--kernel", f"{MUTANTS}:padding_ignored")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.count("failing ranks (2 of 2)") == 1, proc.stdout
+
+    # a kernel that crashes on the second process only: the first process reports it, once
+    kernel = tmp_path / "second_crashes.py"
+    kernel.write_text("import os\nfrom tests.mutants import correct\n\n\n"
+                      "def route(*args, **kwargs):\n"
+                      "    if os.environ.get('RANK') == '1':\n"
+                      "        raise RuntimeError('boom on process 1')\n"
+                      "    return correct(*args, **kwargs)\n")
+    proc = _torchrun("replay", run_dir, "--device", DEVICE, "--no-progress", "--no-latency", "--kernel",
+                     f"{kernel}:route")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("routetool: error:")]
+    assert len(errors) == 1 and "boom on process 1" in errors[0], proc.stderr
+
+    proc = _torchrun("replay", run_dir / "nothing.safetensors", "--no-progress")
+    assert proc.returncode != 0
+    assert proc.stderr.count("routetool: error:") == 1, proc.stderr
