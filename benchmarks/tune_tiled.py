@@ -23,7 +23,7 @@ import triton.testing
 
 from kernel import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
 from kernel.reference import biased_scores, normalized_scores
-from kernel.routing import LaunchConfig, default_config, padded_num_experts
+from kernel.routing_policy import LaunchConfig, default_config, padded_num_experts
 from routetool.engine.compare import RowClass, compare_step, weight_tolerance
 
 L2_BYTES = 60 * 2**20
@@ -125,15 +125,15 @@ def main():
     ap.add_argument("--padding", type=float, default=0.0,
                     help="pass an is_padding mask with this fraction of the rows padded (random; 0: no mask)")
     ap.add_argument("--variant", default="",
-                    help="comma-separated NAME=INT module switches of kernel.routing to set first (experiments, "
-                         "e.g. RCP_FMA_SLICES=4); recorded in the CSV's variant column")
+                    help="comma-separated NAME=INT switches of kernel.routing_policy to set first (experiments, "
+                         "e.g. DYNAMIC_TILES_FROM=1); recorded in the CSV's variant column")
     args = ap.parse_args()
-    from kernel import routing
+    from kernel import routing_policy
     for item in filter(None, args.variant.split(",")):
         name, value = item.split("=")
-        if not hasattr(routing, name):
-            sys.exit(f"kernel.routing has no switch {name}")
-        setattr(routing, name, int(value))
+        if not hasattr(routing_policy, name):
+            sys.exit(f"kernel.routing_policy has no switch {name}")
+        setattr(routing_policy, name, int(value))
     props = torch.cuda.get_device_properties(0)
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)

@@ -1,8 +1,9 @@
 """MuseSpark1x top-k routing: Triton kernels and the PyTorch reference that defines them.
 
 Depends on torch and triton only. Triton reads ``TRITON_INTERPRET`` when a kernel is
-defined, so the Triton modules (:mod:`kernel.routing`, :mod:`kernel.seed`) are imported
-lazily, on first use of their names here; :mod:`kernel.reference` needs no Triton.
+defined, so the Triton modules (:mod:`kernel.routing` with :mod:`kernel.routing_jit`,
+:mod:`kernel.seed`) are imported lazily, on first use of their names here;
+:mod:`kernel.reference` and the launch settings (:mod:`kernel.routing_policy`) need no Triton.
 
 Variants (all with the seed's signature, returning ``(topk_weights, topk_ids)``):
 
@@ -25,8 +26,8 @@ from kernel.reference import musespark1x_routing_reference
 
 _LAZY = {
     "fused_musespark1x_routing": "kernel.routing",
-    "LaunchConfig": "kernel.routing",
-    "default_config": "kernel.routing",
+    "LaunchConfig": "kernel.routing_policy",
+    "default_config": "kernel.routing_policy",
     "fused_musespark1x_routing_seed": "kernel.seed",
 }
 

@@ -60,7 +60,7 @@ def clear_plans() -> None:
     """Forget every launcher's plans, so that each next call is checked and configured afresh.
 
     Needed only after changing a module-level setting that launch settings are chosen from
-    (e.g. :data:`kernel.routing.DYNAMIC_TILES_FROM`, as experiments and tests do).
+    (e.g. :data:`kernel.routing_policy.DYNAMIC_TILES_FROM`, as experiments and tests do).
     """
     for cache in _CACHES:
         cache.clear()

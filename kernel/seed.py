@@ -40,11 +40,11 @@ def _seed_select_one(keys, scores, picked, in_range, experts, slots, k, ids, wei
 
 @triton.jit
 def _seed_routing_kernel(
-    gating_output_ptr,  # (T, E) fp32, any strides
-    bias_ptr,  # (E,) fp32, contiguous
-    topk_weights_ptr,  # (T, K) fp32 view
-    topk_ids_ptr,  # (T, K) int32|int64 view
-    is_padding_ptr,  # (T,) bool, or None
+    gating_output_ptr,  # (T, E) fp32, strides (stride_gm, stride_gn)
+    bias_ptr,  # (E,) fp32, contiguous (the launcher copies any other bias to one)
+    topk_weights_ptr,  # (T, topk) fp32, strides (stride_wm, stride_wk)
+    topk_ids_ptr,  # (T, topk) int32|int64, strides (stride_im, stride_ik); -1 for padded tokens
+    is_padding_ptr,  # (T,) bool, stride stride_pad, or None (no padding)
     stride_pad,
     num_tokens,
     num_experts,
@@ -113,6 +113,11 @@ def _seed_routing_kernel(
     out = slots < TOPK
     tl.store(topk_ids_ptr + token * stride_im + slots * stride_ik, ids, mask=out)
     tl.store(topk_weights_ptr + token * stride_wm + slots * stride_wk, weights * scale, mask=out)
+
+
+_INTERPRETED = is_interpreted(_seed_routing_kernel)
+
+_PLANS = PlanCache()
 
 
 def fused_musespark1x_routing_seed(
@@ -207,6 +212,3 @@ def fused_musespark1x_routing_seed(
                                  bias_to_float32=bias_to_float32))
     return weights, ids
 
-
-_INTERPRETED = is_interpreted(_seed_routing_kernel)
-_PLANS = PlanCache()

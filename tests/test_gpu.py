@@ -131,17 +131,17 @@ DYNAMIC = [
 
 @pytest.mark.parametrize("T,E,K,dtype,per_sm,options", DYNAMIC)
 def test_dynamic_tiles_match_reference_and_leave_counters_zero(T, E, K, dtype, per_sm, options, monkeypatch, request):
-    from kernel import LaunchConfig, fused_musespark1x_routing, routing
+    from kernel import LaunchConfig, fused_musespark1x_routing, routing, routing_policy
     from kernel._dispatch import clear_plans
 
-    monkeypatch.setattr(routing, "DYNAMIC_TILES_FROM", 1)  # claimed tiles at every size
+    monkeypatch.setattr(routing_policy, "DYNAMIC_TILES_FROM", 1)  # claimed tiles at every size
     clear_plans()  # plans made under the old threshold would keep their static tiles
     request.addfinalizer(clear_plans)  # and those made now their claimed ones
     g = torch.Generator(device="cuda").manual_seed(T + E + K)
     bias = torch.randn(E, device="cuda", generator=g) * 0.05
     config = LaunchConfig(block_t=1, chunk=32, num_warps=1, algorithm="two_level", programs_per_sm=per_sm,
                           dynamic_tiles=True)
-    assert routing.tile_counters(torch.device("cuda")) is not None  # (the launch claims: counters exist)
+    assert routing_policy.tile_counters(torch.device("cuda")) is not None  # (the launch claims: counters exist)
     for rep in range(3):  # back to back: each launch must find the counters at zero
         logits = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
         pad = torch.rand(T, device="cuda", generator=g) < 0.05
@@ -150,7 +150,10 @@ def test_dynamic_tiles_match_reference_and_leave_counters_zero(T, E, K, dtype, p
         classes, cmp = _classes(w, ids, logits, bias, K, 2.5, pad, **options)
         assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, (rep, classes)
         assert not cmp.weight_over_tol.any()
-        assert not routing.tile_counters(logits.device).any()
+        assert not routing_policy.tile_counters(logits.device).any()
+    if T > per_sm * torch.cuda.get_device_properties(0).multi_processor_count:  # a persistent grid
+        plans = list(routing._PLANS._plans.values())
+        assert plans and all(p.per_stream is not None for p in plans)  # the patched threshold made it claim
 
 
 DIRECT = [
@@ -228,7 +231,7 @@ def test_an_offset_view_after_an_aligned_one_gets_its_own_kernel(T, dtype):
 
 
 def test_a_new_stream_gets_its_tile_counters_then_direct_launches():
-    from kernel import default_config, fused_musespark1x_routing, routing
+    from kernel import default_config, fused_musespark1x_routing, routing_policy
 
     T, E, K = 65536, 256, 8
     assert default_config(T, E, torch.float32).dynamic_tiles
@@ -247,12 +250,12 @@ def test_a_new_stream_gets_its_tile_counters_then_direct_launches():
             classes, _ = _classes(w, ids, x, bias, K, 2.5)
             assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, (rep, classes)
     torch.cuda.synchronize()
-    assert (stream.device.index, stream.cuda_stream) in routing._TILE_COUNTERS
-    assert not any(c.any() for c in routing._TILE_COUNTERS.values())
+    assert (stream.device.index, stream.cuda_stream) in routing_policy._TILE_COUNTERS
+    assert not any(c.any() for c in routing_policy._TILE_COUNTERS.values())
 
 
 def test_dynamic_tiles_in_cuda_graph_replays():
-    from kernel import default_config, fused_musespark1x_routing, routing
+    from kernel import default_config, fused_musespark1x_routing, routing_policy
 
     E, K = 256, 8
     sizes = (65536, 50000, 65536)
@@ -276,12 +279,12 @@ def test_dynamic_tiles_in_cuda_graph_replays():
             classes, cmp = _classes(w, ids, x, bias, K, 2.5)
             assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, (rep, classes)
     capture = torch.cuda.graph.default_capture_stream
-    assert (capture.device.index, capture.cuda_stream) in routing._TILE_COUNTERS  # the graph claimed its tiles
-    assert not any(c.any() for c in routing._TILE_COUNTERS.values())
+    assert (capture.device.index, capture.cuda_stream) in routing_policy._TILE_COUNTERS  # the graph claimed its tiles
+    assert not any(c.any() for c in routing_policy._TILE_COUNTERS.values())
 
 
 def test_dynamic_tiles_without_counters_during_capture_fall_back_to_static():
-    from kernel import fused_musespark1x_routing, routing
+    from kernel import fused_musespark1x_routing, routing_policy
 
     T, E, K = 65536, 256, 8
     x = torch.randn((T, E), device="cuda")
@@ -293,7 +296,7 @@ def test_dynamic_tiles_without_counters_during_capture_fall_back_to_static():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):  # a fresh stream: no counters, and none may be allocated now
         fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)
-    assert (stream.device.index, stream.cuda_stream) not in routing._TILE_COUNTERS
+    assert (stream.device.index, stream.cuda_stream) not in routing_policy._TILE_COUNTERS
     graph.replay()
     torch.cuda.synchronize()
     classes, _ = _classes(w, ids, x, bias, K, 2.5)

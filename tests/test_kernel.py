@@ -10,7 +10,7 @@ from helpers import assert_routing_invariants
 from kernel import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
 from kernel._dispatch import clear_plans
 from kernel.reference import biased_scores, normalized_scores
-from kernel.routing import LaunchConfig, default_config, padded_num_experts
+from kernel.routing_policy import LaunchConfig, default_config, padded_num_experts
 from routetool.engine.compare import RowClass, compare_step, weight_tolerance
 
 SHAPES = [
@@ -438,6 +438,42 @@ def test_default_config_by_shape():
     assert default_config(65536, 512, torch.float32, topk=40).algorithm == "scan"   # topk above the columns
     assert default_config(65536, 8, torch.float32, topk=8).chunk == 8
     assert default_config(65536, 256, torch.float32, device_type="cpu").algorithm == "scan"
+
+
+def test_switches_set_on_the_policy_module_change_the_launch(device, monkeypatch, request):
+    # default_config and the launcher read the switches from kernel.routing_policy on every
+    # checked call; kernel.routing shows the same values and refuses to rebind them
+    import kernel.routing
+    from kernel import routing_policy
+
+    request.addfinalizer(clear_plans)  # (no plan made under a patched switch outlives the test)
+    assert default_config(3000, 256, torch.float32).algorithm == "two_level"
+    monkeypatch.setattr(routing_policy, "SMALL_BATCH", 4096)
+    assert default_config(3000, 256, torch.float32).algorithm == "scan"
+    assert default_config(8000, 256, torch.float32).programs_per_sm == 32
+    monkeypatch.setattr(routing_policy, "PERSISTENT_FROM", 10000)
+    assert default_config(8000, 256, torch.float32).programs_per_sm == 0
+    monkeypatch.setattr(routing_policy, "TWO_LEVEL_MAX_TOPK", 4)
+    assert default_config(8000, 256, torch.float32, topk=8).algorithm == "scan"
+    assert kernel.routing.SMALL_BATCH == 4096 and kernel.routing.default_config is routing_policy.default_config
+    with pytest.raises(AttributeError, match="set kernel.routing_policy.DYNAMIC_TILES_FROM"):
+        monkeypatch.setattr(kernel.routing, "DYNAMIC_TILES_FROM", 1)
+    # the launcher's check of a config reads the policy module too
+    clear_plans()
+    x, bias = torch.zeros((2, 64), device=device), torch.zeros(64, device=device)
+    fused_musespark1x_routing(x, bias, 4, 1.0)
+    clear_plans()
+    monkeypatch.setattr(routing_policy, "MAX_TILE_ELEMENTS", 16)
+    with pytest.raises(ValueError, match="exceeds Triton's largest tensor"):
+        fused_musespark1x_routing(x, bias, 4, 1.0)
+
+
+def test_the_policy_rounds_up_to_powers_of_two_as_triton_does():
+    import triton
+
+    from kernel.routing_policy import _next_power_of_2
+
+    assert [_next_power_of_2(n) for n in range(1, 2050)] == [triton.next_power_of_2(n) for n in range(1, 2050)]
 
 
 @pytest.mark.parametrize("bad,message", [

@@ -105,8 +105,8 @@ def test_quick_holds_every_production_shape_and_names_its_model():
 
 
 def test_batch_sizes_cross_the_tiled_kernels_switches():
-    # the sizes are chosen from kernel/routing.py's launch policy: when it changes, they must follow
-    from kernel import routing
+    # the sizes are chosen from kernel/routing_policy.py's launch settings: when they change, the sizes must follow
+    from kernel import routing_policy
 
     for case in (c for c in MODELS if not c.cuda_only):
         inp = case.build(torch.device("cpu"))
@@ -114,16 +114,16 @@ def test_batch_sizes_cross_the_tiled_kernels_switches():
         # under the interpreter: a 1-row tile, one 8-row tile (a row masked), two 128-row tiles
         sizes = (inp.gating_output.shape[0], *case.batch_sizes)
         tiles = {(cfg.block_t, -(-n // cfg.block_t))
-                 for n in sizes for cfg in [routing.default_config(n, E, inp.gating_output.dtype, "cpu", K)]}
+                 for n in sizes for cfg in [routing_policy.default_config(n, E, inp.gating_output.dtype, "cpu", K)]}
         assert tiles == {(1, 1), (8, 1), (128, 2)}, (case.name, tiles)
         # on a GPU: scan up to SMALL_BATCH, two-level above it, a persistent grid beyond 32 programs per SM on
         # up to 256 SMs, tiles claimed from counters from DYNAMIC_TILES_FROM grids' worth on up to 148 SMs
-        configs = [routing.default_config(n, E, inp.gating_output.dtype, "cuda", K) for n in GPU_BATCH_SIZES]
-        assert {routing.SMALL_BATCH, routing.SMALL_BATCH + 1} <= set(GPU_BATCH_SIZES)
+        configs = [routing_policy.default_config(n, E, inp.gating_output.dtype, "cuda", K) for n in GPU_BATCH_SIZES]
+        assert {routing_policy.SMALL_BATCH, routing_policy.SMALL_BATCH + 1} <= set(GPU_BATCH_SIZES)
         assert [c.algorithm for c in configs] == ["scan", "two_level", "two_level", "two_level"]
         assert configs[2].programs_per_sm and GPU_BATCH_SIZES[2] > configs[2].programs_per_sm * 256
         assert configs[3].dynamic_tiles
-        assert GPU_BATCH_SIZES[3] >= routing.DYNAMIC_TILES_FROM * configs[3].programs_per_sm * 148
+        assert GPU_BATCH_SIZES[3] >= routing_policy.DYNAMIC_TILES_FROM * configs[3].programs_per_sm * 148
 
 
 @pytest.mark.parametrize("name", ["wrong_at_160_experts_k8", "eight_slots", "large_batch_rounding"])

@@ -276,12 +276,12 @@ MODEL_PADDED_ROWS = (2, 5)
 BATCH_SIZES = (1, 129)
 """Other batches a ``models`` case's tokens are routed in (with the case's own 7 rows).
 The ``tiled`` kernel under the Triton interpreter routes ``min(128, next_pow2(T))`` rows per
-program (``kernel.routing.default_config``): a token alone (a 1-row tile, no padding mask),
+program (``kernel.routing_policy.default_config``): a token alone (a 1-row tile, no padding mask),
 7 rows (one 8-row tile) and 129 rows (two 128-row tiles, the second holding one row)."""
 
 GPU_BATCH_SIZES = (2048, 2049, 8193, 40000)
 """The GPU batches of a ``models`` case (``cuda_only``): the ``tiled`` kernel's switches on a
-GPU (``kernel.routing``): up to ``SMALL_BATCH`` = 2048 tokens the scan algorithm, above it
+GPU (``kernel.routing_policy``): up to ``SMALL_BATCH`` = 2048 tokens the scan algorithm, above it
 the two-level one; a persistent grid once the tokens exceed ``programs_per_sm`` (32) times
 the SM count (8193: up to 256 SMs), with tiles claimed from atomic counters from
 ``DYNAMIC_TILES_FROM`` (8) times that grid (40000: up to 148 SMs, an H200 has 132)."""

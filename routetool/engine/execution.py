@@ -41,7 +41,7 @@ class Execution:
 
 def _kernels_interpreted() -> bool | None:
     """How the already imported kernels were defined (None when not imported yet)."""
-    mod = sys.modules.get("kernel.routing")
+    mod = sys.modules.get("kernel.routing_jit")
     if mod is None:
         return None
     return type(mod._routing_kernel).__name__ == "InterpretedFunction"

@@ -1,0 +1,776 @@
+"""The tiled variant's ``@triton.jit`` code: :func:`_routing_kernel` (scan) and :func:`_two_level_kernel`.
+
+Launched by :func:`kernel.routing.fused_musespark1x_routing` with the launch settings of
+:mod:`kernel.routing_policy`; nothing here runs on the host.
+
+Shared by both algorithms:
+
+* Logits of any float dtype are upcast to float32 and multiplied by the optional
+  ``router_output_multiplier``.
+* Scores: sigmoid, or stable softmax (NaN logits count as -inf). On NVIDIA GPUs the
+  sigmoid uses the approximate ``ex2``/``rcp`` instructions (:func:`_sigmoid`, within a
+  few float32 ulps of ``torch.sigmoid``); under the interpreter it is ``tl.sigmoid``.
+* One int32 key per expert: the order-preserving integer image of the float32 biased score
+  (``score + bias``; a NaN bias counts as -inf). The largest key wins; of equal keys the
+  lowest expert index wins, exactly as ``tl.argmax`` breaks ties.
+* Weights: the picked experts' logits are re-read (in cache) and only those ``topk`` scores
+  are recomputed, renormalised by ``route_scale / (sum + eps)``; a zero denominator gives
+  weights 0. Padded rows get id -1 and weight 0. Programmatic dependent launch on Hopper.
+
+**Scan** (:func:`_routing_kernel`; decode batches): a ``[BLOCK_T, NUM_CHUNKS, CHUNK]`` tile
+of logits (``CHUNK / vector width`` lanes share a row; 32 by default, so that every
+reduction is one warp-wide ``REDUX`` on Hopper) and ``topk`` rounds of (largest key, lowest
+expert holding it, mask it out). Each round scans every expert of the row.
+
+**Two-level** (:func:`_two_level_kernel`; prefill batches): one warp per token, expert ``e``
+in column ``e % WIDTH`` of slice ``e // WIDTH``. Level 1 streams the slices once, keeping per
+column its best two (score, expert) in order and its third-best score. Level 2 merges the
+columns' pairs with ``topk`` rounds of one warp-wide max over the column heads. That is the
+exact top-k unless a column holds three of the picks (the third-best scores detect it) or
+two heads hold equal keys (more pops than ``topk``); such tiles are redone by repeated
+argmax over the logits still in registers. Each expert is touched a constant number of
+times instead of ``topk`` times; a persistent grid loads each token's logits one token
+ahead and, with many tokens per program, claims tokens from self-resetting atomic counters
+(:func:`kernel.routing_policy.tile_counters`) so that all programs end together.
+Measurements of both: benchmarks/NOTES.md.
+
+Shapes in the argument comments: ``T`` tokens, ``E`` experts, ``topk`` picks per token.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_EMPTY_KEY = tl.constexpr(-(2**31))  # below every real key: the image of -inf is -2**31 + 0x7FFFFF
+
+
+_UNROLL_MAX_TOPK = tl.constexpr(32)
+_LOG2E = tl.constexpr(1.4426950408889634)
+_TWO_M64 = tl.constexpr(2.0**-64)
+
+
+@triton.jit
+def _prepare_logits(x, router_output_multiplier, HAS_MULTIPLIER: tl.constexpr, NORMALIZATION_MODE: tl.constexpr):
+    """float32 logits times the optional multiplier; under softmax NaN -> -inf (:func:`_sigmoid` takes NaN itself)."""
+    x = x.to(tl.float32)
+    if HAS_MULTIPLIER:
+        x = x * router_output_multiplier
+    if NORMALIZATION_MODE == 1:
+        x = tl.where(x != x, -float("inf"), x)
+    return x
+
+
+@triton.jit
+def _prepare_bias(b, FAST_MATH: tl.constexpr):
+    """float32 bias, NaN -> -inf (so that ``score + bias`` is never NaN: scores are finite).
+
+    ``FAST_MATH``: the hardware ``max`` returns its non-NaN operand, one instruction.
+    """
+    b = b.to(tl.float32)
+    if FAST_MATH:
+        return tl.maximum(b, -float("inf"))
+    return tl.where(b != b, -float("inf"), b)
+
+
+@triton.jit
+def _sigmoid(x, FAST_MATH: tl.constexpr):
+    """sigmoid of float32 ``x``, with NaN counted as -inf (score +0); in ``[+0, 1]``, never ``-0.0``.
+
+    ``FAST_MATH`` (NVIDIA GPUs): ``1 / (1 + 2^(-x log2 e))`` from the flush-to-zero
+    ``ex2.approx`` and ``rcp.approx`` instructions, 6 instructions instead of the 13 of the
+    IEEE-safe exp and division. Flushing is harmless here: ``2^(-x log2 e)`` below ``2^-126``
+    adds nothing to 1, and the reciprocal is taken of ``(1 + t) * 2^-64`` (a normal number
+    for every finite ``t``) and scaled back, so scores below ``2^-126`` keep their subnormal
+    values instead of becoming 0. NaN is caught by the hardware ``min`` (which returns the
+    non-NaN operand): ``min(NaN, +inf) = +inf``, ``1 / (1 + inf) = 0``. Versus
+    ``torch.sigmoid``: a few float32 ulps, plus for negative ``x`` a relative error of about
+    ``|x| * 2^-24`` from rounding ``x log2 e`` (as in ``tl.exp``).
+    """
+    if FAST_MATH:
+        u = tl.minimum(x * -_LOG2E, float("inf"))
+        t = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [t * _TWO_M64 + _TWO_M64],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        return r * _TWO_M64
+    return tl.sigmoid(tl.where(x != x, -float("inf"), x))
+
+
+@triton.jit
+def _claim_tile(
+    counter_ptr,  # () int32: a group's counter, counter_ptr + g * 32 of _two_level_kernel
+    want,
+):
+    """If ``want``, lane 0 adds 1 to ``*counter_ptr`` (relaxed, device scope); a ``[1]`` int32 tensor holding the
+    old value in lane 0 (``2**28`` without a claim). Nothing waits for the atomic until :func:`_claimed` reads it."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p, w; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; setp.ne.u32 w, $2, 0; "
+        "and.pred p, p, w; mov.u32 $0, 0x10000000; @p atom.global.gpu.relaxed.add.u32 $0, [$1], 1; }",
+        "=r,l,r", [counter_ptr + tl.zeros([1], tl.int32), want.to(tl.int32) + tl.zeros([1], tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _claimed(claim):
+    """The value :func:`_claim_tile` returned, as a scalar (broadcast from lane 0)."""
+    v = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r", [claim],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    return tl.max(v, axis=0)
+
+
+@triton.jit
+def _softmax_stats(row_max):
+    """From a row's max logit: (the finite max to subtract, whether the row holds +inf)."""
+    has_inf = row_max == float("inf")
+    finite_max = tl.where((row_max > -float("inf")) & ~has_inf, row_max, 0.0)
+    return finite_max, has_inf
+
+
+@triton.jit
+def _softmax_numerator(x, finite_max, has_inf):
+    """exp(x - max), or the +inf experts' equal shares (1 each) when the row holds +inf."""
+    return tl.where(has_inf, (x == float("inf")).to(tl.float32), tl.exp(x - finite_max))
+
+
+@triton.jit
+def _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Unbiased scores of prepared logits: sigmoid, or softmax from the row's statistics."""
+    if NORMALIZATION_MODE == 0:
+        return _sigmoid(x, FAST_MATH)
+    return tl.where(total > 0, _softmax_numerator(x, finite_max, has_inf) / tl.where(total > 0, total, 1.0), 0.0)
+
+
+@triton.jit
+def _ordered_key(biased):
+    """int32 whose integer order is the float order of ``biased`` (no NaN; never -0.0)."""
+    bits = biased.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _select_round(key, ids, expert, slot, k, E_PAD: tl.constexpr):
+    """One selection round: the largest key, the lowest expert holding it; mask it, record it."""
+    best = tl.max(tl.max(key, axis=2), axis=1)[:, None, None]  # (BLOCK_T, 1, 1)
+    first = tl.min(tl.min(tl.where(key == best, expert, E_PAD), axis=2), axis=1)[:, None, None]
+    key = tl.where(expert == first, _EMPTY_KEY, key)
+    ids = tl.where(slot == k, first, ids)
+    return key, ids
+
+
+@triton.jit
+def _scan_select(
+    gating_output_ptr,  # (T, E) fp32|bf16|fp16, strides (stride_gm, stride_gn)
+    bias_ptr,  # (E,) fp32|bf16|fp16, stride stride_bias
+    row, row_off, row_ok, num_experts, stride_gn, stride_bias,
+    router_output_multiplier,
+    TOPK: tl.constexpr,
+    SLOTS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Exact selection by repeated argmax over a ``[BLOCK_T, NUM_CHUNKS, CHUNK]`` tile.
+
+    ``row``, ``row_off`` and ``row_ok`` are ``(BLOCK_T, 1, 1)``. Returns
+    ``(ids, finite_max, has_inf, total)``: ids ``(BLOCK_T, 1, SLOTS)`` int32 (slots past
+    ``TOPK`` hold 0), and the softmax statistics ``(BLOCK_T, 1, 1)`` (placeholders under
+    sigmoid).
+    """
+    E_PAD: tl.constexpr = NUM_CHUNKS * CHUNK
+    # expert = chunk * CHUNK + lane; the innermost axis is the contiguous one.
+    expert = tl.arange(0, NUM_CHUNKS)[None, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
+    expert_ok = expert < num_experts
+    logits = tl.load(gating_output_ptr + row_off + expert * stride_gn, mask=expert_ok & row_ok, other=-float("inf"))
+    # The bias is loaded through a pointer tile of the logits' shape so it gets their layout.
+    bias_ptrs = tl.broadcast_to(bias_ptr + expert * stride_bias, logits.shape)
+    bias = _prepare_bias(tl.load(bias_ptrs, mask=expert_ok, other=0.0), FAST_MATH)
+    # Experts past the end are -inf after the multiplier too (a negative one would make the
+    # -inf they were loaded as +inf, and softmax would give them all the mass).
+    logits = tl.where(expert_ok, _prepare_logits(logits, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE),
+                      -float("inf"))
+    finite_max = tl.zeros_like(row_off).to(tl.float32)
+    has_inf = finite_max != 0.0
+    total = finite_max + 1.0
+    if NORMALIZATION_MODE == 1:
+        finite_max, has_inf = _softmax_stats(tl.max(tl.max(logits, axis=2), axis=1)[:, None, None])
+        total = tl.sum(tl.sum(_softmax_numerator(logits, finite_max, has_inf), axis=2), axis=1)[:, None, None]
+    key = _ordered_key(_scores(logits, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bias)
+    key = tl.where(expert_ok, key, _EMPTY_KEY)
+
+    # Outputs live in (BLOCK_T, 1, SLOTS) tensors derived from the tile's layout, so the
+    # rounds need no layout conversion (no shared-memory round trip per round).
+    slot = tl.arange(0, SLOTS)[None, None, :]
+    ids = tl.zeros([row.shape[0], 1, SLOTS], dtype=tl.int32)
+    if TOPK <= _UNROLL_MAX_TOPK:
+        for k in tl.static_range(TOPK):
+            key, ids = _select_round(key, ids, expert, slot, k, E_PAD)
+    else:  # a loop, not unrolled: unrolling hundreds of rounds takes minutes to compile
+        for k in range(TOPK):
+            key, ids = _select_round(key, ids, expert, slot, k, E_PAD)
+    return ids, finite_max, has_inf, total
+
+
+@triton.jit
+def _picked_scores(
+    ptrs,  # pointer tile of ok's shape into gating_output (fp32|bf16|fp16): the picked experts' logits
+    ok, router_output_multiplier, finite_max, has_inf, total,
+    NORMALIZATION_MODE: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
+):
+    """Unbiased scores of the picked experts whose logits ``ptrs`` point at (re-read, in cache); 0 where not ``ok``."""
+    x = _prepare_logits(tl.load(ptrs, mask=ok, other=-float("inf")), router_output_multiplier, HAS_MULTIPLIER,
+                        NORMALIZATION_MODE)
+    return tl.where(ok, _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
+
+
+@triton.jit
+def _renormalizer(score_sum, route_scale, division_eps, HAS_EPS: tl.constexpr):
+    """``route_scale / (sum + eps)``, or 0 for a zero denominator."""
+    denom = score_sum
+    if HAS_EPS:
+        denom = denom + division_eps
+    return tl.where(denom > 0, route_scale / tl.where(denom > 0, denom, 1.0), 0.0)
+
+
+@triton.jit
+def _write_outputs(
+    gating_output_ptr,  # (T, E) fp32|bf16|fp16, strides (stride_gm, stride_gn)
+    row, row_off, row_ok, ids, slot, finite_max, has_inf, total,
+    topk_weights_ptr,  # (T, topk) fp32, strides (stride_wm, stride_wk)
+    topk_ids_ptr,  # (T, topk) int32|int64, strides (stride_im, stride_ik); -1 for padded tokens
+    is_padding_ptr,  # (T,) bool, stride stride_pad, or None (no padding)
+    stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
+    router_output_multiplier, route_scale, division_eps,
+    TOPK: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Weights of the picked experts, padding, and the stores; ``ids``/``slot`` broadcast against ``row``.
+
+    The picked experts' logits are re-read (in cache) and only those ``TOPK`` scores are
+    recomputed, renormalised by ``route_scale / (sum + eps)``; a zero denominator gives
+    weights 0. Padded rows get id -1 and weight 0.
+    """
+    out_ok = row_ok & (slot < TOPK)
+    picked_scores = _picked_scores(gating_output_ptr + row_off + ids * stride_gn, out_ok, router_output_multiplier,
+                                   finite_max, has_inf, total, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH)
+    weights = picked_scores * _renormalizer(tl.sum(picked_scores, axis=-1, keep_dims=True), route_scale,
+                                            division_eps, HAS_EPS)
+    if is_padding_ptr is not None:
+        padded = tl.load(is_padding_ptr + row * stride_pad, mask=row_ok, other=0) != 0
+        ids = tl.where(padded, -1, ids)
+        weights = tl.where(padded, 0.0, weights)
+    tl.store(topk_ids_ptr + row * stride_im + slot * stride_ik, ids, mask=out_ok)
+    tl.store(topk_weights_ptr + row * stride_wm + slot * stride_wk, weights, mask=out_ok)
+
+
+@triton.jit
+def _routing_kernel(
+    gating_output_ptr,  # (T, E) fp32|bf16|fp16, strides (stride_gm, stride_gn)
+    bias_ptr,  # (E,) fp32|bf16|fp16, stride stride_bias
+    topk_weights_ptr,  # (T, topk) fp32, strides (stride_wm, stride_wk)
+    topk_ids_ptr,  # (T, topk) int32|int64, strides (stride_im, stride_ik); -1 for padded tokens
+    is_padding_ptr,  # (T,) bool, stride stride_pad, or None (no padding)
+    num_tokens,
+    num_experts,
+    stride_gm,
+    stride_gn,
+    stride_bias,
+    stride_wm,
+    stride_wk,
+    stride_im,
+    stride_ik,
+    stride_pad,
+    router_output_multiplier,
+    route_scale,
+    division_eps,
+    TOPK: tl.constexpr,
+    TOPK_PADDED: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,  # 0 sigmoid, 1 softmax
+    HAS_MULTIPLIER: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Scan algorithm. Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``."""
+    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
+    row_ok = row < num_tokens
+    row_off = row.to(tl.int64) * stride_gm
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    ids, finite_max, has_inf, total = _scan_select(
+        gating_output_ptr, bias_ptr, row, row_off, row_ok, num_experts, stride_gn, stride_bias,
+        router_output_multiplier, TOPK, TOPK_PADDED, NUM_CHUNKS, CHUNK, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH,
+    )
+    _write_outputs(
+        gating_output_ptr, row, row_off, row_ok, ids, tl.arange(0, TOPK_PADDED)[None, None, :], finite_max, has_inf,
+        total, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
+        stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, NORMALIZATION_MODE, HAS_MULTIPLIER,
+        HAS_EPS, FAST_MATH,
+    )
+
+
+@triton.jit
+def _load_slices(
+    gating_output_ptr,  # (T, E) fp32|bf16|fp16, strides (stride_gm, stride_gn)
+    tile, num_tokens, num_experts, stride_gm, stride_gn,
+    WIDTH: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    MASK_EXPERTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """The logits of the ``BLOCK_T`` rows of ``tile`` as a tuple of ``NUM_SLICES`` ``(BLOCK_T, WIDTH)`` tensors.
+
+    Rows past the end re-read the last row (always in bounds, so no row mask); experts past
+    ``num_experts`` read ``-inf``.
+    """
+    col = tl.arange(0, WIDTH)[None, :]
+    row = tl.minimum(tile * BLOCK_T + tl.arange(0, BLOCK_T)[:, None], num_tokens - 1)
+    row_ptr = gating_output_ptr + row.to(tl.int64) * stride_gm + col * stride_gn
+    xs = ()
+    for v in tl.static_range(NUM_SLICES):
+        if MASK_EXPERTS:
+            xs = xs + (tl.load(row_ptr + v * WIDTH * stride_gn, mask=v * WIDTH + col < num_experts,
+                               other=-float("inf")),)
+        else:
+            xs = xs + (tl.load(row_ptr + v * WIDTH * stride_gn),)
+    return xs
+
+
+@triton.jit
+def _load_bias_slices(
+    bias_ptr,  # (E,) fp32|bf16|fp16, stride stride_bias
+    num_experts, stride_bias,
+    WIDTH: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    MASK_EXPERTS: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """The prepared bias (:func:`_prepare_bias`) as a tuple of ``NUM_SLICES`` ``(1, WIDTH)`` tensors, loaded once per program."""
+    col = tl.arange(0, WIDTH)[None, :]
+    bs = ()
+    for v in tl.static_range(NUM_SLICES):
+        if MASK_EXPERTS:
+            b = tl.load(bias_ptr + (v * WIDTH + col) * stride_bias, mask=v * WIDTH + col < num_experts, other=0.0)
+        else:
+            b = tl.load(bias_ptr + (v * WIDTH + col) * stride_bias)
+        bs = bs + (_prepare_bias(b, FAST_MATH),)
+    return bs
+
+
+@triton.jit
+def _slice_logits(x, v, col, num_experts, router_output_multiplier,
+                  WIDTH: tl.constexpr, MASK_EXPERTS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr,
+                  NORMALIZATION_MODE: tl.constexpr):
+    """Prepared logits of slice ``v``; experts past the end are -inf after the multiplier too."""
+    x = _prepare_logits(x, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
+    if MASK_EXPERTS:
+        x = tl.where(v * WIDTH + col < num_experts, x, -float("inf"))
+    return x
+
+
+@triton.jit
+def _write_picks(
+    gating_output_ptr,  # (T, E) fp32|bf16|fp16, strides (stride_gm, stride_gn)
+    row, row_off, row_ok, rounds, pick_a, pick_b, finite_max, has_inf, total,
+    topk_weights_ptr,  # (T, topk) fp32, strides (stride_wm, stride_wk)
+    topk_ids_ptr,  # (T, topk) int32|int64, strides (stride_im, stride_ik); -1 for padded tokens
+    is_padding_ptr,  # (T,) bool, stride stride_pad, or None (no padding)
+    stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
+    router_output_multiplier, route_scale, division_eps,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Weights and stores of the two-level kernel, from each column's (at most two) picks.
+
+    ``rounds`` (``(BLOCK_T, WIDTH)`` int32) encodes the output slots of a column's picks:
+    0 none; ``a + 1`` one pick, expert ``pick_a`` in slot ``a``; ``(a + 1) * 64 + b + 1``
+    two picks, ``pick_a`` in slot ``a`` and ``pick_b`` in slot ``b``. The picked experts'
+    logits are re-read (in cache) and only those scores recomputed, renormalised by
+    ``route_scale / (sum + eps)``; a zero denominator gives weights 0. Padded rows get id -1
+    and weight 0.
+    """
+    two = rounds > 64
+    ok_a = row_ok & (rounds > 0)
+    ok_b = row_ok & two
+    slot_a = tl.where(two, rounds >> 6, rounds) - 1  # (rounds >= 0: shifts and masks, no signed-division fixups)
+    slot_b = (rounds & 63) - 1
+    # The picks are data, but a row's picks lie along its columns: the hint keeps the gathers
+    # in the row-per-warp layout instead of converting them through shared memory. Their
+    # alignment is unknown, so nothing is vectorised.
+    ptr_a = tl.max_contiguous(gating_output_ptr + row_off + pick_a * stride_gn, [1, pick_a.shape[1]])
+    ptr_b = tl.max_contiguous(gating_output_ptr + row_off + pick_b * stride_gn, [1, pick_b.shape[1]])
+    score_a = _picked_scores(ptr_a, ok_a, router_output_multiplier, finite_max, has_inf, total, NORMALIZATION_MODE,
+                             HAS_MULTIPLIER, FAST_MATH)
+    score_b = _picked_scores(ptr_b, ok_b, router_output_multiplier, finite_max, has_inf, total, NORMALIZATION_MODE,
+                             HAS_MULTIPLIER, FAST_MATH)
+    inv_sum_scaled = _renormalizer(tl.sum(score_a + score_b, axis=1)[:, None], route_scale, division_eps, HAS_EPS)
+    id_a = pick_a
+    id_b = pick_b
+    w_a = score_a * inv_sum_scaled
+    w_b = score_b * inv_sum_scaled
+    if is_padding_ptr is not None:
+        padded = tl.load(is_padding_ptr + row * stride_pad, mask=row_ok, other=0) != 0
+        id_a = tl.where(padded, -1, id_a)
+        id_b = tl.where(padded, -1, id_b)
+        w_a = tl.where(padded, 0.0, w_a)
+        w_b = tl.where(padded, 0.0, w_b)
+    tl.store(topk_ids_ptr + row * stride_im + slot_a * stride_ik, id_a, mask=ok_a)
+    tl.store(topk_weights_ptr + row * stride_wm + slot_a * stride_wk, w_a, mask=ok_a)
+    tl.store(topk_ids_ptr + row * stride_im + slot_b * stride_ik, id_b, mask=ok_b)
+    tl.store(topk_weights_ptr + row * stride_wm + slot_b * stride_wk, w_b, mask=ok_b)
+
+
+@triton.jit
+def _slice_scan(
+    xs, bs, col, num_experts, router_output_multiplier, finite_max, has_inf, total,
+    TOPK: tl.constexpr,
+    WIDTH: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    MASK_EXPERTS: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Exact repeated argmax over the logits already in registers (the two-level kernel's redo).
+
+    ``xs``: the tile's ``NUM_SLICES`` raw ``(BLOCK_T, WIDTH)`` logit slices; ``bs``: the
+    prepared bias slices. Every round takes the largest key of the row, the lowest expert
+    holding it, and masks it out; the pick of round ``k`` goes to column ``k`` of the
+    returned ``(BLOCK_T, WIDTH)`` int32 ids. Works in the slices' own layout, so it needs
+    no shared memory and few registers beyond the ones the fast path holds anyway.
+    """
+    E_BIG: tl.constexpr = (NUM_SLICES + 1) * WIDTH
+    keys = ()
+    for v in tl.static_range(NUM_SLICES):
+        x = _slice_logits(xs[v], v, col, num_experts, router_output_multiplier, WIDTH, MASK_EXPERTS, HAS_MULTIPLIER,
+                          NORMALIZATION_MODE)
+        key = _ordered_key(_scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bs[v])
+        if MASK_EXPERTS:
+            key = tl.where(v * WIDTH + col < num_experts, key, _EMPTY_KEY)
+        keys = keys + (key,)
+    ids = tl.zeros(keys[0].shape, dtype=tl.int32)
+    for k in tl.static_range(TOPK):
+        lane_best = keys[0]
+        for v in tl.static_range(1, NUM_SLICES):
+            lane_best = tl.maximum(lane_best, keys[v])
+        best = tl.max(lane_best, axis=1)[:, None]
+        lane_first = tl.where(keys[NUM_SLICES - 1] == best, (NUM_SLICES - 1) * WIDTH + col, E_BIG)
+        for v in tl.static_range(NUM_SLICES - 2, -1, -1):  # lower slices last: they hold the lower experts
+            lane_first = tl.where(keys[v] == best, v * WIDTH + col, lane_first)
+        first = tl.min(lane_first, axis=1)[:, None]
+        masked = ()
+        for v in tl.static_range(NUM_SLICES):
+            masked = masked + (tl.where(v * WIDTH + col == first, _EMPTY_KEY, keys[v]),)
+        keys = masked
+        ids = tl.where(col == k, first, ids)
+    return ids
+
+
+@triton.jit
+def _two_level_tile(
+    tile, xs, bs,
+    gating_output_ptr,  # (T, E) fp32|bf16|fp16, strides (stride_gm, stride_gn)
+    topk_weights_ptr,  # (T, topk) fp32, strides (stride_wm, stride_wk)
+    topk_ids_ptr,  # (T, topk) int32|int64, strides (stride_im, stride_ik); -1 for padded tokens
+    is_padding_ptr,  # (T,) bool, stride stride_pad, or None (no padding)
+    num_tokens, num_experts,
+    stride_gm, stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
+    router_output_multiplier, route_scale, division_eps,
+    TOPK: tl.constexpr,
+    WIDTH: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    MASK_EXPERTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """Route the ``BLOCK_T`` tokens of ``tile`` from their logits ``xs`` and the bias ``bs`` (see :func:`_two_level_kernel`)."""
+    col = tl.arange(0, WIDTH)[None, :]  # (1, WIDTH); also the output slot of the first TOPK columns
+    row = tile * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (BLOCK_T, 1)
+    row_ok = row < num_tokens
+    row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
+    finite_max = tl.zeros([BLOCK_T, 1], dtype=tl.float32)
+    has_inf = finite_max != 0.0
+    total = finite_max + 1.0
+    if NORMALIZATION_MODE == 1:
+        run_max = tl.full([BLOCK_T, WIDTH], -float("inf"), tl.float32)
+        for v in tl.static_range(NUM_SLICES):
+            run_max = tl.maximum(run_max, _slice_logits(xs[v], v, col, num_experts, router_output_multiplier,
+                                                        WIDTH, MASK_EXPERTS, HAS_MULTIPLIER, 1))
+        finite_max, has_inf = _softmax_stats(tl.max(run_max, axis=1)[:, None])
+        run_sum = tl.zeros([BLOCK_T, WIDTH], dtype=tl.float32)
+        for v in tl.static_range(NUM_SLICES):
+            x = _slice_logits(xs[v], v, col, num_experts, router_output_multiplier, WIDTH, MASK_EXPERTS,
+                              HAS_MULTIPLIER, 1)
+            run_sum += _softmax_numerator(x, finite_max, has_inf)
+        total = tl.sum(run_sum, axis=1)[:, None]
+
+    # Level 1: per column, the two best (biased score, slice) in order and the third-best
+    # score, over the slices in expert order. Only a strictly greater score moves an entry
+    # up, so of equal scores the lower expert stays ahead. Placeholders: -inf, slice
+    # NUM_SLICES (an expert index above all real ones, so real experts win ties with it).
+    for v in tl.static_range(NUM_SLICES):
+        x = _slice_logits(xs[v], v, col, num_experts, router_output_multiplier, WIDTH, MASK_EXPERTS, HAS_MULTIPLIER,
+                          NORMALIZATION_MODE)
+        biased = _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bs[v]
+        if MASK_EXPERTS:
+            biased = tl.where(v * WIDTH + col < num_experts, biased, -float("inf"))
+        if v == 0:
+            m1 = biased
+            j1 = tl.zeros([BLOCK_T, WIDTH], dtype=tl.int32)
+            m2 = tl.full([BLOCK_T, WIDTH], -float("inf"), tl.float32)
+            j2 = j1 + NUM_SLICES
+            m3 = m2
+        elif v == 1:
+            above1 = biased > m1
+            m2 = tl.minimum(biased, m1)
+            m1 = tl.maximum(biased, m1)
+            j2 = tl.where(above1, 0, 1)
+            j1 = 1 - j2
+        else:
+            above1 = biased > m1
+            above2 = biased > m2
+            m3 = tl.maximum(m3, tl.minimum(biased, m2))
+            m2 = tl.maximum(m2, tl.minimum(biased, m1))
+            m1 = tl.maximum(m1, biased)
+            j2 = tl.where(above1, j1, tl.where(above2, v, j2))
+            j1 = tl.where(above1, v, j1)
+
+    # Level 2: merge the columns' sorted pairs with one reduction per round: every column whose
+    # head holds the round's largest key pops it (its second entry becomes the head). The
+    # column records the rounds it popped in, so the pick of round k goes to output slot k:
+    # ``rounds = rounds * 64 + k + 1`` per pop (a column pops at most twice when exact).
+    # Equal keys always meet as heads (everything above them pops first), so a tie shows as
+    # more than ``TOPK`` pops in all; like a third entry at or above the k-th pick, it sends
+    # the tile to the redo.
+    k1 = _ordered_key(m1)
+    k2 = _ordered_key(m2)
+    rounds = tl.zeros([BLOCK_T, WIDTH], dtype=tl.int32)
+    for k in tl.static_range(TOPK):
+        kth = tl.max(k1, axis=1)[:, None]
+        popped = k1 == kth
+        k1 = tl.where(popped, k2, k1)
+        k2 = tl.where(popped, _EMPTY_KEY, k2)
+        rounds = tl.where(popped, rounds * 64 + (k + 1), rounds)
+    # A column pops a third time only once every head is empty (ties used up all the pairs),
+    # and the last round's key then is the empty key: such rows (whose ``rounds`` may have
+    # overflowed) are unproven too.
+    pops = (rounds > 0).to(tl.int32) + (rounds > 64).to(tl.int32) + tl.where(kth == _EMPTY_KEY, TOPK + 1, 0)
+    if NUM_SLICES > 2:
+        pops += tl.where(_ordered_key(m3) >= kth, TOPK + 1, 0)
+    unproven = tl.sum(pops) - TOPK * BLOCK_T  # every round pops at least one column: > 0 iff some row is unproven
+    if unproven > 0:
+        # Exact repeated argmax over the logits still in registers, in the same layout; its
+        # pick k sits in column k. Each branch stores its own picks (with one shared store,
+        # LLVM's vectorizer hit an assertion for 512 experts in two-row tiles).
+        ids = _slice_scan(xs, bs, col, num_experts, router_output_multiplier, finite_max, has_inf, total, TOPK,
+                          WIDTH, NUM_SLICES, MASK_EXPERTS, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH)
+        _write_outputs(
+            gating_output_ptr, row, row_off, row_ok, ids, col, finite_max, has_inf, total, topk_weights_ptr,
+            topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
+            router_output_multiplier, route_scale, division_eps, TOPK, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+            FAST_MATH,
+        )
+    else:
+        _write_picks(
+            gating_output_ptr, row, row_off, row_ok, rounds, j1 * WIDTH + col, j2 * WIDTH + col, finite_max, has_inf,
+            total, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im,
+            stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, NORMALIZATION_MODE,
+            HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+        )
+
+
+@triton.jit(do_not_specialize=["stride_wk", "stride_ik"])  # no vectorised store layout for the outputs
+def _two_level_kernel(
+    gating_output_ptr,  # (T, E) fp32|bf16|fp16, strides (stride_gm, stride_gn)
+    bias_ptr,  # (E,) fp32|bf16|fp16, stride stride_bias
+    topk_weights_ptr,  # (T, topk) fp32, strides (stride_wm, stride_wk)
+    topk_ids_ptr,  # (T, topk) int32|int64, strides (stride_im, stride_ik); -1 for padded tokens
+    is_padding_ptr,  # (T,) bool, stride stride_pad, or None (no padding)
+    num_tokens,
+    num_experts,
+    stride_gm,
+    stride_gn,
+    stride_bias,
+    stride_wm,
+    stride_wk,
+    stride_im,
+    stride_ik,
+    stride_pad,
+    router_output_multiplier,
+    route_scale,
+    division_eps,
+    tiles_per_program,
+    TOPK: tl.constexpr,
+    WIDTH: tl.constexpr,  # columns per row (power of two, >= TOPK)
+    NUM_SLICES: tl.constexpr,  # cdiv(num_experts, WIDTH)
+    MASK_EXPERTS: tl.constexpr,  # num_experts < NUM_SLICES * WIDTH
+    BLOCK_T: tl.constexpr,
+    NORMALIZATION_MODE: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr,
+    HAS_EPS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    PING_PONG: tl.constexpr,  # persistent loop over two tiles per iteration (see below)
+    counter_ptr=None,  # (TILE_GROUPS * 32,) int32, zero between launches (tile_counters); None unless DYNAMIC
+    DYNAMIC: tl.constexpr = False,  # persistent loop claiming tiles from the counters (see below)
+    TILE_GROUPS: tl.constexpr = 16,
+):
+    """Two-level algorithm over tiles of ``BLOCK_T`` tokens.
+
+    Grid ``(cdiv(num_tokens, BLOCK_T),)``, one program per tile; or, ``PERSISTENT``, fewer:
+    ``(programs_per_sm * SM count,)`` where that is below the tile count, program ``p`` taking
+    tiles ``p, p + grid, ...`` (``tiles_per_program`` of them at most) and loading each
+    tile's logits one tile ahead, so that the memory latency of the next tile overlaps the
+    work on this one. With ``PING_PONG`` the loop takes two tiles per iteration, alternating
+    between two register sets, so no logits are copied between iterations (chosen while a
+    thread holds at most :data:`kernel.routing_policy.PING_PONG_MAX_SLICES` logit slices:
+    beyond that the second set costs more registers, and resident programs, than the
+    copies). With ``DYNAMIC`` a
+    persistent program takes two tiles by index and then claims tiles from ``counter_ptr``,
+    pairs of them with ``PING_PONG``, one at a time without: the static split left SMs idle
+    for 13% of the kernel and 24 of 32 warps resident on average (the programs launched last
+    ended last; Nsight Compute, benchmarks/NOTES.md), the claimed one 29 of 32.
+
+    Expert ``e`` of a row sits in column ``e % WIDTH`` of slice ``e // WIDTH``. Slices are
+    streamed once; each column keeps its two best (score, expert) entries in order and the
+    score of its third best. Merging the columns' sorted pairs with ``TOPK`` rounds of
+    (largest head key, pop it) gives the exact top-k whenever no column holds three of
+    them and no two heads tie; the third-best scores (all below the k-th pick) and the pop
+    count (exactly ``TOPK``) prove that, and a tile where they do not is redone by repeated
+    argmax over its logits in registers (:func:`_slice_scan`). Each expert is touched a
+    constant number of times instead of ``TOPK`` times.
+    """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    bs = _load_bias_slices(bias_ptr, num_experts, stride_bias, WIDTH, NUM_SLICES, MASK_EXPERTS, FAST_MATH)
+    if PERSISTENT:
+        num_tiles = tl.cdiv(num_tokens, BLOCK_T)
+        xs = _load_slices(gating_output_ptr, pid, num_tokens, num_experts, stride_gm, stride_gn, WIDTH, NUM_SLICES,
+                          MASK_EXPERTS, BLOCK_T)
+        if DYNAMIC:
+            # Programs fall in TILE_GROUPS groups (pid % TILE_GROUPS), group g owning the tiles
+            # g + TILE_GROUPS * j (j < T). A program's first two tiles are static (j = q and q + P, for its
+            # index q among the P programs of its group); later ones come from its group's counter, each
+            # claim issued a tile (one-tile loop) or a pair of tiles (PING_PONG) ahead of its use. So
+            # programs that started early or met easy tiles take more, and all end together; one counter
+            # per group keeps the atomics on one address few. The grid is smaller than the tile count,
+            # so P <= T in every group.
+            g = pid % TILE_GROUPS
+            q = pid // TILE_GROUPS
+            P = (tl.num_programs(0) - g + TILE_GROUPS - 1) // TILE_GROUPS
+            T = (num_tiles - g + TILE_GROUPS - 1) // TILE_GROUPS
+            group_ptr = counter_ptr + g * 32  # one 128-byte line per group
+            # A program claims only where the iteration that reads the claim will run, and stops after
+            # the first claim that fails (returns no tile), so a launch makes exactly D + C claims in a
+            # group (D: its dynamic tiles or pairs, C: its programs that claim at all); the program whose
+            # claim returns the last value, D + C - 1, knows every other claim is done and sets the
+            # counter back to 0 for the next launch.
+            if PING_PONG:
+                # Pairs j = 2 P + 2 c, + 1 for claim c, claimed a pair ahead; every program claims.
+                D = (tl.maximum(T - 2 * P, 0) + 1) // 2
+                C = P
+            else:
+                # One tile per iteration, j = 2 P + c for claim c, claimed two tiles ahead; a program
+                # claims only if its second static tile exists (q + P < T).
+                D = tl.maximum(T - 2 * P, 0)
+                C = tl.minimum(P, T - P)
+            a_j = q
+            b_j = q + P
+            claim = _claim_tile(group_ptr, (a_j if PING_PONG else b_j) < T)
+            while a_j < T:
+                ys = _load_slices(gating_output_ptr, g + TILE_GROUPS * b_j, num_tokens, num_experts, stride_gm,
+                                  stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                _two_level_tile(
+                    g + TILE_GROUPS * a_j, xs, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr,
+                    is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
+                    stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
+                    NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                    FAST_MATH,
+                )
+                c = _claimed(claim)
+                tl.atomic_xchg(group_ptr, 0, mask=c == D + C - 1, sem="relaxed")
+                if PING_PONG:
+                    a_j = 2 * P + 2 * c
+                    xs = _load_slices(gating_output_ptr, g + TILE_GROUPS * a_j, num_tokens, num_experts,
+                                      stride_gm, stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                    if b_j < T:
+                        _two_level_tile(
+                            g + TILE_GROUPS * b_j, ys, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr,
+                            is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk,
+                            stride_im, stride_ik, stride_pad, router_output_multiplier, route_scale,
+                            division_eps, TOPK, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE,
+                            HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+                        )
+                    b_j = a_j + 1
+                    claim = _claim_tile(group_ptr, a_j < T)
+                else:
+                    xs = ys
+                    a_j = b_j
+                    b_j = tl.minimum(2 * P + c, T)  # (no claim read: c = 2**28, no tile)
+                    claim = _claim_tile(group_ptr, b_j < T)
+        elif PING_PONG:
+            # Two tiles per iteration, in two register sets: each set is refilled once its tile
+            # is done, so nothing is copied between iterations (twice the code, and the registers
+            # of two register sets of logits live at once).
+            for it in range(0, tiles_per_program, 2):
+                tile = pid + it * tl.num_programs(0)
+                ys = _load_slices(gating_output_ptr, tile + tl.num_programs(0), num_tokens, num_experts, stride_gm,
+                                  stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                if tile < num_tiles:
+                    _two_level_tile(
+                        tile, xs, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr,
+                        num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
+                        stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
+                        NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                        FAST_MATH,
+                    )
+                xs = _load_slices(gating_output_ptr, tile + 2 * tl.num_programs(0), num_tokens, num_experts,
+                                  stride_gm, stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                if tile + tl.num_programs(0) < num_tiles:
+                    _two_level_tile(
+                        tile + tl.num_programs(0), ys, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr,
+                        is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk,
+                        stride_im, stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK,
+                        WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                        FAST_MATH,
+                    )
+        else:
+            for it in range(0, tiles_per_program):
+                tile = pid + it * tl.num_programs(0)
+                cur = xs
+                xs = _load_slices(gating_output_ptr, tile + tl.num_programs(0), num_tokens, num_experts, stride_gm,
+                                  stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
+                if tile < num_tiles:
+                    _two_level_tile(
+                        tile, cur, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr,
+                        num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
+                        stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
+                        NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
+                        FAST_MATH,
+                    )
+    else:  # (the interpreter cannot loop to a runtime bound)
+        xs = _load_slices(gating_output_ptr, pid, num_tokens, num_experts, stride_gm, stride_gn, WIDTH, NUM_SLICES,
+                          MASK_EXPERTS, BLOCK_T)
+        _two_level_tile(
+            pid, xs, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens,
+            num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
+            stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
+            NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+        )

@@ -1,0 +1,241 @@
+"""Launch settings of the tiled variant: :class:`LaunchConfig`, the shape-chosen default and its switches.
+
+Host side only (torch, no Triton): what :func:`kernel.routing.fused_musespark1x_routing` asks
+of the kernels in :mod:`kernel.routing_jit`. :func:`default_config` picks the algorithm and
+grid from the batch's shape, :func:`check_launch_config` says whether a config fits it,
+:func:`tile_counters` holds the atomic counters of dynamic-tile launches.
+
+The module-level switches (:data:`SMALL_BATCH`, :data:`PERSISTENT_FROM`,
+:data:`TWO_LEVEL_MAX_TOPK`, :data:`DYNAMIC_TILES_FROM`, :data:`PING_PONG_MAX_SLICES`,
+:data:`TILE_GROUPS`) are read from this module on every checked call, so experiments and
+tests set them here (``kernel.routing`` shows them, read-only) and then call
+:func:`kernel._dispatch.clear_plans`, since a plan keeps the settings it was made with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch settings of :func:`kernel.routing.fused_musespark1x_routing`.
+
+    Attributes:
+        block_t: tokens per program, or per loop iteration of a persistent program
+            (power of two).
+        chunk: ``"scan"``: contiguous experts per innermost tile run; ``"two_level"``: columns
+            per row (power of two, <= padded experts).
+        num_warps: warps per program.
+        algorithm: ``"scan"`` (``topk`` rounds over every expert of the row) or
+            ``"two_level"`` (per-column best two, then a merge of the columns; see
+            :func:`kernel.routing_jit._two_level_kernel`).
+        programs_per_sm: ``"two_level"`` only: a persistent grid of this many programs per
+            streaming multiprocessor (0: one program per ``block_t`` tokens).
+        max_registers: registers per thread the compiler may use (``maxnreg``; 0: its
+            choice). Fewer registers let more programs reside on an SM.
+        dynamic_tiles: ``"two_level"`` on a persistent grid only: each program takes its first
+            two tiles by index and claims the rest from atomic counters (two at a time where
+            the persistent loop holds two tiles, :data:`PING_PONG_MAX_SLICES`, one at a time
+            for more experts; :func:`kernel.routing_jit._two_level_kernel`), so that programs
+            that started early or met easy tiles take more and all end together. Applies where
+            programs average at least :data:`DYNAMIC_TILES_FROM` tiles and the launch has its
+            stream's counters (see :func:`tile_counters`); elsewhere the launch takes every
+            grid-th tile.
+    """
+
+    block_t: int
+    chunk: int
+    num_warps: int
+    algorithm: str = "scan"
+    programs_per_sm: int = 0
+    max_registers: int = 0
+    dynamic_tiles: bool = False
+
+    @cached_property
+    def _signature(self) -> tuple:
+        """The config in a launcher's plan key: each field with its class (``32`` and ``32.0``
+        are equal configs, but only one passes :func:`check_launch_config`)."""
+        return tuple((v.__class__, v) for v in (self.block_t, self.chunk, self.num_warps, self.algorithm,
+                                                self.programs_per_sm, self.max_registers, self.dynamic_tiles))
+
+
+ALGORITHMS = ("scan", "two_level")
+
+TILE_GROUPS = 16
+"""Groups of a dynamic-tile launch (program ``p`` in group ``p % TILE_GROUPS``), each with its own
+counter: one counter for all programs serialised the claims (one atomic on one address per
+nanosecond or so: 72 us for 65536 one-token tiles, against 34 us of work)."""
+
+DYNAMIC_TILES_FROM = 8
+"""Fewest tiles per program (on average) for which a launch claims tiles dynamically. On an
+H200 (4224 programs): at 16384 tokens (3.9 per program) the static loop was faster (10.6
+against 11.4 us at E=256), at 32768 (7.8) the two were within 1% at E=256 and claiming lost
+4% at E=128, from 49152 (11.6) claiming won (24.7 against 26.0 us; 31.1 against 34.0 at 65536).
+The one-tile loop of 257-512 experts (3696 programs at 384 experts) claimed won at 32768 and
+65536 tokens (384 experts: 22.3 against 23.6 us, 39.9 against 42.3; 512 experts at 65536:
+51.8 against 55.9)."""
+
+_TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, allocate: bool = True) -> torch.Tensor | None:
+    """The atomic tile counters of dynamic-tile launches on ``device``'s current stream.
+
+    ``[TILE_GROUPS * 32]`` int32 (one 128-byte line per group), zero between launches: every
+    launch leaves them as it found them. Launches on one stream run one after another and
+    share them; each stream has its own, so launches on different streams may overlap. A
+    CUDA graph keeps the counters of the stream it was captured on, so two graphs captured
+    on one stream must not be replayed at the same time on different streams (give one of
+    them a config with ``dynamic_tiles=False``). Allocating a stream's counters also
+    allocates those of the stream that ``torch.cuda.graph`` captures on by default, so a
+    graph captured after an eager call finds them.
+
+    Args:
+        device: a CUDA device.
+        allocate: allocate (zeroed) if the stream has none yet; ``False`` returns ``None``
+            instead (while a CUDA graph is captured: an allocation would come from the
+            graph's private pool, and the launch takes its tiles statically).
+    """
+    stream = torch.cuda.current_stream(device)
+    key = (stream.device.index, stream.cuda_stream)
+    if key not in _TILE_COUNTERS:
+        if not allocate:
+            return None
+        _TILE_COUNTERS[key] = torch.zeros(TILE_GROUPS * 32, dtype=torch.int32, device=stream.device)
+        if torch.cuda.graph.default_capture_stream is None:  # (as torch.cuda.graph creates it on first use)
+            torch.cuda.graph.default_capture_stream = torch.cuda.Stream(device=stream.device)
+        capture = torch.cuda.graph.default_capture_stream
+        capture_key = (capture.device.index, capture.cuda_stream)
+        if capture.device == stream.device and capture_key not in _TILE_COUNTERS:
+            _TILE_COUNTERS[capture_key] = torch.zeros(TILE_GROUPS * 32, dtype=torch.int32, device=stream.device)
+    return _TILE_COUNTERS[key]
+
+
+PING_PONG_MAX_SLICES = 8
+"""Most logit slices per thread for the two-level persistent loop's two register sets (256
+experts in 32 columns): up to 256 experts the kernel needs 61 registers either way, while at
+384 the second set takes it from 72 to 91 (``benchmarks/inspect_kernel.py``), so 28 programs
+per SM no longer reside."""
+
+
+def _next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (``n`` >= 1), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length()
+
+
+def padded_num_experts(num_experts: int) -> int:
+    """Next power of two >= ``num_experts``, at least 8 (the seed's padding)."""
+    return 1 << max(3, (num_experts - 1).bit_length())
+
+
+SMALL_BATCH = 2048
+"""Up to this many tokens the launch favours latency (scan, one token per program, 32 lanes a row)."""
+
+PERSISTENT_FROM = 4096
+"""Above this many tokens the two-level launch is a persistent grid (below, one program per token)."""
+
+TWO_LEVEL_MAX_TOPK = 32
+"""Largest ``topk`` of the two-level default (its output slots are the 32 columns of a row)."""
+
+
+def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype, device_type: str = "cuda",
+                   topk: int = 8) -> LaunchConfig:
+    """Launch settings chosen by shape, from the sweeps in benchmarks/NOTES.md (H200).
+
+    * small batches (<= :data:`SMALL_BATCH` tokens, decode): the scan algorithm, one token
+      per program and one warp, 32 lanes per row (each holding ``16 / itemsize``-wide
+      vectors), so every reduction of a selection round is a single warp-wide ``REDUX``
+      on Hopper: the shortest dependency chain;
+    * large batches (prefill): the two-level algorithm, one warp per token, 32 columns;
+      above :data:`PERSISTENT_FROM` tokens on a persistent grid of 32 programs per SM (the
+      most one-warp programs an SM holds; up to 256 experts the kernel needs at most 64
+      registers, so all 32 reside), 28 for 257-384 experts (72 registers: 28 reside); it
+      touches each expert a constant number of times instead of ``topk`` times; the
+      persistent grid claims tiles dynamically (``dynamic_tiles``, where it applies). Scan
+      with 8 tokens over 4 warps when ``topk`` > :data:`TWO_LEVEL_MAX_TOPK`.
+
+    Under the Triton interpreter (CPU tensors) each program costs Python overhead, so
+    programs take up to 128 rows of the scan algorithm instead.
+    """
+    e_pad = padded_num_experts(num_experts)
+    vec = 16 // gating_dtype.itemsize
+    if device_type != "cuda":
+        return LaunchConfig(block_t=min(128, _next_power_of_2(max(1, num_tokens))), chunk=min(e_pad, 64),
+                            num_warps=4)
+    chunk = min(e_pad, 32 * vec)
+    if num_tokens <= SMALL_BATCH:
+        return LaunchConfig(block_t=1, chunk=chunk, num_warps=1)
+    if topk <= TWO_LEVEL_MAX_TOPK:
+        width = max(min(e_pad, 32), _next_power_of_2(topk))
+        per_sm = 0 if num_tokens <= PERSISTENT_FROM else 28 if 256 < num_experts <= 384 else 32
+        return LaunchConfig(block_t=1, chunk=width, num_warps=1, algorithm="two_level", programs_per_sm=per_sm,
+                            dynamic_tiles=per_sm > 0)
+    return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)
+
+
+MAX_TILE_ELEMENTS = 2**20
+"""Triton's largest tensor: ``block_t`` times the padded expert count may not exceed it."""
+
+
+def check_launch_config(config: LaunchConfig, num_experts: int, topk: int) -> None:
+    """Raise ``ValueError`` naming the field when ``config`` cannot run ``[*, num_experts]`` with ``topk``.
+
+    Checked: every field an int (``algorithm`` one of :data:`ALGORITHMS`); ``block_t``,
+    ``chunk`` and ``num_warps`` powers of two, ``num_warps`` <= 32 (1024 threads), ``chunk``
+    <= the padded expert count, ``block_t`` * padded experts <= :data:`MAX_TILE_ELEMENTS`;
+    for ``two_level`` ``topk`` <= ``chunk``; ``programs_per_sm`` >= 0; ``max_registers`` 0
+    or in [24, 255]; ``dynamic_tiles`` a bool, true only for ``two_level`` with
+    ``programs_per_sm`` > 0.
+    """
+    if not isinstance(config, LaunchConfig):
+        raise ValueError(f"config must be a kernel.LaunchConfig, got {type(config).__name__}")
+    e_pad = padded_num_experts(num_experts)
+    for name in ("block_t", "chunk", "num_warps", "programs_per_sm", "max_registers"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"launch config {name}={value!r} must be an int")
+    for name in ("block_t", "chunk", "num_warps"):
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"launch config {name}={value} must be a power of two")
+    if config.num_warps > 32:
+        raise ValueError(f"launch config num_warps={config.num_warps} exceeds 32 (1024 threads per program)")
+    if config.chunk > e_pad:
+        raise ValueError(f"launch config chunk={config.chunk} exceeds the padded expert count {e_pad}")
+    if config.block_t * e_pad > MAX_TILE_ELEMENTS:
+        raise ValueError(f"launch config block_t={config.block_t} times {e_pad} padded experts exceeds Triton's "
+                         f"largest tensor ({MAX_TILE_ELEMENTS} elements)")
+    if config.algorithm not in ALGORITHMS:
+        raise ValueError(f"launch config algorithm={config.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if config.algorithm == "two_level" and topk > config.chunk:
+        raise ValueError(f"the two_level algorithm needs topk <= chunk (columns), got topk={topk}, "
+                         f"chunk={config.chunk}")
+    if config.programs_per_sm < 0:
+        raise ValueError(f"launch config programs_per_sm={config.programs_per_sm} must be >= 0")
+    if config.max_registers and not 24 <= config.max_registers <= 255:
+        raise ValueError(f"launch config max_registers={config.max_registers} must be 0 or in [24, 255]")
+    if not isinstance(config.dynamic_tiles, bool):
+        raise ValueError(f"launch config dynamic_tiles={config.dynamic_tiles!r} must be a bool")
+    if config.dynamic_tiles and (config.algorithm != "two_level" or config.programs_per_sm == 0):
+        raise ValueError("launch config dynamic_tiles=True needs algorithm='two_level' and programs_per_sm > 0 "
+                         "(a persistent grid)")
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _fast_math(device: torch.device, interpreted: bool) -> bool:
+    """Whether the kernels may use NVIDIA's approximate ``ex2``/``rcp``: compiled (not ``interpreted``) for NVIDIA."""
+    return device.type == "cuda" and torch.version.hip is None and not interpreted
+
