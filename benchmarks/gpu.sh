@@ -18,7 +18,8 @@
 # tests and validate run first, side by side (compiling is CPU-bound); the timed modes run after them, alone.
 # Logs go to $OUT/r/ (packed into $OUT/results.tgz), the exit code of each step to $OUT/summary.txt, and the
 # measurements, one long-format row each, to $OUT/results.csv: append it to benchmarks/results.csv
-# (`tail -n +2 results.csv >> benchmarks/results.csv`). BUDGET_S (default 570) bounds the whole run.
+# (`tail -n +2 results.csv >> benchmarks/results.csv`). BUDGET_S (default 570) bounds the whole run;
+# ROUTETOOL_COMMIT names the commit where the copy's git folder is not the checkout's.
 set -u
 OUT=${OUT:-out}
 R="$OUT/r"
@@ -43,7 +44,7 @@ has() { case " $MODES " in *" $1 "*) return 0 ;; esac; return 1; }
 
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  git rev-parse --short=12 HEAD 2>/dev/null; } >> "$S"
+  echo "commit ${ROUTETOOL_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}"; } >> "$S"
 
 if has tests || has gpu-tests; then
   { has tests && python3 -m pytest -q -p no:cacheprovider --co tests/test_kernel.py tests/test_bench.py 2>/dev/null

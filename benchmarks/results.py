@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import os
 import subprocess
 from pathlib import Path
 
@@ -22,7 +23,10 @@ COLUMNS = ["date", "commit", "machine", "benchmark", "case", "metric", "value", 
 
 
 def commit() -> str:
-    """The checkout's short commit, ``+dirty`` when tracked files differ from it."""
+    """The checkout's short commit, ``+dirty`` when tracked files differ from it; ``ROUTETOOL_COMMIT``
+    when set (a copy of the working tree whose git folder is not the checkout's, as on a lent GPU machine)."""
+    if os.environ.get("ROUTETOOL_COMMIT"):
+        return os.environ["ROUTETOOL_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True).stdout.strip()
