@@ -102,6 +102,10 @@ class _Group(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         with _sigterm_unwinds():
             code = self._run(args, prog_name, complete_var, **extra)
+            if "routetool.engine.distributed" in sys.modules:  # a torchrun job: leave together
+                from routetool.engine.distributed import leave
+
+                leave()
         sys.exit(code)
 
     def _run(self, args, prog_name, complete_var, **extra) -> int:

@@ -198,6 +198,9 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     balancedness before/after, the router bias effect, capacity overflow, and drift
     between prefill and decode and over time.
     """
+    from routetool.engine.distributed import join
+
+    workers = join(device)  # under torchrun: the group first, so that every process ends with it
     from routetool.io.files import check_output_paths, require_input
 
     if reference and recorded:
@@ -230,7 +233,6 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
         BalanceOptions, CountsSource, EplbOptions, ImportedSource, RunSource, TraceSource, analyze_balance,
         default_ep_sizes, route_fn_from,
     )
-    from routetool.engine.distributed import join
     from routetool.engine.stream import DEFAULT_CHUNK_BYTES
     from routetool.analysis.eplb import load_placement, placement_document
     from routetool.io.dumps import ImportedCounts, read_dump, resolve_format
@@ -247,7 +249,6 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                              path=source, fix=f"drop {flag if kernel_given else 'the flag'}")
 
     trace = None
-    workers = join(device)
     with kernel_stdout("-" in (json_path, eplb_out)):  # a kernel's print() must not mix into the document
         try:
             if resolved_format == "trace":
@@ -325,7 +326,6 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
         finally:
             if trace is not None:
                 trace.close()
-    workers.close()
     if not workers.is_first:
         click.get_current_context().exit(EXIT_OK)
 

@@ -50,18 +50,19 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     `torchrun --nproc-per-node N -m routetool replay ...` the ranks' layers are shared among
     the N processes (one GPU each where there are enough) and the first process reports.
     """
+    from routetool.engine.distributed import join
+
+    workers = join(device)  # under torchrun: the group first, so that every process ends with it
     from routetool.io.files import check_output_paths, require_input
 
     require_input(trace)  # usage errors before torch is imported
     check_output_paths([json_path], force=force, inputs=[trace, kernel_source(kernel_spec)])
     from routetool.analysis.replay import parse_layers, replay_trace
-    from routetool.engine.distributed import join
     from routetool.engine.execution import load_kernel, select_execution
     from routetool.io.run import open_input
     from routetool.report.formats import write_json
     from routetool.report.replay import render_replay, replay_json
 
-    workers = join(device)
     execution = select_execution(device)
     # a kernel's print() must not mix into the JSON on stdout
     with kernel_stdout(json_path == "-"):
@@ -77,7 +78,6 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
                     t, name, fn, execution, layers=layers, tie_ulps=tie_ulps, measure_latency=latency,
                     progress=lambda n: bar.advance(task, n), workers=workers,
                 )
-    workers.close()
     if workers.is_first:
         console = Console(stderr=json_path == "-")
         render_replay(result, console, histogram_layer, details=details)

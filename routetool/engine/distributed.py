@@ -14,7 +14,9 @@ unit's result comes back to every process in unit order (``all_gather_object``),
 reduction that follows, and the report, are exactly one process's. A unit that raises stops its
 process's share; the error of the first failing unit in unit order is raised on every process,
 as one process would have raised it. Process 0 alone renders and writes outputs; every process
-exits with the verdict's exit code. Results travel pickled, so they hold CPU data only.
+exits with the verdict's exit code, once every process has finished (:func:`leave`), so that
+torchrun, which stops the other processes when one exits with an error, never cuts the first
+process's report short. Results travel pickled, so they hold CPU data only.
 """
 
 from __future__ import annotations
@@ -81,13 +83,21 @@ class Workers:
             merged.update(part)
         return [merged[i] for i in range(len(units))]
 
-    def close(self) -> None:
-        """Leave the process group (after the last collective)."""
-        if self.world_size > 1:
-            import torch.distributed as dist
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+
+def leave() -> None:
+    """Wait for every process of the group, then leave it: called once as the command ends, after
+    the first process has printed and written (its report, or its one error line), so that no
+    process exits earlier (torchrun stops the others when one exits with an error). Nothing
+    happens when no group was joined."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def _portable(exc: BaseException) -> BaseException:
