@@ -401,6 +401,34 @@ def test_a_run_that_routed_nothing_says_nothing_validated(execution, tmp_path):
     assert result.ok and "NOTHING CHECKED: all 2 cases were skipped or rejected" in text and "PASS" not in text
 
 
+def test_the_verdict_comes_first_with_its_skips_and_details_shows_every_case(execution):
+    from routetool.analysis.suite import Case
+    from routetool.report.tables import Console
+    from routetool.report.validate import render_validate
+
+    import kernel
+
+    cases = [c for c in QUICK if c.name.startswith("padding/")]
+    result = validate(kernel.variant("tiled"), "tiled", execution, cases=cases)
+    skipped = [c for c in result.cases if c.verdict == "skipped"]
+    passed = [c for c in result.cases if c.verdict in ("pass", "pass_tie")]
+    assert isinstance(cases[0], Case) and passed
+    console = Console(width=100, record=True, color_system=None)
+    render_validate(result, console)
+    lines = console.export_text().splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith(("PASS", "FAIL", "NOTHING")))
+    assert verdict < next(i for i, line in enumerate(lines) if "Verdicts by family" in line)
+    expected = f"PASS: {len(passed)} of {len(cases)} cases passed"
+    if skipped:
+        expected += f", {len(skipped)} skipped ({skipped[0].message})"
+    assert lines[verdict].startswith(expected), lines[verdict]
+    assert "Every case" not in "\n".join(lines)
+    console = Console(width=100, record=True, color_system=None)
+    render_validate(result, console, details=True)
+    text = console.export_text()
+    assert "Every case" in text and all(c.name in text for c in result.cases)
+
+
 def test_a_layer_of_zero_rows_is_skipped_not_passed(execution, tmp_path):
     # a layer of zero token rows was "pass" though the kernel was never called: "PASS: 1 cases"
     empty = make_trace(tmp_path / "t_empty.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8))})

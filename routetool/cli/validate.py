@@ -31,10 +31,13 @@ from routetool.report.tables import Console, markup_safe
               help="Near-tie tolerance in float32 ulps for tie-equivalent rows (0 = exact ties only).")
 @click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH", help="Write verdicts as JSON ('-' = stdout).")
 @click.option("--junit", "junit_path", type=PATH_TEXT, default=None, metavar="PATH", help="Write verdicts as JUnit XML ('-' = stdout).")
+@click.option("--details", "-v", "details", is_flag=True,
+              help="Also every case with its verdict and message, and every failing case in full.")
 @click.option("--force", is_flag=True, help="Replace existing --json/--junit files.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: tuple[str, ...], device: str,
-             tie_ulps: float, json_path: str | None, junit_path: str | None, force: bool, progress: bool) -> None:
+             tie_ulps: float, json_path: str | None, junit_path: str | None, details: bool, force: bool,
+             progress: bool) -> None:
     """Validate a routing kernel before deployment, on the edge-case suite and on TRACES.
 
     Every case ends in pass, pass with tie-equivalent rows, a documented rejection (of a suite
@@ -46,6 +49,9 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     `torchrun --nproc-per-node N -m routetool validate ...` the cases and the traces' layers are
     shared among the N processes and the first process reports.
     """
+    from routetool.engine.distributed import join
+
+    workers = join(device)  # under torchrun: the group first, so that every process ends with it
     from routetool.io.files import check_output_paths, require_input
 
     if json_path == "-" and junit_path == "-":
@@ -66,7 +72,6 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
         cases = [] if suite == "none" else build_suite(suite, list(families) or None)
     except ValueError as exc:
         raise RouteToolError(str(exc), fix="see `routetool validate --help`") from None
-    from routetool.engine.distributed import join
     from routetool.io.run import open_input
 
     trace_labels(traces)  # one file given twice fails before any work
@@ -74,7 +79,6 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     for t in traces:  # bad traces fail before any work too
         with open_input(t) as run:
             layers += sum(len(r.trace.layers) for r in run.ranks)
-    workers = join(device)
     execution = select_execution(device)
     with kernel_stdout("-" in (json_path, junit_path)):  # a kernel's print() must not mix into the document
         name, fn = load_kernel(kernel_spec)
@@ -83,10 +87,9 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
             result = run_validate(fn, name, execution, cases=cases, traces=traces,
                                   suite=None if suite == "none" else suite, tie_ulps=tie_ulps,
                                   progress=lambda _: bar.advance(task), workers=workers)
-    workers.close()
     if workers.is_first:
         console = Console(stderr="-" in (json_path, junit_path))
-        render_validate(result, console)
+        render_validate(result, console, details=details)
         if json_path is not None:
             write_json(validate_json(result), json_path, sys.stdout)
         if junit_path is not None:

@@ -77,15 +77,49 @@ def _first_row_lines(case) -> list[Text]:
     return lines
 
 
-def render_validate(result, console: Console, show_failures: int = 5) -> None:
-    """Print validate's verdicts grouped by family, then the failing cases: up to
-    ``show_failures`` of them (the first of each failure class first), each with its classes,
-    its first offending row and both outputs with their weights, so that the answer fits one
-    screen; the JSON holds every case and row."""
+def _verdict_line(result, console: Console) -> None:
+    """The verdict (decided by ``result.verdict``) with the counts behind it: passed, skipped (with
+    the most common reason), rejected, failed."""
+    n = len(result.cases)
+    failed = sum(c.verdict == "fail" for c in result.cases)
+    passed = sum(c.verdict in ("pass", "pass_tie") for c in result.cases)
+    skipped = [c for c in result.cases if c.verdict == "skipped"]
+    rejected = sum(c.verdict == "rejected" for c in result.cases)
+    parts = [f"{passed} of {n} cases passed"]
+    if skipped:
+        reasons: dict[str, int] = {}
+        for c in skipped:
+            reasons[c.message] = reasons.get(c.message, 0) + 1
+        top = max(reasons, key=reasons.get)
+        parts.append(f"{len(skipped)} skipped ({top}" + (f", and {len(reasons) - 1} other reasons" if len(reasons) > 1
+                                                          else "") + ")")
+    if rejected:
+        parts.append(f"{rejected} rejected as documented")
+    if result.verdict is Verdict.NOTHING_CHECKED:
+        what = "skipped" if all(c.verdict == "skipped" for c in result.cases) else "skipped or rejected"
+        console.print(user_text(f"NOTHING CHECKED: all {n} cases were {what}" + (f"; {parts[1]}" if skipped else ""),
+                                style="bold yellow"))
+    elif result.verdict is Verdict.PASS:
+        console.print(user_text(f"PASS: {', '.join(parts)}; nothing failed", style="bold green"))
+    else:
+        console.print(user_text(f"FAIL: {failed} of {n} cases failed; exit code {result.exit_code} ("
+                                + ", ".join(parts) + ")", style="bold red"))
+
+
+def render_validate(result, console: Console, show_failures: int = 5, details: bool = False) -> None:
+    """Print the verdict with its counts, validate's verdicts grouped by family, then the failing
+    cases: up to ``show_failures`` of them (the first of each failure class first), each with its
+    classes, its first offending row and both outputs with their weights, so that the answer fits
+    one screen; the JSON holds every case and row. ``details``: also every case on a line (its
+    family, name, verdict and message) and every failing case in full."""
+    if details:
+        show_failures = len(result.cases)
     ex = result.execution
+    processes = f"; {result.world_size} processes (torchrun)" if result.world_size > 1 else ""
     console.print(Panel(user_text(f"kernel {result.kernel} on {ex.device_name}; suite {result.suite or '-'}; "
-                                  f"ties within {result.tie_ulps:g} float32 ulps"),
+                                  f"ties within {result.tie_ulps:g} float32 ulps{processes}"),
                         title="routetool validate", expand=False))
+    _verdict_line(result, console)
     tbl = table("Verdicts by family", ["family", "cases", "pass", "pass (ties)", "tie rows", "rejected",
                                           "skipped", "fail"], left=("family",))
     families = result.families()
@@ -122,16 +156,16 @@ def render_validate(result, console: Console, show_failures: int = 5) -> None:
             for line in _first_row_lines(c):
                 console.print(line, overflow="fold")
         if len(shown) < len(failed):
-            console.print(Text(f"  and {len(failed) - len(shown)} more failing cases: --json lists every case and "
-                               "its offending rows", style="dim"))
-    n = len(result.cases)
-    if result.verdict is Verdict.NOTHING_CHECKED:
-        what = "skipped" if all(c.verdict == "skipped" for c in result.cases) else "skipped or rejected"
-        console.print(Text(f"NOTHING CHECKED: all {n} cases were {what} (see above)", style="bold yellow"))
-    elif result.verdict is Verdict.PASS:
-        console.print(Text(f"PASS: {n} cases, nothing failed", style="bold green"))
+            console.print(Text(f"  and {len(failed) - len(shown)} more failing cases: --details shows each, --json "
+                               "lists every case and its offending rows", style="dim"))
+    if details:
+        every = table("Every case", ["case", "verdict", "message"], left=("case", "verdict", "message"))
+        for c in result.cases:
+            every.add_row(user_text(c.name), c.verdict, user_text(c.message or "-"))
+        console.print(every)
     else:
-        console.print(Text(f"FAIL: {len(failed)} of {n} cases failed; exit code {result.exit_code}", style="bold red"))
+        console.print(Text("--details: every case with its verdict and message, every failing case; --json, --junit "
+                           "for all of it", style="dim"))
 
 
 def _row_line(r) -> str:
