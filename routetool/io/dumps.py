@@ -333,6 +333,10 @@ def detect_format(path: Path) -> str:
                     raise RouteToolError("the folder mixes dump formats", path=path,
                                          fix="put one kind of file (CSV, .pt or JSONL) in a folder")
                 return fmt
+        if kinds & {".json", ".safetensors"}:  # a trace (or a rank's) in a folder: name it
+            from routetool.io.run import folder_error
+
+            raise folder_error(path)
         raise RouteToolError("the folder holds no .csv, .pt or .jsonl files", path=path,
                              fix="point at a routing dump or a folder of them")
     suffix = path.suffix.lower()

@@ -99,6 +99,28 @@ def rank_folders(path: str | os.PathLike) -> list[Path]:
         return []
 
 
+def folder_error(path: str | os.PathLike, shown: object = None) -> RouteToolError:
+    """The error for a folder given where a trace is read that is no run folder, naming what to
+    give instead: the trace it holds (and, for a rank folder, its run folder), or the three inputs."""
+    p = Path(path)
+    shown = Path(shown) if shown is not None else p
+    try:
+        traces = sorted(e.name for e in os.scandir(p) if e.is_file() and e.name.lower().endswith((".json", ".safetensors")))
+    except OSError:
+        traces = []
+    indexes = [n for n in traces if n.lower().endswith(".json")]
+    named = indexes[:1] if len(indexes) == 1 else traces if len(traces) == 1 else []
+    if named:
+        fix = f"name the trace itself, {shown / named[0]}"
+        if RANK_FOLDER.fullmatch(p.name) and is_run_folder(p.parent):
+            fix += f", or the run folder {shown.parent} for every rank"
+        return RouteToolError("is a folder holding a trace, not a trace and not a run folder (no rank-<r>/ folders)",
+                              path=shown, fix=fix)
+    return RouteToolError("is a folder without rank-<r>/ traces: not a trace, not a run folder", path=shown,
+                          fix="name a .safetensors trace, a sharded trace's .json index, or a run folder of rank-<r>/ "
+                              "traces")
+
+
 def _rank_trace_path(folder: Path, shown: Path) -> Path:
     """The one trace of a rank folder: its ``*.json`` index, else its one ``.safetensors`` file."""
     try:
@@ -182,10 +204,7 @@ class RunInput:
             raise RouteToolError(f"cannot list the folder ({exc.strerror or exc})", path=self.display_path,
                                  fix="check its permissions") from None
         if not found:
-            raise RouteToolError("is a folder without rank-<r>/ traces: not a trace, not a run folder",
-                                 path=self.display_path,
-                                 fix="name a .safetensors trace, a sharded trace's .json index, or a run folder "
-                                     "of rank-<r>/ traces")
+            raise folder_error(self.path, self.display_path)
         for rank, name in found:
             shown_folder = self.display_path / name
             p = _rank_trace_path(self.path / name, shown_folder)
