@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from routetool.cli import main
 from routetool.io.trace import LayerArrays, RouterConfig
-from tests.helpers import make_trace
+from helpers import make_trace
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -172,6 +172,30 @@ def test_run_folder_errors_are_one_line(run_dir, tmp_path):
             _run(command, mixed, "--suite", "none", "--no-progress")
         assert res.exit_code == 2 and res.output.count("\n") == 1, (command, res.output)
         assert "rank-1 routes with num_experts 16, rank-0 with 64" in res.output, (command, res.output)
+
+
+@pytest.mark.parametrize("command", ["replay", "balance", "info"])
+def test_a_rank_folder_given_alone_names_its_trace_and_its_run(run_dir, command):
+    res = _run(command, run_dir / "rank-1")
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert (f"name the trace itself, {run_dir / 'rank-1' / 'trace.safetensors'}, or the run folder {run_dir} for "
+            "every rank") in res.output, res.output
+
+
+def test_synth_ranks_share_one_model_and_see_different_tokens(tmp_path):
+    from safetensors import safe_open
+
+    out = tmp_path / "RUN"
+    res = _run("synth", "-o", out, "--ranks", "2", "--layers", "1", "--experts", "32", "--topk", "4", "--prefill", "512",
+               "--decode-steps", "2", "--bias", "fitted", "--fit-steps", "5", "--no-progress")
+    assert res.exit_code == 0, res.output
+    with safe_open(str(_rank_trace(out, 0)), "pt") as a, safe_open(str(_rank_trace(out, 1)), "pt") as b:
+        assert torch.equal(a.get_tensor("layers.0.bias"), b.get_tensor("layers.0.bias"))  # one model
+        assert a.get_tensor("layers.0.bias").abs().sum() > 0
+        ga, gb = a.get_tensor("layers.0.gating_output"), b.get_tensor("layers.0.gating_output")
+        assert not torch.equal(ga[:64], gb[:64])  # different tokens
+        # the same experts are hot on both ranks: their mean logits per expert agree closely
+        assert torch.corrcoef(torch.stack([ga.float().mean(0), gb.float().mean(0)]))[0, 1] > 0.9
 
 
 def test_outputs_never_replace_a_ranks_trace(run_dir):

@@ -39,6 +39,11 @@ is a deterministic function of the spec):
 * ``nonfinite``: that many unpadded rows per layer get a NaN and a +inf logit (rows other
   than the tie rows: more than the unpadded rows left is refused).
 
+With ``token_seed`` set, the traffic (step sizes, the tokens' logits, the tie and non-finite
+rows) is drawn from a generator of its own and the model (directions, offsets, bias) from
+``seed``: the data-parallel ranks of one deployment (``routetool synth --ranks``) share one
+model and see different tokens.
+
 Limits (checked before any work, :data:`LIMITS`): the trace is built in memory, so a layer
 holds at most ``2**28`` logits (rows x experts) and the trace at most ``2**30``; at most
 65,536 experts and 1,024 layers; the work (layers x experts x (2 x rows + calibration and
@@ -115,7 +120,8 @@ class SynthSpec:
 
     ``affinity``: the token-expert affinity ``a``; None ("auto") is 1.5, lowered on layers
     whose ``imbalance:X`` target is below the level 1.5 gives; a number fixes it on every
-    layer (1.5 reproduces traces made before the automatic lowering existed).
+    layer (1.5 reproduces traces made before the automatic lowering existed). ``token_seed``:
+    draw the traffic from a generator of its own (None: from ``seed``, with the model).
     """
 
     num_layers: int = 4
@@ -135,6 +141,7 @@ class SynthSpec:
     seed: int = 0
     model: str = "synthetic"
     affinity: float | None = None
+    token_seed: int | None = None
 
 
 @dataclass
@@ -380,6 +387,10 @@ def _layer_work(spec: SynthSpec, num_rows: int) -> tuple[int, int, int, int]:
     return num_rows * E, calib, fit, num_rows * E
 
 
+def _token_seed(spec: SynthSpec) -> int:
+    return spec.seed if spec.token_seed is None else spec.token_seed
+
+
 def plan_steps(spec: SynthSpec) -> tuple[list[int], list[int]]:
     """Check ``spec`` (:func:`check_spec` and the size limits) and return the per-step
     ``(rows, real tokens)`` the trace will have, without generating anything.
@@ -391,7 +402,7 @@ def plan_steps(spec: SynthSpec) -> tuple[list[int], list[int]]:
     E = spec.router.num_experts
     # a lower bound first, so that absurd sizes fail before anything is drawn
     _check_rows(spec, sum(spec.prefill_chunks) + spec.decode_steps)
-    rows, real = _step_sizes(spec, torch.Generator().manual_seed(spec.seed))
+    rows, real = _step_sizes(spec, torch.Generator().manual_seed(_token_seed(spec)))
     _check_rows(spec, sum(rows))
     work = spec.num_layers * sum(_layer_work(spec, sum(rows)))
     if work > MAX_WORK:
@@ -585,8 +596,9 @@ def generate(spec: SynthSpec, progress: Callable[[int], None] | None = None) -> 
     progress = progress or _noop
     rows, real = plan_steps(spec)
     kind, args = _parse_skew(spec.skew, spec.router)
-    gen = torch.Generator().manual_seed(spec.seed)
-    _step_sizes(spec, gen)  # the same draws as plan_steps made, so the generator is where it was
+    gen = torch.Generator().manual_seed(spec.seed)  # the model: directions, offsets, bias
+    tokens = gen if spec.token_seed is None else torch.Generator().manual_seed(spec.token_seed)  # the traffic
+    _step_sizes(spec, tokens)  # the same draws as plan_steps made, so the generator is where it was
     E = spec.router.num_experts
     gen_work = _layer_work(spec, sum(rows))[0]
     offsets = torch.tensor([0] + rows).cumsum(0)
@@ -604,15 +616,15 @@ def generate(spec: SynthSpec, progress: Callable[[int], None] | None = None) -> 
             bias = _fit_bias(offset, dirs, spec, gen, cal.affinity, progress)
         else:
             bias = torch.zeros(E)
-        logits = _logits(offset, dirs, int(offsets[-1]), gen, cal.affinity).to(spec.dtype)
-        special = unpadded[torch.randperm(unpadded.numel(), generator=gen)]
+        logits = _logits(offset, dirs, int(offsets[-1]), tokens, cal.affinity).to(spec.dtype)
+        special = unpadded[torch.randperm(unpadded.numel(), generator=tokens)]
         n_ties = spec.ties  # at most what the layer holds (plan_steps)
         tie_rows = special[:n_ties]
         if n_ties:
             _inject_ties(logits, bias, tie_rows, spec)
         bad_rows = special[n_ties:n_ties + spec.nonfinite]
         for row in bad_rows.tolist():
-            cols = torch.randperm(E, generator=gen)[:2]
+            cols = torch.randperm(E, generator=tokens)[:2]
             logits[row, cols[0]] = float("nan")
             if E > 1:
                 logits[row, cols[1]] = float("inf")
@@ -625,7 +637,8 @@ def generate(spec: SynthSpec, progress: Callable[[int], None] | None = None) -> 
         progress(gen_work)
     r = spec.router
     provenance = (
-        f"routetool synth seed={spec.seed} skew={spec.skew} bias={spec.bias}"
+        f"routetool synth seed={spec.seed}" + (f" token_seed={spec.token_seed}" if spec.token_seed is not None else "")
+        + f" skew={spec.skew} bias={spec.bias}"
         + (f" (u={spec.bias_update_rate:g}, {spec.fit_steps} updates)" if spec.bias == "fitted" else "")
         + _affinity_note(spec, calibration)
         + f" dtype={str(spec.dtype).removeprefix('torch.')} prefill={list(spec.prefill_chunks)}"

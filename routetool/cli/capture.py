@@ -172,8 +172,8 @@ def _std(ctx, param, value):
 @click.option("--seed", type=IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed (0 to 2**63-1).")
 @click.option("--model", "model_name", default="synthetic", show_default=True, help="Model name in the metadata.")
 @click.option("--ranks", "num_ranks", type=IntRange(1, 1024), default=1, show_default=True,
-              help="Data-parallel ranks: above 1, OUT is a run folder of rank-<r>/trace.safetensors, rank r "
-                   "drawn with seed + r.")
+              help="Data-parallel ranks: above 1, OUT is a run folder of rank-<r>/trace.safetensors, one "
+                   "model (--seed) for all, rank r's tokens drawn with seed + r.")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: float, normalization: str,
@@ -188,9 +188,10 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
     with the bias, the imbalance target and the affinity used), and a warning for targets
     the model cannot make. The model of the logits and the size limits are in docs/capture.md.
 
-    With --ranks N, OUT is a run folder (docs/trace-format.md) of N data-parallel ranks, each a
-    trace of the same shape drawn with its own seed and its rank in the metadata, as a
-    multi-process capture writes them; the statistics shown are rank 0's.
+    With --ranks N, OUT is a run folder (docs/trace-format.md) of N data-parallel ranks, as a
+    multi-process capture writes them: one model (router directions, skew, bias) for all, each
+    rank's tokens drawn with its own seed (seed + r), its rank in the metadata; the statistics
+    shown are rank 0's.
     """
     import dataclasses
 
@@ -237,7 +238,7 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
     with _progress(progress, percent=True) as bar:
         task = bar.add_task(markup_safe(f"synth {out.name}"), total=total * num_ranks)
         for r, target in enumerate(outs):
-            rank_spec = spec if num_ranks == 1 else dataclasses.replace(spec, seed=(seed + r) % (MAX_SEED + 1))
+            rank_spec = spec if num_ranks == 1 else dataclasses.replace(spec, token_seed=(seed + r) % (MAX_SEED + 1))
             result = generate(rank_spec, progress=lambda n: bar.advance(task, n))
             meta = result.meta
             if num_ranks > 1:
