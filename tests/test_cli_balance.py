@@ -421,10 +421,10 @@ def test_layer_detail_keeps_every_layer_in_the_tables(tmp_path, monkeypatch):
     assert "'layers' row: mean" in res.output
     # the detail of layer 1, added after what every run shows
     for detail in ("EPLB placement of layer 1", "Windows of layer 1", "Expert load, layer 1 (assignments)",
-                   "Rank load, layer 1 (contiguous ep=2)"):
+                   "EP rank load, layer 1 (contiguous ep=2)"):
         assert detail in res.output and detail not in plain.output, detail
     for whole in ("Expert load per layer (layer x expert)", "Expert load, all layers summed",
-                  "Rank load, all layers summed", "Balancedness per layer, before / after EPLB"):
+                  "EP rank load, all layers summed", "Balancedness per layer, before / after EPLB"):
         assert whole in res.output and whole in plain.output, whole
     assert "mean 2.5 assignments/expert, max 4, total 10 assignments" in res.output  # layer 1: [1,4,3,2]
     assert "(layer 0" not in res.output and "layer 0 (" not in res.output
@@ -461,7 +461,7 @@ def test_a_counts_file_without_traffic_shows_undefined_statistics(tmp_path, monk
     load_row = next(ln for ln in res.output.splitlines() if ln.split()[:4] == ["0", "1", "-", "0"])
     assert load_row.split()[4:9] == ["-", "-", "-", "-", "4"]          # max/mean CV entropy Gini idle
     ep_row = next(ln for ln in res.output.splitlines() if ln.split()[:2] == ["0", "-"] and "▁▁▁▁" in ln)
-    assert ep_row.split()[7:10] == ["-", "-", "▁▁▁▁"]                   # hottest rank, share, rank loads
+    assert ep_row.split()[7:10] == ["-", "-", "▁▁▁▁"]                   # hottest EP, share, EP loads
     assert "0×2, 1×2, 2×2, 3×2" in res.output and "0×5" not in res.output and "█" * 4 not in res.output
     assert "balancedness - (no assignments)" in res.output
     assert "• z.json holds no traffic (0 assignments in the analysed layers)" in res.output.replace("\n", " ")

@@ -75,13 +75,13 @@ def rank_bars(assignments: list[float], title: str, tokens_received: list[int] |
     mean = total / len(assignments) if assignments else 0.0
     lines = []
     for r, a in enumerate(assignments):
-        line = Text(f"rank {r:>3} ")
+        line = Text(f"EP {r:>3} ")
         line.append_text(_bar(a, peak, 40, "red" if a == peak and peak > 0 else "cyan"))
         line.append(f" {a:,.0f}")
         if tokens_received is not None:
             line.append(f"  ({tokens_received[r]:,} tokens)", style="dim")
         lines.append(line)
-    foot = Text(f"mean {mean:,.1f} assignments/rank, max {peak:,.0f}; balancedness "
+    foot = Text(f"mean {mean:,.1f} assignments/EP rank, max {peak:,.0f}; balancedness "
                 + (f"{mean / peak:.3f}" if peak else "- (no assignments)"), style="dim")
     return Panel(Group(*lines, foot), title=title, expand=False)
 
@@ -174,8 +174,11 @@ def _worst(values: list[tuple[int, float | None]], highest: bool) -> tuple[int, 
 
 
 def _median(values: list[float | None]) -> float | None:
-    known = sorted(v for v in values if v is not None)
-    return known[len(known) // 2] if known else None
+    """The median of the known values (the mean of the two middle ones for an even count)."""
+    import statistics
+
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _render_summary(result: BalanceResult, console: Console, layer: int | None) -> None:
@@ -300,8 +303,8 @@ def _render_details(result: BalanceResult, console: Console, layer: int | None) 
     # EP ranks
     for i, ep in enumerate(result.ep):
         t = table(f"EP ranks: {ep.placement} (balancedness = mean/max assignments per rank)",
-                   ["layer", "balancedness", "step min", "p10", "p50", "p90", "mean", "hottest rank", "share",
-                    "rank loads"], left=("rank loads",))
+                   ["layer", "balancedness", "step min", "p10", "p50", "p90", "mean", "hottest EP", "share",
+                    "EP loads"], left=("EP loads",))
         for x in result.layers:
             r = x.ranks[i]
             q = r.step_balancedness
@@ -418,11 +421,11 @@ def _render_details(result: BalanceResult, console: Console, layer: int | None) 
     console.print(histogram_renderable(result.total_counts, "Expert load, all layers summed (assignments)"))
     if result.ep:
         tot = [sum(x.ranks[0].assignments[r] for x in result.layers) for r in range(result.ep[0].num_ranks)]
-        console.print(rank_bars(tot, f"Rank load, all layers summed ({result.ep[0].placement})"))
+        console.print(rank_bars(tot, f"EP rank load, all layers summed ({result.ep[0].placement})"))
     if focus is not None:
         console.print(histogram_renderable(focus.counts, f"Expert load, layer {focus.layer} (assignments)"))
         for r in focus.ranks:
-            console.print(rank_bars(r.assignments, f"Rank load, layer {focus.layer} ({r.placement})",
+            console.print(rank_bars(r.assignments, f"EP rank load, layer {focus.layer} ({r.placement})",
                                     r.tokens_received))
     if result.eplb is not None and several:
         lines = []

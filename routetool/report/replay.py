@@ -83,7 +83,8 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     if result.ranks is not None:
         header.add_row("ranks", f"{len(result.ranks)} ({_rank_span(result)}), replayed rank by rank and summed")
     if result.world_size > 1:
-        header.add_row("processes", f"{result.world_size} (torchrun), the ranks' layers shared among them")
+        header.add_row("processes", f"{result.world_size} (torchrun), the "
+                                    + ("ranks' layers" if result.ranks is not None else "layers") + " shared among them")
     console.print(Panel(header, title="routetool replay", expand=False))
     _replay_verdict(result, console)
     _ranks_line(result, console)
@@ -151,14 +152,16 @@ def _replay_summary(result: ReplayResult, console: Console, histogram_layer: int
     totals = result.totals()
     compared = [(n, s) for n, s in totals.items() if s.rows]
     if compared:
+        # (the comparison's verdict in its label: a column of its own would not fit 80 columns)
         t = table("Comparisons (rows of all replayed layers)",
-                  ["", "rows", "exact", "reord", "tie-eq", "mism", "inval", "Δw>tol", "max|Δw|", "verdict"], left=("",))
+                  ["", "rows", "exact", "reord", "tie-eq", "mism", "inval", "Δw>tol", "max|Δw|"], left=("",))
         for name, s in compared:
-            t.add_row(_SHORT_NAMES.get(name, name), f"{s.rows:,}", _count(s.exact), _count(s.reordered),
+            label = _SHORT_NAMES.get(name, name)
+            t.add_row(Text(label, style="green") if s.ok else Text(f"{label} FAIL", style="bold red"),
+                      f"{s.rows:,}", _count(s.exact), _count(s.reordered),
                       Text(f"{s.tie_equivalent:,}", style="yellow" if s.tie_equivalent else "dim"),
                       _count(s.mismatch, bad=True), _count(s.invalid, bad=True),
-                      _count(s.weight_rows_over_tolerance, bad=True), fmt_float(s.weight_max_abs_err),
-                      Text("pass", style="green") if s.ok else Text("FAIL", style="bold red"))
+                      _count(s.weight_rows_over_tolerance, bad=True), fmt_float(s.weight_max_abs_err))
         console.print(t)
         for name, s in compared:
             if s.invalid:
@@ -185,9 +188,9 @@ def _replay_summary(result: ReplayResult, console: Console, histogram_layer: int
     tl = result.total_load
     imb = [(layer.layer, layer.load.imbalance) for layer in result.layers if layer.load and layer.load.imbalance]
     worst = max(imb, key=lambda x: x[1]) if imb else None
-    console.print(Text(f"load ({_load_source(result)}): all layers max/mean {fmt_float(tl.imbalance)}, CV {fmt_float(tl.cv)}, idle experts "
-                       f"{len(tl.idle)}" + (f"; most imbalanced layer {worst[0]} (max/mean {fmt_float(worst[1])})"
-                                           if worst and len(result.layers) > 1 else "")))
+    console.print(Text(f"load ({_load_source(result)}): all layers max/mean {fmt_float(tl.imbalance)}, CV {fmt_float(tl.cv)}"
+                       f"; {_idle(result)}" + (f"; most imbalanced layer {worst[0]} (max/mean {fmt_float(worst[1])})"
+                                               if worst and len(result.layers) > 1 else "")))
     padded = sum(layer.padded_rows for layer in result.layers)
     nonfinite = sum(layer.nonfinite_rows for layer in result.layers)
     ties = sum(layer.boundary_ties for layer in result.layers)
@@ -215,6 +218,24 @@ def _replay_summary(result: ReplayResult, console: Console, histogram_layer: int
                        "failing rows; --json for all numbers", style="dim"))
 
 
+def _outputs_grid(rows: list[tuple[str, list[int], list[float] | None]]) -> Table:
+    """Both outputs of a failing row, one line each, ids and weights in columns of their own (a
+    long line wraps within its column, so expected and got stay aligned)."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(min_width=12, justify="right")
+    grid.add_column()
+    grid.add_column()
+    for label, ids, weights in rows:
+        grid.add_row(label, f"ids {_values(ids)};", f"w {_weights(weights)}")
+    return grid
+
+
+def _idle(result: ReplayResult) -> str:
+    """Idle experts as balance counts them: per layer, summed (layer-expert pairs where there are several)."""
+    idle = sum(len(layer.load.idle) for layer in result.layers if layer.load is not None)
+    return f"idle experts {idle:,}" + (" (layer-expert pairs)" if len(result.layers) > 1 else "")
+
+
 def _failing_rows(result: ReplayResult, console: Console, limit: int) -> None:
     """The first failing rows, each on two lines: where, class and reasons; expected against got,
     ids and weights."""
@@ -225,8 +246,8 @@ def _failing_rows(result: ReplayResult, console: Console, limit: int) -> None:
     for name, f in failures[:limit]:
         console.print(user_text(f"  {_NAMES.get(name, name)}: {_where(f)}: {f.row_class}"
                                 + (f" ({', '.join(f.reasons)})" if f.reasons else ""), style="red"))
-        console.print(Text(f"    expected ids {_values(f.expected_ids)}; w {_weights(f.expected_weights)}"))
-        console.print(Text(f"    got      ids {_values(f.test_ids)}; w {_weights(f.test_weights)}"))
+        console.print(_outputs_grid([("expected", f.expected_ids, f.expected_weights),
+                                     ("got", f.test_ids, f.test_weights)]))
 
 
 def _recorded_invalid_rows(result: ReplayResult, console: Console, limit: int) -> None:
@@ -370,8 +391,8 @@ def _replay_details(result: ReplayResult, console: Console, histogram_layer: int
     if histogram_layer is None:
         console.print(histogram_renderable(result.total_counts, f"Expert load, all replayed layers ({source})"))
         tl = result.total_load
-        console.print(Text(f"all layers: max/mean {fmt_float(tl.imbalance)}, CV {fmt_float(tl.cv)}, "
-                           f"idle experts {len(tl.idle)}", style="dim"))
+        console.print(Text(f"all layers: max/mean {fmt_float(tl.imbalance)}, CV {fmt_float(tl.cv)}; {_idle(result)}",
+                           style="dim"))
     else:
         layer = next(x for x in result.layers if x.layer == histogram_layer)
         console.print(histogram_renderable(
