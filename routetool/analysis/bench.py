@@ -340,7 +340,7 @@ def run_bench(
 
     if not torch.cuda.is_available():
         raise RouteToolError("bench needs a CUDA GPU; this machine has none",
-                             fix="run it on a GPU machine (replay and validate work on the CPU)")
+                             fix="run it on a GPU machine; replay and validate work on the CPU")
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)
     result = BenchResult(gpu_name=props.name, driver_version=driver_version(), torch_version=torch.__version__,

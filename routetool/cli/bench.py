@@ -105,7 +105,7 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
                                  fix="name one of the --kernel values, or add it with --kernel")
         if not has_cuda:
             raise RouteToolError("bench needs a CUDA GPU; this machine has none",
-                                 fix="run it on a GPU machine (replay and validate work on the CPU)")
+                                 fix="run it on a GPU machine; replay and validate work on the CPU")
         check_fits(token_list, expert_list, topk_list, dtype_list, torch.cuda.mem_get_info()[0],
                    f"the GPU ({torch.cuda.get_device_name()})")
         total = len(bench_kernels) * len(token_list) * len(dtype_list) * points
