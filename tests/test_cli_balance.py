@@ -576,7 +576,7 @@ def test_invalid_recorded_ids_are_bad_input(tmp_path, bad_row, words, flags):
     _one_line_error(run("balance", trace, *flags, "--no-bias-effect", "--no-progress"),
                     f"{trace}: layers.0.topk_ids: layer 0, step 1, row 3: {words}; 2 unpadded row(s) of the layer "
                     "are invalid (each token picks distinct experts in [0, 8)",
-                    "fix the capture, or route the logits (drop --recorded)" if flags else "fix the capture)")
+                    "fix the capture, or route the logits: drop --recorded" if flags else "fix the capture)")
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (a folder nothing can be created in)")

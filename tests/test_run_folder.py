@@ -263,3 +263,88 @@ def test_torchrun_findings_and_errors_are_reported_once(run_dir, tmp_path):
     proc = _torchrun("replay", run_dir / "nothing.safetensors", "--no-progress")
     assert proc.returncode != 0
     assert proc.stderr.count("routetool: error:") == 1, proc.stderr
+
+
+# --------------------------------------------------------------------------------------- hostile run folders
+def test_outputs_never_go_into_a_rank_folder(run_dir, tmp_path):
+    before = sorted(p.name for p in (run_dir / "rank-1").iterdir())
+    for args in (["replay", run_dir, "--json", run_dir / "rank-1" / "new.json"],
+                 ["balance", run_dir, "--eplb-out", run_dir / "rank-1" / "eplb.json"],
+                 ["validate", run_dir, "--suite", "none", "--junit", run_dir / "rank-1" / "r.safetensors"]):
+        res = _run(*args, "--no-progress", "--device", DEVICE)
+        assert res.exit_code == 2 and "is in a rank folder of this run's input" in res.output, res.output
+    assert sorted(p.name for p in (run_dir / "rank-1").iterdir()) == before
+    res = _run("replay", run_dir, "--json", run_dir / "rank-1", "--no-progress")
+    assert res.exit_code == 2 and "is a directory" in res.output, res.output
+
+
+def test_a_file_read_by_two_ranks_or_two_inputs_is_refused(run_dir, tmp_path):
+    linked = tmp_path / "linked"
+    (linked / "rank-0").mkdir(parents=True)
+    shutil.copy(ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors", linked / "rank-0" / "trace.safetensors")
+    (linked / "rank-1").symlink_to(linked / "rank-0")  # the same file twice (a trace without rank metadata)
+    res = _run("balance", linked, "--no-progress")
+    assert res.exit_code == 2 and "is read by rank-1 and by rank-0" in res.output, res.output
+    res = _run("validate", run_dir, _rank_trace(run_dir, 0), "--suite", "none", "--no-progress", "--device", DEVICE)
+    assert res.exit_code == 2 and "its steps would be counted twice" in res.output, res.output
+
+
+def _with_meta(src: Path, dst: Path, **meta) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        old = dict(f.metadata())
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dst), metadata={**old, **meta})
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"rank": "x1"}, "the metadata rank='x1' is not a plain non-negative integer"),
+    ({"rank": "1", "world_size": "1"}, "says rank 1 of a world_size of 1"),
+])
+def test_layout_metadata_that_contradicts_itself_is_refused(run_dir, tmp_path, meta, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(run_dir, bad)
+    _with_meta(_rank_trace(run_dir, 1), _rank_trace(bad, 1), **meta)
+    res = _run("info", bad)
+    assert res.exit_code == 2 and message in res.output and res.output.count("\n") == 1, res.output
+
+
+def test_tensor_parallel_peers_holding_different_steps_are_refused(run_dir, tmp_path):
+    peers = tmp_path / "peers"
+    _with_meta(_rank_trace(run_dir, 0), _rank_trace(peers, 0), dp_rank="0", rank="0")
+    _with_meta(_rank_trace(run_dir, 1), _rank_trace(peers, 1), dp_rank="0", rank="1")
+    res = _run("balance", peers, "--no-progress", "--reference")
+    assert res.exit_code == 2 and "share dp_rank 0" in res.output and "hold different steps" in res.output, res.output
+
+
+def test_ids_only_ranks_are_nothing_checked_not_pass(tmp_path):
+    dump = tmp_path / "ids.jsonl"
+    dump.write_text("".join(json.dumps({"layer": 0, "step": s, "topk_ids": [s % 4, (s + 1) % 4]}) + "\n"
+                            for s in range(6)))
+    run = tmp_path / "IDS"
+    for r in (0, 1):
+        (run / f"rank-{r}").mkdir(parents=True)
+        res = _run("import", dump, "-o", run / f"rank-{r}" / "trace.safetensors", "--num-experts", "4", "--topk", "2")
+        assert res.exit_code == 0, res.output
+    # (the two imports are the same bytes in two files: allowed, they are two ranks' recordings)
+    res = _run("replay", run, "--no-progress", "--no-latency", "--device", DEVICE)
+    assert res.exit_code == 0 and "NOTHING CHECKED" in res.output and "ranks: all 2 nothing checked" in res.output, \
+        res.output
+
+
+def test_launcher_variables_without_a_launcher_end_in_one_line_not_a_hang(run_dir):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599",
+           "ROUTETOOL_JOIN_TIMEOUT_S": "2", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "routetool", "replay", str(run_dir), "--device", "cpu",
+                           "--no-progress"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "did not join within 2 s" in proc.stderr, proc.stderr
+
+
+def test_torchrun_help_is_printed_once():
+    proc = _torchrun("replay", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("Usage: ") == 1, proc.stdout

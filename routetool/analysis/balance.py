@@ -409,7 +409,7 @@ class TraceSource(Source):
             if routing == "recorded" or (routing == "auto" and not info.has_logits):
                 if not info.has_recorded_ids:
                     raise RouteToolError("holds no recorded topk_ids", path=self.path, tensor=f"layers.{layer}.topk_ids",
-                                         fix="route it from the logits (drop --recorded)")
+                                         fix="route it from the logits: drop --recorded")
                 self._mode[layer] = "recorded"
             else:
                 if not info.has_logits:
@@ -463,7 +463,7 @@ class TraceSource(Source):
                                f"{' (bias effect)' if bias_effect else ''}: {found.ids} {found.what(E)}; "
                                f"{found.rows:,} of the layer's rows {verb} invalid",
                                failure_class=f"invalid:{found.reasons[0]}", path=self.path, fix=_FIX_KERNEL)
-        drop = ", or route the logits (drop --recorded)" if self.trace.info(layer).has_logits else ""
+        drop = ", or route the logits: drop --recorded" if self.trace.info(layer).has_logits else ""
         return RouteToolError(f"layer {layer}, {found.where()}: the recorded ids {found.ids} {found.what(E)}; "
                               f"{found.rows:,} unpadded row(s) of the layer are invalid", path=self.path,
                               tensor=f"layers.{layer}.topk_ids",
@@ -594,6 +594,18 @@ class RunSource(Source):
         self.run = run
         self.layers = list(layers)
         self._groups = {layer: run.token_groups(layer) for layer in self.layers}
+        for layer, groups in self._groups.items():  # peers route the same tokens: the same steps, at least
+            for g in groups:
+                first = run.ranks[g[0]]
+                sizes = first.trace.info(layer).step_offsets
+                for j in g[1:]:
+                    peer = run.ranks[j]
+                    if peer.trace.info(layer).step_offsets != sizes:
+                        raise RouteToolError(
+                            f"{peer.label} and {first.label} share dp_rank {first.layout['dp_rank']} (tensor-parallel "
+                            f"peers, which route the same tokens) but hold different steps in layer {layer} "
+                            f"({peer.trace.info(layer).num_tokens:,} and {first.trace.info(layer).num_tokens:,} rows)",
+                            path=run.display_path, fix="check the ranks' dp_rank metadata")
         readers = sorted({g[0] for groups in self._groups.values() for g in groups})
         share = max(1 << 20, budget_bytes // max(1, max(len(g) for g in self._groups.values())))
         self._sources: dict[int, TraceSource] = {}

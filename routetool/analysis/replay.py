@@ -173,6 +173,12 @@ class RankReplay:
     kernel_vs_reference: ComparisonSummary
     ok: bool
 
+    @property
+    def verdict(self) -> Verdict:
+        """The rank's own: FAIL on a finding, NOTHING CHECKED when none of its rows was compared
+        (ids-only, or no replayed layer), else PASS."""
+        return Verdict.of(checked=self.kernel_vs_reference.rows, failed=not self.ok)
+
 
 @dataclass
 class ReplayResult:

@@ -527,20 +527,24 @@ def validate(
     ``progress``: called with each unit's name after it ran (this process's share).
 
     Raises:
-        RouteToolError: a trace cannot be read, or one is given twice (:func:`trace_labels`).
+        RouteToolError: a trace cannot be read, or one is given twice (:func:`trace_labels`), also
+            as a file that two inputs read (:func:`routetool.io.run.refuse_shared_files`).
     """
     from contextlib import ExitStack
 
-    from routetool.io.run import open_input
+    from routetool.io.run import open_input, refuse_shared_files
 
     workers = workers or Workers()
     with ExitStack() as stack:
         units: list[tuple] = [("case", case) for case in cases]
+        opened = []
         for path, label in zip(traces, trace_labels(traces)):
             run = stack.enter_context(open_input(path))
             for rank in run.ranks:
                 family = f"trace:{label}" + (f"/{rank.label}" if rank.rank is not None else "")
+                opened.append((family, rank.trace))
                 units.extend(("layer", rank.trace, layer, family) for layer in rank.trace.layers)
+        refuse_shared_files(opened)  # one trace given twice, e.g. by itself and through its run folder
 
         def work(unit: tuple) -> CaseResult:
             if unit[0] == "case":

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import click
@@ -100,12 +101,20 @@ class _Group(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        first = _first_process()
+        if not first:  # under torchrun only the first process writes to stdout (help, reports, JSON)
+            sys.stdout = open(os.devnull, "w")
         with _sigterm_unwinds():
             code = self._run(args, prog_name, complete_var, **extra)
+            joined = False
             if "routetool.engine.distributed" in sys.modules:  # a torchrun job: leave together
                 from routetool.engine.distributed import leave
 
-                leave()
+                joined = leave()
+            if not first and code != EXIT_OK and not joined:
+                # failed before the group was joined (a usage error): give the first process the moment
+                # it needs to print its line before torchrun, seeing this exit, stops it
+                time.sleep(1.0)
         sys.exit(code)
 
     def _run(self, args, prog_name, complete_var, **extra) -> int:
@@ -119,10 +128,13 @@ class _Group(click.Group):
                 click.echo(printable(f"routetool: error: {exc.format_message()} (see `{command} --help`)"), err=True)
             return EXIT_USAGE
         except click.exceptions.Abort:
-            click.echo("routetool: aborted", err=True)
+            if _first_process():
+                click.echo("routetool: aborted", err=True)
             return EXIT_SIGNAL + signal.SIGINT
         except Terminated as exc:
-            if exc.signum == signal.SIGINT:  # on a terminal, after the echoed ^C
+            if not _first_process():
+                pass
+            elif exc.signum == signal.SIGINT:  # on a terminal, after the echoed ^C
                 click.echo(("\n" if sys.stderr is not None and sys.stderr.isatty() else "") + "routetool: aborted",
                            err=True)
             else:

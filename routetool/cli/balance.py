@@ -222,8 +222,11 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     if eplb_out and not eplb:
         raise RouteToolError("--eplb-out needs the EPLB what-if", fix="drop --no-eplb")
     if plot_dir is not None:
+        from routetool.io.files import refuse_rank_folder
+        from routetool.io.run import rank_folders
         from routetool.report.plots import check_plot_dir, figure_paths
 
+        refuse_rank_folder(plot_dir, rank_folders(source))
         check_plot_dir(plot_dir, force)
         _check_figures_apart(figure_paths(plot_dir), {"--json": json_path, "--eplb-out": eplb_out},
                              [source, placement_path])

@@ -85,19 +85,21 @@ class Workers:
 
 
 
-def leave() -> None:
+def leave() -> bool:
     """Wait for every process of the group, then leave it: called once as the command ends, after
     the first process has printed and written (its report, or its one error line), so that no
-    process exits earlier (torchrun stops the others when one exits with an error). Nothing
-    happens when no group was joined."""
+    process exits earlier (torchrun stops the others when one exits with an error). Returns
+    whether a group had been joined (nothing happens otherwise)."""
     import sys
 
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return True
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -127,7 +129,8 @@ def join(device: str = "auto") -> Workers:
     ``cuda:LOCAL_RANK`` the current CUDA device, the GPU the process then runs on.
 
     Raises:
-        RouteToolError: the launcher's variables are not plain integers.
+        RouteToolError: the launcher's variables are not plain integers; the other processes did
+            not join within :data:`JOIN_TIMEOUT_S` (or the rendezvous failed).
     """
     if not launched():
         return Workers()
@@ -148,5 +151,50 @@ def join(device: str = "auto") -> Workers:
     backend = "nccl" if gpus and gpus >= local_world else "gloo"
     if gpus:
         torch.cuda.set_device(local % gpus)
-    dist.init_process_group(backend)
+    _init_group(backend, RouteToolError)
     return Workers(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=backend, local_rank=local)
+
+
+JOIN_TIMEOUT_S = 120.0
+"""How long :func:`join` waits for the other processes (``ROUTETOOL_JOIN_TIMEOUT_S`` overrides it)."""
+
+
+def _init_group(backend: str, error: type) -> None:
+    """``init_process_group`` on a thread of its own, so that this one keeps handling Ctrl-C and
+    SIGTERM (the rendezvous blocks in C), given up after :data:`JOIN_TIMEOUT_S`: launcher variables
+    inherited by a process that no launcher started (a script run from a torchrun job) would
+    otherwise wait for peers that never come."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    text = os.environ.get("ROUTETOOL_JOIN_TIMEOUT_S", "")
+    try:
+        timeout = float(text) if text else JOIN_TIMEOUT_S
+    except ValueError:
+        timeout = JOIN_TIMEOUT_S
+    failed: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            dist.init_process_group(backend)
+        except BaseException as exc:  # noqa: BLE001 - reported by the waiting thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=init, name="routetool-join", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while thread.is_alive():
+        thread.join(0.1)
+        if thread.is_alive() and time.monotonic() > deadline:
+            raise error(f"torchrun's variables are set (RANK={os.environ['RANK']}, WORLD_SIZE={os.environ['WORLD_SIZE']}, "
+                        f"MASTER_ADDR={os.environ['MASTER_ADDR']}, MASTER_PORT={os.environ['MASTER_PORT']}), but the "
+                        f"other processes did not join within {timeout:g} s",
+                        fix="start the command with torchrun --nproc-per-node N -m routetool ..., or unset RANK, "
+                            "WORLD_SIZE, MASTER_ADDR and MASTER_PORT to run it as one process")
+    if failed:
+        from routetool.errors import first_line
+
+        raise error(f"cannot join torchrun's process group ({first_line(failed[0])})",
+                    fix="start the command with torchrun --nproc-per-node N -m routetool ...")

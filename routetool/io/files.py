@@ -215,6 +215,23 @@ def check_output_folder(folder: str | os.PathLike) -> None:
     raise RouteToolError("folder does not exist", path=folder, fix="create it first")
 
 
+def refuse_rank_folder(folder: str | os.PathLike, ranks: list[Path], *, shown: object = None) -> None:
+    """Refuse an output that would go into one of ``ranks``, the rank folders of a run folder read
+    in this run (:func:`routetool.io.run.rank_folders`), whether its file exists or not: a rank
+    folder holds its rank's trace and nothing else, and a new ``.json`` or ``.safetensors`` file
+    there would be read as part of it.
+
+    Raises:
+        RouteToolError: naming ``shown`` (default ``folder``).
+    """
+    for r in ranks:
+        if same_file(folder, r):
+            raise RouteToolError("is in a rank folder of this run's input, which holds that rank's trace and nothing "
+                                 "else (a file written there would be read as part of it)",
+                                 path=folder if shown is None else shown,
+                                 fix="write outputs outside the run folder's rank-<r>/ folders")
+
+
 def _json_files(folder: Path) -> list[Path]:
     """The ``.json`` files directly in ``folder`` (indexes whose shards an output must not replace)."""
     try:
@@ -246,7 +263,8 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
     from routetool.io.sharded import listed_shard_files
 
     protected = [Path(i) for i in inputs if i is not None and str(i) != "-"]
-    protected += [folder for i in list(protected) for folder in rank_folders(i)]  # a run folder's ranks
+    ranks = [folder for i in protected for folder in rank_folders(i)]
+    protected += ranks  # a run folder's ranks
     protected += [index for i in list(protected) if path_kind(i) == "folder" for index in _json_files(i)]
     protected += [shard for i in list(protected) for shard in listed_shard_files(i)]
     seen: list[Path] = []
@@ -263,6 +281,9 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
             if same_file(p, other):
                 raise RouteToolError("is named for two outputs of one run", path=p, fix="give each output its own file")
         seen.append(p)
+        if kind == "folder":
+            raise RouteToolError("is a directory", path=p, fix="name a file")
+        refuse_rank_folder(p.parent, ranks, shown=p)
         for inp in protected:
             if path_kind(inp) == "folder" and kind != "missing" and same_file(p.parent, inp):
                 raise RouteToolError("is a file in this run's input folder; writing the output there would replace "
@@ -270,8 +291,6 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
             if same_file(p, inp):
                 raise RouteToolError("is this run's input; writing the output there would destroy it", path=p,
                                      fix="choose another output path")
-        if kind == "folder":
-            raise RouteToolError("is a directory", path=p, fix="name a file")
         if kind == "special":  # a FIFO, device or socket (or a link to one): never replaced
             raise RouteToolError("is not a regular file (a FIFO, device or socket)", path=p,
                                  fix="name a regular file, or - for stdout")

@@ -69,13 +69,76 @@ class RankTrace:
         return " ".join(parts)
 
 
-def _layout(meta_extra) -> dict[str, int]:
+def _layout(meta_extra, shown: object = None) -> dict[str, int]:
+    """The layout fields of a trace's metadata (decimal strings).
+
+    Raises:
+        RouteToolError: a field present but not a plain non-negative integer.
+    """
     out = {}
     for name in LAYOUT_FIELDS:
         value = meta_extra.get(name)
-        if isinstance(value, str) and value.isascii() and value.isdigit():
-            out[name] = int(value)
+        if value is None:
+            continue
+        if not (isinstance(value, str) and value.isascii() and value.isdigit()):
+            raise RouteToolError(f"the metadata {name}={value!r} is not a plain non-negative integer", path=shown,
+                                 fix="write the rank's layout as decimal digits, or leave the field out")
+        out[name] = int(value)
     return out
+
+
+def trace_layout(trace) -> dict[str, int]:
+    """A trace's layout fields, the same in all that holds them: every shard's metadata and a
+    sharded trace's index (its ``"ranks"`` object).
+
+    Raises:
+        RouteToolError: a bad field, or two of them that disagree (naming the shard or the index).
+    """
+    sources = [(shard.display_path, shard.meta.extra) for shard in getattr(trace, "shards", [trace])]
+    ranks = getattr(trace, "index", {}).get("ranks") if isinstance(getattr(trace, "index", None), dict) else None
+    if isinstance(ranks, dict):
+        sources.append((trace.display_path, {k: str(v) if isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                             else v for k, v in ranks.items() if k in LAYOUT_FIELDS and v is not None}))
+    out: dict[str, int] = {}
+    first: dict[str, object] = {}
+    for shown, extra in sources:
+        for name, value in _layout(extra, shown).items():
+            if name in out and out[name] != value:
+                raise RouteToolError(f"says {name} {value}, {first[name]} says {out[name]}: one trace is one rank's",
+                                     path=shown, fix="keep each rank's recording in its own rank folder")
+            out.setdefault(name, value)
+            first.setdefault(name, shown)
+    if "rank" in out and "world_size" in out and out["rank"] >= out["world_size"]:
+        raise RouteToolError(f"says rank {out['rank']} of a world_size of {out['world_size']}: no such rank",
+                             path=trace.display_path, fix="check the recording's rank metadata")
+    return out
+
+
+def trace_files(trace) -> list[Path]:
+    """The files a trace reads: its shards, or the file itself."""
+    return list(getattr(trace, "shard_paths", None) or [trace.path])
+
+
+def refuse_shared_files(traces: list[tuple[str, object]]) -> None:
+    """Refuse two traces that read one file (``(label, trace)`` pairs): its steps would be counted
+    twice (a rank folder linked to another, an index listing another rank's shard, one trace
+    given twice through its run folder).
+
+    Raises:
+        RouteToolError: naming the file and both traces.
+    """
+    seen: dict[tuple[int, int], str] = {}
+    for label, trace in traces:
+        for f in trace_files(trace):
+            try:
+                st = os.stat(f)
+            except OSError:
+                continue  # (reading it says what is wrong)
+            key = (st.st_dev, st.st_ino)
+            if key in seen and seen[key] != label:
+                raise RouteToolError(f"is read by {label} and by {seen[key]}: its steps would be counted twice",
+                                     path=f, fix="give each rank, and each trace, its own files")
+            seen.setdefault(key, label)
 
 
 def is_run_folder(path: str | os.PathLike) -> bool:
@@ -174,7 +237,7 @@ class RunInput:
         try:
             if not self.is_run:
                 t = open_trace(self.path, display_path=self.display_path)
-                self.ranks.append(RankTrace(rank=None, trace=t, layout=_layout(t.meta.extra)))
+                self.ranks.append(RankTrace(rank=None, trace=t, layout=trace_layout(t)))
             else:
                 from routetool.io.dumps import refuse_dump_as_trace
 
@@ -192,28 +255,31 @@ class RunInput:
         """An open trace as a run of one rank (closing it stays with the caller)."""
         self = cls.__new__(cls)
         self.path, self.display_path, self.is_run, self.notes = trace.path, trace.display_path, False, []
-        self.ranks = [RankTrace(rank=None, trace=trace, layout=_layout(trace.meta.extra))]
+        self.ranks = [RankTrace(rank=None, trace=trace, layout=trace_layout(trace))]
         self.meta, self.layers = trace.meta, list(trace.layers)
         return self
 
     def _open_ranks(self, open_trace) -> None:
         try:
-            found = sorted((int(m.group(1)), e.name) for e in os.scandir(self.path)
-                           if (m := RANK_FOLDER.fullmatch(e.name)) and e.is_dir())
+            names = [(m, e.name) for e in os.scandir(self.path) if (m := RANK_FOLDER.fullmatch(e.name))]
         except OSError as exc:
             raise RouteToolError(f"cannot list the folder ({exc.strerror or exc})", path=self.display_path,
                                  fix="check its permissions") from None
+        # (path_kind: a rank folder that is a loop of links is named as such, not as the run folder)
+        found = sorted((int(m.group(1)), name) for m, name in names
+                       if path_kind(self.path / name, shown=self.display_path / name) == "folder")
         if not found:
             raise folder_error(self.path, self.display_path)
         for rank, name in found:
             shown_folder = self.display_path / name
             p = _rank_trace_path(self.path / name, shown_folder)
             t = open_trace(p, display_path=shown_folder / p.name)
-            layout = _layout(t.meta.extra)
-            self.ranks.append(RankTrace(rank=rank, trace=t, layout=layout))
+            self.ranks.append(RankTrace(rank=rank, trace=t))
+            layout = self.ranks[-1].layout = trace_layout(t)
             if layout.get("rank", rank) != rank:
                 raise RouteToolError(f"holds the trace of rank {layout['rank']}, not of rank {rank}",
                                      path=shown_folder, fix=f"move it to rank-{layout['rank']}/")
+        refuse_shared_files([(r.label, r.trace) for r in self.ranks])
         worlds = {r.layout["world_size"] for r in self.ranks if "world_size" in r.layout}
         if len(worlds) > 1:
             raise RouteToolError(f"its ranks were recorded in runs of different sizes (world_size "
@@ -221,6 +287,11 @@ class RunInput:
                                  fix="keep the ranks of one run in one folder")
         if worlds:
             world = worlds.pop()
+            beyond = [r for r in self.ranks if r.rank >= world]
+            if beyond:
+                raise RouteToolError(f"holds {beyond[0].label}, but its ranks were recorded in a run of {world} "
+                                     f"(ranks 0 to {world - 1})", path=self.display_path,
+                                     fix="keep the ranks of one run in one folder")
             missing = sorted(set(range(world)) - {r.rank for r in self.ranks})
             if missing:
                 shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
@@ -231,7 +302,8 @@ class RunInput:
         first = self.ranks[0]
         for other in self.ranks[1:]:
             a, b = first.trace.meta.router, other.trace.meta.router
-            for name in _SAME_ROUTER:
+            unknown = any("router_parameters" in r.trace.meta.extra for r in (first, other))
+            for name in _SAME_ROUTER[:2] if unknown else _SAME_ROUTER:  # (an import records only E and topk)
                 if getattr(a, name) != getattr(b, name):
                     raise RouteToolError(f"{other.label} routes with {name} {getattr(b, name)!r}, {first.label} with "
                                          f"{getattr(a, name)!r}: the ranks of one run share one router",

@@ -5,6 +5,7 @@ Result dataclasses in, rich tables and JSON documents out; nothing here computes
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict
 
 from rich.console import Console
@@ -145,7 +146,8 @@ def render_run_info(run, infos: list[TraceInfo], console: Console) -> None:
     console.print(tbl)
     for note in run.notes:
         console.print(user_text(f"note: {note}", style="yellow"))
-    console.print(Text("Each rank in full: routetool info RUN/rank-<r>/<trace>", style="dim"))
+    console.print(user_text(f"Each rank in full: routetool info {shlex.quote(str(run.ranks[0].trace.display_path))} "
+                            "(and the other ranks' traces)", style="dim"))
 
 
 def run_info_json(run, infos: list[TraceInfo]) -> dict:

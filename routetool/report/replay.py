@@ -111,7 +111,11 @@ def _ranks_line(result: ReplayResult, console: Console) -> None:
         return
     bad = [r for r in result.ranks if not r.ok]
     if not bad:
-        console.print(Text(f"ranks: all {len(result.ranks)} pass", style="green"))
+        by: dict[str, int] = {}
+        for r in result.ranks:
+            by[r.verdict.value.replace("_", " ")] = by.get(r.verdict.value.replace("_", " "), 0) + 1
+        text = f"all {len(result.ranks)} {next(iter(by))}" if len(by) == 1 else ", ".join(f"{n} {v}" for v, n in by.items())
+        console.print(Text(f"ranks: {text}", style="green" if set(by) == {"pass"} else "yellow"))
         return
     parts = []
     for r in bad[:RANKS_SHOWN]:
@@ -322,7 +326,7 @@ def _replay_details(result: ReplayResult, console: Console, histogram_layer: int
             per_rank.add_row(f"rank-{r.rank}", r.role or "-", f"{len(r.layers):,}", f"{r.num_tokens:,}",
                              f"{r.num_steps:,}", _count(k.exact), _count(k.mismatch, bad=True),
                              _count(k.invalid, bad=True), _count(k.weight_rows_over_tolerance, bad=True),
-                             Text("pass", style="green") if r.ok else Text("FAIL", style="bold red"))
+                             Text(r.verdict.value.replace("_", " "), style="green" if r.ok else "bold red"))
         console.print(per_rank)
 
     per_layer = table("Per layer: kernel vs reference",
@@ -451,7 +455,8 @@ def replay_json(result: ReplayResult) -> dict:
         "notes": result.notes,
         "ranks": None if result.ranks is None else [
             {"rank": r.rank, "trace": r.trace, "role": r.role, "layers": r.layers, "num_tokens": r.num_tokens,
-             "num_steps": r.num_steps, "ok": r.ok, "kernel_vs_reference": _summary_json(r.kernel_vs_reference)}
+             "num_steps": r.num_steps, "ok": r.ok, "verdict": r.verdict.value,
+             "kernel_vs_reference": _summary_json(r.kernel_vs_reference)}
             for r in result.ranks
         ],
         "layers": [
