@@ -13,7 +13,8 @@
 #   recorder  the recorder under CUDA graphs: tests/test_capture_gpu.py and the record kernel's parity
 #             (tests/test_ring.py), then benchmarks/bench_recorder.py (overhead per routing call)
 #   ranks     run folders and torchrun on the GPU: tests/test_run_folder.py (2 processes: NCCL with a GPU
-#             each, gloo sharing one GPU otherwise)
+#             each, gloo sharing one GPU otherwise), then benchmarks/bench_torchrun.py (one process against
+#             torchrun on a 4-rank synth run folder: wall time, speed-up, equal outputs)
 #
 # tests and validate run first, side by side (compiling is CPU-bound); the timed modes run after them, alone.
 # Logs go to $OUT/r/ (packed into $OUT/results.tgz), the exit code of each step to $OUT/summary.txt, and the
@@ -90,10 +91,12 @@ if has recorder; then
 fi
 if has ranks; then
   run ranks 300 python3 -m pytest -q -p no:cacheprovider tests/test_run_folder.py
+  run torchrun 300 python3 benchmarks/bench_torchrun.py --nproc ${NPROC:-2} --ranks 4 --layers 4 --decode-steps 1500 \
+    --workdir /tmp/routetool-torchrun --csv "$RESULTS"
 fi
 tar czf "$OUT/results.tgz" -C "$R" .
 cat "$S"
 for f in "$R"/pytest-?.txt; do [ -f "$f" ] && tail -n 1 "$f"; done
 grep -h -A8 "^FAILED\|^E  " "$R"/pytest-?.txt 2>/dev/null | head -40
 for f in "$R"/validate-*.txt "$R"/replay-*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(PASS|FAIL|NOTHING)" "$f"; }; done
-for f in bench host engine recorder-tests recorder-bench ranks; do [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 20 "$R/$f.txt"; }; done
+for f in bench host engine recorder-tests recorder-bench ranks torchrun; do [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 20 "$R/$f.txt"; }; done
