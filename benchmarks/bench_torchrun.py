@@ -89,6 +89,7 @@ def main() -> None:
     if args.device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     work = args.workdir or Path(tempfile.mkdtemp(prefix="routetool-torchrun-"))
+    work.mkdir(parents=True, exist_ok=True)
     run = work / "RUN"
     if not run.exists():
         subprocess.run([sys.executable, "-m", "routetool", "synth", "-o", str(run), "--ranks", str(args.ranks),
