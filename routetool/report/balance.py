@@ -217,7 +217,10 @@ def _render_summary(result: BalanceResult, console: Console, layer: int | None) 
     if biased:
         w = _median([x.bias.load_with.imbalance for x in biased])
         wo = _median([x.bias.load_without.imbalance for x in biased])
-        lines.append(f"router bias: max/mean {_f(wo)} without it, {_f(w)} with it (median over layers)")
+        if all(x.bias.changed_fraction == 0 for x in biased):  # (a bias of zeros, or too small to matter)
+            lines.append(f"router bias: changes no pick (max/mean {_f(w)} either way, median over layers)")
+        else:
+            lines.append(f"router bias: max/mean {_f(wo)} without it, {_f(w)} with it (median over layers)")
     else:
         lines.append(f"router bias effect: {result.bias_note}")
     for line in lines:
