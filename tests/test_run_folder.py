@@ -335,8 +335,16 @@ def test_ids_only_ranks_are_nothing_checked_not_pass(tmp_path):
         res.output
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_launcher_variables_without_a_launcher_end_in_one_line_not_a_hang(run_dir):
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599",
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "ROUTETOOL_JOIN_TIMEOUT_S": "2", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "routetool", "replay", str(run_dir), "--device", "cpu",
                            "--no-progress"], capture_output=True, text=True, env=env, timeout=120)
