@@ -517,6 +517,7 @@ def validate(
     suite: str | None = None,
     tie_ulps: float = 16.0,
     progress: Callable[[str], None] | None = None,
+    planned: Callable[[int], None] | None = None,
     workers: Workers | None = None,
 ) -> ValidateResult:
     """Run ``fn`` on ``cases`` and on every layer of every trace; return every verdict.
@@ -524,7 +525,8 @@ def validate(
     ``traces``: trace files, indexes or run folders; a run folder's rank ``r`` is the family
     ``trace:LABEL/rank-r``. The units of work (a suite case, a rank's layer) are shared among
     ``workers`` (torchrun; :mod:`routetool.engine.distributed`), the results kept in unit order.
-    ``progress``: called with each unit's name after it ran (this process's share).
+    ``progress``: called with each unit's name after it ran (this process's share); ``planned``:
+    with the number of units, once every input is open and before any runs.
 
     Raises:
         RouteToolError: a trace cannot be read, or one is given twice (:func:`trace_labels`), also
@@ -545,6 +547,8 @@ def validate(
                 opened.append((family, rank.trace))
                 units.extend(("layer", rank.trace, layer, family) for layer in rank.trace.layers)
         refuse_shared_files(opened)  # one trace given twice, e.g. by itself and through its run folder
+        if planned is not None:
+            planned(len(units))
 
         def work(unit: tuple) -> CaseResult:
             if unit[0] == "case":

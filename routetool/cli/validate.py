@@ -72,21 +72,16 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
         cases = [] if suite == "none" else build_suite(suite, list(families) or None)
     except ValueError as exc:
         raise RouteToolError(str(exc), fix="see `routetool validate --help`") from None
-    from routetool.io.run import open_input
-
-    trace_labels(traces)  # one file given twice fails before any work
-    layers = 0
-    for t in traces:  # bad traces fail before any work too
-        with open_input(t) as run:
-            layers += sum(len(r.trace.layers) for r in run.ranks)
+    trace_labels(traces)  # one file given twice fails before any work (bad traces too: run_validate opens them first)
     execution = select_execution(device)
     with kernel_stdout("-" in (json_path, junit_path)):  # a kernel's print() must not mix into the document
         name, fn = load_kernel(kernel_spec)
         with _progress(progress and workers.is_first) as bar:
-            task = bar.add_task(markup_safe(f"validate {name}"), total=len(cases) + layers)
+            task = bar.add_task(markup_safe(f"validate {name}"), total=None)
             result = run_validate(fn, name, execution, cases=cases, traces=traces,
                                   suite=None if suite == "none" else suite, tie_ulps=tie_ulps,
-                                  progress=lambda _: bar.advance(task), workers=workers)
+                                  progress=lambda _: bar.advance(task), planned=lambda n: bar.update(task, total=n),
+                                  workers=workers)
     if workers.is_first:
         console = Console(stderr="-" in (json_path, junit_path))
         render_validate(result, console, details=details)

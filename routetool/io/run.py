@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -329,9 +328,6 @@ class RunInput:
     def num_tokens(self, layers) -> int:
         """Rows of ``layers`` over every rank that holds them."""
         return sum(r.trace.info(layer).num_tokens for r in self.ranks for layer in layers if layer in r.trace.layers)
-
-    def __iter__(self) -> Iterator[RankTrace]:
-        return iter(self.ranks)
 
     def close(self) -> None:
         for r in self.ranks:

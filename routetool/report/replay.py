@@ -113,7 +113,8 @@ def _ranks_line(result: ReplayResult, console: Console) -> None:
     if not bad:
         by: dict[str, int] = {}
         for r in result.ranks:
-            by[r.verdict.value.replace("_", " ")] = by.get(r.verdict.value.replace("_", " "), 0) + 1
+            name = r.verdict.value.replace("_", " ")
+            by[name] = by.get(name, 0) + 1
         text = f"all {len(result.ranks)} {next(iter(by))}" if len(by) == 1 else ", ".join(f"{n} {v}" for v, n in by.items())
         console.print(Text(f"ranks: {text}", style="green" if set(by) == {"pass"} else "yellow"))
         return
