@@ -184,7 +184,8 @@ def test_balance_on_dumps_directly(tmp_path):
 
 
 def test_kernel_routing_default_on_a_trace_with_logits(tmp_path):
-    # the default routes logits with the project's kernel (compiled, or the Triton interpreter on CPU)
+    # the default routes logits with the project's kernel on a GPU, with the reference on the CPU
+    # (a load question; the kernel under the Triton interpreter costs about 100x more)
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(24, 8, generator=g)
     bias = torch.zeros(8)
@@ -195,7 +196,12 @@ def test_kernel_routing_default_on_a_trace_with_logits(tmp_path):
     res = run("balance", trace, "--ep-size", "2", "--json", out, "--no-progress", "--device", DEVICE.type)
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
-    assert d["routing"].startswith("kernel tiled")
+    if DEVICE.type == "cuda":
+        assert d["routing"].startswith("kernel tiled")
+    else:
+        assert d["routing"] == "reference (PyTorch, the default without a GPU)"
+        assert "routing     reference (PyTorch, the default without a GPU)" in res.output
+        assert any("--kernel tiled: the kernel" in n for n in d["notes"])
     layer = d["layers"][0]
     assert layer["expert_counts_assignments"][0] == 24  # every token picks the biased expert
     b = layer["bias_effect"]
@@ -1058,3 +1064,65 @@ def test_expert_load_strip_of_many_experts_names_assignments():
     text = console.export_text()
     assert "bar height = assignments / busiest expert" in text
     assert "mean 3.0 assignments/expert, max 6, total 303 assignments" in text
+
+
+def _balance_counts(tmp_path, doc):
+    """``balance`` of a counts JSON at EP size 2: (its output, its JSON's ``eplb``)."""
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps(doc))
+    out = tmp_path / "b.json"
+    res = run("balance", path, "--ep-size", "2", "--json", out, "--no-progress")
+    assert res.exit_code == 0, res.output
+    return res, json.loads(out.read_text())["eplb"]
+
+
+def test_eplb_summary_says_when_it_does_not_pay_out_of_sample(tmp_path):
+    # four steps (counts tables): expert 0 hot in the first two, experts 1 and 6 (one on each
+    # contiguous rank) in the last two. In-sample EPLB helps (0.861 -> 0.939); the placement fitted
+    # on the first half replicates expert 0 and loses on the second half (1.000 -> 0.628): the
+    # summary shows both as before -> after with one statistic and says that EPLB does not pay.
+    doc = {"m": {d: {"0": {str(e): 60 if e in ({0} if i < 2 else {1, 6}) else 10 for e in range(8)}}
+                 for i, d in enumerate(["a", "b", "c", "d"])}}
+    res, e = _balance_counts(tmp_path, doc)
+    assert e["holdout_balancedness_before"]["mean"] == pytest.approx(1.0)
+    assert e["holdout_balancedness_after"]["mean"] == pytest.approx(0.628, abs=1e-3)
+    assert e["pays_held_out"] is False
+    text = " ".join(res.output.split())
+    assert ("balancedness, in-sample 0.861 -> 0.939; held-out half 1.000 -> 0.628: EPLB does not pay out of "
+            "sample") in text
+
+
+def test_eplb_summary_statistic_is_one_mean_over_layers(tmp_path):
+    # two layers: the in-sample and held-out numbers of the summary are both means over layers
+    doc = {"m": {d: {str(layer): {str(e): (60 if e == (i + layer) % 8 else 10) for e in range(8)} for layer in (0, 1)}
+                 for i, d in enumerate(["a", "b", "c", "d"])}}
+    res, e = _balance_counts(tmp_path, doc)
+    mean = lambda key: sum(y[key] for y in e["layers"]) / len(e["layers"])  # noqa: E731
+    hb, ha = mean("holdout_balancedness_before"), mean("holdout_balancedness_after")
+    assert e["holdout_balancedness_before"]["mean"] == pytest.approx(hb, abs=1e-6)
+    assert e["pays_held_out"] is (ha > hb)
+    text = " ".join(res.output.split())
+    assert (f"balancedness mean over layers, in-sample {e['balancedness_before']['mean']:.3f} -> "
+            f"{e['balancedness_after']['mean']:.3f}; held-out half {hb:.3f} -> {ha:.3f}") in text
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's default routing")
+def test_kernel_given_on_the_cpu_still_routes_through_the_kernel(tmp_path):
+    # --kernel forces the kernel; a Triton kernel is said to run under the Triton interpreter, a plain
+    # torch function is not
+    trace = tmp_path / "t.safetensors"
+    make_trace(trace, {0: LayerArrays(gating_output=torch.randn(12, 8, generator=torch.Generator().manual_seed(2)),
+                                      bias=torch.zeros(8), step_offsets=torch.tensor([0, 12]))})
+    mod = tmp_path / "plain.py"
+    mod.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
+                   "def fn(g, b, topk, route_scale, router_output_multiplier=None, router_score_normalization='sigmoid',\n"
+                   "       router_score_division_eps=None, topk_weights=None, topk_ids=None, *, is_padding=None):\n"
+                   "    return ref(g, b, topk, route_scale, router_output_multiplier, router_score_normalization,\n"
+                   "               router_score_division_eps, is_padding=is_padding)\n")
+    for spec, routing in (("tiled", "kernel tiled (Triton interpreter)"), (f"{mod}:fn", f"kernel {mod}:fn (CPU)")):
+        out = tmp_path / f"{len(routing)}.json"
+        res = run("balance", trace, "--ep-size", "2", "--kernel", spec, "--json", out, "--no-progress",
+                  "--device", "cpu")
+        assert res.exit_code == 0, res.output
+        d = json.loads(out.read_text())
+        assert d["routing"] == routing and not any("default without a GPU" in n for n in d["notes"])

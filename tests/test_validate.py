@@ -561,3 +561,33 @@ def test_cli_one_trace_twice_is_refused_and_same_names_stay_apart(tmp_path):
     assert res.exit_code == 0, res.output
     names = [c["name"] for c in json.loads(out.read_text())["cases"]]
     assert len(names) == len(set(names)) == 2 and all(str(tmp_path) in n for n in names)
+
+
+@pytest.mark.parametrize("command", ["validate", "replay", "balance"])
+def test_a_kernel_without_the_seeds_signature_is_told_once(tmp_path, command):
+    # a kernel written without topk_weights=/topk_ids= was called and got 104 x rejected_undocumented
+    # ("name bfloat16 in its docstring"): the signature is checked when the kernel is loaded, and the
+    # error says so once, with the signature it must have
+    src = tmp_path / "nobuf.py"
+    src.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
+                   "def fn(gating_output, bias, topk, route_scale, router_output_multiplier=None,\n"
+                   "       router_score_normalization='sigmoid', router_score_division_eps=None, *, is_padding=None):\n"
+                   "    raise AssertionError('never called')\n")
+    trace = tmp_path / "t.safetensors"
+    make_trace(trace, {0: LayerArrays(gating_output=torch.randn(4, 8), step_offsets=torch.tensor([0, 4]))})
+    args = {"validate": ["--suite", "quick"], "replay": [str(trace)], "balance": [str(trace)]}[command]
+    res = CliRunner().invoke(main, [command, *args, "--kernel", f"{src}:fn", "--device", DEVICE.type])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and "rejected" not in res.output and "bfloat16" not in res.output
+    assert "wrong signature for --kernel (got an unexpected keyword argument 'topk_weights')" in lines[0]
+    assert ("the seed's signature, fn(gating_output, bias, topk, route_scale, router_output_multiplier, "
+            "router_score_normalization, router_score_division_eps, topk_weights, topk_ids, *, is_padding)") in lines[0]
+
+
+@pytest.mark.parametrize("command", ["validate", "replay", "balance"])
+def test_kernel_help_gives_the_signature(command):
+    res = CliRunner().invoke(main, [command, "--help"], terminal_width=200)
+    text = " ".join(res.output.split())
+    assert ("fn(gating_output, bias, topk, route_scale, router_output_multiplier, router_score_normalization, "
+            "router_score_division_eps, topk_weights, topk_ids, *, is_padding) -> (topk_weights, topk_ids)") in text

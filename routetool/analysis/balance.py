@@ -916,7 +916,17 @@ class EplbLayer:
 
 @dataclass
 class EplbResult:
-    """EPLB what-if over all layers: configuration, per-layer results, the placement."""
+    """EPLB what-if over all layers: configuration, per-layer results, the placement.
+
+    Attributes:
+        summary_before / _after: quantiles over layers of the in-sample balancedness (placement
+        fitted on the traffic it is judged on).
+        holdout_before / _after: quantiles over layers of the held-out balancedness (fitted on
+        the first half of the windows, judged on the second); count 0 without 2 windows.
+        pays_held_out: the held-out mean over layers after > before (EPLB's placement beats the
+        contiguous one on traffic it was not fitted on); None without held-out numbers. The
+        summary's statistic is the mean over layers, in-sample and held-out alike.
+    """
 
     num_redundant: int
     num_gpus: int
@@ -927,6 +937,9 @@ class EplbResult:
     placement: Placement
     summary_before: Quantiles
     summary_after: Quantiles
+    holdout_before: Quantiles | None = None
+    holdout_after: Quantiles | None = None
+    pays_held_out: bool | None = None
 
 
 @dataclass
@@ -1471,10 +1484,15 @@ def _eplb_whatif(layers: list[int], results: list[LayerBalance], window_counts: 
             holdout_before=hb, holdout_after=ha, replicated=placement.replicated(layer),
             rank_load_before=rb.tolist(), rank_load_after=ra.tolist(),
         ))
-    qb = Quantiles.of(torch.tensor([x.balancedness_before if x.balancedness_before is not None else math.nan for x in out]))
-    qa = Quantiles.of(torch.tensor([x.balancedness_after if x.balancedness_after is not None else math.nan for x in out]))
+    def over_layers(attr: str) -> Quantiles:
+        return Quantiles.of(torch.tensor([v if (v := getattr(x, attr)) is not None else math.nan for x in out]))
+
+    qb, qa = over_layers("balancedness_before"), over_layers("balancedness_after")
+    hb, ha = over_layers("holdout_before"), over_layers("holdout_after")
+    pays = None if hb.mean is None or ha.mean is None else bool(ha.mean > hb.mean)
     return EplbResult(num_redundant=redundant, num_gpus=gpus, num_nodes=eo.num_nodes, num_groups=eo.num_groups,
-                      policy=placement.policy, layers=out, placement=placement, summary_before=qb, summary_after=qa)
+                      policy=placement.policy, layers=out, placement=placement, summary_before=qb, summary_after=qa,
+                      holdout_before=hb, holdout_after=ha, pays_held_out=pays)
 
 
 def default_ep_sizes(num_experts: int) -> list[int]:

@@ -379,8 +379,10 @@ def replay_trace(
     total_counts = [sum(c) for c in zip(*(res.expert_counts for res in results))] if results else [0] * E
 
     latency = None
-    if execution.interpreted:
+    if execution.interpreted and "Triton interpreter" in execution.device_name:
         note = "not measured: kernels run under the Triton interpreter on the CPU, whose timings say nothing about a GPU"
+    elif execution.interpreted:
+        note = "not measured: no GPU (timings on the CPU say nothing about a GPU)"
     elif not measure_latency:
         note = "not measured (--no-latency)"
     else:

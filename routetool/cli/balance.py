@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from routetool.cli.common import KERNEL_SIGNATURE_HELP
 from routetool.cli.numbers import INT, IntRange
 from routetool.cli.paths import PATH, PATH_TEXT
 from routetool.errors import EXIT_OK, RouteToolError
@@ -145,7 +146,7 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
               help="Where routing and statistics run (auto: cuda if present).")
 @click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
               help="Kernel that routes a trace's logits (variant or module:function); given explicitly, every "
-                   "layer needs logits. Excludes --reference and --recorded.")
+                   "layer needs logits. Excludes --reference and --recorded. " + KERNEL_SIGNATURE_HELP)
 @click.option("--reference", is_flag=True, help="Route a trace's logits with the PyTorch reference instead of a kernel.")
 @click.option("--recorded", is_flag=True, help="Use the trace's recorded topk_ids instead of routing the logits.")
 @click.option("--layers", "layers_spec", default="all", show_default=True, help="Layers, e.g. 0,2,5-7.")
@@ -264,19 +265,25 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                 bias_wanted = bias_effect and any(logits)
                 route_fn = nobias_fn = None
                 route_name = nobias_name = ""
+                reference_by_default = False
                 if needs_logits or bias_wanted:
-                    from routetool.engine.execution import load_kernel, select_execution
+                    from routetool.engine.execution import load_kernel, select_execution, uses_triton
 
                     execution = select_execution(device)
                     stats_device = execution.device
                     from kernel.reference import musespark1x_routing_reference
 
-                    if reference or recorded:
-                        route_name = "reference (PyTorch)"
+                    # a load question on a machine without a GPU: the reference gives the routing the
+                    # kernel must give, about 100 times faster than the kernel under the Triton interpreter
+                    reference_by_default = not (reference or recorded or kernel_given) and execution.interpreted
+                    if reference or recorded or reference_by_default:
+                        route_name = "reference (PyTorch" + (", the default without a GPU)" if reference_by_default
+                                                             else ")")
                         route_fn = route_fn_from(musespark1x_routing_reference, trace.meta.router, name=route_name)
                     else:
                         name, fn = load_kernel(kernel_spec)
-                        where = "Triton interpreter" if execution.interpreted else execution.device_name
+                        where = (("Triton interpreter" if uses_triton(fn) else "CPU") if execution.interpreted
+                                 else execution.device_name)
                         route_name = f"kernel {name} ({where})"
                         route_fn = route_fn_from(fn, trace.meta.router, kernel=True, name=route_name)
                     if bias_wanted:
@@ -329,6 +336,9 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
         finally:
             if trace is not None:
                 trace.close()
+    if trace is not None and reference_by_default:
+        result.notes.append("routed by the PyTorch reference, the default without a GPU: the routing the kernel must "
+                            f"give, at a fraction of the Triton interpreter's cost (--kernel {kernel_spec}: the kernel)")
     if not workers.is_first:
         click.get_current_context().exit(EXIT_OK)
 

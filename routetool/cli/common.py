@@ -12,9 +12,15 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from routetool.engine.execution import SEED_SIGNATURE
 from routetool.errors import RouteToolError
 from routetool.numtext import list_items, parse_int, refuse_repeats
 from routetool.report.tables import Console
+
+
+KERNEL_SIGNATURE_HELP = (f"A module:function kernel takes the seed's signature, {SEED_SIGNATURE}: the logits and "
+                         "the bias by position, the rest by keyword.")
+"""Appended to every command's ``--kernel`` help: the signature a ``module:function`` must take."""
 
 
 def _progress(enabled: bool) -> Progress:

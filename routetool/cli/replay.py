@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from routetool.cli.common import _finite, _progress
+from routetool.cli.common import KERNEL_SIGNATURE_HELP, _finite, _progress
 from routetool.cli.numbers import INT, FloatRange
 from routetool.cli.paths import PATH, PATH_TEXT
 from routetool.engine.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
@@ -20,7 +20,7 @@ from routetool.report.tables import Console, markup_safe
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
               help="cuda: compiled kernels and latency; cpu: the Triton interpreter (no latency); auto: cuda if present.")
 @click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
-              help="Kernel variant (tiled, seed) or module:function with the seed's signature.")
+              help="Kernel variant (tiled, seed) or module:function. " + KERNEL_SIGNATURE_HELP)
 @click.option("--layers", "layers_spec", default="all", show_default=True,
               help="Layers to replay, e.g. 0,2,5-7.")
 @click.option("--layer", "histogram_layer", type=INT, default=None,
@@ -67,6 +67,7 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     # a kernel's print() must not mix into the JSON on stdout
     with kernel_stdout(json_path == "-"):
         name, fn = load_kernel(kernel_spec)
+        execution = execution.for_kernel(fn)  # a plain torch kernel on the CPU: no Triton interpreter
         with open_input(trace) as t:
             layers = parse_layers(layers_spec, t.layers, t.display_path)
             if histogram_layer is not None and histogram_layer not in layers:

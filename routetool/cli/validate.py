@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from routetool.cli.common import _finite, _progress
+from routetool.cli.common import KERNEL_SIGNATURE_HELP, _finite, _progress
 from routetool.cli.numbers import FloatRange
 from routetool.cli.paths import PATH, PATH_TEXT
 from routetool.engine.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
@@ -19,7 +19,7 @@ from routetool.report.tables import Console, markup_safe
 @click.command()
 @click.argument("traces", nargs=-1, type=PATH)
 @click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
-              help="Kernel under test: a variant (tiled, seed) or module:function with the seed's signature.")
+              help="Kernel under test: a variant (tiled, seed) or module:function. " + KERNEL_SIGNATURE_HELP)
 @click.option("--suite", type=click.Choice(["quick", "full", "none"]), default="quick", show_default=True,
               help="Built-in edge-case suite: quick (CPU-sized), full (all shapes; large ones need a GPU), none.")
 @click.option("--family", "families", multiple=True,
@@ -76,6 +76,7 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     execution = select_execution(device)
     with kernel_stdout("-" in (json_path, junit_path)):  # a kernel's print() must not mix into the document
         name, fn = load_kernel(kernel_spec)
+        execution = execution.for_kernel(fn)  # a plain torch kernel on the CPU: no Triton interpreter
         with _progress(progress and workers.is_first) as bar:
             task = bar.add_task(markup_safe(f"validate {name}"), total=None)
             result = run_validate(fn, name, execution, cases=cases, traces=traces,

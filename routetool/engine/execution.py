@@ -7,6 +7,7 @@ Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is defined.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -37,6 +38,14 @@ class Execution:
     device: torch.device
     interpreted: bool
     device_name: str
+
+    def for_kernel(self, fn) -> Execution:
+        """This execution as it applies to the kernel ``fn``: on the CPU a kernel that uses no
+        Triton (:func:`uses_triton`: a plain torch function) runs as it is, not under the Triton
+        interpreter, and ``device_name`` says ``CPU``."""
+        if self.interpreted and not uses_triton(fn):
+            return dataclasses.replace(self, device_name="CPU")
+        return self
 
 
 def _kernels_interpreted() -> bool | None:
@@ -86,6 +95,64 @@ def select_execution(choice: str) -> Execution:
 
 
 RoutingFn = Callable[..., tuple["torch.Tensor", "torch.Tensor"]]
+
+SEED_SIGNATURE = ("fn(gating_output, bias, topk, route_scale, router_output_multiplier, router_score_normalization, "
+                  "router_score_division_eps, topk_weights, topk_ids, *, is_padding) -> (topk_weights, topk_ids)")
+"""The signature every ``--kernel`` takes (the seed's); the call passes the logits and the bias by
+position and every other argument by keyword (:func:`routetool.engine.contract.call_kernel`)."""
+
+_CALL_KEYWORDS = ("topk", "route_scale", "router_output_multiplier", "router_score_normalization",
+                  "router_score_division_eps", "topk_weights", "topk_ids", "is_padding")
+
+
+def signature_problem(fn: RoutingFn) -> str | None:
+    """What keeps ``fn`` from taking routetool's call (:data:`SEED_SIGNATURE`), or None.
+
+    The call is bound against ``inspect.signature(fn)`` without running anything: a parameter
+    missing (``topk_weights``...), one more that has no default, the logits or the bias not
+    positional. A callable whose signature Python cannot read (a builtin) is taken on trust.
+    """
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(None, None, **dict.fromkeys(_CALL_KEYWORDS))
+    except TypeError as exc:
+        return f"wrong signature for --kernel ({exc}); it is {getattr(fn, '__name__', 'fn')}{sig}"
+    return None
+
+
+def uses_triton(fn: RoutingFn) -> bool:
+    """Whether ``fn`` launches Triton code, as far as its module shows: its module, or a module
+    whose function or module it holds (two levels deep), holds ``triton`` or a Triton JIT function
+    (the project's kernels do). A plain torch function (the reference) is False: on the CPU it
+    does not run under the Triton interpreter."""
+    seen: set[int] = set()
+
+    def tritonish(obj) -> bool:
+        mod = getattr(obj, "__name__", "") if isinstance(obj, type(sys)) else type(obj).__module__ or ""
+        return mod == "triton" or mod.startswith("triton.")
+
+    def module_uses(name: str | None, depth: int) -> bool:
+        mod = sys.modules.get(name or "")
+        if mod is None or id(mod) in seen:
+            return False
+        seen.add(id(mod))
+        for value in list(vars(mod).values()):
+            if tritonish(value):
+                return True
+            if depth > 0:
+                inner = value.__name__ if isinstance(value, type(sys)) else getattr(value, "__module__", None)
+                if inner and inner != name and not inner.startswith(("torch", "builtins", "routetool")) \
+                        and module_uses(inner, depth - 1):
+                    return True
+        return False
+
+    target = getattr(fn, "__wrapped__", fn)
+    return module_uses(getattr(target, "__module__", None), 2)
 
 
 class _StandInStream:
@@ -228,4 +295,7 @@ def load_kernel(spec: str, *, also: Sequence[str] = ()) -> tuple[str, RoutingFn]
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise RouteToolError(f"has no function {func_name!r}", path=module_name, fix="name an existing function")
+    problem = signature_problem(fn)
+    if problem is not None:
+        raise RouteToolError(problem, path=module_name, fix=f"give it the seed's signature, {SEED_SIGNATURE}")
     return spec, fn

@@ -26,6 +26,11 @@ def _f(value: float | None, digits: int = 3) -> str:
     return fmt_float(value, digits) if value is not None else "-"
 
 
+def _f3(value: float | None) -> str:
+    """A value in [0, 1] (balancedness) with 3 decimals, so that numbers side by side line up."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}%"
 
@@ -202,10 +207,17 @@ def _render_summary(result: BalanceResult, console: Console, layer: int | None) 
                      + f"; per step {_f(ep.step_balancedness_mean)}")
     if result.eplb is not None:
         e = result.eplb
-        holdout = _median([y.holdout_after for y in e.layers])
-        lines.append(f"EPLB what-if ({e.num_gpus} GPUs, {e.num_redundant} redundant): balancedness "
-                     f"{_f(e.summary_before.mean)} -> {_f(e.summary_after.mean)}"
-                     + (f"; held-out half {_f(holdout)}" if holdout is not None else ""))
+        text = (f"EPLB what-if ({e.num_gpus} GPUs, {e.num_redundant} redundant): balancedness"
+                + (" mean over layers" if several else "")
+                + f", in-sample {_f3(e.summary_before.mean)} -> {_f3(e.summary_after.mean)}")
+        hb, ha = e.holdout_before, e.holdout_after
+        if hb is not None and ha is not None and hb.count and ha.count:
+            text += f"; held-out half {_f3(hb.mean)} -> {_f3(ha.mean)}"
+            if e.pays_held_out is False:
+                text += ": EPLB does not pay out of sample"
+        else:
+            text += "; held-out: needs 2 windows or more"
+        lines.append(text)
     if result.capacity_factors:
         parts = []
         for j, f in enumerate(result.capacity_factors):
@@ -523,6 +535,9 @@ def balance_json(result: BalanceResult, include_placement: bool = True) -> dict:
             "num_groups": e.num_groups,
             "balancedness_before": _quantiles(e.summary_before),
             "balancedness_after": _quantiles(e.summary_after),
+            "holdout_balancedness_before": None if e.holdout_before is None else _quantiles(e.holdout_before),
+            "holdout_balancedness_after": None if e.holdout_after is None else _quantiles(e.holdout_after),
+            "pays_held_out": e.pays_held_out,
             "layers": [
                 {"layer": y.layer, "balancedness_before": y.balancedness_before,
                  "balancedness_after": y.balancedness_after,
@@ -587,7 +602,8 @@ def render_import(imported: ImportedRouting | ImportedCounts, out: str | None, c
               else ["layer", "steps", "assignments"])
     if isinstance(imported, ImportedRouting):
         for layer, x in list(imported.layers.items())[:_MAX_LAYER_ROWS]:
-            t.add_row(str(layer), f"{x.num_tokens:,}", str(x.num_steps), "yes" if x.topk_weights is not None else "no")
+            t.add_row(str(layer), f"{x.num_tokens:,}", str(x.num_steps),
+                      "logits" if x.gating_output is not None else "yes" if x.topk_weights is not None else "no")
     else:
         for layer, m in list(imported.layers.items())[:_MAX_LAYER_ROWS]:
             t.add_row(str(layer), str(m.shape[0]), f"{int(m.sum()):,}")
@@ -599,4 +615,5 @@ def render_import(imported: ImportedRouting | ImportedCounts, out: str | None, c
     for note in imported.notes:
         console.print(user_text("• " + note, style="yellow"))
     if out:
-        console.print(user_text(f"wrote {out} (ids-only trace)", style="green"))
+        kind = "trace with logits" if isinstance(imported, ImportedRouting) and imported.has_logits else "ids-only trace"
+        console.print(user_text(f"wrote {out} ({kind})", style="green"))
