@@ -1,3 +1,37 @@
-from routetool.cli import main
+"""``python -m routetool`` and the ``routetool`` console script.
 
-main()
+SIGTERM is answered from the first line routetool runs to the process's end: until the command
+group installs the handler that unwinds a run (and after it is done), nothing needs cleaning up,
+so SIGTERM ends the process at once with the documented exit code 143 and its one line, never
+with the default action (a process killed by signal 15, which a shell reports as -15 / 143
+without routetool's line, and which CI reads as a crash).
+"""
+
+import os
+import signal
+import threading
+
+_TERMINATED_BY_SIGTERM = 128 + signal.SIGTERM
+
+
+def _terminate_now(signum, frame) -> None:
+    """SIGTERM outside a running command (importing, leaving): nothing to clean up; exit 143 at once."""
+    if os.environ.get("RANK", "0") == "0":  # (under torchrun, only the first process speaks)
+        try:
+            os.write(2, b"routetool: terminated by SIGTERM\n")
+        except OSError:
+            pass
+    os._exit(_TERMINATED_BY_SIGTERM)
+
+
+def main() -> None:
+    """Install the SIGTERM answer (where SIGTERM is not ignored), then run the command group."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, _terminate_now)
+    from routetool.cli import main as cli
+
+    cli()
+
+
+if __name__ == "__main__":
+    main()

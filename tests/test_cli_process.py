@@ -110,3 +110,165 @@ def test_a_pickle_dump_is_refused_in_one_line_without_torch_warnings(tmp_path):
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"routetool: error: {dump}: cannot load with torch.load"), err
     assert not (tmp_path / "e.safetensors").exists()
+
+
+# -- outputs are created exclusively; a run folder is published whole; SIGTERM is 143 throughout ----
+# Runs `routetool ARGS...` with every output check followed by a barrier: the process writes
+# READY-<id>, then waits until the other process has written its own, so that both have checked
+# their outputs (nothing there yet) before either writes.
+_AFTER_CHECK_BARRIER = """
+import sys, time
+from pathlib import Path
+import routetool.io.files as files
+
+folder, me = Path(sys.argv[1]), sys.argv[2]
+real_check = files.check_output_paths
+
+def check_then_wait(*args, **kwargs):
+    real_check(*args, **kwargs)
+    (folder / f"ready-{me}").touch()
+    deadline = time.monotonic() + 300
+    while len(list(folder.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+files.check_output_paths = check_then_wait
+from routetool.cli import main
+main(sys.argv[3:], prog_name="routetool")
+"""
+
+
+@pytest.mark.parametrize("kind", ["json", "trace"])
+def test_two_runs_writing_one_output_without_force_never_both_succeed(tmp_path, kind):
+    # the existence check and the rename were two steps: both runs passed the check, both renamed
+    # their file into place, both exited 0, and one run's output was silently lost
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    out = tmp_path / ("out.json" if kind == "json" else "out.safetensors")
+    if kind == "json":
+        args = ["info", TRACE, "--json", out]
+    else:
+        args = ["synth", "-o", out, "--layers", "1", "--experts", "8", "--topk", "2", "--prefill", "16",
+                "--decode-steps", "2", "--no-progress"]
+    procs = [subprocess.Popen([sys.executable, "-c", _AFTER_CHECK_BARRIER, str(barrier), str(i), *map(str, args)],
+                              env=_env(), text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for i in range(2)]
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], errs
+    loser = errs[[p.returncode for p in procs].index(2)]
+    lines = loser.splitlines()  # (the trace writer's own check may see the winner's file first)
+    assert len(lines) == 1 and lines[0].startswith(f"routetool: error: {out}: already exists"), loser
+    assert lines[0].endswith("(choose another path or pass --force to replace it)"), loser
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["barrier", out.name]  # no temporary file left
+
+
+_SYNTH_ARGS = ["--layers", "1", "--experts", "8", "--topk", "2", "--prefill", "16", "--decode-steps", "2",
+               "--no-progress"]
+
+# Runs `routetool ARGS...` with the trace writer paused after its second trace: writes READY, then sleeps.
+_PAUSED_AFTER_TWO = """
+import sys, time
+from pathlib import Path
+import routetool.io.trace
+from routetool.cli import main
+
+real_save_file = routetool.io.trace.save_file
+written = []
+
+def save_then_pause(*args, **kwargs):
+    real_save_file(*args, **kwargs)
+    written.append(1)
+    if len(written) == 2:
+        Path(sys.argv[1]).touch()
+        time.sleep(300)
+
+routetool.io.trace.save_file = save_then_pause
+main(sys.argv[2:], prog_name="routetool")
+"""
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_killed_synth_ranks_leaves_the_old_run_folder_whole(tmp_path):
+    # a SIGKILL after two of three ranks left rank-0 and rank-1 new and rank-2 old, a run folder
+    # that `info` read with exit 0
+    run = tmp_path / "run"
+    assert subprocess.run([sys.executable, "-m", "routetool", "synth", "-o", str(run), "--ranks", "3", *_SYNTH_ARGS],
+                          env=_env(), capture_output=True, timeout=600).returncode == 0
+    before = _files(run)
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_AFTER_TWO, str(ready), "synth", "-o", str(run), "--ranks",
+                             "3", "--seed", "1", "--force", *_SYNTH_ARGS], env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ready.exists(), "the writer never reached its second trace"
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _files(run) == before  # the old run, whole: the new ranks were written aside
+    # and the same run finished replaces it whole
+    done = subprocess.run([sys.executable, "-m", "routetool", "synth", "-o", str(run), "--ranks", "3", "--seed", "1",
+                           "--force", *_SYNTH_ARGS], env=_env(), capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    after = _files(run)
+    assert sorted(after) == sorted(before) and all(after[k] != before[k] for k in after)
+
+
+# Runs `python -m routetool ARGS...` paused at POINT: `import` (while the command group is imported,
+# before any command runs) or `exit` (the report written, on the way out): writes READY, then sleeps.
+_PAUSED_AT = """
+import runpy, sys, time
+from pathlib import Path
+
+ready, point = Path(sys.argv[1]), sys.argv[2]
+
+class PauseAtClick:
+    def find_spec(self, name, path=None, target=None):
+        if point == "import" and name == "click":
+            ready.touch()
+            time.sleep(300)
+        return None
+
+sys.meta_path.insert(0, PauseAtClick())
+if point == "exit":
+    real_exit = sys.exit
+
+    def paused_exit(code=0):
+        ready.touch()
+        time.sleep(300)
+        real_exit(code)
+
+    sys.exit = paused_exit
+sys.argv = ["routetool", *sys.argv[3:]]
+runpy.run_module("routetool", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("point", ["import", "exit"])
+def test_sigterm_at_start_up_or_on_the_way_out_exits_143(tmp_path, point):
+    # SIGTERM before the command group had installed its handler, or after it had restored the
+    # default one, killed the process: exit -15 and no line
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_AT, str(ready), point, "info", str(TRACE)], env=_env(),
+                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ready.exists(), proc.stderr.read() if proc.poll() is not None else "never reached"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert err.splitlines() == ["routetool: terminated by SIGTERM"], err

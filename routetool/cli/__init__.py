@@ -67,6 +67,18 @@ def _first_process() -> bool:
     return not launched() or os.environ.get("RANK") == "0"
 
 
+def _signal_exit(exc: Terminated) -> int:
+    """The one line for a run a signal stopped (by the first process only), and its exit code:
+    130 for Ctrl-C, 143 for SIGTERM."""
+    if not _first_process():
+        pass
+    elif exc.signum == signal.SIGINT:  # on a terminal, after the echoed ^C
+        click.echo(("\n" if sys.stderr is not None and sys.stderr.isatty() else "") + "routetool: aborted", err=True)
+    else:
+        click.echo(f"routetool: terminated by {signal.Signals(exc.signum).name}", err=True)
+    return EXIT_SIGNAL + exc.signum
+
+
 class _Group(click.Group):
     """Maps errors to one-line messages and the documented exit codes, in one place.
 
@@ -83,6 +95,9 @@ class _Group(click.Group):
             raise click.exceptions.Exit(_stdout_closed()) from None
 
     def invoke(self, ctx: click.Context):
+        from routetool.io.files import forget_claims
+
+        forget_claims()  # (the outputs a previous command in this process claimed)
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:  # (click would write an empty line before its Abort)
@@ -106,15 +121,21 @@ class _Group(click.Group):
             sys.stdout = open(os.devnull, "w")
         with _sigterm_unwinds():
             code = self._run(args, prog_name, complete_var, **extra)
-            joined = False
-            if "routetool.engine.distributed" in sys.modules:  # a torchrun job: leave together
-                from routetool.engine.distributed import leave
+            try:
+                joined = False
+                if "routetool.engine.distributed" in sys.modules:  # a torchrun job: leave together
+                    from routetool.engine.distributed import leave
 
-                joined = leave()
-            if not first and code != EXIT_OK and not joined:
-                # failed before the group was joined (a usage error): give the first process the moment
-                # it needs to print its line before torchrun, seeing this exit, stops it
-                time.sleep(1.0)
+                    joined = leave()
+                if not first and code != EXIT_OK and not joined:
+                    # failed before the group was joined (a usage error): give the first process the moment
+                    # it needs to print its line before torchrun, seeing this exit, stops it
+                    time.sleep(1.0)
+            except Terminated as exc:  # (SIGTERM or Ctrl-C while the processes leave together)
+                code = _signal_exit(exc)
+            except KeyboardInterrupt:
+                code = _signal_exit(Terminated(signal.SIGINT))
+        # from here to the end, SIGTERM is the entry point's (routetool.__main__): exit 143 at once
         sys.exit(code)
 
     def _run(self, args, prog_name, complete_var, **extra) -> int:
@@ -132,14 +153,7 @@ class _Group(click.Group):
                 click.echo("routetool: aborted", err=True)
             return EXIT_SIGNAL + signal.SIGINT
         except Terminated as exc:
-            if not _first_process():
-                pass
-            elif exc.signum == signal.SIGINT:  # on a terminal, after the echoed ^C
-                click.echo(("\n" if sys.stderr is not None and sys.stderr.isatty() else "") + "routetool: aborted",
-                           err=True)
-            else:
-                click.echo(f"routetool: terminated by {signal.Signals(exc.signum).name}", err=True)
-            return EXIT_SIGNAL + exc.signum
+            return _signal_exit(exc)
         except click.ClickException as exc:
             click.echo(printable(f"routetool: error: {exc.format_message()}"), err=True)
             return exc.exit_code

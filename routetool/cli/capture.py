@@ -193,32 +193,16 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
     rank's tokens drawn with its own seed (seed + r), its rank in the metadata; the statistics
     shown are rank 0's.
     """
-    import dataclasses
+    import shutil
 
-    from routetool.io.files import check_output_folder, check_output_paths, path_kind
+    from routetool.capture.synth import SynthSpec, synth_warnings, synth_work, with_default_ties
+    from routetool.io.files import check_output_paths, publish_folder, staged_folder
+    from routetool.io.trace import RouterConfig
     from routetool.report.capture import render_synth
-    from routetool.capture.synth import (
-        SynthSpec,
-        generate,
-        synth_stats,
-        synth_warnings,
-        synth_work,
-        with_default_ties,
-    )
-    from routetool.io.trace import RouterConfig, write_trace
 
-    outs = [out] if num_ranks == 1 else [out / f"rank-{r}" / "trace.safetensors" for r in range(num_ranks)]
+    staged = None
     if num_ranks > 1:
-        kind = path_kind(out)
-        if kind not in ("missing", "folder"):
-            raise RouteToolError("is not a folder, and a run folder of --ranks goes there", path=out,
-                                 fix="name a new folder, or drop --ranks")
-        check_output_folder(out.parent)
-        for o in outs:
-            if path_kind(o.parent) == "folder":
-                check_output_paths([o], force=force, allow_stdout=False)
-            elif path_kind(o.parent) != "missing":
-                raise RouteToolError("is in the way of a rank folder", path=o.parent, fix="choose another output folder")
+        _check_run_folder_output(out, force)
     else:
         check_output_paths([out], force=force, allow_stdout=False)
     spec = SynthSpec(
@@ -233,8 +217,61 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
     )
     if click.get_current_context().get_parameter_source("ties") == click.core.ParameterSource.DEFAULT:
         spec = with_default_ties(spec)  # the default, not the user, asked for 4: a smaller trace holds fewer
-    total = synth_work(spec)  # checks the spec and its sizes before any work
-    stats = None
+    synth_work(spec)  # checks the spec and its sizes before any work
+    if num_ranks > 1:  # written aside, then renamed whole: a killed run leaves no mix of old and new ranks
+        staged = staged_folder(out)
+    outs = [out] if staged is None else [staged / f"rank-{r}" / "trace.safetensors" for r in range(num_ranks)]
+    try:
+        stats = _synth_write(spec, outs, num_ranks, seed, force, progress, out)
+    except BaseException:
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
+    if staged is not None:
+        publish_folder(staged, out, replace=force)
+    render_synth(str(out / "rank-0" / "trace.safetensors" if staged is not None else out), stats, Console())
+    for line in synth_warnings(stats):
+        _warn(line)
+    click.echo(printable(f"wrote {out}" + (f" ({num_ranks} ranks)" if num_ranks > 1 else "")), err=True)
+
+
+def _check_run_folder_output(out: Path, force: bool) -> None:
+    """Refuse, before any work, a run folder ``synth --ranks`` cannot write whole: ``out`` must
+    be missing or an empty folder, or (with --force) a run folder holding only rank-<r> folders,
+    which is replaced whole (anything else in it would be lost)."""
+    import os
+    import re
+
+    from routetool.io.files import check_output_folder, path_kind
+
+    kind = path_kind(out)
+    if kind not in ("missing", "folder"):
+        raise RouteToolError("is not a folder, and a run folder of --ranks goes there", path=out,
+                             fix="name a new folder, or drop --ranks")
+    check_output_folder(out.parent)
+    if kind != "folder":
+        return
+    entries = sorted(e.name for e in os.scandir(out))
+    if not entries:
+        return
+    if not force:
+        raise RouteToolError("already exists", path=out, fix="choose another folder or pass --force to replace "
+                             "the run folder whole")
+    others = [n for n in entries if not re.fullmatch(r"rank-[0-9]+", n)]
+    if others:
+        raise RouteToolError(f"holds {others[0]!r}, which is no rank-<r> folder; --force replaces a run folder whole "
+                             "and would remove it", path=out, fix="choose another folder, or move that file away")
+
+
+def _synth_write(spec, outs: list[Path], num_ranks: int, seed: int, force: bool, progress: bool, out: Path):
+    """Generate and write ``synth``'s trace(s) to ``outs`` (rank r's tokens drawn with seed + r);
+    returns rank 0's statistics (:func:`routetool.capture.synth.synth_stats`)."""
+    import dataclasses
+
+    from routetool.capture.synth import generate, synth_stats, synth_work
+    from routetool.io.trace import write_trace
+
+    total = synth_work(spec)
     with _progress(progress, percent=True) as bar:
         task = bar.add_task(markup_safe(f"synth {out.name}"), total=total * num_ranks)
         for r, target in enumerate(outs):
@@ -250,10 +287,7 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
                 stats = synth_stats(meta, result.layers, result.calibration, progress=lambda n: bar.advance(task, n))
             bar.update(task, description=f"write {target.name}")
             write_trace(target, meta, result.layers, force=force)
-    render_synth(str(outs[0]), stats, Console())
-    for line in synth_warnings(stats):
-        _warn(line)
-    click.echo(printable(f"wrote {out}" + (f" ({num_ranks} ranks)" if num_ranks > 1 else "")), err=True)
+    return stats
 
 
 # ---------------------------------------------------------------------------------------

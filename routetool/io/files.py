@@ -7,9 +7,11 @@ NUL byte, a name too long, a folder that cannot be searched) is a one-line
 :class:`~routetool.errors.RouteToolError` there, never an ``OSError``, ``RuntimeError`` or
 ``ValueError`` further on.
 
-Outputs are written into a temporary file beside the target, then renamed: a failed or
+Outputs are written into a temporary file beside the target, then published: a failed or
 interrupted write never leaves a half-written file at the target and never damages a file
-that was there before.
+that was there before. An output the run's check cleared without ``--force`` is published only
+if it is still absent (:func:`rename_noreplace`: the check and the publication are not two
+steps another run can come between), so two runs writing one output never both succeed.
 """
 
 from __future__ import annotations
@@ -24,24 +26,118 @@ from pathlib import Path
 from routetool.errors import RouteToolError
 
 
-def default_file_mode() -> int:
-    """``0o666`` less the process umask: the mode a plain ``open(path, "w")`` would give."""
+def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *, suffix: str = ".tmp") -> Path:
+def default_file_mode() -> int:
+    """``0o666`` less the process umask: the mode a plain ``open(path, "w")`` would give."""
+    return 0o666 & ~_umask()
+
+
+_EXCLUSIVE: set[str] = set()
+"""Outputs of the running command that its check cleared without ``--force`` (absolute paths):
+:func:`atomic_write` publishes them only if they are still absent. Emptied when a command starts."""
+
+
+def claim_outputs(paths, *, force: bool) -> None:
+    """Record how the running command may publish ``paths`` (its outputs, once checked): without
+    ``force``, only where nothing stands at publication (:func:`atomic_write`); with it, replacing."""
+    for p in paths:
+        if p is None or str(p) == "-":
+            continue
+        key = os.path.abspath(p)
+        if force:
+            _EXCLUSIVE.discard(key)
+        else:
+            _EXCLUSIVE.add(key)
+
+
+def forget_claims() -> None:
+    """Forget the outputs claimed by :func:`claim_outputs` (a new command starts)."""
+    _EXCLUSIVE.clear()
+
+
+_RENAME_NOREPLACE = 1  # renameat2's flag (linux/fs.h)
+
+
+def _renameat2(src: str, dst: str) -> bool | None:
+    """Linux's ``renameat2(RENAME_NOREPLACE)``: True when renamed, None when the system or file
+    system cannot do it. Raises ``FileExistsError`` when ``dst`` exists, ``OSError`` otherwise."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.renameat2
+    except (OSError, AttributeError, ImportError):
+        return None
+    at_cwd = -100
+    if call(at_cwd, os.fsencode(src), at_cwd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):  # (EINVAL: a file system without the flag)
+        return None
+    raise OSError(err, os.strerror(err), dst) if err != errno.EEXIST else FileExistsError(err, os.strerror(err), dst)
+
+
+def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename ``src`` (a file or a folder) to ``dst`` only if nothing is at ``dst``, in one step
+    of the file system: ``renameat2(RENAME_NOREPLACE)`` on Linux; elsewhere a hard link and the
+    removal of ``src`` for a file (``link`` fails where the name exists), and for a folder a
+    rename after a check (the one case with a window, where neither is available).
+
+    Raises:
+        FileExistsError: something is at ``dst``. OSError: the rename failed otherwise.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    if _renameat2(src, dst):
+        return
+    if os.path.isdir(src):
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+        os.rename(src, dst)
+        return
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise
+    except OSError as exc:  # a file system without hard links
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EOPNOTSUPP):
+            raise
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst) from None
+        os.rename(src, dst)
+        return
+    os.unlink(src)
+
+
+def _already_written(path: Path) -> RouteToolError:
+    return RouteToolError("already exists: another run wrote it after this run checked its outputs", path=path,
+                          fix="choose another path or pass --force to replace it")
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *, suffix: str = ".tmp",
+                 replace: bool | None = None) -> Path:
     """Create ``path`` by calling ``write(tmp)`` on a temporary path in the same folder, then
-    renaming it into place (with the mode a plain open would give).
+    publishing it under ``path`` (with the mode a plain open would give).
 
     ``write`` may raise :class:`RouteToolError` (e.g. after validating what it wrote); the
     temporary file is removed on any failure.
 
+    Args:
+        replace: True: replace what is at ``path``; False: publish only if nothing is there
+            (:func:`rename_noreplace`); None: False for an output the running command claimed
+            without ``--force`` (:func:`claim_outputs`), True otherwise.
+
     Raises:
-        RouteToolError: the folder is not writable, the disk is full, or ``write`` failed.
+        RouteToolError: the folder is not writable, the disk is full, ``write`` failed, or
+            (without ``replace``) a file appeared at ``path`` since the output was checked.
     """
     path = Path(path)
+    if replace is None:
+        replace = os.path.abspath(path) not in _EXCLUSIVE
     folder = path.parent if str(path.parent) else Path(".")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=folder)
@@ -53,7 +149,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *, suffi
         try:
             write(tmp)
             os.chmod(tmp, default_file_mode())
-            os.replace(tmp, path)
+            if replace:
+                os.replace(tmp, path)
+            else:
+                rename_noreplace(tmp, path)
+        except FileExistsError:
+            raise _already_written(path) from None
         except OSError as exc:
             raise RouteToolError(f"cannot write ({exc.strerror or exc})", path=path,
                                  fix="check free disk space and permissions") from None
@@ -64,6 +165,62 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *, suffi
             pass
         raise
     return path
+
+
+def staged_folder(path: str | os.PathLike) -> Path:
+    """A new empty hidden folder beside ``path`` (``.NAME.XXXXXXXX.tmp``), in which a folder
+    output is written before :func:`publish_folder` renames it whole into place.
+
+    Raises:
+        RouteToolError: the folder above ``path`` is not writable.
+    """
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    try:
+        staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
+        os.chmod(staged, 0o777 & ~_umask())  # (mkdtemp's 0o700: the mode a plain mkdir gives)
+        return staged
+    except OSError as exc:
+        raise RouteToolError(f"cannot write in this folder ({exc.strerror or exc})", path=parent,
+                             fix="choose a writable folder") from None
+
+
+def publish_folder(staged: str | os.PathLike, path: str | os.PathLike, *, replace: bool) -> None:
+    """Rename the folder ``staged`` (:func:`staged_folder`) to ``path`` whole, so that a run
+    killed at any moment leaves either the old folder or the new one at ``path``, never a mix.
+
+    Nothing at ``path``, or an empty folder: ``staged`` takes its place (only if nothing else
+    appeared there meanwhile, :func:`rename_noreplace`). A folder with entries, with
+    ``replace``: it is renamed aside, ``staged`` takes its place and the old one is removed.
+
+    Raises:
+        RouteToolError: ``path`` holds something and not ``replace``, or the renames failed.
+    """
+    import shutil
+
+    staged, path = Path(staged), Path(path)
+    if path_kind(path) == "folder" and not replace:
+        try:
+            path.rmdir()  # (an empty folder; one with entries stays and is refused below)
+        except OSError:
+            pass
+    old = None
+    try:
+        if replace and path_kind(path) == "folder":
+            old = staged_folder(path)
+            os.replace(path, old)  # (the new empty folder `old` is replaced by the old run folder)
+        rename_noreplace(staged, path)
+    except FileExistsError:
+        if old is not None:
+            os.replace(old, path)
+        raise _already_written(path) from None
+    except OSError as exc:
+        if old is not None and path_kind(path) == "missing":
+            os.replace(old, path)
+        raise RouteToolError(f"cannot write ({exc.strerror or exc})", path=path,
+                             fix="check free disk space and permissions") from None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 PATH_KINDS = ("missing", "dangling link", "file", "folder", "special")
@@ -305,3 +462,4 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
         except OSError as exc:
             raise RouteToolError(f"folder is not writable ({exc.strerror or exc})", path=folder,
                                  fix="choose a writable folder") from None
+    claim_outputs(outputs, force=force)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from routetool.errors import RouteToolError
-from routetool.io.files import atomic_write, missing_folders, path_kind
+from routetool.io.files import atomic_write, claim_outputs, missing_folders, path_kind
 
 if TYPE_CHECKING:  # importing it would import torch, and --plot's checks run before any work
     from routetool.analysis.balance import BalanceResult
@@ -97,6 +97,7 @@ def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
         if existing:
             raise RouteToolError(f"already holds {', '.join(existing)}", path=folder,
                                  fix="choose another folder or pass --force to replace them")
+    claim_outputs(figure_paths(folder), force=force)  # (written only where still absent, without force)
     return folder
 
 
