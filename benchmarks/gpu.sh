@@ -6,8 +6,10 @@
 #   tests     every test marked gpu, and all kernel and bench tests (compiled), in parallel shards
 #   gpu-tests only the tests marked gpu, in parallel shards (a shorter check of GPU paths)
 #   validate  routetool validate --suite full --kernel tiled (the shapes and the models family each in a process of its own)
+#   quick     routetool validate --suite quick --kernel tiled (beside the tests, as validate)
 #   replays   routetool replay of every bundled trace, with latency
 #   bench     routetool bench: tiled vs seed, 64 and 65536 tokens, 256 experts, fp32 and bf16
+#   table     routetool bench: the tiled kernel's table (1 to 65536 tokens, 128 to 512 experts, fp32 and bf16)
 #   host      benchmarks/bench_host_cost.py: host cost per call against an empty Triton launch
 #   engine    benchmarks/bench_engine.py --set gpu: replay, balance and validate against a raw read
 #   recorder  the recorder under CUDA graphs: tests/test_capture_gpu.py and the record kernel's parity
@@ -66,6 +68,10 @@ if has validate; then
   run validate-models 540 python3 -m routetool validate --suite full --kernel tiled --device cuda --family models \
     --json "$R/validate-models.json" --no-progress &
 fi
+if has quick; then
+  run validate-quick 300 python3 -m routetool validate --suite quick --kernel tiled --device cuda \
+    --json "$R/validate-quick.json" --no-progress &
+fi
 wait
 if has replays; then
   for t in traces/*.safetensors; do
@@ -77,6 +83,11 @@ if has bench; then
   COLUMNS=150 run bench 150 python3 -m routetool bench --tokens 64,65536 --experts 256 --dtype fp32,bf16 \
     --kernel tiled --kernel seed --rep-ms 8 --csv "$R/bench.csv" --no-progress
   python3 benchmarks/results.py from-bench "$R/bench.csv" --out "$RESULTS"
+fi
+if has table; then
+  COLUMNS=150 run table 300 python3 -m routetool bench --tokens 1,64,4096,16384,65536 --experts 128,256,384,512 \
+    --dtype fp32,bf16 --kernel tiled --rep-ms 8 --csv "$R/table.csv" --no-progress
+  python3 benchmarks/results.py from-bench "$R/table.csv" --out "$RESULTS"
 fi
 if has host; then
   run host 150 python3 benchmarks/bench_host_cost.py --label after --csv "$R/host.csv"
@@ -99,4 +110,4 @@ cat "$S"
 for f in "$R"/pytest-?.txt; do [ -f "$f" ] && tail -n 1 "$f"; done
 grep -h -A8 "^FAILED\|^E  " "$R"/pytest-?.txt 2>/dev/null | head -40
 for f in "$R"/validate-*.txt "$R"/replay-*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(PASS|FAIL|NOTHING)" "$f"; }; done
-for f in bench host engine recorder-tests recorder-bench ranks torchrun; do [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 20 "$R/$f.txt"; }; done
+for f in bench table host engine recorder-tests recorder-bench ranks torchrun; do [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 20 "$R/$f.txt"; }; done

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from kernel.routing_jit import _routing_kernel, _two_level_kernel
-from kernel.routing_policy import PING_PONG_MAX_SLICES, padded_num_experts
+from kernel.routing_policy import PING_PONG_MAX_SLICES, padded_num_experts, sum_bits
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--experts", type=int, default=256)
@@ -48,7 +48,8 @@ sig.update(gating_output_ptr=f"*{a.dtype}", bias_ptr="*fp32", topk_weights_ptr="
 consts = dict(stride_gn=1, stride_bias=1, stride_wk=1, stride_ik=1, stride_pad=1, TOPK=a.topk,
               TOPK_PADDED=triton.next_power_of_2(a.topk), NUM_CHUNKS=padded_num_experts(a.experts) // a.chunk,
               CHUNK=a.chunk, BLOCK_T=a.block_t, NORMALIZATION_MODE=int(a.softmax), HAS_MULTIPLIER=False,
-              HAS_EPS=False, USE_PDL=True, FAST_MATH=True)
+              HAS_EPS=False, USE_PDL=True, FAST_MATH=True, TOTAL_BITS=sum_bits(padded_num_experts(a.experts)),
+              PICK_BITS=sum_bits(a.topk))
 if a.algorithm == "two_level":
     slices = -(-a.experts // a.chunk)
     consts.update(WIDTH=a.chunk, NUM_SLICES=slices, PERSISTENT=bool(a.persistent),

@@ -172,6 +172,8 @@ def fused_musespark1x_routing(
         HAS_EPS=launch.router_score_division_eps is not None,
         USE_PDL=enable_pdl,
         FAST_MATH=policy._fast_math(gating_output.device, _INTERPRETED),
+        TOTAL_BITS=policy.sum_bits(e_pad),
+        PICK_BITS=policy.sum_bits(launch.topk),
         num_warps=config.num_warps,
         **({"launch_pdl": True} if enable_pdl else {}),
         **({"maxnreg": config.max_registers} if config.max_registers and not _INTERPRETED else {}),

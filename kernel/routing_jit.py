@@ -48,17 +48,65 @@ _EMPTY_KEY = tl.constexpr(-(2**31))  # below every real key: the image of -inf i
 _UNROLL_MAX_TOPK = tl.constexpr(32)
 _LOG2E = tl.constexpr(1.4426950408889634)
 _TWO_M64 = tl.constexpr(2.0**-64)
+_ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + _ROUNDER holds round(x) in its low bits for |x| < 2**22
+_ROUNDER_BITS = tl.constexpr(0x4B400000)  # its bit pattern
 
 
 @triton.jit
-def _prepare_logits(x, router_output_multiplier, HAS_MULTIPLIER: tl.constexpr, NORMALIZATION_MODE: tl.constexpr):
+def _mul_rn(x, y, FAST_MATH: tl.constexpr):
+    """``x * y`` rounded on its own: on NVIDIA GPUs (``FAST_MATH``) a ``mul.rn.f32``, which neither LLVM nor ptxas
+    fuses into a following add, so the product has the same bits wherever it is used."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return x * y
+
+
+@triton.jit
+def _prepare_logits(x, router_output_multiplier, HAS_MULTIPLIER: tl.constexpr, NORMALIZATION_MODE: tl.constexpr,
+                    FAST_MATH: tl.constexpr):
     """float32 logits times the optional multiplier; under softmax NaN -> -inf (:func:`_sigmoid` takes NaN itself)."""
     x = x.to(tl.float32)
     if HAS_MULTIPLIER:
-        x = x * router_output_multiplier
+        x = _mul_rn(x, router_output_multiplier, FAST_MATH)
     if NORMALIZATION_MODE == 1:
         x = tl.where(x != x, -float("inf"), x)
     return x
+
+
+@triton.jit
+def _fixed_point(x, LO_SCALE: tl.constexpr):
+    """Split float32 ``x`` (``0 <= x <= 2**22``) into int32 ``(hi, lo)``: ``hi = round(x)``, ``lo = round((x - hi) *
+    LO_SCALE)`` (``LO_SCALE`` a power of two <= ``2**22``), so ``x = hi + lo / LO_SCALE`` to ``0.5 / LO_SCALE``.
+
+    Integer sums of the parts are exact and so the same in any order: the order-independent float sum of
+    :func:`_fixed_sum`. Each rounding adds ``1.5 * 2**23`` and reads the low bits (round to nearest even);
+    every step is exact or rounds once, so a fused multiply-add gives the same bits.
+    """
+    y = x + _ROUNDER
+    hi = y.to(tl.int32, bitcast=True) - _ROUNDER_BITS
+    r = x - (y - _ROUNDER)  # exact: |r| <= 0.5, a multiple of x's ulp
+    lo = (r * LO_SCALE + _ROUNDER).to(tl.int32, bitcast=True) - _ROUNDER_BITS
+    return hi, lo
+
+
+@triton.jit
+def _fixed_sum(hi_sum, lo_sum, LO_SCALE: tl.constexpr):
+    """float32 ``hi_sum + lo_sum / LO_SCALE`` of summed :func:`_fixed_point` parts (``|hi_sum| <= 2**24``: exact
+    in float32), rounded once."""
+    return tl.fma(lo_sum.to(tl.float32), 1.0 / LO_SCALE, hi_sum.to(tl.float32))
+
+
+@triton.jit
+def _pick_scales(max_score_bits, PICK_BITS: tl.constexpr):
+    """Powers of two ``(scale, unscale)`` for summing picked scores with :func:`_fixed_point`, from the bit
+    pattern of the largest (``[+0, 1]``, so its biased exponent is at most 127): every score times ``scale``
+    is below ``2**(PICK_BITS + 1)``, the largest at least ``2**PICK_BITS`` (scores below ``2**(PICK_BITS -
+    125)`` are scaled by ``2**126`` only); ``unscale = 1 / (scale * 2**PICK_BITS)``, a normal number."""
+    e = tl.maximum(max_score_bits >> 23, PICK_BITS + 1)
+    scale = ((254 + PICK_BITS - e) << 23).to(tl.float32, bitcast=True)
+    unscale = ((e - PICK_BITS) << 23).to(tl.float32, bitcast=True)
+    return scale, unscale
 
 
 @triton.jit
@@ -88,13 +136,17 @@ def _sigmoid(x, FAST_MATH: tl.constexpr):
     ``|x| * 2^-24`` from rounding ``x log2 e`` (as in ``tl.exp``).
     """
     if FAST_MATH:
-        u = tl.minimum(x * -_LOG2E, float("inf"))
-        t = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [t * _TWO_M64 + _TWO_M64],
-                                      dtype=tl.float32, is_pure=True, pack=1)
-        return r * _TWO_M64
+        return _sigmoid_rcp(x) * _TWO_M64
     return tl.sigmoid(tl.where(x != x, -float("inf"), x))
+
+
+@triton.jit
+def _sigmoid_rcp(x):
+    """``2**64 * sigmoid(x)`` by ``ex2.approx``/``rcp.approx`` (:func:`_sigmoid` with ``FAST_MATH``)."""
+    u = tl.minimum(x * -_LOG2E, float("inf"))
+    t = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [tl.fma(t, _TWO_M64, _TWO_M64)],
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -142,6 +194,16 @@ def _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE: tl.constexpr, FAS
 
 
 @triton.jit
+def _biased_scores(x, bias, finite_max, has_inf, total, NORMALIZATION_MODE: tl.constexpr, FAST_MATH: tl.constexpr):
+    """``score + bias`` (:func:`_scores`), rounded once in every algorithm: the sigmoid's last product and the
+    bias add are one explicit fused multiply-add (a compiler may fuse ``score * c + bias`` in one kernel and
+    not in another)."""
+    if NORMALIZATION_MODE == 0 and FAST_MATH:
+        return tl.fma(_sigmoid_rcp(x), _TWO_M64, bias)
+    return _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bias
+
+
+@triton.jit
 def _ordered_key(biased):
     """int32 whose integer order is the float order of ``biased`` (no NaN; never -0.0)."""
     bits = biased.to(tl.int32, bitcast=True)
@@ -171,6 +233,7 @@ def _scan_select(
     NORMALIZATION_MODE: tl.constexpr,
     HAS_MULTIPLIER: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    TOTAL_BITS: tl.constexpr,
 ):
     """Exact selection by repeated argmax over a ``[BLOCK_T, NUM_CHUNKS, CHUNK]`` tile.
 
@@ -189,15 +252,18 @@ def _scan_select(
     bias = _prepare_bias(tl.load(bias_ptrs, mask=expert_ok, other=0.0), FAST_MATH)
     # Experts past the end are -inf after the multiplier too (a negative one would make the
     # -inf they were loaded as +inf, and softmax would give them all the mass).
-    logits = tl.where(expert_ok, _prepare_logits(logits, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE),
-                      -float("inf"))
+    logits = tl.where(expert_ok, _prepare_logits(logits, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE,
+                                                 FAST_MATH), -float("inf"))
     finite_max = tl.zeros_like(row_off).to(tl.float32)
     has_inf = finite_max != 0.0
     total = finite_max + 1.0
     if NORMALIZATION_MODE == 1:
         finite_max, has_inf = _softmax_stats(tl.max(tl.max(logits, axis=2), axis=1)[:, None, None])
-        total = tl.sum(tl.sum(_softmax_numerator(logits, finite_max, has_inf), axis=2), axis=1)[:, None, None]
-    key = _ordered_key(_scores(logits, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bias)
+        TOTAL_LO: tl.constexpr = 2.0**22 if TOTAL_BITS >= 14 else 2.0**(TOTAL_BITS + 8)
+        hi, lo = _fixed_point(_softmax_numerator(logits, finite_max, has_inf) * (2.0**TOTAL_BITS), TOTAL_LO)
+        total = _fixed_sum(tl.sum(tl.sum(hi, axis=2), axis=1)[:, None, None],
+                           tl.sum(tl.sum(lo, axis=2), axis=1)[:, None, None], TOTAL_LO) * (2.0**-TOTAL_BITS)
+    key = _ordered_key(_biased_scores(logits, bias, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH))
     key = tl.where(expert_ok, key, _EMPTY_KEY)
 
     # Outputs live in (BLOCK_T, 1, SLOTS) tensors derived from the tile's layout, so the
@@ -221,7 +287,7 @@ def _picked_scores(
 ):
     """Unbiased scores of the picked experts whose logits ``ptrs`` point at (re-read, in cache); 0 where not ``ok``."""
     x = _prepare_logits(tl.load(ptrs, mask=ok, other=-float("inf")), router_output_multiplier, HAS_MULTIPLIER,
-                        NORMALIZATION_MODE)
+                        NORMALIZATION_MODE, FAST_MATH)
     return tl.where(ok, _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
 
 
@@ -248,6 +314,7 @@ def _write_outputs(
     HAS_MULTIPLIER: tl.constexpr,
     HAS_EPS: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    PICK_BITS: tl.constexpr,
 ):
     """Weights of the picked experts, padding, and the stores; ``ids``/``slot`` broadcast against ``row``.
 
@@ -258,8 +325,12 @@ def _write_outputs(
     out_ok = row_ok & (slot < TOPK)
     picked_scores = _picked_scores(gating_output_ptr + row_off + ids * stride_gn, out_ok, router_output_multiplier,
                                    finite_max, has_inf, total, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH)
-    weights = picked_scores * _renormalizer(tl.sum(picked_scores, axis=-1, keep_dims=True), route_scale,
-                                            division_eps, HAS_EPS)
+    scale, unscale = _pick_scales(tl.max(picked_scores.to(tl.int32, bitcast=True), axis=-1, keep_dims=True),
+                                  PICK_BITS)
+    PICK_LO: tl.constexpr = 2.0**22 if PICK_BITS >= 14 else 2.0**(PICK_BITS + 8)
+    hi, lo = _fixed_point(picked_scores * scale, PICK_LO)
+    score_sum = _fixed_sum(tl.sum(hi, axis=-1, keep_dims=True), tl.sum(lo, axis=-1, keep_dims=True), PICK_LO) * unscale
+    weights = picked_scores * _renormalizer(score_sum, route_scale, division_eps, HAS_EPS)
     if is_padding_ptr is not None:
         padded = tl.load(is_padding_ptr + row * stride_pad, mask=row_ok, other=0) != 0
         ids = tl.where(padded, -1, ids)
@@ -298,6 +369,8 @@ def _routing_kernel(
     HAS_EPS: tl.constexpr,
     USE_PDL: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    TOTAL_BITS: tl.constexpr,  # softmax total: kernel.routing_policy.sum_bits(padded experts)
+    PICK_BITS: tl.constexpr,  # sum of the picked scores: kernel.routing_policy.sum_bits(topk)
 ):
     """Scan algorithm. Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``."""
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
@@ -308,13 +381,13 @@ def _routing_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     ids, finite_max, has_inf, total = _scan_select(
         gating_output_ptr, bias_ptr, row, row_off, row_ok, num_experts, stride_gn, stride_bias,
-        router_output_multiplier, TOPK, TOPK_PADDED, NUM_CHUNKS, CHUNK, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH,
+        router_output_multiplier, TOPK, TOPK_PADDED, NUM_CHUNKS, CHUNK, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH, TOTAL_BITS,
     )
     _write_outputs(
         gating_output_ptr, row, row_off, row_ok, ids, tl.arange(0, TOPK_PADDED)[None, None, :], finite_max, has_inf,
         total, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
         stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, NORMALIZATION_MODE, HAS_MULTIPLIER,
-        HAS_EPS, FAST_MATH,
+        HAS_EPS, FAST_MATH, PICK_BITS,
     )
 
 
@@ -369,9 +442,9 @@ def _load_bias_slices(
 @triton.jit
 def _slice_logits(x, v, col, num_experts, router_output_multiplier,
                   WIDTH: tl.constexpr, MASK_EXPERTS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr,
-                  NORMALIZATION_MODE: tl.constexpr):
+                  NORMALIZATION_MODE: tl.constexpr, FAST_MATH: tl.constexpr):
     """Prepared logits of slice ``v``; experts past the end are -inf after the multiplier too."""
-    x = _prepare_logits(x, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE)
+    x = _prepare_logits(x, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE, FAST_MATH)
     if MASK_EXPERTS:
         x = tl.where(v * WIDTH + col < num_experts, x, -float("inf"))
     return x
@@ -390,6 +463,7 @@ def _write_picks(
     HAS_MULTIPLIER: tl.constexpr,
     HAS_EPS: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    PICK_BITS: tl.constexpr,
 ):
     """Weights and stores of the two-level kernel, from each column's (at most two) picks.
 
@@ -414,7 +488,13 @@ def _write_picks(
                              HAS_MULTIPLIER, FAST_MATH)
     score_b = _picked_scores(ptr_b, ok_b, router_output_multiplier, finite_max, has_inf, total, NORMALIZATION_MODE,
                              HAS_MULTIPLIER, FAST_MATH)
-    inv_sum_scaled = _renormalizer(tl.sum(score_a + score_b, axis=1)[:, None], route_scale, division_eps, HAS_EPS)
+    scale, unscale = _pick_scales(tl.max(tl.maximum(score_a.to(tl.int32, bitcast=True),
+                                                    score_b.to(tl.int32, bitcast=True)), axis=1)[:, None], PICK_BITS)
+    PICK_LO: tl.constexpr = 2.0**22 if PICK_BITS >= 14 else 2.0**(PICK_BITS + 8)
+    hi_a, lo_a = _fixed_point(score_a * scale, PICK_LO)
+    hi_b, lo_b = _fixed_point(score_b * scale, PICK_LO)
+    score_sum = _fixed_sum(tl.sum(hi_a + hi_b, axis=1)[:, None], tl.sum(lo_a + lo_b, axis=1)[:, None], PICK_LO) * unscale
+    inv_sum_scaled = _renormalizer(score_sum, route_scale, division_eps, HAS_EPS)
     id_a = pick_a
     id_b = pick_b
     w_a = score_a * inv_sum_scaled
@@ -454,8 +534,8 @@ def _slice_scan(
     keys = ()
     for v in tl.static_range(NUM_SLICES):
         x = _slice_logits(xs[v], v, col, num_experts, router_output_multiplier, WIDTH, MASK_EXPERTS, HAS_MULTIPLIER,
-                          NORMALIZATION_MODE)
-        key = _ordered_key(_scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bs[v])
+                          NORMALIZATION_MODE, FAST_MATH)
+        key = _ordered_key(_biased_scores(x, bs[v], finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH))
         if MASK_EXPERTS:
             key = tl.where(v * WIDTH + col < num_experts, key, _EMPTY_KEY)
         keys = keys + (key,)
@@ -496,6 +576,8 @@ def _two_level_tile(
     HAS_MULTIPLIER: tl.constexpr,
     HAS_EPS: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    TOTAL_BITS: tl.constexpr,
+    PICK_BITS: tl.constexpr,
 ):
     """Route the ``BLOCK_T`` tokens of ``tile`` from their logits ``xs`` and the bias ``bs`` (see :func:`_two_level_kernel`)."""
     col = tl.arange(0, WIDTH)[None, :]  # (1, WIDTH); also the output slot of the first TOPK columns
@@ -509,14 +591,18 @@ def _two_level_tile(
         run_max = tl.full([BLOCK_T, WIDTH], -float("inf"), tl.float32)
         for v in tl.static_range(NUM_SLICES):
             run_max = tl.maximum(run_max, _slice_logits(xs[v], v, col, num_experts, router_output_multiplier,
-                                                        WIDTH, MASK_EXPERTS, HAS_MULTIPLIER, 1))
+                                                        WIDTH, MASK_EXPERTS, HAS_MULTIPLIER, 1, FAST_MATH))
         finite_max, has_inf = _softmax_stats(tl.max(run_max, axis=1)[:, None])
-        run_sum = tl.zeros([BLOCK_T, WIDTH], dtype=tl.float32)
+        TOTAL_LO: tl.constexpr = 2.0**22 if TOTAL_BITS >= 14 else 2.0**(TOTAL_BITS + 8)
+        run_hi = tl.zeros([BLOCK_T, WIDTH], dtype=tl.int32)
+        run_lo = tl.zeros([BLOCK_T, WIDTH], dtype=tl.int32)
         for v in tl.static_range(NUM_SLICES):
             x = _slice_logits(xs[v], v, col, num_experts, router_output_multiplier, WIDTH, MASK_EXPERTS,
-                              HAS_MULTIPLIER, 1)
-            run_sum += _softmax_numerator(x, finite_max, has_inf)
-        total = tl.sum(run_sum, axis=1)[:, None]
+                              HAS_MULTIPLIER, 1, FAST_MATH)
+            hi, lo = _fixed_point(_softmax_numerator(x, finite_max, has_inf) * (2.0**TOTAL_BITS), TOTAL_LO)
+            run_hi += hi
+            run_lo += lo
+        total = _fixed_sum(tl.sum(run_hi, axis=1)[:, None], tl.sum(run_lo, axis=1)[:, None], TOTAL_LO) * (2.0**-TOTAL_BITS)
 
     # Level 1: per column, the two best (biased score, slice) in order and the third-best
     # score, over the slices in expert order. Only a strictly greater score moves an entry
@@ -524,8 +610,8 @@ def _two_level_tile(
     # NUM_SLICES (an expert index above all real ones, so real experts win ties with it).
     for v in tl.static_range(NUM_SLICES):
         x = _slice_logits(xs[v], v, col, num_experts, router_output_multiplier, WIDTH, MASK_EXPERTS, HAS_MULTIPLIER,
-                          NORMALIZATION_MODE)
-        biased = _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH) + bs[v]
+                          NORMALIZATION_MODE, FAST_MATH)
+        biased = _biased_scores(x, bs[v], finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH)
         if MASK_EXPERTS:
             biased = tl.where(v * WIDTH + col < num_experts, biased, -float("inf"))
         if v == 0:
@@ -582,14 +668,14 @@ def _two_level_tile(
             gating_output_ptr, row, row_off, row_ok, ids, col, finite_max, has_inf, total, topk_weights_ptr,
             topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
             router_output_multiplier, route_scale, division_eps, TOPK, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
-            FAST_MATH,
+            FAST_MATH, PICK_BITS,
         )
     else:
         _write_picks(
             gating_output_ptr, row, row_off, row_ok, rounds, j1 * WIDTH + col, j2 * WIDTH + col, finite_max, has_inf,
             total, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im,
             stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, NORMALIZATION_MODE,
-            HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+            HAS_MULTIPLIER, HAS_EPS, FAST_MATH, PICK_BITS,
         )
 
 
@@ -624,6 +710,8 @@ def _two_level_kernel(
     HAS_EPS: tl.constexpr,
     USE_PDL: tl.constexpr,
     FAST_MATH: tl.constexpr,
+    TOTAL_BITS: tl.constexpr,  # softmax total: kernel.routing_policy.sum_bits(padded experts)
+    PICK_BITS: tl.constexpr,  # sum of the picked scores: kernel.routing_policy.sum_bits(topk)
     PERSISTENT: tl.constexpr,
     PING_PONG: tl.constexpr,  # persistent loop over two tiles per iteration (see below)
     counter_ptr=None,  # (TILE_GROUPS * 32,) int32, zero between launches (tile_counters); None unless DYNAMIC
@@ -702,7 +790,7 @@ def _two_level_kernel(
                     is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
                     stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
                     NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
-                    FAST_MATH,
+                    FAST_MATH, TOTAL_BITS, PICK_BITS,
                 )
                 c = _claimed(claim)
                 tl.atomic_xchg(group_ptr, 0, mask=c == D + C - 1, sem="relaxed")
@@ -716,7 +804,7 @@ def _two_level_kernel(
                             is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk,
                             stride_im, stride_ik, stride_pad, router_output_multiplier, route_scale,
                             division_eps, TOPK, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE,
-                            HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+                            HAS_MULTIPLIER, HAS_EPS, FAST_MATH, TOTAL_BITS, PICK_BITS,
                         )
                     b_j = a_j + 1
                     claim = _claim_tile(group_ptr, a_j < T)
@@ -739,7 +827,7 @@ def _two_level_kernel(
                         num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
                         stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
                         NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
-                        FAST_MATH,
+                        FAST_MATH, TOTAL_BITS, PICK_BITS,
                     )
                 xs = _load_slices(gating_output_ptr, tile + 2 * tl.num_programs(0), num_tokens, num_experts,
                                   stride_gm, stride_gn, WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T)
@@ -749,7 +837,7 @@ def _two_level_kernel(
                         is_padding_ptr, num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk,
                         stride_im, stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK,
                         WIDTH, NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
-                        FAST_MATH,
+                        FAST_MATH, TOTAL_BITS, PICK_BITS,
                     )
         else:
             for it in range(0, tiles_per_program):
@@ -763,7 +851,7 @@ def _two_level_kernel(
                         num_tokens, num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im,
                         stride_ik, stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
                         NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS,
-                        FAST_MATH,
+                        FAST_MATH, TOTAL_BITS, PICK_BITS,
                     )
     else:  # (the interpreter cannot loop to a runtime bound)
         xs = _load_slices(gating_output_ptr, pid, num_tokens, num_experts, stride_gm, stride_gn, WIDTH, NUM_SLICES,
@@ -772,5 +860,5 @@ def _two_level_kernel(
             pid, xs, bs, gating_output_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens,
             num_experts, stride_gm, stride_gn, stride_wm, stride_wk, stride_im, stride_ik,
             stride_pad, router_output_multiplier, route_scale, division_eps, TOPK, WIDTH,
-            NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS, FAST_MATH,
+            NUM_SLICES, MASK_EXPERTS, BLOCK_T, NORMALIZATION_MODE, HAS_MULTIPLIER, HAS_EPS, FAST_MATH, TOTAL_BITS, PICK_BITS,
         )

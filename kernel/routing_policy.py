@@ -177,6 +177,21 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)
 
 
+def sum_bits(num_terms: int) -> int:
+    """Fraction bits ``F`` of the kernels' order-independent sums of up to ``num_terms`` scores.
+
+    The kernels sum the picked scores (``num_terms`` = ``topk``) and the softmax numerators
+    (``num_terms`` = the padded expert count) in fixed point, so that every algorithm and tile
+    gets the same bits (``kernel.routing_jit._fixed_point``): each term, scaled so the largest
+    lies in ``[2**F, 2**(F + 1)]``, is split into ``round(x)`` and ``round((x - round(x)) * L)``
+    (``L = 2**min(22, F + 8)``), and the two int32 sums are exact in any order. ``F = min(21,
+    23 - ceil(log2 num_terms))`` keeps the first sum within ``2**24`` (exact in float32) and
+    the second within int32; each term is exact to ``2**-(F + log2 L + 1)`` of the largest
+    (``2**-43`` for 8 picks, ``2**-37`` for 512 softmax terms), the sum rounded once.
+    """
+    return min(21, 23 - (max(1, num_terms) - 1).bit_length())
+
+
 MAX_TILE_ELEMENTS = 2**20
 """Triton's largest tensor: ``block_t`` times the padded expert count may not exceed it."""
 

@@ -358,6 +358,57 @@ def test_cuda_graph_sees_new_padding_and_bias(variant):
     assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
+def _switch_batches(E, K, dtype):
+    """Batch sizes on either side of each switch of the policy on this GPU: the scan/two-level switch, the
+    per-SM grid, the persistent grid (more tiles than programs) and the claimed tiles."""
+    from kernel import routing_policy as policy
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    per_sm = policy.default_config(policy.PERSISTENT_FROM + 1, E, dtype, "cuda", K).programs_per_sm or 32
+    grid = per_sm * sms
+    dynamic = policy.DYNAMIC_TILES_FROM * grid
+    return sorted({1, 7, policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM,
+                   policy.PERSISTENT_FROM + 1, grid, grid + 1, dynamic - 1, dynamic, 65536})
+
+
+BATCH_INVARIANCE = [
+    # (E, K, normalization, dtype, padding and bias): the models family's expert counts, every dtype
+    (256, 8, "sigmoid", torch.float32, True), (256, 8, "sigmoid", torch.bfloat16, True),
+    (256, 8, "sigmoid", torch.float16, False), (384, 8, "sigmoid", torch.float32, True),
+    (512, 10, "softmax", torch.bfloat16, False), (512, 22, "softmax", torch.float32, True),
+    (160, 6, "softmax", torch.float16, True), (128, 8, "sigmoid", torch.bfloat16, True),
+    (64, 6, "softmax", torch.float32, False), (60, 4, "softmax", torch.bfloat16, True),
+    (8, 2, "softmax", torch.float16, True), (256, 16, "sigmoid", torch.float32, False),
+]
+
+
+@pytest.mark.parametrize("E,K,norm,dtype,extras", BATCH_INVARIANCE)
+def test_a_token_gets_the_same_bits_in_batches_across_every_switch(E, K, norm, dtype, extras):
+    # 7 probe tokens (and one padded row) placed at the start, middle and end of batches straddling each
+    # switch of the launch policy on this GPU, against each token routed alone: ids and weight bits equal
+    from kernel import fused_musespark1x_routing
+
+    g = torch.Generator(device="cuda").manual_seed(E + K)
+    probes = (torch.randn((7, E), device="cuda", generator=g) * 2).to(dtype)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.1 if extras else torch.zeros(E, device="cuda")
+    kw = dict(router_score_normalization=norm)
+    if extras:
+        kw.update(router_output_multiplier=1.3, router_score_division_eps=1e-20)
+    alone = [fused_musespark1x_routing(probes[i:i + 1].clone(), bias, K, 2.5, **kw) for i in range(7)]
+    for n in _switch_batches(E, K, dtype):
+        batch = (torch.randn((n, E), device="cuda", generator=g) * 2).to(dtype)
+        rows = sorted({0, n // 3, n // 2, n - 1} | ({n - 2, n - 3, n - 4} if n >= 7 else set()))[:7]
+        rows = rows + [r for r in range(n) if r not in rows][:7 - len(rows)]
+        batch[rows] = probes[:len(rows)]
+        pad = torch.zeros(n, dtype=torch.bool, device="cuda")
+        if extras and n > 7:
+            pad[[r for r in range(n) if r not in rows][0]] = True
+        w, ids = fused_musespark1x_routing(batch, bias, K, 2.5, is_padding=pad if extras else None, **kw)
+        for i, r in enumerate(rows):
+            assert torch.equal(ids[r], alone[i][1][0]), (n, r)
+            assert torch.equal(w[r].view(torch.int32), alone[i][0][0].view(torch.int32)), (n, r, w[r] - alone[i][0][0])
+
+
 @pytest.mark.parametrize("variant", ["tiled", "seed"])
 def test_pdl_on_and_off_agree(variant):
     import kernel

@@ -426,6 +426,57 @@ def test_two_level_ragged_columns_and_many_picks(T, E, K, device):
         _check_against_reference(w, ids, logits, bias, K, 2.5, 1e-5)
 
 
+def _policy_configs(E, K, dtype):
+    """Every launch the policy picks on a GPU for batches on either side of each of its switches, plus the
+    interpreter's own (a tile of rows): as the interpreter runs them, one program per tile (the persistent and
+    claimed-tile loops route each tile with the same code as a one-tile program)."""
+    from kernel import routing_policy as policy
+
+    sizes = {1, policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM, policy.PERSISTENT_FROM + 1,
+             65536}
+    configs = {default_config(n, E, dtype, "cuda", k) for n in sizes for k in (K, policy.TWO_LEVEL_MAX_TOPK + 1)}
+    configs.add(default_config(7, E, dtype, "cpu", K))
+    seen, out = set(), []
+    for c in sorted(configs, key=repr):  # (persistence and claims do not change an interpreted launch)
+        key = (c.algorithm, c.block_t, c.chunk, c.num_warps)
+        if key not in seen and (c.algorithm == "scan" or K <= c.chunk):
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def _model_shapes():
+    from routetool.analysis.suite import MODEL_SHAPES
+
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return [pytest.param(m.num_experts, m.topk, m.normalization, dtypes[(i + extras) % 3], extras,
+                         id=f"{m.slug}-{str(dtypes[(i + extras) % 3])[6:]}-{'padding-bias' if extras else 'plain'}")
+            for i, m in enumerate(MODEL_SHAPES) for extras in (0, 1)]
+
+
+@pytest.mark.parametrize("E,K,norm,dtype,extras", _model_shapes())
+def test_a_token_gets_the_same_bits_in_every_batch_and_launch(E, K, norm, dtype, extras):
+    # One arithmetic for every algorithm and tile: a token routed alone and in a batch under each launch the
+    # policy picks across its switches gives the same ids and weight bits (the interpreter is exact IEEE, so
+    # any difference in the order of operations would show; kernel.routing_jit sums in fixed point).
+    T = 6
+    logits, bias = _inputs(T, E, dtype, "cpu", seed=E * 3 + K + extras)
+    pad = torch.tensor([False, True, False, False, True, False]) if extras else None
+    kw = dict(router_score_normalization=norm)
+    if extras:
+        kw.update(router_output_multiplier=1.7, router_score_division_eps=1e-20)
+    else:
+        bias = torch.zeros_like(bias)
+    alone = [fused_musespark1x_routing(logits[r:r + 1].clone(), bias, K, 2.5, **kw) for r in (0, 3, 5)]
+    for config in _policy_configs(E, K, dtype):
+        w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad, config=config, **kw)
+        for r, (w1, ids1) in zip((0, 3, 5), alone):
+            assert torch.equal(ids[r], ids1[0]), (config, r)
+            assert torch.equal(w[r].view(torch.int32), w1[0].view(torch.int32)), (config, r, w[r] - w1[0])
+        if pad is not None:
+            assert (ids[pad] == -1).all() and (w[pad] == 0).all()
+
+
 def test_default_config_by_shape():
     dec = default_config(64, 256, torch.float32)
     assert dec.algorithm == "scan" and dec.block_t == 1

@@ -120,10 +120,12 @@ def test_batch_sizes_cross_the_tiled_kernels_switches():
         # up to 256 SMs, tiles claimed from counters from DYNAMIC_TILES_FROM grids' worth on up to 148 SMs
         configs = [routing_policy.default_config(n, E, inp.gating_output.dtype, "cuda", K) for n in GPU_BATCH_SIZES]
         assert {routing_policy.SMALL_BATCH, routing_policy.SMALL_BATCH + 1} <= set(GPU_BATCH_SIZES)
-        assert [c.algorithm for c in configs] == ["scan", "two_level", "two_level", "two_level"]
-        assert configs[2].programs_per_sm and GPU_BATCH_SIZES[2] > configs[2].programs_per_sm * 256
-        assert configs[3].dynamic_tiles
-        assert GPU_BATCH_SIZES[3] >= routing_policy.DYNAMIC_TILES_FROM * configs[3].programs_per_sm * 148
+        assert [c.algorithm for c in configs] == ["scan", "two_level", "two_level", "two_level", "two_level"]
+        assert not configs[1].programs_per_sm and configs[2].programs_per_sm
+        assert GPU_BATCH_SIZES[2] == routing_policy.PERSISTENT_FROM + 1
+        assert GPU_BATCH_SIZES[3] > configs[3].programs_per_sm * 256
+        assert configs[4].dynamic_tiles
+        assert GPU_BATCH_SIZES[4] >= routing_policy.DYNAMIC_TILES_FROM * configs[4].programs_per_sm * 148
 
 
 @pytest.mark.parametrize("name", ["wrong_at_160_experts_k8", "eight_slots", "large_batch_rounding"])

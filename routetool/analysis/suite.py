@@ -279,12 +279,23 @@ The ``tiled`` kernel under the Triton interpreter routes ``min(128, next_pow2(T)
 program (``kernel.routing_policy.default_config``): a token alone (a 1-row tile, no padding mask),
 7 rows (one 8-row tile) and 129 rows (two 128-row tiles, the second holding one row)."""
 
-GPU_BATCH_SIZES = (2048, 2049, 8193, 40000)
-"""The GPU batches of a ``models`` case (``cuda_only``): the ``tiled`` kernel's switches on a
-GPU (``kernel.routing_policy``): up to ``SMALL_BATCH`` = 2048 tokens the scan algorithm, above it
-the two-level one; a persistent grid once the tokens exceed ``programs_per_sm`` (32) times
-the SM count (8193: up to 256 SMs), with tiles claimed from atomic counters from
-``DYNAMIC_TILES_FROM`` (8) times that grid (40000: up to 148 SMs, an H200 has 132)."""
+def _gpu_batch_sizes() -> tuple[int, ...]:
+    from kernel import routing_policy as policy
+
+    per_sm = max(policy.default_config(policy.PERSISTENT_FROM + 1, e, torch.float32, "cuda").programs_per_sm
+                 for e in (256, 384))
+    return (policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM + 1, per_sm * 256 + 1,
+            policy.DYNAMIC_TILES_FROM * per_sm * 148)
+
+
+GPU_BATCH_SIZES = _gpu_batch_sizes()
+"""The GPU batches of a ``models`` case (``cuda_only``), read from the ``tiled`` kernel's switches on a
+GPU (``kernel.routing_policy``), so that a token is compared across each of them: up to
+``SMALL_BATCH`` (2048) tokens the scan algorithm, above it the two-level one (2049); above
+``PERSISTENT_FROM`` (4097) the launch asks for ``programs_per_sm`` (32) programs per SM, a
+persistent grid once the tokens exceed that times the SM count (8193: up to 256 SMs); tiles
+claimed from atomic counters from ``DYNAMIC_TILES_FROM`` (8) times that grid (37888: up to
+148 SMs, an H200 has 132)."""
 
 
 def _model_build(name: str, shape: ModelShape) -> Callable[[torch.device], CaseInput]:
