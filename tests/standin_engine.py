@@ -1,35 +1,35 @@
-"""A stand-in for a vLLM-like engine, for testing routetool's vLLM plugin without vLLM.
+"""Drive a stand-in of vLLM 0.33 (tests/fixtures/vllm033: its module layout and import order,
+routetool's own small code) as vLLM drives a GPU worker, for testing routetool's vLLM plugin
+without vLLM.
 
-What it imitates of vLLM (and what the plugin relies on):
+:func:`worker` is one worker process: it puts the fixture first on ``sys.path`` and the
+plugin's entry point on it, then runs vLLM's order: the worker loads the ``vllm.general_plugins``
+(the plugin starts; no model module is loaded yet), sets up the parallel state (DP x TP, EP
+over all ranks), makes the model runner (V2 unless ``VLLM_USE_V2_MODEL_RUNNER=0``), loads the
+model (importing ``vllm.models.muse_spark``, whose ``__init__`` imports ``nvidia/model.py``, which
+imports ``common/moe.py``: both from-import the routing function), runs the profile run, then
+the scheduled steps. The DP ranks route different tokens; the TP ranks of one DP rank the same.
 
-* each worker process loads the ``vllm.general_plugins`` entry points through
-  ``importlib.metadata`` and calls them, before the model is built (vLLM's
-  ``load_general_plugins``);
-* then it joins the process group (gloo here) and sets up its parallel state: a module
-  ``vllm.distributed.parallel_state`` whose ``_WORLD``, ``_TP``, ``_DP``, ``_PP`` and ``_EP``
-  group coordinators carry ``rank``, ``rank_in_group`` and ``world_size`` (the fields
-  :mod:`routetool.capture.ranks` reads; the DP x TP layout of vLLM, the EP group spanning both);
-* the model's MoE layers call the routing function through its module at call time; a
-  profile run (dummy tokens) comes before the first real step; every step goes through
-  ``Runner.execute_model`` (the plugin's step hook in the tests).
-
-The DP ranks route different tokens; the TP ranks of one DP rank route the same ones.
+It also keeps :func:`fused_musespark1x_routing` (a routing function with the seed's signature,
+computed by the one reference) for the recorder's own tests.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import sys
-import types
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from kernel.reference import musespark1x_routing_reference
 
-E, K, HIDDEN = 24, 4, 16  # non-power-of-2 experts, as real MoE configs (e.g. 384) often are
-LAYER_IDS = (1, 2, 3)
-ROUTE_SCALE = 2.5
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "vllm033"
+"""The folder holding the stand-in ``vllm`` package."""
+E, K = 24, 4  # non-power-of-2 experts, as real MoE configs (e.g. 384) often are
+LAYER_IDS = (1, 2, 3)  # the fixture model's MoE layers (layer 0 is dense; layer 2 runs the MegaMoE path)
+HIDDEN = 16
+STEPS = [(7, 0), (3, 1), (4, 0), (9, 2)]  # (rows, padded rows) of each real step
 
 
 def fused_musespark1x_routing(gating_output, bias, topk, route_scale, router_output_multiplier=None,
@@ -50,79 +50,46 @@ def fused_musespark1x_routing(gating_output, bias, topk, route_scale, router_out
     return topk_weights[:n, :topk], topk_ids[:n, :topk]
 
 
-class _Group:
-    """The fields of vLLM's GroupCoordinator that routetool reads."""
-
-    def __init__(self, rank: int, ranks: list[int]):
-        self.rank = rank
-        self.ranks = ranks
-        self.world_size = len(ranks)
-        self.rank_in_group = ranks.index(rank)
-        self.local_rank = rank
+def use_fixture(site: str | None = None) -> None:
+    """Put the stand-in ``vllm`` (and ``site``, a folder holding the plugin's entry point) first
+    on ``sys.path``."""
+    for folder in (site, str(FIXTURE)):
+        if folder is not None and folder not in sys.path:
+            sys.path.insert(0, folder)
 
 
-def install_parallel_state(rank: int, world: int, tp: int) -> None:
-    """A ``vllm.distributed.parallel_state`` for a DP x TP layout (EP over all ranks)."""
-    mod = types.ModuleType("vllm.distributed.parallel_state")
-    dp = world // tp
-    mod._WORLD = _Group(rank, list(range(world)))
-    mod._TP = _Group(rank, [rank // tp * tp + i for i in range(tp)])
-    mod._DP = _Group(rank, [rank % tp + i * tp for i in range(dp)])
-    mod._PP = _Group(rank, [rank])
-    mod._EP = _Group(rank, list(range(world)))
-    sys.modules[mod.__name__] = mod
+def run_worker(rank: int, world: int, tp: int, steps=STEPS, model_first: bool = False) -> list[list[tuple]]:
+    """One worker in vLLM's order (module docstring); returns what every real step routed:
+    per step, per MoE layer, ``(logits, is_padding, topk_weights, topk_ids)``.
+    ``model_first``: import the model package before the plugins load (another order)."""
+    if model_first:
+        import vllm.models.muse_spark  # noqa: F401
+    from vllm.v1.worker.gpu_worker import Worker
 
-
-class Runner:
-    """A model of ``len(LAYER_IDS)`` MoE layers; ``routed`` keeps what every real step routed."""
-
-    def __init__(self, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        self.router = [torch.randn(HIDDEN, E, generator=g) for _ in LAYER_IDS]
-        self.bias = [torch.randn(E, generator=g) * 0.05 for _ in LAYER_IDS]
-        self.module = importlib.import_module(__name__)
-        self.routed: list[list[tuple]] = []
-
-    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> list[tuple]:
-        calls = []
-        for layer in range(len(LAYER_IDS)):
-            logits = (x @ self.router[layer]).to(torch.bfloat16)
-            w, ids = self.module.fused_musespark1x_routing(logits, self.bias[layer], K, ROUTE_SCALE, None, "sigmoid",
-                                                           1e-20, is_padding=pad)
-            calls.append((logits, pad, w, ids))
-            x = x + torch.tanh(w.sum(-1, keepdim=True))
-        return calls
-
-    def profile_run(self, num_tokens: int = 32) -> None:
-        """The engine's warm-up: dummy tokens, not a step of the workload."""
-        self.forward(torch.zeros(num_tokens, HIDDEN), torch.zeros(num_tokens, dtype=torch.bool))
-
-    def execute_model(self, x: torch.Tensor, pad: torch.Tensor) -> None:
-        self.routed.append(self.forward(x, pad))
-
-
-STEPS = [(7, 0), (3, 1), (4, 0), (9, 2)]  # (rows, padded rows) of each real step
-
-
-def worker(rank: int, world: int, tp: int, site: str, init_file: str, results: str) -> None:
-    """One engine worker process (``torch.multiprocessing.spawn`` target)."""
-    sys.path.insert(0, site)  # where the test put the plugin's entry point
-    for entry in importlib.metadata.entry_points(group="vllm.general_plugins"):
-        entry.load()()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    install_parallel_state(rank, world, tp)
-    dp_rank = rank // tp
-    runner = Runner(seed=0)
-    runner.profile_run()
-    gen = torch.Generator().manual_seed(100 + dp_rank)
-    for rows, padded in STEPS:
+    worker = Worker(rank, world, tp)  # loads the plugins
+    if not model_first:
+        assert not any(name.startswith("vllm.models") for name in sys.modules), "the model was imported early"
+    worker.init_device()
+    worker.load_model()
+    worker.determine_available_memory()  # the profile run (dummy tokens): not a step of the workload
+    gen = torch.Generator().manual_seed(100 + rank // tp)
+    for rows, padded in steps:
         x = torch.randn(rows, HIDDEN, generator=gen)
         pad = torch.zeros(rows, dtype=torch.bool)
         if padded:
             pad[-padded:] = True
-        runner.execute_model(x, pad)
-    torch.save(runner.routed, f"{results}/rank-{rank}.pt")
+        worker.execute_model(SimpleNamespace(hidden_states=x, is_padding=pad))
+    return worker.model_runner.model.routed
+
+
+def worker(rank: int, world: int, tp: int, site: str, init_file: str, results: str) -> None:
+    """One engine worker process (``torch.multiprocessing.spawn`` target); saves what it routed
+    to ``<results>/rank-<rank>.pt``."""
+    use_fixture(site)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    routed = run_worker(rank, world, tp)
+    torch.save(routed, f"{results}/rank-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -79,7 +79,7 @@ def test_multi_layer_multi_step_round_trip(fake_module, tmp_path, background):
     engine = FakeEngine(fake_module)
     layer_ids = [3, 4, 7]  # e.g. a model whose first 3 layers are dense, and a gap
     with RoutingRecorder(out, target=TARGET, num_layers=3, layer_ids=layer_ids, background=background) as rec:
-        assert fake_module.fused_musespark1x_routing is not fused_musespark1x_routing
+        assert fake_module.fused_musespark1x_routing.__routetool_recorder__ is rec  # (this module's own binding too)
         _run(engine)
     assert fake_module.fused_musespark1x_routing is fused_musespark1x_routing  # original restored
     assert rec.stats.calls_seen == rec.stats.calls_recorded == 15
@@ -262,23 +262,20 @@ def test_recording_nothing_is_an_error(fake_module, tmp_path):
     assert not (tmp_path / "run.json").exists()
 
 
-def test_callers_that_imported_the_function_need_targets(fake_module, tmp_path, monkeypatch):
+def test_callers_that_imported_the_function_are_found(fake_module, tmp_path, monkeypatch):
     caller = types.ModuleType("routetool_test_fake_caller")
-    caller.fused_musespark1x_routing = fake_module.fused_musespark1x_routing  # `from m import f`
+    caller.route = fake_module.fused_musespark1x_routing  # `from m import fused_musespark1x_routing as route`
     monkeypatch.setitem(sys.modules, caller.__name__, caller)
 
     def step():
-        caller.fused_musespark1x_routing(torch.randn(3, E), torch.zeros(E), K, 1.0)
+        caller.route(torch.randn(3, E), torch.zeros(E), K, 1.0)
 
-    with pytest.raises(RouteToolError, match="saw no call"):
-        with RoutingRecorder(tmp_path / "a.json", target=TARGET, num_layers=1):
-            step()
-    with RoutingRecorder(tmp_path / "b.json", target=TARGET, targets=[f"{caller.__name__}:fused_musespark1x_routing"],
-                         num_layers=1) as rec:
+    with RoutingRecorder(tmp_path / "a.json", target=TARGET, num_layers=1) as rec:
         step()
         step()
     assert rec.stats.calls_recorded == 2
-    assert caller.fused_musespark1x_routing is fused_musespark1x_routing
+    assert f"{caller.__name__}.route" in rec.stats.bindings and f"{TARGET.replace(':', '.')}" in rec.stats.bindings
+    assert caller.route is fused_musespark1x_routing  # restored
 
 
 def test_disk_full_stops_recording_without_disturbing_the_run(fake_module, tmp_path, monkeypatch):

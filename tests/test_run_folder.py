@@ -343,13 +343,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_launcher_variables_without_a_launcher_end_in_one_line_not_a_hang(run_dir):
+def _replay_without_a_launcher(run_dir, join_timeout: str) -> subprocess.CompletedProcess:
+    """replay with torchrun's variables set (world of 2) but no other process."""
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "ROUTETOOL_JOIN_TIMEOUT_S": "2", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "routetool", "replay", str(run_dir), "--device", "cpu",
+           "ROUTETOOL_JOIN_TIMEOUT_S": join_timeout, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "routetool", "replay", str(run_dir), "--device", "cpu",
                            "--no-progress"], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_launcher_variables_without_a_launcher_end_in_one_line_not_a_hang(run_dir):
+    proc = _replay_without_a_launcher(run_dir, "2")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "did not join within 2 s" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e309", "2_0", "-1", "0", "1e6", "\n2"])
+def test_a_bad_join_timeout_is_one_line_not_a_wait(monkeypatch, value):
+    # each of these waited forever (nan, inf, 1e309 compare false with the clock) or read 2_0 as 20
+    from routetool.engine.distributed import join_timeout
+    from routetool.errors import RouteToolError
+
+    monkeypatch.setenv("ROUTETOOL_JOIN_TIMEOUT_S", value)
+    with pytest.raises(RouteToolError, match="ROUTETOOL_JOIN_TIMEOUT_S=.* is not a number of seconds") as info:
+        join_timeout(RouteToolError)
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv("ROUTETOOL_JOIN_TIMEOUT_S", "2.5")
+    assert join_timeout(RouteToolError) == 2.5
+
+
+def test_a_bad_join_timeout_under_a_launcher_exits_2(run_dir):
+    proc = _replay_without_a_launcher(run_dir, "nan")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "ROUTETOOL_JOIN_TIMEOUT_S='nan'" in proc.stderr, proc.stderr
 
 
 def test_torchrun_help_is_printed_once():

@@ -3,13 +3,17 @@ sharded routetool trace, also under CUDA graphs, torch.compile, and in every wor
 
 How it works:
 
-* :class:`RoutingRecorder` replaces ``module.function`` (default: the seed's
+* :class:`RoutingRecorder` puts a wrapper wherever the target function (default: vLLM 0.33's
   ``vllm.models.muse_spark.common.ops.fused_routing:fused_musespark1x_routing``; any
-  ``module:function`` with the seed's signature works) by a wrapper, through
-  ``importlib.import_module`` + ``setattr``. Callers that look the function up through the
-  module attribute at call time are recorded. Code that did ``from module import function``
-  holds its own reference: name that place too, with ``targets=["its.module:function"]``.
-  The originals are put back when recording stops.
+  ``module:function`` with the seed's signature works) is bound at module level, however the
+  engine imported it (:mod:`routetool.capture.binding`): at :meth:`~RoutingRecorder.start`,
+  every attribute of a loaded module that *is* the original (the defining module and every
+  ``from module import function``, vLLM's two MuseSpark1x call sites); while recording, the
+  modules the engine imports later (an import hook), so that nothing depends on whether the
+  recorder or the model came first. The originals are put back when recording stops.
+  ``stats.bindings`` names the bindings, ``stats.model_steps`` the steps ended by
+  :meth:`~RoutingRecorder.step`; model steps without a single routing call after the first
+  are said loudly (a ``"recorded": "nothing"`` index), never an empty success.
 * The wrapper calls the original first, unchanged, then the custom op
   ``torch.ops.routetool.record_routing`` (:mod:`routetool.capture.ring`): one kernel that
   copies the call's ``gating_output``, ``bias``, ``is_padding`` and, by default, its outputs
@@ -71,8 +75,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
-import inspect
 import math
 import os
 import platform
@@ -89,6 +91,8 @@ from pathlib import Path
 import torch
 
 from routetool.capture import ring as ring_mod
+from routetool.capture.binding import (SEED_PARAMETERS, Bindings, check_routing_function, import_target,
+                                       split_target)
 from routetool.capture.ranks import RankInfo, detect_ranks
 from routetool.errors import RouteToolError
 from routetool.io.files import check_output_folder, path_kind
@@ -96,13 +100,7 @@ from routetool.io.sharded import shard_path, write_index
 from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors, write_trace
 
 DEFAULT_TARGET = "vllm.models.muse_spark.common.ops.fused_routing:fused_musespark1x_routing"
-"""The seed's routing function, the default call site to record."""
-
-SEED_PARAMETERS = (
-    "gating_output", "bias", "topk", "route_scale", "router_output_multiplier",
-    "router_score_normalization", "router_score_division_eps", "topk_weights", "topk_ids",
-)
-"""Positional parameters of the seed's signature (``is_padding`` is keyword-only)."""
+"""vLLM 0.33's MuseSpark1x routing kernel (the seed's function), the default target to record."""
 
 _DEFAULTS = {
     "router_output_multiplier": None,
@@ -115,8 +113,8 @@ _DEFAULTS = {
 _GATING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NOTHING_FIX = (
-    "the function was never called through the patched attribute: if the caller did "
-    "`from module import function`, patch that module too (targets=['caller.module:function']); "
+    "check that the engine calls this function in this process (another kernel, or a CPU path that "
+    "routes in torch?) and name the function it does call (target=..., targets=['module:function']); "
     "for vLLM with worker processes use the plugin (ROUTETOOL_CAPTURE_DIR), which records inside every worker"
 )
 _CAPTURED_FIRST_FIX = (
@@ -151,33 +149,10 @@ def resolve_target(spec: str) -> tuple[object, str, Callable]:
         RouteToolError: malformed spec, module not importable, no such attribute, not
             callable, or a signature other than the seed's.
     """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr or "." in attr:
-        raise RouteToolError(f"target {spec!r} is not module:function",
-                             fix="e.g. vllm.models.muse_spark.common.ops.fused_routing:fused_musespark1x_routing")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RouteToolError(f"cannot import module {module_name!r} ({exc})",
-                             fix="record in the Python environment of the engine, or name the module that "
-                                 "holds the routing function") from None
-    if not hasattr(module, attr):
-        raise RouteToolError(f"module {module_name!r} has no attribute {attr!r}",
-                             fix="name the routing function as module:function")
+    module = import_target(spec)
+    attr = split_target(spec)[1]
     fn = getattr(module, attr)
-    if not callable(fn):
-        raise RouteToolError(f"{spec} is not callable", fix="name the routing function as module:function")
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        raise RouteToolError(f"cannot read the signature of {spec}",
-                             fix="record a Python function with the seed's signature") from None
-    if params[:4] != list(SEED_PARAMETERS[:4]):
-        raise RouteToolError(
-            f"{spec} has parameters ({', '.join(params[:4])}, ...), not the seed's "
-            f"({', '.join(SEED_PARAMETERS[:4])}, ...)",
-            fix="record a function with the signature of fused_musespark1x_routing",
-        )
+    check_routing_function(spec, fn)
     return module, attr, fn
 
 
@@ -200,6 +175,11 @@ class RecorderStats:
         bytes_recorded: bytes of recorded tensors handed to the shard writer.
         shards_written: shard files written. drains: copies of drained steps made.
         ring_bytes / ring_rows: the ring's size and the token rows (of one call) it holds.
+        bindings: ``module.attribute`` of every module-level binding of the target that holds
+            the wrapper (the defining module and each module that imported the function with
+            ``from ... import``): the places the recorder can see calls from.
+        model_steps: model steps ended by :meth:`RoutingRecorder.step` while recording (the
+            plugin's step hook calls it after each model step).
     """
 
     calls_seen: int = 0
@@ -216,6 +196,8 @@ class RecorderStats:
     drains: int = 0
     ring_bytes: int = 0
     ring_rows: int = 0
+    bindings: list[str] = field(default_factory=list)
+    model_steps: int = 0
 
 
 @dataclass
@@ -239,8 +221,9 @@ class RoutingRecorder:
             It may hold ``{rank}``, filled in with the process's rank at the first call
             (e.g. ``RUN/rank-{rank}/trace.json``; the ``rank-<r>`` folder is created then).
         target: ``module:function`` to record (default :data:`DEFAULT_TARGET`).
-        targets: further ``module:attribute`` places that hold the same function (callers
-            that imported it with ``from ... import``); all are patched.
+        targets: further ``module:function`` targets. A target's bindings in other modules
+            (callers that imported it with ``from ... import``) need not be named: every
+            module-level binding of the function gets the wrapper.
         num_layers: MoE layers per forward step (the step ends after this many calls).
             Required unless ``layer_fn`` gives the layer of every call.
         layer_ids: the layer index of the i-th call of a step (default ``range(num_layers)``;
@@ -272,8 +255,13 @@ class RoutingRecorder:
         paused: start paused (:meth:`pause`): calls launch the record kernel, so graphs
             captured now record once :meth:`resume` is called, but nothing is stored yet.
         require_calls: a recording that saw no call is an error when it stops (False: it
-            ends quietly, writing nothing; for processes that may never route, as the
-            plugin's engine and API processes).
+            ends quietly, writing nothing, for processes that may never route, as the
+            plugin's engine and API processes; unless model steps were ended by
+            :meth:`step` and no call came after the first: then the index is written as a
+            ``"recorded": "nothing"`` record and :attr:`recorded_nothing` says why).
+        import_targets: import a target's module at :meth:`start` when it is not loaded yet
+            (an error if it cannot be imported); False: bind it when the engine imports it
+            (the plugin, which loads before the engine imports the model).
 
     Raises:
         RouteToolError: at construction, for a bad target, bad parameters, an existing
@@ -308,6 +296,7 @@ class RoutingRecorder:
         ranks: RankInfo | None = None,
         paused: bool = False,
         require_calls: bool = True,
+        import_targets: bool = True,
     ):
         self.out_template = str(out)
         self.out = Path(out)
@@ -356,6 +345,8 @@ class RoutingRecorder:
         self.drain_interval_s = drain_interval_s
         self.ranks = ranks
         self.require_calls = require_calls
+        self.import_targets = import_targets
+        self.recorded_nothing: str | None = None
         self._paused = paused
         self._deferred_out = "{rank}" in self.out_template
         self._check_output(deferred=self._deferred_out)
@@ -371,7 +362,7 @@ class RoutingRecorder:
         self.stopped_by: str | None = None
         self._lock = threading.RLock()
         self._local = threading.local()
-        self._patches: list[tuple[object, str, Callable, Callable]] = []
+        self._bindings: Bindings | None = None
         self._active = False
         self._closed = False
         self._started = False
@@ -436,17 +427,26 @@ class RoutingRecorder:
             self._check_output()
 
     def start(self) -> RoutingRecorder:
-        """Patch the target(s) and start recording (also registers an ``atexit`` close)."""
+        """Bind the wrapper wherever the target is bound, now and in modules imported later
+        (:mod:`routetool.capture.binding`), and start recording (also registers an ``atexit``
+        close).
+
+        Raises:
+            RouteToolError: a bad target (with ``import_targets``: one that cannot be
+                imported), or a ring that cannot be allocated on ``device``.
+        """
         if self._started:
             raise RouteToolError("this recorder was already started", fix="make a new RoutingRecorder per recording")
         self._started = True
-        resolved = [resolve_target(spec) for spec in self.targets]
+        self._bindings = Bindings(self.targets, self._make_wrapper, self._binding_error)
+        self._bindings.start(import_modules=self.import_targets)
+        self.stats.bindings = self._bindings.sites
         if self.device is not None:
-            self._allocate(self.device)
-        for module, attr, fn in resolved:
-            wrapper = self._make_wrapper(fn)
-            setattr(module, attr, wrapper)
-            self._patches.append((module, attr, fn, wrapper))
+            try:
+                self._allocate(self.device)
+            except BaseException:
+                self._unpatch()
+                raise
         if self.background:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="routetool-recorder")
         self._active = True
@@ -500,6 +500,8 @@ class RoutingRecorder:
         The end of the step is device work on the current stream, so it is also recorded
         into a graph being captured; the drain is skipped while capturing."""
         with self._lock:
+            if self._active and not self._paused:
+                self.stats.model_steps += 1
             if self._ring is not None and self._active:
                 self._ring.end_step()
         self.drain()
@@ -928,6 +930,7 @@ class RoutingRecorder:
             "steps_written": st.steps_written, "dropped_steps": st.steps_dropped,
             "dropped_steps_too_large": st.steps_too_large, "dropped_calls": st.calls_dropped,
             "tokens_recorded": st.tokens_recorded, "ring_bytes": st.ring_bytes, "ring_rows": st.ring_rows,
+            "bindings": list(st.bindings), "model_steps": st.model_steps,
             "sampling": {"every_n_steps": self.every_n_steps, "skip_steps": self.skip_steps,
                          "max_tokens": self.max_tokens},
         }
@@ -947,14 +950,46 @@ class RoutingRecorder:
             self._stop_pending = False
 
     # -- stopping ------------------------------------------------------------------------------
+    def _binding_error(self, exc: RouteToolError) -> None:
+        """A target found bad when the engine imported its module (never raised into the import)."""
+        with self._lock:
+            self._fail(exc, from_writer=True)
+
     def _unpatch(self) -> None:
-        for module, attr, fn, wrapper in reversed(self._patches):
-            if getattr(module, attr, None) is wrapper:
-                setattr(module, attr, fn)
-            else:
-                warnings.warn(f"routetool recorder: {module.__name__}.{attr} was replaced by someone else while "
-                              "recording; left as it is", stacklevel=3)
-        self._patches.clear()
+        if self._bindings is None:
+            return
+        for site in self._bindings.restore():
+            warnings.warn(f"routetool recorder: {site} was replaced by someone else while recording; left as it is",
+                          stacklevel=3)
+
+    def bindings_summary(self) -> str:
+        """Where the recorder can see calls from, in words (e.g. ``3 bindings: m.f, ...``)."""
+        sites = list(self.stats.bindings)
+        waiting = self._bindings.waiting if self._bindings is not None else []
+        text = f"{len(sites)} binding{'s' if len(sites) != 1 else ''}"
+        if sites:
+            text += ": " + ", ".join(sites)
+        if waiting:
+            text += f"; never imported: {', '.join(waiting)}"
+        return text
+
+    def _record_nothing(self, complete: bool, stopped_by: str) -> None:
+        """Model steps ran and no routing call came after the first: say so in the index (a
+        ``"recorded": "nothing"`` record with no shards), never end as an empty success."""
+        st = self.stats
+        self.recorded_nothing = (
+            f"recorded nothing: {st.model_steps} model step{'s' if st.model_steps != 1 else ''} ran and no call of "
+            f"{', '.join(self.targets)} came after the first ({self.bindings_summary()}; {st.calls_seen} "
+            f"call{'s' if st.calls_seen != 1 else ''} before the first step)")
+        try:
+            self._resolve_output()
+            extra = self._index_extra()
+            extra["recorded"] = "nothing"
+            extra["recorded_nothing"] = self.recorded_nothing
+            write_index(self.out, [], complete=complete, stopped_by=stopped_by, extra=extra)
+        except RouteToolError as exc:
+            if self.error is None:
+                self.error = exc
 
     def _atexit(self) -> None:
         try:
@@ -997,6 +1032,8 @@ class RoutingRecorder:
         else:
             stopped_by = self.stopped_by or "exit"
         complete = exc is None and self.error is None
+        if not self._written and self.stats.model_steps and not self.stats.steps_seen:
+            self._record_nothing(complete, stopped_by)
         if self._written:
             try:
                 write_index(self.out, self._written, complete=complete, stopped_by=stopped_by,
@@ -1011,6 +1048,10 @@ class RoutingRecorder:
             return
         if self.error is not None:
             raise self.error
+        if self.recorded_nothing is not None:
+            if not self.require_calls:
+                return
+            raise RouteToolError(self.recorded_nothing, path=self.out, fix=_NOTHING_FIX)
         if self.stats.calls_seen == 0 and not self.require_calls and not self._written:
             return
         if self.stats.calls_seen == 0:

@@ -159,6 +159,31 @@ JOIN_TIMEOUT_S = 120.0
 """How long :func:`join` waits for the other processes (``ROUTETOOL_JOIN_TIMEOUT_S`` overrides it)."""
 
 
+MAX_JOIN_TIMEOUT_S = 86400.0
+
+
+def join_timeout(error: type) -> float:
+    """:data:`JOIN_TIMEOUT_S`, or ``ROUTETOOL_JOIN_TIMEOUT_S`` when set: a plain decimal number of
+    seconds, > 0 and at most a day (``nan``, ``inf``, ``1e309`` or ``2_0`` would wait forever or
+    mean something else than written).
+
+    Raises:
+        error: (the caller's error type) a value that is not such a number, naming the variable.
+    """
+    from routetool.errors import printable
+    from routetool.numtext import parse_float
+
+    text = os.environ.get("ROUTETOOL_JOIN_TIMEOUT_S", "")
+    if not text:
+        return JOIN_TIMEOUT_S
+    value = parse_float(text, special=True)
+    if value is None or not 0 < value <= MAX_JOIN_TIMEOUT_S:
+        raise error(printable(f"ROUTETOOL_JOIN_TIMEOUT_S={text!r} is not a number of seconds > 0 and at most "
+                              f"{MAX_JOIN_TIMEOUT_S:g}"),
+                    fix=f"e.g. ROUTETOOL_JOIN_TIMEOUT_S=120, or unset it for {JOIN_TIMEOUT_S:g} s")
+    return value
+
+
 def _init_group(backend: str, error: type) -> None:
     """``init_process_group`` on a thread of its own, so that this one keeps handling Ctrl-C and
     SIGTERM (the rendezvous blocks in C), given up after :data:`JOIN_TIMEOUT_S`: launcher variables
@@ -169,11 +194,7 @@ def _init_group(backend: str, error: type) -> None:
 
     import torch.distributed as dist
 
-    text = os.environ.get("ROUTETOOL_JOIN_TIMEOUT_S", "")
-    try:
-        timeout = float(text) if text else JOIN_TIMEOUT_S
-    except ValueError:
-        timeout = JOIN_TIMEOUT_S
+    timeout = join_timeout(error)
     failed: list[BaseException] = []
 
     def init() -> None:

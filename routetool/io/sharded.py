@@ -189,6 +189,11 @@ def read_index(path: str | os.PathLike, display_path: object = None) -> dict:
         raise RouteToolError(f"\"shards\" must be a list of shard entries, not {type(shards).__name__} "
                              f"{_short(shards)}", path=shown, tensor="index.shards",
                              fix="write the index with routetool's recorder (shards: [{\"path\": ...}, ...])")
+    if not shards and doc.get("recorded") == "nothing" and isinstance(doc.get("recorded_nothing"), str):
+        # the recorder's verdict on a run whose model steps routed nothing through the recorded function
+        raise RouteToolError(doc["recorded_nothing"][:400], path=shown, tensor="index.recorded",
+                             fix="record the function the engine calls (the recorder's target), in the process "
+                                 "that runs the model")
     if not shards:
         raise RouteToolError("the index lists no shards", path=shown, tensor="index.shards",
                              fix="the recording wrote nothing; record again")
