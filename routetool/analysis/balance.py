@@ -231,6 +231,8 @@ class Source:
     bias_effect: bool = False
     bias_note: str = ""
     notes: list[str]
+    partial: list = []
+    """The traces read that hold less than a whole recording (:class:`routetool.io.run.PartialTrace`)."""
 
     def _init_from_dump(self, imported: ImportedRouting | ImportedCounts, routing: str,
                         layers: Sequence[int] | None, bias_note: str) -> None:
@@ -391,8 +393,11 @@ class TraceSource(Source):
                  budget_bytes: int = DEFAULT_CHUNK_BYTES):
         route_name = route_name or (route_fn.name if route_fn is not None else "kernel")
         nobias_name = nobias_name or (nobias_fn.name if nobias_fn is not None else "")
+        from routetool.io.run import trace_partial
+
         self.budget_bytes = budget_bytes
         self.trace = trace
+        self.partial = [p] if (p := trace_partial(trace)) is not None else []
         self.path = str(trace.display_path)
         self.model = trace.meta.model
         self.num_experts = trace.meta.router.num_experts
@@ -621,6 +626,7 @@ class RunSource(Source):
         self.bias_effect = all(src.bias_effect for src in self._sources.values())
         self.bias_note = first.bias_note
         self.notes = list(run.notes)
+        self.partial = run.partial
         peers = sorted(run.ranks[j].rank for groups in self._groups.values() for g in groups for j in g[1:])
         shown = ", ".join(f"rank-{r}" for r in sorted(set(peers))[:8]) + (" ..." if len(set(peers)) > 8 else "")
         self.notes.append(f"{len(run.ranks)} ranks: the load is summed over {len(readers)} data-parallel rank(s) "
@@ -1035,6 +1041,8 @@ class BalanceResult:
     rows: int
     ranks: list[RankShare] | None = None
     world_size: int = 1
+    partial: list = field(default_factory=list)
+    """The traces read that hold less than a whole recording (:class:`routetool.io.run.PartialTrace`)."""
 
     @property
     def token_layers_per_s(self) -> float | None:
@@ -1334,6 +1342,7 @@ def analyze_balance(
         total_load=load_stats(total_cpu, top_n=options.top_n), ep=ep, eplb=eplb, eplb_note=eplb_note,
         bias_note=source.bias_note, capacity_factors=list(options.capacity_factors), notes=notes,
         elapsed_s=elapsed, rows=rows, ranks=rank_shares, world_size=(workers or Workers()).world_size,
+        partial=list(source.partial),
     )
 
 

@@ -325,6 +325,12 @@ class RunInput:
             groups.setdefault(key, []).append(i)
         return sorted(groups.values(), key=lambda g: g[0])
 
+    @property
+    def partial(self) -> list[PartialTrace]:
+        """The ranks' traces that hold less than a whole recording (:func:`trace_partial`), by rank;
+        empty when every one is whole."""
+        return [p for r in self.ranks if (p := trace_partial(r.trace, r.rank)) is not None]
+
     def num_tokens(self, layers) -> int:
         """Rows of ``layers`` over every rank that holds them."""
         return sum(r.trace.info(layer).num_tokens for r in self.ranks for layer in layers if layer in r.trace.layers)
@@ -338,6 +344,68 @@ class RunInput:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class PartialTrace:
+    """A trace that holds less than a whole recording: what every command that reads it says in
+    its first lines and its JSON (docs/cli-contract.md, "Partial traces").
+
+    Attributes:
+        trace: the trace as shown (a rank's trace in a run folder). rank: its rank, or None.
+        sharded: whether it is a sharded trace (an index and its shards).
+        index_complete: the index's ``"complete"`` (False: the recording stopped on an error,
+            was killed or is still running; None: the index does not say, or one file).
+        stopped_by: the index's ``"stopped_by"`` (None: unknown).
+        steps: layer -> captured steps present, for every layer.
+    """
+
+    trace: str
+    rank: int | None
+    sharded: bool
+    index_complete: bool | None
+    stopped_by: str | None
+    steps: dict[int, int]
+
+    @property
+    def unfinished(self) -> bool:
+        """Whether the recording did not finish: a sharded trace whose index is not ``"complete": true``."""
+        return self.sharded and self.index_complete is not True
+
+    @property
+    def unequal_steps(self) -> bool:
+        """Whether the layers hold different numbers of steps (a step cut short inside the model)."""
+        return len(set(self.steps.values())) > 1
+
+    def why(self) -> str:
+        """What makes the trace partial, in words: the unfinished recording and/or the unequal steps."""
+        parts = []
+        if self.unfinished:
+            flag = "false" if self.index_complete is False else "missing"
+            parts.append(f'the recording did not finish (index "complete": {flag}; stopped by: '
+                         f'{self.stopped_by or "unknown: killed, or still recording"})')
+        if self.unequal_steps:
+            parts.append("its layers hold unequal steps (a step cut short inside the model)")
+        return "; ".join(parts)
+
+    def to_json(self) -> dict:
+        """``{"trace", "rank", "why", "index_complete", "stopped_by", "unequal_steps", "steps": {layer: n}}``."""
+        return {"trace": self.trace, "rank": self.rank, "why": self.why(), "index_complete": self.index_complete,
+                "stopped_by": self.stopped_by, "unequal_steps": self.unequal_steps,
+                "steps": {str(k): v for k, v in sorted(self.steps.items())}}
+
+
+def trace_partial(trace, rank: int | None = None) -> PartialTrace | None:
+    """The :class:`PartialTrace` of an open trace, or None for a whole one: a sharded trace whose
+    index is not ``"complete": true``, or any trace whose layers hold unequal steps. Reads the
+    index and the headers only."""
+    steps = {layer: trace.info(layer).num_steps for layer in trace.layers}
+    index = getattr(trace, "index", None)  # (a sharded trace's index document)
+    sharded = isinstance(index, dict)
+    p = PartialTrace(trace=str(trace.display_path), rank=rank, sharded=sharded,
+                     index_complete=index.get("complete") if sharded else None,
+                     stopped_by=index.get("stopped_by") if sharded else None, steps=steps)
+    return p if p.unfinished or p.unequal_steps else None
 
 
 def open_input(path: str | os.PathLike, *, display_path: str | os.PathLike | None = None) -> RunInput:

@@ -15,6 +15,7 @@ from routetool.analysis.balance import BalanceResult, LayerBalance, Quantiles
 from routetool.analysis.eplb import placement_document
 from routetool.io.dumps import ImportedCounts, ImportedRouting
 from routetool.report.formats import load_json
+from routetool.report.partial import partial_json, render_partial
 from routetool.report.tables import fmt_float, histogram_renderable, table, user_text
 
 BALANCE_SCHEMA = "routetool.balance/1"
@@ -134,6 +135,7 @@ def render_balance(result: BalanceResult, console: Console, layer: int | None = 
     ``details``: every per-layer table (expert load, EP ranks, EPLB, bias, capacity, drift) and
     the charts. ``layer`` (``--layer L``) adds that layer's detail either way.
     """
+    render_partial(result.partial, console)  # (before anything: a verdict on part of a recording)
     _header(result, console)
     if details:
         _render_details(result, console, layer)
@@ -557,6 +559,7 @@ def balance_json(result: BalanceResult, include_placement: bool = True) -> dict:
     return {
         "schema": BALANCE_SCHEMA,
         "source": result.source,
+        **partial_json(result.partial),
         "kind": result.kind,
         "model": result.model,
         "routing": result.routing,

@@ -13,6 +13,7 @@ from rich.text import Text
 from routetool.engine.verdict import Verdict
 from routetool.errors import printable
 from routetool.report.formats import xml_safe
+from routetool.report.partial import partial_json, render_partial
 from routetool.report.tables import Console, _count, _values, _weights, table, user_text
 
 if TYPE_CHECKING:  # the types of the results rendered here; importing them would import torch
@@ -85,7 +86,9 @@ def _verdict_line(result, console: Console) -> None:
     passed = sum(c.verdict in ("pass", "pass_tie") for c in result.cases)
     skipped = [c for c in result.cases if c.verdict == "skipped"]
     rejected = sum(c.verdict == "rejected" for c in result.cases)
-    parts = [f"{passed} of {n} cases passed"]
+    ties = [c for c in result.cases if c.verdict == "pass_tie"]
+    parts = [f"{passed} of {n} cases passed" + (f" ({len(ties)} only within ties: {sum(c.tie_rows for c in ties):,} "
+                                                "rows differ from the reference inside a tie)" if ties else "")]
     if skipped:
         reasons: dict[str, int] = {}
         for c in skipped:
@@ -114,6 +117,7 @@ def render_validate(result, console: Console, show_failures: int = 5, details: b
     family, name, verdict and message) and every failing case in full."""
     if details:
         show_failures = len(result.cases)
+    render_partial(result.partial, console)  # (before anything: a verdict on part of a recording)
     ex = result.execution
     processes = f"; {result.world_size} processes (torchrun)" if result.world_size > 1 else ""
     console.print(Panel(user_text(f"kernel {result.kernel} on {ex.device_name}; suite {result.suite or '-'}; "
@@ -189,6 +193,7 @@ def validate_json(result) -> dict:
 
     return {
         "schema": VALIDATE_SCHEMA,
+        **partial_json(result.partial),
         "kernel": result.kernel,
         "suite": result.suite,
         "execution": {"device": str(result.execution.device), "device_name": result.execution.device_name,
