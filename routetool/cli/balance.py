@@ -20,7 +20,7 @@ from routetool.cli.numbers import INT, IntRange
 from routetool.cli.paths import PATH, PATH_TEXT
 from routetool.errors import EXIT_OK, RouteToolError
 from routetool.engine.execution import DEVICE_CHOICES, kernel_source, kernel_stdout
-from routetool.io.dump_options import DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS
+from routetool.io.dump_options import DEFAULT_DROP_REPEATS, FORMATS, LOGITS_FORMATS, OPTIONS_READ, READING_OPTIONS
 from routetool.numtext import list_items, parse_float, parse_int, refuse_repeats
 from routetool.report.tables import Console, markup_safe, user_text
 
@@ -193,7 +193,9 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     """Load balance of SOURCE over experts and expert-parallel ranks, and what EPLB would buy.
 
     SOURCE is a routetool trace, or a routing dump read directly: JSON lines, CSV (or a
-    folder of them), SGLang expert-distribution .pt dumps, per-layer expert counts as JSON.
+    folder of them), SGLang expert-distribution .pt dumps, per-layer expert counts as JSON,
+    and what engines emit: vLLM and SGLang routed experts, Megatron RouterReplay .pt and
+    expert-load .npz dumps, FlashInfer-Trace MoE workloads (logits, routed as a trace).
     Reports per layer: tokens per expert (max/mean, CV, entropy, Gini, idle, hottest),
     balancedness per EP size (whole layer and per step), an EPLB placement and the
     balancedness before/after, the router bias effect, capacity overflow, and drift
@@ -247,18 +249,35 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     resolved_format = resolve_format(source, fmt)
     if resolved_format == "trace":
         _reject_dump_options(source)
+    import tempfile
+    from contextlib import ExitStack
+
+    cleanup = ExitStack()
+    trace_path = source
+    if resolved_format in LOGITS_FORMATS:  # a dump of logits: routed as a trace, written to a temporary file
+        from routetool.io.dumps import write_imported_trace
+
+        imported = read_dump(source, _import_options(resolved_format, num_experts, topk, skip_rows, drop_repeats,
+                                                     select))
+        with ExitStack() as pending:
+            folder = pending.enter_context(tempfile.TemporaryDirectory(prefix="routetool-"))
+            trace_path = Path(folder) / "dump.safetensors"
+            write_imported_trace(imported, trace_path)
+            cleanup.push(pending.pop_all())  # removed when the analysis ends
+        resolved_format = "trace"
     if resolved_format != "trace" and (reference or recorded or kernel_given):
         flag = "--kernel" if kernel_given else "--reference/--recorded"
         raise RouteToolError(f"{flag} {'applies' if kernel_given else 'apply'} to traces; a dump holds ids already",
                              path=source, fix=f"drop {flag if kernel_given else 'the flag'}")
 
     trace = None
-    with kernel_stdout("-" in (json_path, eplb_out)):  # a kernel's print() must not mix into the document
+    with cleanup, kernel_stdout("-" in (json_path, eplb_out)):  # a kernel's print() must not mix into the document
         try:
             if resolved_format == "trace":
                 from routetool.io.run import open_input
 
-                trace = open_input(source)  # a trace file, a sharded trace's index or a run folder
+                # a trace file, a sharded trace's index, a run folder, or a dump of logits written as a trace
+                trace = open_input(trace_path, display_path=source)
                 layers = parse_layers(layers_spec, trace.layers, trace.display_path)
                 logits = [r.trace.info(x).has_logits for r in trace.ranks for x in layers if x in r.trace.layers]
                 needs_logits = not recorded and any(logits)
@@ -373,11 +392,14 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 def import_(source: Path, output: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, select,
             model: str | None, force: bool) -> None:
-    """Convert a routing dump (JSON lines, CSV or a folder of CSVs, SGLang per-token .pt)
-    into an ids-only routetool trace, for `routetool balance` and any tool reading traces.
+    """Convert a routing dump (JSON lines, CSV or a folder of CSVs, SGLang per-token .pt,
+    vLLM or SGLang routed experts, Megatron RouterReplay .pt) into an ids-only routetool trace,
+    or a FlashInfer-Trace MoE workload into a trace with logits, for `routetool balance`,
+    `replay` and any tool reading traces.
 
-    Per-expert counts (counts JSON, SGLang stat/per-pass dumps) have no per-token ids and
-    cannot become a trace: analyse them directly with `routetool balance FILE`.
+    Per-expert counts (counts JSON, SGLang stat/per-pass dumps, Megatron expert-load .npz)
+    have no per-token ids and cannot become a trace: analyse them directly with
+    `routetool balance FILE`.
     """
     from routetool.io.files import check_output_paths, require_input
 

@@ -21,6 +21,11 @@ Readers (format names as ``--format`` takes them; ``auto`` picks by extension/co
   (``records`` with ``global_physical_count``) and ``stat`` mode (``logical_count``
   ``[steps, layers, experts]``) give counts. A folder of ``.pt`` files (one per rank) is
   merged by ``forward_pass_id``.
+* ``vllm``, ``sglang-routed``, ``megatron``, ``megatron-ep-load``, ``flashinfer-trace``: what the
+  engines emit themselves (routed experts of vLLM and SGLang, Megatron's RouterReplay and
+  expert-load dumps, FlashInfer-Trace MoE workloads with logits), read by
+  :mod:`routetool.io.engine_dumps`. :func:`iter_steps` walks any format's result step by step,
+  with the request labels and token positions the format records.
 * ``counts-json``: tokens per expert per layer, nested under names, e.g.
   ``{model: {domain: {layer: {expert_id: count}}}}`` (or ``{layer: [counts]}``; one form per
   table, never both). The named tables chosen with ``select`` become the steps (one per
@@ -68,6 +73,7 @@ import math
 import re
 import shlex
 import warnings
+import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +87,8 @@ from routetool.io.limits import (MAX_EXPERTS, MAX_LAYERS, check_expert_tables, c
                               input_bytes)
 from routetool.numtext import parse_float, parse_int
 from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
+from routetool.io.engine_dumps import (read_flashinfer, read_megatron, read_megatron_ep_load, read_sglang_routed,
+                                       read_vllm, sniff)
 
 from routetool.io.dump_options import (  # noqa: F401 - the options of the importers, part of this interface
     COUNTS_OPTIONS, DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS,
@@ -209,16 +217,22 @@ def _refuse_counts(path: Path, options: ImportOptions, also: str = "") -> None:
 
 @dataclass
 class ImportedLayer:
-    """Expert ids of one layer: ``topk_ids`` ``[T, K]`` int32, optional ``topk_weights``
-    ``[T, K]`` float32, and ``step_offsets`` ``[0, ..., T]``."""
+    """The routing of one layer read from a dump: ``topk_ids`` ``[T, K]`` int32 and optional
+    ``topk_weights`` ``[T, K]`` float32, or (formats that hold logits) ``gating_output``
+    ``[T, E]`` float and optional ``bias`` ``[E]`` float32 with ``topk_ids`` None; ``step_offsets``
+    ``[0, ..., T]``; ``positions`` ``[T]`` int64, each row's token position in its request or
+    sequence where the format records it (None where it does not)."""
 
-    topk_ids: torch.Tensor
+    topk_ids: torch.Tensor | None
     topk_weights: torch.Tensor | None
     step_offsets: list[int]
+    gating_output: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        return int(self.topk_ids.shape[0])
+        return int((self.topk_ids if self.topk_ids is not None else self.gating_output).shape[0])
 
     @property
     def num_steps(self) -> int:
@@ -235,6 +249,10 @@ class ImportedRouting:
         rows_read: token rows found (all layers). rows_skipped: dropped by ``skip_rows``.
         rows_dropped: dropped by ``drop_repeats``; runs_dropped: in how many runs.
         notes: how E/K were found, what was ignored, and similar facts worth telling.
+        step_labels: a name per step, the same for every layer (the request id of formats that
+            give one step per request), or None.
+        router: the router parameters, for formats that hold logits and name their routing
+            (FlashInfer-Trace); None: only E and K are known.
     """
 
     source: str
@@ -248,10 +266,52 @@ class ImportedRouting:
     rows_dropped: int = 0
     runs_dropped: int = 0
     notes: list[str] = field(default_factory=list)
+    step_labels: list[str] | None = None
+    router: RouterConfig | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(x.num_tokens for x in self.layers.values())
+
+    @property
+    def has_logits(self) -> bool:
+        """Whether the layers hold logits (a trace a kernel can route) rather than ids."""
+        return any(x.gating_output is not None for x in self.layers.values())
+
+
+@dataclass
+class DumpStep:
+    """One step (forward pass, or request for per-request formats) of one layer of a dump, as
+    :func:`iter_steps` yields it: ``topk_ids`` ``[n, K]`` int32 or None, ``topk_weights``
+    ``[n, K]`` float32 or None, ``gating_output`` ``[n, E]`` or None, ``bias`` ``[E]`` or None,
+    ``positions`` ``[n]`` int64 or None (token positions in the request), ``label`` (e.g. the
+    request id) or None, ``start``: its first row in the layer."""
+
+    layer: int
+    index: int
+    start: int
+    label: str | None
+    topk_ids: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    gating_output: torch.Tensor | None
+    bias: torch.Tensor | None
+    positions: torch.Tensor | None
+
+
+def iter_steps(imported: ImportedRouting, layers: Iterable[int] | None = None) -> Iterator[DumpStep]:
+    """The steps of ``imported``, layer by layer (``layers``: those, in that order; default all,
+    ascending): the one way to walk any format's routing, whatever it holds (ids, weights,
+    logits) and whatever alignment it records (request labels, token positions)."""
+    for layer in (sorted(imported.layers) if layers is None else layers):
+        x = imported.layers[layer]
+        o = x.step_offsets
+        for i, (a, b) in enumerate(zip(o, o[1:])):
+            def cut(t, a=a, b=b):
+                return None if t is None else t[a:b]
+            yield DumpStep(layer=layer, index=i, start=a,
+                           label=imported.step_labels[i] if imported.step_labels is not None else None,
+                           topk_ids=cut(x.topk_ids), topk_weights=cut(x.topk_weights),
+                           gating_output=cut(x.gating_output), bias=x.bias, positions=cut(x.positions))
 
 
 @dataclass
@@ -279,7 +339,7 @@ class ImportedCounts:
 
 # ---------------------------------------------------------------------------------------
 # format detection
-_DUMP_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".pt", ".pth")
+_DUMP_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".pt", ".pth", ".json", ".npy", ".npz", ".safetensors")
 """The files of a dump folder that the readers read."""
 
 
@@ -327,12 +387,23 @@ def detect_format(path: Path) -> str:
         except OSError as exc:
             raise RouteToolError(f"cannot list the folder ({exc.strerror or exc})", path=path,
                                  fix="check permissions") from None
-        for suffixes, fmt in (((".csv",), "csv"), ((".pt", ".pth"), "sglang"), ((".jsonl", ".ndjson"), "jsonl")):
+        dump_kinds = {".csv", ".pt", ".pth", ".jsonl", ".ndjson", ".npy", ".npz"}
+        for suffixes, fmt in (((".csv",), "csv"), ((".pt", ".pth"), "sglang"), ((".jsonl", ".ndjson"), "jsonl"),
+                              ((".npy",), "vllm"), ((".npz",), "megatron-ep-load")):
             if kinds & set(suffixes):
-                if len(kinds & {".csv", ".pt", ".pth", ".jsonl", ".ndjson"}) > 1:
+                if len(kinds & dump_kinds) > 1:
                     raise RouteToolError("the folder mixes dump formats", path=path,
-                                         fix="put one kind of file (CSV, .pt or JSONL) in a folder")
+                                         fix="put one kind of file (CSV, .pt, JSONL, .npy or .npz) in a folder")
+                if fmt in ("sglang", "jsonl"):  # the engines' .pt and JSON lines: by the first file's content
+                    first = min((p for p in path.iterdir() if p.suffix.lower() in suffixes
+                                 and not p.name.startswith(".")), key=_natural_key)
+                    fmt = sniff(first) or fmt
                 return fmt
+        if ".safetensors" in kinds:  # FlashInfer-Trace workload blobs, or traces
+            first = min((p for p in path.iterdir() if p.suffix.lower() == ".safetensors"
+                         and not p.name.startswith(".")), key=_natural_key)
+            if sniff(first) == "flashinfer-trace":
+                return "flashinfer-trace"
         if kinds & {".json", ".safetensors"}:  # a trace (or a rank's) in a folder: name it
             from routetool.io.run import folder_error
 
@@ -340,6 +411,9 @@ def detect_format(path: Path) -> str:
         raise RouteToolError("the folder holds no .csv, .pt or .jsonl files", path=path,
                              fix="point at a routing dump or a folder of them")
     suffix = path.suffix.lower()
+    engine = sniff(path)  # the engines' own outputs (.npy, .npz, FlashInfer-Trace .safetensors, ...)
+    if engine is not None:
+        return engine
     if suffix == ".safetensors":
         return "trace"
     if suffix == ".json" and _is_trace_index(path):
@@ -370,13 +444,18 @@ def detect_format(path: Path) -> str:
     if head[:2] == b"PK":
         return "sglang"
     raise RouteToolError("cannot tell the format from the name or content", path=path,
-                         fix="pass --format jsonl|csv|sglang|counts-json")
+                         fix=f"pass --format {'|'.join(f for f in FORMATS if f not in ('auto', 'trace'))}")
 
 
 _DUMP_KINDS = {  # format: (a file, a folder)
     "jsonl": ("a JSON-lines routing dump", "a folder of JSON-lines routing dumps"),
     "csv": ("a CSV routing dump", "a folder of CSV routing dumps"),
     "sglang": ("an SGLang routing dump (.pt)", "a folder of SGLang routing dumps (.pt)"),
+    "vllm": ("vLLM routed experts", "a folder of vLLM routed experts (.npy)"),
+    "sglang-routed": ("SGLang routed experts (/generate responses)", "a folder of SGLang /generate responses"),
+    "megatron": ("a Megatron RouterReplay recording (.pt)", "a folder of Megatron RouterReplay recordings (.pt)"),
+    "flashinfer-trace": ("a FlashInfer-Trace MoE workload (.safetensors)",
+                         "a folder of FlashInfer-Trace MoE workloads (.safetensors)"),
 }
 """The dumps a trace command recognises and names (:func:`refuse_dump_as_trace`)."""
 
@@ -417,6 +496,7 @@ class _Row:
     weights: tuple[float, ...] | None
     step_key: object
     where: str  # "line 17" for messages
+    position: int | None = None  # the token's position in its sequence, where the dump records it
 
 
 def _natural_key(p: Path):
@@ -524,7 +604,10 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
         lr = by_layer[layer]
         ids = torch.tensor([r.ids for r in lr], dtype=torch.int32)
         weights = torch.tensor([r.weights for r in lr], dtype=torch.float32) if has_weights else None
-        layers[layer] = ImportedLayer(topk_ids=ids, topk_weights=weights, step_offsets=offsets[layer])
+        positions = torch.tensor([r.position for r in lr], dtype=torch.int64) \
+            if all(r.position is not None for r in lr) else None
+        layers[layer] = ImportedLayer(topk_ids=ids, topk_weights=weights, step_offsets=offsets[layer],
+                                      positions=positions)
     return ImportedRouting(source=str(source), format=fmt, model=model, num_experts=E, topk=K,
                            layers=layers, notes=notes)
 
@@ -863,7 +946,7 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
 
 # ---------------------------------------------------------------------------------------
 # SGLang expert-distribution dumps
-def _torch_load(path: Path):
+def _torch_load(path: Path, fix: str = "pass an SGLang expert-distribution dump (.pt)"):
     """``torch.load(weights_only=True)`` of an SGLang dump, within the budget of its size
     (:mod:`routetool.io.limits`): what its zip records declare is checked before loading, what the
     loaded tensors hold materialised (expanded views, shared references) before anything reads it."""
@@ -875,10 +958,10 @@ def _torch_load(path: Path):
     except OSError as exc:
         raise RouteToolError(f"cannot read ({exc.strerror or exc})", path=path, fix="check permissions") from None
     if not head:
-        raise RouteToolError("is empty", path=path, fix="pass an SGLang expert-distribution dump (.pt)")
+        raise RouteToolError("is empty", path=path, fix=fix)
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
-        raise RouteToolError("is not a torch.save file (neither a zip archive nor a pickle), so not an SGLang dump",
-                             path=path, fix="pass an SGLang expert-distribution dump (.pt), or the file's --format")
+        raise RouteToolError("is not a torch.save file (neither a zip archive nor a pickle)",
+                             path=path, fix=f"{fix}, or the file's --format")
     size = input_bytes([path])
     check_torch_archive(path, size)
     try:
@@ -889,8 +972,7 @@ def _torch_load(path: Path):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - pickle errors of any kind are bad input
         raise RouteToolError(f"cannot load with torch.load(weights_only=True) ({type(exc).__name__}: "
-                             f"{one_line(exc, 100)})", path=path,
-                             fix="pass an SGLang expert-distribution dump (.pt)") from None
+                             f"{one_line(exc, 100)})", path=path, fix=fix) from None
     check_materialised(obj, path, size)
     return obj
 
@@ -951,7 +1033,8 @@ def read_sglang(path: Path, options: ImportOptions) -> ImportedRouting | Importe
     objs = [(f, _torch_load(f)) for f in files]
     for f, obj in objs:
         if not isinstance(obj, dict) or not ({"records", "logical_count"} & set(obj)):
-            raise RouteToolError("not an SGLang expert-distribution dump (no 'records' or 'logical_count')", path=f,
+            raise RouteToolError("not an SGLang expert-distribution dump (no 'records' or 'logical_count') nor a "
+                                 "Megatron RouterReplay recording (top_k_idx tensors)", path=f,
                                  fix="dump with /dump_expert_distribution_record, or pick another --format")
     notes: list[str] = []
     model = options.model or path.stem
@@ -1104,12 +1187,17 @@ def _sglang_per_token(path: Path, records, maps, options, model, notes) -> Impor
             raise RouteToolError(f"forward pass {fp}: physical id {int(ids.max())} outside the map", path=f,
                                  fix="pass an unmodified SGLang dump")
         logical = torch.where(valid, torch.gather(m, 1, ids.clamp(min=0).flatten(1)).view_as(ids), -1)
+        positions = r.get("positions")  # the recorder's ForwardBatch.positions: each token's position in its request
+        if not (isinstance(positions, (list, tuple)) and len(positions) == ids.shape[1]
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in positions)):
+            positions = [None] * ids.shape[1]
         for layer in range(L):
             for t in range(ids.shape[1]):
                 row = [int(x) for x in logical[layer, t].tolist() if x >= 0]
                 if row:
                     where = f"pass {fp} layer {layer} token {t}"
-                    rows.append(_Row(layer, tuple(row), None, (fp,), f"{f.name} {where}" if f != path else where))
+                    rows.append(_Row(layer, tuple(row), None, (fp,), f"{f.name} {where}" if f != path else where,
+                                     positions[t]))
     if mapped:
         notes.append("physical expert ids mapped to logical experts with last_physical_to_logical_map")
     read = len(rows)
@@ -1389,10 +1477,12 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
     if fmt == "trace":
         raise RouteToolError("is already a routetool trace: `import` reads routing dumps", path=path,
                              fix="analyse it with `routetool balance`")
-    readers = {"jsonl": read_jsonl, "csv": read_csv, "sglang": read_sglang, "counts-json": read_counts_json}
+    readers = {"jsonl": read_jsonl, "csv": read_csv, "sglang": read_sglang, "counts-json": read_counts_json,
+               "vllm": read_vllm, "sglang-routed": read_sglang_routed, "megatron": read_megatron,
+               "megatron-ep-load": read_megatron_ep_load, "flashinfer-trace": read_flashinfer}
     if fmt not in readers:
         raise RouteToolError(f"unknown format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
-    if not (fmt == "counts-json" and options.refuse_counts is not None):  # (refused as counts, whatever the options)
+    if not (fmt in ("counts-json", "megatron-ep-load") and options.refuse_counts is not None):  # (refused as counts)
         check_options_read(path, options, OPTIONS_READ[fmt], {"sglang": "an sglang dump",
                                                               "counts-json": "a counts-json file of per-expert counts"}
                            .get(fmt, f"a {fmt} dump"))
@@ -1404,7 +1494,7 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
         raise RouteToolError(f"cannot read ({exc.strerror or one_line(exc, 100)})", path=exc.filename or path,
                              fix="check the path and permissions") from None
     except (UnicodeDecodeError, ValueError, OverflowError, TypeError, KeyError, IndexError, RuntimeError,
-            RecursionError) as exc:
+            RecursionError, EOFError, zipfile.BadZipFile) as exc:
         how = f"--format {fmt}" if explicit else f"{fmt} (detected)"
         raise RouteToolError(f"cannot read as {how} ({type(exc).__name__}: {one_line(exc, 100)})", path=path,
                              fix="check the file, or pass its --format") from None
@@ -1418,30 +1508,36 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
 
 
 def write_imported_trace(imported: ImportedRouting, out: str | Path, *, force: bool = False) -> Path:
-    """Write per-token routing as an ids-only trace (docs/trace-format.md).
+    """Write per-token routing as a trace (docs/trace-format.md): ids-only, or with logits
+    (``gating_output``, ``bias``) for the formats that hold them.
 
-    The router parameters other than E and K are unknown for a dump; the trace records
-    ``route_scale=1`` as a placeholder and says so in ``router_parameters``.
+    The router parameters other than E and K are unknown for an ids dump; the trace records
+    ``route_scale=1`` as a placeholder and says so in ``router_parameters``. A dump with logits
+    carries its router (:attr:`ImportedRouting.router`).
 
     Raises:
         RouteToolError: as :func:`routetool.io.trace.write_trace` (existing file without
             ``force`` ...).
     """
+    extra = {
+        "import_format": imported.format,
+        "import_rows_dropped": str(imported.rows_dropped),
+        "import_rows_skipped": str(imported.rows_skipped),
+    }
+    if imported.router is None:
+        extra["router_parameters"] = "unknown (ids-only import: only num_experts and topk are real)"
     meta = TraceMeta(
         model=imported.model,
-        router=RouterConfig(num_experts=imported.num_experts, topk=imported.topk, route_scale=1.0),
+        router=imported.router or RouterConfig(num_experts=imported.num_experts, topk=imported.topk, route_scale=1.0),
         provenance=f"routetool import of {imported.source} ({imported.format}); " + "; ".join(imported.notes),
-        extra={
-            "import_format": imported.format,
-            "router_parameters": "unknown (ids-only import: only num_experts and topk are real)",
-            "import_rows_dropped": str(imported.rows_dropped),
-            "import_rows_skipped": str(imported.rows_skipped),
-        },
+        extra=extra,
     )
     layers = {
         layer: LayerArrays(
-            topk_ids=x.topk_ids.to(torch.int32),
+            topk_ids=x.topk_ids.to(torch.int32) if x.topk_ids is not None else None,
             topk_weights=x.topk_weights,
+            gating_output=x.gating_output,
+            bias=x.bias,
             step_offsets=torch.tensor(x.step_offsets, dtype=torch.int64),
         )
         for layer, x in imported.layers.items()
