@@ -215,6 +215,13 @@ def test_flashinfer_workloads_become_a_routable_trace(tmp_path):
         assert torch.equal(t.bias(0).float(), bias.to(torch.bfloat16).float())
     _, ids = musespark1x_routing_reference(expected_logits, bias.to(torch.bfloat16).float(), 2, 1.0)
     assert balance_counts(folder, "--reference") == {0: counts(ids.numpy(), 16)}
+    # replay routes the imported trace with the kernel and compares it with the reference
+    res = run("replay", tmp_path / "out.safetensors", "--no-latency", "--device", "cpu", "--json", "-",
+              "--no-progress")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    totals = doc["totals"]["kernel_vs_reference"]
+    assert (totals["rows"], totals["exact"], totals["mismatch"], totals["invalid"]) == (8, 8, 0, 0) and totals["ok"]
 
 
 def _blob_logits(path):
