@@ -7,6 +7,8 @@ a name to (function, the failure class validate must report).
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores, select_topk
@@ -233,6 +235,32 @@ def racy_ties(gating_output, bias, topk, route_scale, *a, topk_weights=None, top
     return _out(w, ids, topk_weights, topk_ids)
 
 
+COINS = random.Random(0)
+"""The coin of :func:`coin_toss_ties` (seeded by the tests that use it)."""
+
+
+def coin_toss_ties(gating_output, bias, topk, route_scale, *a, topk_weights=None, topk_ids=None, **k):
+    """Breaks every call's ties toward the lowest or the highest expert index by a coin tossed per
+    call: two calls on one input agree half the time, so one repeated call may see no difference
+    and the next call, on rows in another order, one."""
+    pick = correct if COINS.random() < 0.5 else highest_index_ties
+    w, ids = pick(gating_output, bias, topk, route_scale, *a, **k)
+    return _out(w, ids, topk_weights, topk_ids)
+
+
+def floor_tiles_above_256(gating_output, bias, topk, route_scale, *a, topk_weights=None, topk_ids=None, **k):
+    """Above 256 tokens takes its prefill path, launched on ``T // 256`` tiles of 256 rows (a floor
+    where a ceiling division belongs): the last ``T % 256`` rows are never written and keep the
+    zeros their outputs were allocated with."""
+    w, ids = correct(gating_output, bias, topk, route_scale, *a, **k)
+    T = gating_output.shape[0]
+    if T > 256:
+        done = T // 256 * 256
+        w, ids = w.clone(), ids.clone()
+        w[done:], ids[done:] = 0.0, 0
+    return _out(w, ids, topk_weights, topk_ids)
+
+
 def _weights_summed(gating_output, bias, topk, route_scale, router_output_multiplier=None,
                     router_score_normalization="sigmoid", router_score_division_eps=None, *, is_padding=None,
                     reverse=False):
@@ -314,6 +342,8 @@ MUTANTS = {
     "zeroes_its_inputs": (zeroes_its_inputs, "modified_input"),
     "exits": (exits, "crash"),
     "racy_ties": (racy_ties, "nondeterministic"),
+    "coin_toss_ties": (coin_toss_ties, "nondeterministic"),
+    "floor_tiles_above_256": (floor_tiles_above_256, "invalid:duplicate_id"),
     "atomic_order_sum": (atomic_order_sum, "nondeterministic"),
     "large_batch_rounding": (large_batch_rounding, "batch_variant"),
     "wrong_at_160_experts_k8": (wrong_at_160_experts_k8, "mismatch"),

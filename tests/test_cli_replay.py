@@ -109,7 +109,7 @@ def test_wrong_kernel_exits_1_and_names_rows(tmp_path):
     res = _run("replay", trace, "--device", DEVICE, "--kernel", kernel, "--no-progress", "--json", tmp_path / "r.json")
     assert res.exit_code == 1, res.output
     assert "FAIL" in res.output and "First failing rows" in res.output
-    assert "kernel vs ref: layer" in res.output.split("First failing rows")[1]  # which comparison each row failed
+    assert "kernel/ref: layer" in res.output.split("First failing rows")[1]  # which comparison each row failed
     doc = json.loads((tmp_path / "r.json").read_text())
     k = doc["totals"]["kernel_vs_reference"]
     assert k["mismatch"] + k["invalid"] > 0 and doc["verdict"] == "fail"
@@ -811,3 +811,74 @@ def test_trace_commands_name_a_routing_dump_and_the_commands_that_read_it(tmp_pa
     assert res.output.strip().splitlines() == [
         f"routetool: error: {dump}: looks like {kind}, not a routetool trace (convert it with `routetool import {dump} "
         f"-o trace.safetensors`, or analyse its load with `routetool balance {dump}`)"], res.output
+
+
+def _recorded_trace(path, factor=None, per_row=False, wrong_ids=False):
+    """A trace whose recorded outputs are the reference's, with weights times ``factor`` (one for
+    every row, or with ``per_row`` another one per row), or with one id changed on row 0."""
+    from kernel.reference import musespark1x_routing_reference as ref
+
+    g = torch.randn(24, 8, generator=torch.Generator().manual_seed(5))
+    router = RouterConfig(num_experts=8, topk=2, route_scale=2.5)
+    w, ids = ref(g, torch.zeros(8), 2, 2.5)
+    if factor is not None:
+        w = w * (factor * (1 + torch.arange(24.0)[:, None] / 24) if per_row else factor)
+    if wrong_ids:
+        ids = ids.clone()
+        ids[0] = torch.tensor([i for i in range(8) if i not in ids[0].tolist()][:2], dtype=ids.dtype)
+    make_trace(path, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 24]), topk_ids=ids,
+                                     topk_weights=w)}, router)
+
+
+@pytest.mark.parametrize("how, pattern", [
+    # every weight off by one factor, ids equal: another route_scale
+    (dict(factor=0.4), "the recorded weights are the reference's times 0.4 on every row, with the same ids: the "
+                       "engine's routing may have other semantics than the trace's router metadata (a route_scale of "
+                       "1, not 2.5?)"),
+    # a factor per row: another renormalization
+    (dict(factor=0.4, per_row=True), "each row's recorded weights are the reference's times a factor of its own"),
+    # a mismatch: no pattern to name
+    (dict(wrong_ids=True), None),
+])
+def test_fail_line_quotes_the_failing_comparison(tmp_path, how, pattern):
+    # the FAIL line used to quote kernel/ref ("0 mismatch, 0 invalid") when recorded/ref failed
+    trace = tmp_path / "t.safetensors"
+    _recorded_trace(trace, **how)
+    js = tmp_path / "r.json"
+    res = CliRunner().invoke(main, ["replay", str(trace), "--no-latency", "--no-progress", "--json", str(js)],
+                             terminal_width=80)
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert "FAIL: recorded/ref and kernel/recorded fail; exit code 1 (recorded/ref: 24 rows: " in text
+    assert "; kernel/ref passes)" in text and "(kernel/ref:" not in text
+    d = json.loads(js.read_text())
+    assert d["recorded_pattern"] == (None if pattern is None else d["recorded_pattern"])
+    if pattern is None:
+        assert "other semantics" not in text
+    else:
+        assert pattern in text and d["recorded_pattern"].startswith(pattern)
+
+
+def test_pass_line_counts_what_weakens_a_pass(tmp_path):
+    # reordered recorded rows are counted in the verdict line, not only in the table
+    trace = tmp_path / "t.safetensors"
+    from kernel.reference import musespark1x_routing_reference as ref
+
+    g = torch.randn(10, 8, generator=torch.Generator().manual_seed(6))
+    w, ids = ref(g, torch.zeros(8), 2, 1.0)
+    make_trace(trace, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 10]), topk_ids=ids.flip(-1),
+                                      topk_weights=w.flip(-1))})
+    res = CliRunner().invoke(main, ["replay", str(trace), "--no-latency", "--no-progress"], terminal_width=80)
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "0 weights out of tolerance; recorded/ref passes: 10 reordered; kernel/recorded passes: 10 reordered)" in text
+
+
+def test_pass_line_says_when_a_comparison_is_ids_only(tmp_path):
+    # unnormalized recorded weights: kernel/recorded compares ids alone, and the verdict line says so
+    trace = _tie_row_trace(tmp_path / "t.safetensors", unnormalized=True)
+    res = CliRunner().invoke(main, ["replay", str(trace), "--no-latency", "--no-progress"], terminal_width=80)
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "recorded/ref passes: 1 tie-equivalent; kernel/recorded passes: ids only (weights not compared), 1 " \
+           "tie-equivalent)" in text

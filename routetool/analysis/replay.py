@@ -96,6 +96,8 @@ class LayerReplay:
             range or repeated, non-finite or negative weights), found without a reference, and
             the rows with any of them; None / 0 elsewhere. recorded_invalid_first: the first
             (up to :data:`MAX_RECORDED_INVALID_SHOWN`) of those rows.
+        recorded_weight_factor: recorded against reference weights on rows of the same experts
+            (:class:`WeightFactor`), when the trace records weights; else None.
     """
 
     layer: int
@@ -116,6 +118,7 @@ class LayerReplay:
     recorded_invalid: dict[str, int] | None = None
     recorded_invalid_rows: int = 0
     recorded_invalid_first: list[RecordedInvalidRow] = field(default_factory=list)
+    recorded_weight_factor: WeightFactor | None = None
 
     @property
     def ok(self) -> bool:
@@ -128,6 +131,76 @@ class LayerReplay:
         if self.kernel_vs_recorded is not None:
             out["kernel_vs_recorded"] = self.kernel_vs_recorded
         return out
+
+
+@dataclass
+class WeightFactor:
+    """How recorded weights relate to the reference's where both hold the same experts: the
+    pattern of a routing with other semantics than the trace's router metadata (another
+    ``route_scale``: one factor on every row; another renormalization: a factor per row).
+
+    Attributes:
+        rows: unpadded rows whose recorded ids are the reference's (in any order) and whose
+            reference weights are all > 0 and recorded weights finite.
+        one_factor_rows: of those, rows whose recorded weights are the reference's times one
+            factor (within twice the recorded dtype's relative tolerance).
+        factor_min / factor_max: the smallest and largest recorded / reference weight over the
+            ``one_factor_rows`` (None without any).
+        spread: the relative tolerance the factors were judged with.
+    """
+
+    rows: int = 0
+    one_factor_rows: int = 0
+    factor_min: float | None = None
+    factor_max: float | None = None
+    spread: float = 0.0
+
+    def add(self, test_ids: torch.Tensor, test_w: torch.Tensor, exp_ids: torch.Tensor, exp_w: torch.Tensor,
+            is_padding: torch.Tensor | None, spread: float) -> None:
+        """Count one chunk: ``[n, K]`` recorded ids/weights against the reference's."""
+        ti, order_t = torch.sort(test_ids.long(), dim=-1)
+        ei, order_e = torch.sort(exp_ids.long(), dim=-1)
+        tw, ew = test_w.float().gather(1, order_t), exp_w.float().gather(1, order_e)
+        rows = (ti == ei).all(-1) & (ei >= 0).all(-1) & (ew > 0).all(-1) & torch.isfinite(tw).all(-1)
+        if is_padding is not None:
+            rows &= ~is_padding
+        ratio = tw / torch.where(ew > 0, ew, 1.0)
+        lo, hi = ratio.min(-1).values, ratio.max(-1).values
+        one = rows & ((hi - lo) <= spread * hi.abs())
+        self.spread = max(self.spread, spread)
+        self.rows += int(rows.sum())
+        n = int(one.sum())
+        if n:
+            self.one_factor_rows += n
+            self._extend(float(lo[one].min()), float(hi[one].max()))
+
+    def _extend(self, lo: float | None, hi: float | None) -> None:
+        if lo is not None:
+            self.factor_min = lo if self.factor_min is None else min(self.factor_min, lo)
+        if hi is not None:
+            self.factor_max = hi if self.factor_max is None else max(self.factor_max, hi)
+
+    def merge(self, other: WeightFactor) -> None:
+        self.rows += other.rows
+        self.one_factor_rows += other.one_factor_rows
+        self.spread = max(self.spread, other.spread)
+        self._extend(other.factor_min, other.factor_max)
+
+    def pattern(self, route_scale: float) -> str | None:
+        """What the pattern suggests, or None when the rows show none (some row's weights are
+        not one factor of the reference's, or every factor is 1)."""
+        if not self.rows or self.one_factor_rows != self.rows or self.factor_min is None:
+            return None
+        lo, hi = self.factor_min, self.factor_max
+        if abs(hi - 1.0) <= self.spread and abs(lo - 1.0) <= self.spread:
+            return None
+        if hi - lo <= self.spread * abs(hi):
+            return (f"the recorded weights are the reference's times {lo:.4g} on every row, with the same ids: the "
+                    "engine's routing may have other semantics than the trace's router metadata (a route_scale of "
+                    f"{route_scale * lo:.4g}, not {route_scale:g}?)")
+        return (f"each row's recorded weights are the reference's times a factor of its own ({lo:.3g} to {hi:.3g}), "
+                "with the same ids: the engine's routing may have other semantics than the trace's router metadata "
+                "(another renormalization, route_scale or eps?)")
 
 
 @dataclass
@@ -235,6 +308,19 @@ class ReplayResult:
     def compared_rows(self) -> int:
         """Rows the kernel and the reference were compared on (0 for an ids-only trace)."""
         return sum(layer.kernel_vs_reference.rows for layer in self.layers)
+
+    @property
+    def recorded_pattern(self) -> str | None:
+        """When recorded vs reference fails on weights with the same ids in a pattern (one factor
+        on every row, or one per row: :meth:`WeightFactor.pattern`), what it suggests; else None."""
+        s = self.totals().get("reference_vs_recorded")
+        if s is None or s.ok or s.mismatch or s.invalid:
+            return None
+        factor = WeightFactor()
+        for layer in self.layers:
+            if layer.recorded_weight_factor is not None:
+                factor.merge(layer.recorded_weight_factor)
+        return factor.pattern(self.router.route_scale)
 
     def totals(self) -> dict[str, ComparisonSummary]:
         """Comparison summaries summed over layers, by comparison name."""
@@ -446,6 +532,10 @@ def merge_layers(parts: Sequence[LayerReplay]) -> LayerReplay:
                 if getattr(out, name) is None:
                     setattr(out, name, ComparisonSummary())
                 getattr(out, name).merge(theirs)
+        if p.recorded_weight_factor is not None:
+            if out.recorded_weight_factor is None:
+                out.recorded_weight_factor = WeightFactor()
+            out.recorded_weight_factor.merge(p.recorded_weight_factor)
         if p.recorded_invalid is not None:
             out.recorded_invalid = {k: (out.recorded_invalid or {}).get(k, 0) + v for k, v in p.recorded_invalid.items()}
         room = MAX_RECORDED_INVALID_SHOWN - len(out.recorded_invalid_first)
@@ -508,6 +598,10 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
                     raw = torch.where(pad[:, None], 0.0, raw)
                 pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, raw, recorded_own),
                          (res.kernel_vs_recorded, ids, None, rec_ids, None, None)]
+            if rec_w is not None:
+                if res.recorded_weight_factor is None:
+                    res.recorded_weight_factor = WeightFactor()
+                res.recorded_weight_factor.add(rec_ids, rec_w, ref_ids, pairs[0][4], pad, 2 * rec_tol.rtol)
             for summary, test_ids, test_w, exp_ids, exp_w, own in pairs:
                 c = compare_step(test_ids, test_w, exp_ids, exp_w, scores, biased, pad,
                                  tie_ulps=tie_ulps, tolerance=rec_tol, own_weights=own)

@@ -36,10 +36,11 @@ REPLAY_SCHEMA = "routetool.replay/1"
 # ---------------------------------------------------------------------------------------
 # replay
 _NAMES = {
-    "kernel_vs_reference": "kernel vs ref",
-    "reference_vs_recorded": "recorded vs ref",
-    "kernel_vs_recorded": "kernel vs recorded",
+    "kernel_vs_reference": "kernel/ref",
+    "reference_vs_recorded": "recorded/ref",
+    "kernel_vs_recorded": "kernel/recorded",
 }
+"""The one name of each comparison in the terminal (its JSON key is the long form)."""
 
 
 _SUMMARY_ROWS = ("rows", "exact", "reordered", "tie-eq (exact)", "mismatch", "invalid", "padded ok",
@@ -135,8 +136,6 @@ def _where(f) -> str:
     return (f"rank-{f.rank} " if f.rank is not None else "") + f"layer {f.layer} step {f.step} row {f.row}"
 
 
-_SHORT_NAMES = {"kernel_vs_reference": "kernel/ref", "reference_vs_recorded": "recorded/ref",
-                "kernel_vs_recorded": "kernel/recorded"}
 
 
 FAILING_ROWS_SHOWN = 3
@@ -159,12 +158,14 @@ def _replay_summary(result: ReplayResult, console: Console, histogram_layer: int
     totals = result.totals()
     compared = [(n, s) for n, s in totals.items() if s.rows]
     if compared:
-        # (the comparison's verdict in its label: a column of its own would not fit 80 columns)
-        t = table("Comparisons (rows of all replayed layers)",
+        # (the comparison's verdict in its label, ✗ for a failing one: a column of its own, or the
+        # word FAIL, would not fit 80 columns; the verdict line names them in words)
+        t = table("Comparisons (rows of all replayed layers" + ("; ✗ fails)" if any(not s.ok for _, s in compared)
+                                                                else ")"),
                   ["", "rows", "exact", "reord", "tie-eq", "mism", "inval", "Δw>tol", "max|Δw|"], left=("",))
         for name, s in compared:
-            label = _SHORT_NAMES.get(name, name)
-            t.add_row(Text(label, style="green") if s.ok else Text(f"{label} FAIL", style="bold red"),
+            label = _NAMES.get(name, name)
+            t.add_row(Text(label, style="green") if s.ok else Text(f"{label} ✗", style="bold red"),
                       f"{s.rows:,}", _count(s.exact), _count(s.reordered),
                       Text(f"{s.tie_equivalent:,}", style="yellow" if s.tie_equivalent else "dim"),
                       _count(s.mismatch, bad=True), _count(s.invalid, bad=True),
@@ -179,7 +180,7 @@ def _replay_summary(result: ReplayResult, console: Console, histogram_layer: int
         for layer in bad_layers[:LAYERS_SHOWN]:
             s = layer.kernel_vs_reference
             what = [f"{v:,} {k}" for k, v in (("mismatch", s.mismatch), ("invalid", s.invalid),
-                                                ("Δw>tol", s.weight_rows_over_tolerance)) if v]
+                                                ("weights out of tolerance", s.weight_rows_over_tolerance)) if v]
             for name, c in layer.comparisons().items():
                 if name != "kernel_vs_reference" and not c.ok:
                     what.append(f"{_NAMES.get(name, name)} fails")
@@ -243,6 +244,10 @@ def _idle(result: ReplayResult) -> str:
     return f"idle experts {idle:,}" + (" (layer-expert pairs)" if len(result.layers) > 1 else "")
 
 
+_REASON_WORDS = {"weight_outside_tolerance": "weights out of tolerance"}
+"""A failing row's reason in the terminal's words, where they differ from its JSON name."""
+
+
 def _failing_rows(result: ReplayResult, console: Console, limit: int) -> None:
     """The first failing rows, each on two lines: where, class and reasons; expected against got,
     ids and weights."""
@@ -252,7 +257,8 @@ def _failing_rows(result: ReplayResult, console: Console, limit: int) -> None:
     console.print(Text(f"First failing rows ({min(limit, len(failures))} shown):", style="bold"))
     for name, f in failures[:limit]:
         console.print(user_text(f"  {_NAMES.get(name, name)}: {_where(f)}: {f.row_class}"
-                                + (f" ({', '.join(f.reasons)})" if f.reasons else ""), style="red"))
+                                + (f" ({', '.join(_REASON_WORDS.get(r, r) for r in f.reasons)})" if f.reasons else ""),
+                                style="red"))
         console.print(_outputs_grid([("expected", f.expected_ids, f.expected_weights),
                                      ("got", f.test_ids, f.test_weights)]))
 
@@ -289,12 +295,13 @@ def _replay_verdict(result: ReplayResult, console: Console) -> None:
     why = ("hold no logits" if all(layer.ids_only for layer in result.layers) else
            "hold no rows" if not any(layer.ids_only for layer in result.layers) else
            "hold no logits or no rows")
-    numbers = ""
-    if k is not None and k.rows:
-        numbers = (f" ({k.rows:,} rows: {k.exact:,} exact, {k.reordered:,} reordered, {k.tie_equivalent:,} "
-                   f"tie-equivalent, {k.padded:,} padded ok; {k.mismatch:,} mismatch, {k.invalid:,} invalid"
-                   + (f" [{_reasons(k)}]" if k.invalid else "") + f", {k.weight_rows_over_tolerance:,} weights out "
-                   "of tolerance)")
+    compared = {name: s for name, s in result.totals().items() if s.rows}
+    failing = [name for name, s in compared.items() if not s.ok]
+    # the comparisons the verdict rests on in full, the others with what weakens their pass
+    full = failing or (["kernel_vs_reference"] if k is not None and k.rows else [])
+    parts = [_numbers(name, compared[name]) for name in full]
+    parts += [_weaker(name, s) for name, s in compared.items() if name not in full]
+    numbers = f" ({'; '.join(parts)})" if parts else ""
     if result.verdict is Verdict.FAIL and result.compared_rows == 0:
         console.print(Text(f"FAIL: the replayed layers {why}, and some recorded outputs are invalid; exit code 1",
                            style="bold red"))
@@ -304,8 +311,29 @@ def _replay_verdict(result: ReplayResult, console: Console) -> None:
         console.print(Text("PASS: no real mismatch, no invalid output, weights within tolerance" + numbers,
                            style="bold green"))
     else:
-        console.print(Text("FAIL: the kernel (or the recorded output) disagrees with the reference; exit code 1"
-                           + numbers, style="bold red"))
+        what = (" and ".join(_NAMES.get(name, name) for name in failing)
+                + (" fail" if len(failing) > 1 else " fails")) if failing else "some recorded outputs are invalid"
+        console.print(Text(f"FAIL: {what}; exit code 1" + numbers, style="bold red"))
+    pattern = result.recorded_pattern
+    if pattern:
+        console.print(Text(f"• {pattern}", style="yellow"))
+
+
+def _numbers(name: str, s: ComparisonSummary) -> str:
+    """A comparison's counts for the verdict line, under its one name (``kernel/ref``...)."""
+    return (f"{_NAMES.get(name, name)}: {s.rows:,} rows: {s.exact:,} exact, {s.reordered:,} reordered, "
+            f"{s.tie_equivalent:,} tie-equivalent, {s.padded:,} padded ok; {s.mismatch:,} mismatch, {s.invalid:,} invalid"
+            + (f" [{_reasons(s)}]" if s.invalid else "")
+            + ("; ids only, weights not compared" if s.weight_rtol is None
+               else f", {s.weight_rows_over_tolerance:,} weights out of tolerance"))
+
+
+def _weaker(name: str, s: ComparisonSummary) -> str:
+    """A passing comparison besides the verdict's own: what makes its pass weaker than exact
+    equality (ids only, reordered rows, rows that differ inside a tie), counted."""
+    weak = (["ids only (weights not compared)"] if s.weight_rtol is None else []) \
+        + [f"{n:,} {what}" for n, what in ((s.reordered, "reordered"), (s.tie_equivalent, "tie-equivalent")) if n]
+    return f"{_NAMES.get(name, name)} passes" + (f": {', '.join(weak)}" if weak else "")
 
 
 def _replay_details(result: ReplayResult, console: Console, histogram_layer: int | None) -> None:
@@ -455,6 +483,7 @@ def replay_json(result: ReplayResult) -> dict:
         "verdict": result.verdict.value,
         "exit_code": result.verdict.exit_code,
         "totals": {name: _summary_json(s) for name, s in result.totals().items()},
+        "recorded_pattern": result.recorded_pattern,
         "world_size": result.world_size,
         "notes": result.notes,
         "ranks": None if result.ranks is None else [

@@ -111,7 +111,7 @@ class _WholeWordTable(Table):
     """A rich Table that never cuts a word of a cell, so never a number (``1,044,480``): rich
     narrows the widest columns below their longest word when a table is wider than the
     terminal and ends the word with "…". Here a column narrows only down to its longest word
-    (a header of several words wraps); a table whose longest words alone are wider than the
+    (a header of several words wraps), the first column (the row's name) not at all; a table whose longest words alone are wider than the
     terminal is shown as several tables of consecutive columns, each repeating the first
     (the row's name: layer, family, kernel) and titled as a continuation of the first."""
 
@@ -125,6 +125,7 @@ class _WholeWordTable(Table):
         pads = [self._get_padding_width(c._index) for c in self.columns]
         ranges = [self._measure_column(console, wide, c) for c in self.columns]
         need = [r.minimum - pad for r, pad in zip(ranges, pads)]  # content widths: the longest word
+        need[0] = ranges[0].maximum - pads[0]  # the row's name (``kernel/recorded FAIL``) is never wrapped
         room = options.max_width - self._extra_width
         if sum(r.maximum for r in ranges) <= room:
             yield from super().__rich_console__(console, options)

@@ -86,7 +86,9 @@ def _verdict_line(result, console: Console) -> None:
     passed = sum(c.verdict in ("pass", "pass_tie") for c in result.cases)
     skipped = [c for c in result.cases if c.verdict == "skipped"]
     rejected = sum(c.verdict == "rejected" for c in result.cases)
-    parts = [f"{passed} of {n} cases passed"]
+    ties = [c for c in result.cases if c.verdict == "pass_tie"]
+    parts = [f"{passed} of {n} cases passed" + (f" ({len(ties)} only within ties: {sum(c.tie_rows for c in ties):,} "
+                                                "rows differ from the reference inside a tie)" if ties else "")]
     if skipped:
         reasons: dict[str, int] = {}
         for c in skipped:
