@@ -3,7 +3,9 @@
 Case ``i`` of seed ``s`` is always the same input and command (``random.Random(f"{s}/{i}")``):
 a small valid trace, sharded index or routing dump, mutated by one generator (safetensors
 headers and their ``__metadata__``, ids-only traces declaring huge expert counts, sharded-trace
-indexes, JSON lines, CSV, counts JSON, SGLang ``.pt`` dumps, hostile paths), then given to one
+indexes, JSON lines, CSV, counts JSON, SGLang ``.pt`` dumps, what the engines emit (every tenth
+case: vLLM and SGLang routed experts, Megatron ``.pt`` and ``.npz``, FlashInfer-Trace blobs), hostile
+paths), then given to one
 command (``info``, ``info --scan``, ``balance``, ``import``, ``replay``, ``validate``). Each case
 runs in this process through click's ``CliRunner`` and must keep the promise of
 docs/cli-contract.md:
@@ -150,6 +152,132 @@ def _sglang(rng: random.Random, path: Path) -> None:
     else:
         torch.save({"records": [rec], "last_physical_to_logical_map": torch.tensor([[0, -5, 2**40, 3, 0, 1]] * 2)},
                    path)
+
+
+def _npy_bytes(a, *, shape=None, descr=None) -> bytes:
+    """``np.save``'s bytes of ``a``, its header optionally declaring another ``shape`` or ``descr``."""
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, a, allow_pickle=True)
+    data = buf.getvalue()
+    if shape is None and descr is None:
+        return data
+    n = int.from_bytes(data[8:10], "little")
+    header = {"descr": descr or np.lib.format.dtype_to_descr(a.dtype), "fortran_order": False,
+              "shape": tuple(shape if shape is not None else a.shape)}
+    text = repr(header).encode("latin1")
+    text += b" " * (n - 1 - len(text)) + b"\n" if len(text) < n else b"\n"
+    return data[:8] + len(text).to_bytes(2, "little") + text + data[10 + n:]
+
+
+def _engine(rng: random.Random, case: Path) -> tuple[Path, list[str]]:
+    """What an engine emits (vLLM and SGLang routed experts, Megatron's RouterReplay and expert-load
+    dumps, FlashInfer-Trace workloads), valid or changed in one way; the file and extra options."""
+    import base64
+
+    import numpy as np
+
+    try:
+        from tests import dump_writers as w
+    except ImportError:  # (run as a script: tests/ is the path's first entry)
+        import dump_writers as w
+
+    kind = rng.choice(["npy", "vllm_json", "sglang_json", "megatron", "npz", "flashinfer"])
+    a = w.routed_experts(rng.randint(1, 12), 3, 2, 8, dense=(0,), seed=rng.randrange(2**31))
+    how = rng.choice(["valid", "valid", "cut", "flip", "shape", "dtype", "value"])
+    if kind in ("npy", "vllm_json"):
+        if how == "shape":
+            data = _npy_bytes(a, shape=rng.choice([(2**40, 3, 2), (1, 2**20, 2**20), (-1, 3, 2), (3, 2), ()]))
+        elif how == "dtype":
+            data = _npy_bytes(rng.choice([a.astype(np.float32), np.array([{"x": 1}], dtype=object), a.astype(">u4")]))
+        elif how == "value":
+            b = a.astype(np.int64)
+            b[0, 1] = rng.choice([[1, 1], [-1, 2], [2**40, 1], [65535, 3]])
+            data = _npy_bytes(b)
+        else:
+            data = _npy_bytes(a)
+        if kind == "npy":
+            path = case / "req.npy"
+            path.write_bytes(_damaged(rng, data, how))
+            return path, []
+        doc = w.vllm_completion([a])
+        doc["choices"][0]["routed_experts"] = base64.b64encode(_damaged(rng, data, how)).decode() \
+            if how != "value" or rng.random() < 0.5 else rng.choice(HOSTILE_TEXT + [None, 3, [], {}])
+        path = case / "resp.json"
+        path.write_text(json.dumps(doc))
+        return path, []
+    if kind == "sglang_json":
+        doc = w.sglang_generate(a.astype(np.int32), rng.randint(1, a.shape[0]))
+        if how == "value":
+            doc["meta_info"][rng.choice(["prompt_tokens", "completion_tokens"])] = rng.choice(HOSTILE_INTS + [None, "3"])
+        elif how != "valid":
+            raw = base64.b64decode(doc["meta_info"]["routed_experts"])
+            doc["meta_info"]["routed_experts"] = base64.b64encode(_damaged(rng, raw, how)).decode()
+        path = case / "gen.jsonl"
+        path.write_text(json.dumps(doc) + "\n")
+        return path, rng.choice([["--topk", "2"], ["--topk", str(rng.choice([1, 3, 2**20]))], []])
+    if kind == "megatron":
+        ids = torch.from_numpy(a.astype(np.int64))
+        obj = {"valid": lambda: [ids[:, i] for i in range(3)], "cut": lambda: ids,
+               "flip": lambda: [ids[:, 0]] * rng.choice([2, 1000, 100_000]),
+               "shape": lambda: torch.tensor([1, 2]).expand(rng.choice([10, 20_000_000]), 2),
+               "dtype": lambda: rng.choice([ids.float(), [ids[:, 0], "x"], [None], ids[None, None]]),
+               "value": lambda: ids - rng.choice([1, 2**40])}[how]()
+        path = case / "replay.pt"
+        torch.save(obj, path)
+        return path, []
+    if kind == "npz":
+        loads = np.random.default_rng(rng.randrange(2**31)).integers(0, 9, (2, 3, 8))
+        path = case / "mcore_ep_loads_rank0_x.npz"
+        counts = [3, 3] if how != "value" else [rng.choice(HOSTILE_INTS[:6]), 3]
+        w.write_mcore_ep_load(path, loads if how != "dtype" else loads.astype(np.float64), [1, 3], counts)
+        if how == "shape":
+            np.savez_compressed(path, dump_version=np.asarray("mcore_ep_load_dump_v1"),
+                                loads=np.zeros((1, rng.choice([8, 4 << 20]), 8), np.int32))
+        elif how in ("cut", "flip"):
+            path.write_bytes(_damaged(rng, path.read_bytes(), how))
+        return path, []
+    folder = case / "moe"
+    folder.mkdir()
+    definition = rng.choice(["moe_fp8_block_scale_ds_routing_topk2_ng1_kg1_e8_h7168_i2048",
+                             "moe_fp8_block_scale_renorm_topk2_e8_h2048_i768"])
+    logits = torch.randn(rng.randint(1, 6), 8)
+    bias = torch.randn(8)
+    if how == "value":
+        logits[0, rng.randrange(8)] = rng.choice([float("nan"), float("inf"), -float("inf")])
+        bias = rng.choice([bias, torch.full((8,), float("nan"))])
+    elif how == "shape":
+        logits = rng.choice([torch.randn(2, 2**20 + 1), torch.randn(4), torch.randn(2, 1)])
+    elif how == "dtype":
+        logits = logits.to(rng.choice([torch.int32, torch.float64, torch.bool]))
+    path = w.write_flashinfer_workload(folder, definition, logits, bias, seed=rng.randrange(2**31)) \
+        if how != "dtype" else _flashinfer_raw(folder, definition, logits)
+    if how in ("cut", "flip"):
+        path.write_bytes(_damaged(rng, path.read_bytes(), how))
+    return (path if rng.random() < 0.5 else folder), []
+
+
+def _flashinfer_raw(folder: Path, definition: str, logits: torch.Tensor) -> Path:
+    from safetensors.torch import save_file
+
+    path = folder / f"{definition}_0f0e0d0c-0b0a-4908-8706-050403020100.safetensors"
+    save_file({"routing_logits": logits.contiguous()}, str(path))
+    return path
+
+
+def _damaged(rng: random.Random, data: bytes, how: str) -> bytes:
+    """``data`` cut short (``cut``) or with a few bytes changed (``flip``); as is otherwise."""
+    if how == "cut":
+        return data[: rng.randrange(len(data))]
+    if how == "flip":
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        return bytes(b)
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,8 +501,13 @@ def build_case(seed: int, number: int, seeds: dict[str, Path], case: Path) -> li
     """Write case ``number``'s files into ``case`` and return its command line (``IN``, ``OUT``
     replaced by paths)."""
     rng = random.Random(f"{seed}/{number}")
-    target = rng.choice(["header", "header", "ids", "index", "jsonl", "csv", "counts", "sglang", "sglang", "paths"])
     out = case / "out.safetensors"
+    if number % 10 == 9:  # what the engines emit (their own generator: the other cases stay as they were)
+        erng = random.Random(f"{seed}/{number}/engine")
+        inp, extra = _engine(erng, case)
+        command = erng.choice(DUMP_COMMANDS) + extra
+        return [str(inp) if a == "IN" else str(out) if a == "OUT" else a for a in command]
+    target = rng.choice(["header", "header", "ids", "index", "jsonl", "csv", "counts", "sglang", "sglang", "paths"])
     if target in ("header", "ids"):
         src = seeds["trace" if target == "header" else "ids"]
         inp = case / "t.safetensors"

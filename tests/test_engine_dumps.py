@@ -300,3 +300,18 @@ def test_npy_base64_is_what_np_load_reads():
 
     a = routed_experts(3, 2, 2, 8)
     assert np.array_equal(np.load(io.BytesIO(base64.b64decode(npy_base64(a))), allow_pickle=False), a)
+
+
+@pytest.mark.parametrize("kind", ["flashinfer", "npy", "megatron"])
+def test_trace_commands_name_an_engine_output_and_the_import(tmp_path, kind):
+    if kind == "flashinfer":
+        path = write_flashinfer_workload(tmp_path, DEFINITION, torch.randn(2, 16), torch.zeros(16))
+        words = "looks like a FlashInfer-Trace MoE workload (.safetensors), not a routetool trace"
+    elif kind == "npy":
+        path = write_vllm_npy(tmp_path / "req.npy", routed_experts(2, 2, 2, 8))
+        words = "looks like vLLM routed experts, not a routetool trace"
+    else:
+        path = write_megatron_replay(tmp_path / "replay.pt", torch.zeros(2, 1, 2, dtype=torch.long) + 1, "tensor")
+        words = "looks like a Megatron RouterReplay recording (.pt), not a routetool trace"
+    for command in (["replay", path, "--device", "cpu", "--no-progress"], ["info", path]):
+        one_line_error(run(*command), words, "routetool import")

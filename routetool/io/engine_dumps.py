@@ -151,7 +151,7 @@ def _npy_array(data: io.BufferedIOBase | io.BytesIO, size: int, where: str, path
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(data)
         else:
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(data)
-    except (ValueError, OSError, EOFError, SyntaxError) as exc:
+    except Exception as exc:  # noqa: BLE001 - numpy parses the header with ast/tokenize: any failure is bad input
         raise RouteToolError(f"{where}: not a .npy array ({_first_line(exc)})", path=path,
                              fix="pass the array vLLM returns, saved with np.save") from None
     if dtype.hasobject:
@@ -166,7 +166,7 @@ def _npy_array(data: io.BufferedIOBase | io.BytesIO, size: int, where: str, path
     data.seek(0)
     try:
         return np.load(data, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a damaged array of any kind is bad input
         raise RouteToolError(f"{where}: cannot read the .npy array ({_first_line(exc)})", path=path,
                              fix="save it again with np.save") from None
 
