@@ -27,6 +27,17 @@ class Terminated(BaseException):
         self.signum = signum
 
 
+def is_allocation_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says that memory could not be allocated: ``MemoryError``, torch's
+    ``OutOfMemoryError`` (CUDA), or the ``RuntimeError`` of torch's CPU allocator ("can't
+    allocate memory"). An allocation the input forces is the input's problem (exit 2), never a
+    kernel's crash or a traceback."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
 class RouteToolError(Exception):
     """A problem with the user's input or environment, reported in one line with exit 2.
 

@@ -20,6 +20,8 @@ from routetool.errors import (
     EXIT_USAGE,
     RouteToolError,
     Terminated,
+    first_line,
+    is_allocation_failure,
     printable,
 )
 
@@ -108,6 +110,14 @@ class _Group(click.Group):
             ctx.exit(exc.exit_code)
         except BrokenPipeError:  # (click would make it exit 1)
             ctx.exit(_stdout_closed())
+        except (MemoryError, RuntimeError) as exc:  # an allocation the input forces: bad input, one line
+            if not is_allocation_failure(exc):
+                raise
+            if _first_process():
+                click.echo(printable(f"routetool: error: cannot allocate the memory this input needs "
+                                     f"({first_line(exc)[:200]}) (run on a machine with more memory, or read fewer "
+                                     "layers or steps)"), err=True)
+            ctx.exit(EXIT_USAGE)
         except OSError as exc:  # a path the checks let through (e.g. a file name over the system's limit)
             where = f"{exc.filename}: " if exc.filename is not None else ""
             click.echo(printable(f"routetool: error: {where}{exc.strerror or exc} (check the path)"), err=True)

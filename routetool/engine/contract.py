@@ -32,7 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
-from routetool.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, KernelError, KernelRejection, first_line
+from routetool.errors import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    EXIT_USAGE,
+    KernelError,
+    KernelRejection,
+    first_line,
+    is_allocation_failure,
+)
 
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -192,6 +200,8 @@ def call_kernel(fn: RoutingFn, gating_output: torch.Tensor, bias: torch.Tensor, 
                else "fix the kernel: every routing kernel must route float32 logits")
         return KernelOutcome(failure_class="rejected_undocumented", detail=first_line(exc), fix=fix)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - whatever the kernel under test raises is reported
+        if is_allocation_failure(exc):  # (the input's size, not the kernel: exit 2 at the command)
+            raise
         return KernelOutcome(failure_class="crash", detail=first_line(exc), fix="fix the kernel")
     if guard is not None:
         changed = guard.changed()

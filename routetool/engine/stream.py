@@ -14,6 +14,13 @@ and moves each chunk to the device in one copy. Per chunk the caller then
 
 At most two chunks are held at a time (the one in use and the one being read), so memory is
 bounded by about twice the budget plus the comparison's temporaries, whatever the trace's size.
+
+A step is the unit of the kernel's calls and of every per-step statistic (balancedness,
+capacity, phases), so a chunk never splits one: a step larger than the budget is a chunk of its
+own, up to :data:`MAX_STEP_BYTES`. A step beyond that (no real forward pass routes so many
+tokens: a damaged ``step_offsets``, or a sparse file that declares gigabytes of logits) is refused
+before anything reads it (:func:`check_steps`): one line, exit 2, never an allocation that takes
+the machine or a kernel blamed for running out of memory.
 """
 
 from __future__ import annotations
@@ -26,10 +33,54 @@ from dataclasses import dataclass
 import torch
 
 from routetool.engine.contract import InputGuard, KernelOutcome, RoutingFn, call_kernel, modified_outcome
+from routetool.io.limits import CHUNK_BYTES
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+DEFAULT_CHUNK_BYTES = CHUNK_BYTES
 """Bytes of ``[rows, E]`` float32 scores per chunk (the largest of the comparison's temporaries);
 a step larger than this is a chunk of its own."""
+
+MAX_STEP_BYTES = 2 * DEFAULT_CHUNK_BYTES
+"""Largest step (its rows as ``[rows, E]`` float32 scores, or ``[rows, K]`` int64 ids for an
+ids-only layer) a command reads: 128 MiB, 131,072 tokens of 256 experts, twice the largest
+forward pass an engine is usually given (vLLM's and SGLang's batched-token limits are 8,192 to
+65,536). A chunk of one such step peaks at about 16 times its size in the comparison's
+temporaries."""
+
+
+def step_bytes(trace, layer: int) -> int:
+    """Bytes of one row of ``layer`` as the pipeline holds it: ``4 * E`` float32 scores, or
+    ``8 * K`` int64 ids for an ids-only layer."""
+    router = trace.meta.router
+    return 4 * max(router.num_experts, 1) if trace.info(layer).has_logits else 8 * max(router.topk, 1)
+
+
+def check_steps(trace, layer: int, limit: int = MAX_STEP_BYTES) -> None:
+    """Refuse, before anything is read, a layer with a step larger than ``limit`` bytes
+    (:data:`MAX_STEP_BYTES`; rows counted by :func:`step_bytes`).
+
+    Raises:
+        RouteToolError: naming the trace, the layer's tensor, the step, its rows and bytes (exit 2).
+    """
+    from routetool.errors import RouteToolError
+    from routetool.io.limits import fmt_bytes
+
+    offsets = trace.info(layer).step_offsets
+    row = step_bytes(trace, layer)
+    if len(offsets) < 2:
+        return
+    sizes = [b - a for a, b in zip(offsets, offsets[1:])]
+    rows = max(sizes)
+    if rows * row <= limit:
+        return
+    step = sizes.index(rows)
+    E = trace.meta.router.num_experts
+    what = f"{E:,} experts' float32 scores" if trace.info(layer).has_logits else "their ids"
+    tensor = "gating_output" if trace.info(layer).has_logits else "topk_ids"
+    raise RouteToolError(
+        f"step {step} holds {rows:,} rows, {fmt_bytes(rows * row)} of {what}, more than the {fmt_bytes(limit)} "
+        f"one step may take (a step is routed, compared and counted whole)", path=trace.display_path,
+        tensor=f"layers.{layer}.{tensor}",
+        fix="no forward pass routes that many tokens: check the layer's step_offsets, or record smaller steps")
 
 
 @dataclass
@@ -105,8 +156,10 @@ def stream_layer(trace, layer: int, device: torch.device, *, budget_bytes: int =
         read_ahead: read the next chunk on a background thread while this one is used.
 
     Raises:
-        RouteToolError: the trace cannot be read (raised where the chunk is taken).
+        RouteToolError: a step larger than :data:`MAX_STEP_BYTES` (:func:`check_steps`, before
+            anything is read); the trace cannot be read (raised where the chunk is taken).
     """
+    check_steps(trace, layer)
     info = trace.info(layer)
     offsets = info.step_offsets
     E = trace.meta.router.num_experts

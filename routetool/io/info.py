@@ -246,7 +246,12 @@ def trace_info(trace, *, scan: bool = False, progress: Callable[[int], None] | N
     if scan:
         for summary in layers:
             padded = nonfinite = nonfinite_padded = 0
-            for step in trace.steps(summary.layer):
+            # (per row, so read in bounded row ranges whatever the steps: one step may be gigabytes)
+            from routetool.io.limits import row_ranges
+
+            row_bytes = 4 * max(r.num_experts, 1) + 16 * max(r.topk, 1)
+            for a, b in row_ranges(summary.num_tokens, row_bytes):
+                step = trace.read_rows(summary.layer, a, b)
                 pad = step.is_padding
                 if pad is not None:
                     padded += int(pad.sum())
@@ -256,7 +261,7 @@ def trace_info(trace, *, scan: bool = False, progress: Callable[[int], None] | N
                     if pad is not None:
                         nonfinite_padded += int((bad & pad).sum())
                 if progress is not None:
-                    progress(step.num_tokens)
+                    progress(b - a)
             summary.padded_rows, summary.nonfinite_rows = padded, nonfinite
             summary.nonfinite_padded_rows = nonfinite_padded
 

@@ -58,6 +58,19 @@ MAX_NESTING = 64
 """Deepest nesting of containers read from a ``.pt`` dump (as :data:`routetool.io.jsonstrict.MAX_DEPTH`)."""
 
 
+CHUNK_BYTES = 64 * 2**20
+"""Bytes of data a command holds per chunk of a trace it streams (``[rows, E]`` float32 scores):
+the pipeline's (:data:`routetool.engine.stream.DEFAULT_CHUNK_BYTES`) and ``info --scan``'s."""
+
+
+def row_ranges(num_rows: int, row_bytes: int, budget_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of ``num_rows`` rows of at most ``budget_bytes`` each
+    (``row_bytes`` a row; at least one row a range), whatever the steps: for work that is per
+    row (``info --scan``), so that one huge step is read in bounded pieces."""
+    step = max(1, budget_bytes // max(1, row_bytes))
+    return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
+
+
 def fmt_bytes(n: int) -> str:
     """Bytes in binary units (``1.4 MiB``)."""
     value = float(n)
