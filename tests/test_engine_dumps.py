@@ -315,3 +315,12 @@ def test_trace_commands_name_an_engine_output_and_the_import(tmp_path, kind):
         words = "looks like a Megatron RouterReplay recording (.pt), not a routetool trace"
     for command in (["replay", path, "--device", "cpu", "--no-progress"], ["info", path]):
         one_line_error(run(*command), words, "routetool import")
+
+
+def test_engine_outputs_read_num_experts_and_topk_only(tmp_path):
+    # they record real requests, not warm-up rows: the filters of token-row dumps are refused, never ignored
+    path = write_vllm_npy(tmp_path / "req.npy", routed_experts(3, 2, 2, 8))
+    one_line_error(run("import", path, "-o", tmp_path / "x.safetensors", "--skip-rows", "1"),
+                   "--skip-rows does not apply to a vllm dump (it reads --num-experts, --topk)")
+    one_line_error(run("balance", path, "--drop-repeats", "0", "--no-progress"),
+                   "--drop-repeats does not apply to a vllm dump")
