@@ -573,3 +573,23 @@ def test_capture_hf_bad_text_file_is_one_line(tmp_path, make, fragments):
 def test_capture_hf_empty_stdin_is_one_line(tmp_path):
     _one_line_error(_run("capture", "hf", "--arch", "mixtral", "--text", "-", "-o", tmp_path / "o.safetensors",
                          input=""), "<stdin>: the text is empty")
+
+
+@pytest.mark.parametrize("flag, shown", [("--no-progress", False), ("--progress", True)])
+def test_capture_hf_no_progress_silences_transformers_bars(tmp_path, monkeypatch, flag, shown):
+    # transformers drew its "Loading weights" bar under --no-progress
+    pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    import routetool.capture.hf as hf
+
+    ckpt = tmp_path / "ckpt"
+    _tiny_checkpoint(ckpt)
+    seen = []
+    load = hf.load_checkpoint
+    monkeypatch.setattr(hf, "load_checkpoint", lambda *a, **k: (seen.append(hf_logging.is_progress_bar_enabled()),
+                                                                load(*a, **k))[1])
+    res = _run("capture", "hf", "--model", ckpt, "--text", TEXT, "-o", tmp_path / "q.safetensors", "--batch", "1",
+               "--prompt-tokens", "4", "--max-new-tokens", "0", flag)
+    assert res.exit_code == 0, res.output
+    assert seen == [shown] and hf_logging.is_progress_bar_enabled()  # restored afterwards

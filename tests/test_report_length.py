@@ -58,3 +58,21 @@ def test_failing_layers_get_a_line_each_at_most(traces):
                      + ":padding_ignored")
     assert "bad_padding" in text.split("Comparisons")[1]  # the reason behind 'invalid', in the terminal
     assert n <= 60, text
+
+
+def test_no_label_wraps_onto_a_line_of_its_own_at_80_columns(tmp_path):
+    # replay's failing comparison ("kernel/recorded FAIL" put FAIL on a line of its own), info's
+    # table titles ("Step shapes (8" / "distinct, same in" / "every layer)") and synth's captions
+    # wrapped to their table's width
+    _, replay = _lines("replay", ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors", "--no-latency", "--kernel",
+                       str(ROOT / "tests" / "mutants.py") + ":biased_weights")
+    assert "kernel/recorded ✗  1,296" in replay
+    _, info = _lines("info", ROOT / "traces" / "musespark1x-synth-bf16.safetensors")
+    assert "\nStep shapes (8 distinct, same in every layer)" in info
+    _, synth = _lines("synth", "-o", tmp_path / "s.safetensors", "--layers", "2", "--experts", "16", "--topk", "2",
+                      "--prefill", "40", "--decode-steps", "3")
+    assert "realised statistics per layer" in synth
+    assert "\nties@k: unpadded rows with an exact tie at the k-th boundary" in synth
+    for out in (replay, info, synth):
+        lines = [x.strip() for x in out.splitlines()]
+        assert not [x for x in lines if x in ("FAIL", "layer", "boundary")], out

@@ -562,6 +562,23 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
                     "vocab.txt")
 
 
+@contextlib.contextmanager
+def progress_bars(enabled: bool):
+    """transformers' own progress bars (``Loading weights``, checkpoint shards) off while the block
+    runs unless ``enabled``, so that ``--no-progress`` silences them as it does routetool's; the
+    setting before is restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", tokenizer: str = "auto"):
     """``(model, tokenizer or None)`` from a local checkpoint folder (no network).
 

@@ -403,7 +403,8 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
     torch_dtype = None if dtype == "auto" else _torch_dtype(dtype)
     if model_path is not None:
         source = model_path
-        model, tokenizer = hf.load_checkpoint(model_path, dtype=torch_dtype or "auto", tokenizer=tokenizer_mode)
+        with hf.progress_bars(progress):  # --no-progress: transformers' own bars too
+            model, tokenizer = hf.load_checkpoint(model_path, dtype=torch_dtype or "auto", tokenizer=tokenizer_mode)
         origin = f"checkpoint {model_path}"
     else:
         fields = _parse_overrides(overrides)

@@ -285,10 +285,10 @@ def _header(result: BalanceResult, console: Console) -> None:
     known = all(x.tokens is not None for x in result.layers)
     header.add_row("experts", f"E={result.num_experts} topk={result.topk if result.topk else '?'}; "
                               f"{len(result.layers)} layer(s); "
-                              + (f"{tokens:,} token-layers, " if known else "")
+                              + (f"{tokens:,} unpadded rows, " if known else "")
                               + f"{sum(x.assignments for x in result.layers):,} assignments")
     rate = result.token_layers_per_s
-    unit = "token-layers/s" if result.kind != "counts" else "steps/s"
+    unit = "rows/s" if result.kind != "counts" else "steps/s"
     header.add_row("statistics", f"on {result.device}, {result.elapsed_s:.2f} s"
                                  + (f" ({rate:,.0f} {unit})" if rate else "")
                                  + (f"; {result.world_size} processes (torchrun)" if result.world_size > 1 else ""))

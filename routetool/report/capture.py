@@ -57,7 +57,7 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
         header.add_row(user_text(key), user_text(info.metadata[key]))
     header.add_row("provenance", user_text(info.provenance or "-"))
     header.add_row("layers", f"{len(info.layers)}: {', '.join(str(x.layer) for x in info.layers)}")
-    header.add_row("tokens", f"{info.total_tokens:,} rows in {info.total_steps:,} layer-steps")
+    header.add_row("rows", f"{info.total_tokens:,} (tokens x layers) in {info.total_steps:,} layer-steps")
     header.add_row("recorded outputs", {"all": "topk_ids/topk_weights in every layer", "some": "in some layers",
                                         "none": "none (inputs only)"}[info.recorded_outputs])
     if info.scanned:
@@ -65,7 +65,7 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
         header.add_row("non-finite rows", f"{info.nonfinite_rows:,}")
     console.print(Panel(header, title="routetool info", expand=False))
 
-    columns = ["layer", "tokens", "steps", "rows/step min", "p50", "max", "max|bias|", "recorded"]
+    columns = ["layer", "rows", "steps", "rows/step min", "p50", "max", "max|bias|", "recorded"]
     if info.scanned:
         columns += ["padded", "nonfinite"]
     tbl = table("Per layer", columns, left=("recorded",))
@@ -126,10 +126,10 @@ def render_run_info(run, infos: list[TraceInfo], console: Console) -> None:
                             + f", size {fmt_bytes(sum(i.size_bytes for i in infos))}")
     header.add_row("model", user_text(first.model or "-"))
     header.add_row("router", router_line(first.router, first.metadata.get("router_parameters")))
-    header.add_row("tokens", f"{sum(i.total_tokens for i in infos):,} rows in {sum(i.total_steps for i in infos):,} "
-                             "layer-steps, all ranks")
+    header.add_row("rows", f"{sum(i.total_tokens for i in infos):,} (tokens x layers) in "
+                           f"{sum(i.total_steps for i in infos):,} layer-steps, all ranks")
     console.print(Panel(header, title="routetool info", expand=False))
-    columns = ["rank", "role", "layout", "layers", "steps", "tokens", "size", "recorded"]
+    columns = ["rank", "role", "layout", "layers", "steps", "rows", "size", "recorded"]
     if first.scanned:
         columns += ["padded", "nonfinite"]
     tbl = table("Per rank", columns, left=("rank", "role", "layout", "recorded"))
@@ -207,7 +207,7 @@ def render_synth(path: str, stats: list, console: Console) -> None:
     """Print the realised statistics of a synthetic trace (:class:`routetool.capture.synth.SynthLayerStats`):
     one table of rows and special rows, one of the load (two, so that each fits 80 columns)."""
     rows = table(user_text(f"{path}: realised statistics per layer"),
-                 ["layer", "tokens", "steps", "padded", "nonfinite", "ties@k"])
+                 ["layer", "rows", "steps", "padded", "nonfinite", "ties@k"])
     for st in stats:
         rows.add_row(str(st.layer), f"{st.num_tokens:,}", str(st.num_steps), f"{st.padded_rows:,}",
                      f"{st.nonfinite_rows:,}", f"{st.boundary_ties:,}")

@@ -116,6 +116,11 @@ class _WholeWordTable(Table):
     (the row's name: layer, family, kernel) and titled as a continuation of the first."""
 
     def __rich_console__(self, console, options):
+        # the title and the caption take the terminal's width before they wrap to the table's:
+        # a title's last word never stands on its own line under a narrow table
+        longest = max((len(t.plain if isinstance(t, Text) else str(t)) for t in (self.title, self.caption) if t),
+                      default=0)
+        self.min_width = max(self.min_width or 0, min(longest, options.max_width))
         if (not self.columns or any(c.width is not None for c in self.columns)  # widths already fitted
                 or not all(hasattr(Table, m) for m in ("_measure_column", "_get_padding_width", "_extra_width"))):
             # (the measuring uses rich's own column measure; a rich without it folds long cells instead)
@@ -164,8 +169,8 @@ class _WholeWordTable(Table):
 def table(title: str | Text, columns: list[str], left: tuple[str, ...] = ()) -> Table:
     """A report table: ``columns`` right-aligned (numbers) except those in ``left``; a cell's
     words, numbers included, are never cut (:class:`_WholeWordTable`)."""
-    t = _WholeWordTable(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-                        collapse_padding=True)
+    t = _WholeWordTable(title=title, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
+                        padding=(0, 1), pad_edge=False, collapse_padding=True)
     for col in columns:
         t.add_column(col, justify="left" if col in left else "right", overflow="fold")
     return t
