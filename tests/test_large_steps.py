@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import routetool
@@ -21,6 +20,7 @@ from routetool.cli import main
 from routetool.engine.stream import MAX_STEP_BYTES
 
 ROOT = Path(routetool.__file__).resolve().parents[1]
+TRACE_SMALL = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
 E = 8
 
 
@@ -116,9 +116,6 @@ def test_info_scan_reads_a_huge_step_in_bounded_pieces(tmp_path):
     assert proc.returncode == 0, proc.stderr
     added = int(proc.stderr.strip().splitlines()[-1]) - int(base.stderr.strip().splitlines()[-1])
     assert added < 512 << 20, f"info --scan of a 1 GiB step added {added / 2**20:.0f} MiB of anonymous memory"
-
-
-TRACE_SMALL = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
 
 
 def test_an_allocation_the_input_forces_is_bad_input_not_a_kernel_crash(tmp_path):

@@ -105,7 +105,8 @@ class _Group(click.Group):
         except KeyboardInterrupt:  # (click would write an empty line before its Abort)
             raise Terminated(signal.SIGINT) from None
         except RouteToolError as exc:
-            if _first_process():
+            speaks = getattr(exc, "speaks", None)  # (a lost torchrun peer: its first reporter, any rank)
+            if _first_process() if speaks is None else speaks:
                 click.echo(f"routetool: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except BrokenPipeError:  # (click would make it exit 1)

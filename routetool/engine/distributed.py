@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from routetool.errors import RouteToolError
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -74,7 +76,7 @@ class Workers:
         import torch.distributed as dist
 
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (mine, error))
+        _collective(lambda: dist.all_gather_object(gathered, (mine, error)), "gathered their results")
         errors = [e for _, e in gathered if e is not None]
         if errors:
             raise min(errors, key=lambda e: e[0])[1]
@@ -96,10 +98,57 @@ def leave() -> bool:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return False
     try:
-        dist.barrier()
+        _collective(dist.barrier, "left together")
+    except PeerLost:
+        pass  # (this process's verdict and line stand; torchrun reports the process that is gone)
     finally:
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a group whose peers are gone may not close cleanly
+            pass
     return True
+
+
+class PeerLost(RouteToolError):
+    """Another process of the torchrun job stopped (killed, out of memory, crashed) while this
+    one waited for it in a collective: one line, exit 2, printed once for the job, by the first
+    survivor to report it whatever its rank (:attr:`speaks`), instead of the backend's traceback."""
+
+    speaks = True
+
+
+def _first_to_report() -> bool:
+    """Whether this process is the first of the job to report a lost peer: counted in torchrun's
+    store (the agent's, which outlives its workers); True where the store cannot be reached."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store().add("routetool/peer_lost", 1) == 1
+    except Exception:  # noqa: BLE001 - no store: say it rather than say nothing
+        return True
+
+
+def _collective(call: Callable[[], R], what: str) -> R:
+    """``call()``, a collective of the group; a failure of the collective itself (gloo's
+    "Connection closed by peer", NCCL's errors: another process is gone) becomes
+    :class:`PeerLost`, a one-line error instead of the backend's traceback.
+
+    Raises:
+        PeerLost: naming what the processes were doing and the backend's first line.
+    """
+    from routetool.errors import first_line
+
+    try:
+        return call()
+    except RouteToolError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - RuntimeError (gloo), DistBackendError (NCCL), ...
+        err = PeerLost(f"another process of this torchrun job stopped while the processes {what} "
+                       f"({first_line(exc, 160)}): its own line, or torchrun's report, says why",
+                       fix="fix what stopped it (a process killed for memory: fewer processes per GPU or host), "
+                           "then run again")
+        err.speaks = _first_to_report()
+        raise err from None
 
 
 def _portable(exc: BaseException) -> BaseException:
