@@ -293,7 +293,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
                     from kernel.reference import musespark1x_routing_reference
 
                     # a load question on a machine without a GPU: the reference gives the routing the
-                    # kernel must give, about 100 times faster than the kernel under the Triton interpreter
+                    # kernel must give, at a fraction of the cost of the kernel under the Triton interpreter
                     reference_by_default = not (reference or recorded or kernel_given) and execution.interpreted
                     if reference or recorded or reference_by_default:
                         route_name = "reference (PyTorch" + (", the default without a GPU)" if reference_by_default
