@@ -94,11 +94,13 @@ def sample():
         time.sleep(0.005)
 
 threading.Thread(target=sample, daemon=True).start()
+code = 1
 try:
-    main(sys.argv[1:], prog_name="routetool", standalone_mode=False)
+    code = main(sys.argv[1:], prog_name="routetool", standalone_mode=False)
 finally:
     peak[0] = max(peak[0], rss_anon())
     print(peak[0], file=sys.stderr)
+sys.exit(code if isinstance(code, int) else 0)
 """
 """Runs routetool in a process that reports its peak anonymous resident size (what it allocates;
 the pages of a memory-mapped trace are the file's, which the system takes back)."""
