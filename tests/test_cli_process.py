@@ -30,7 +30,7 @@ real_save_file = routetool.io.trace.save_file
 def save_then_pause(*args, **kwargs):
     real_save_file(*args, **kwargs)
     Path(sys.argv[1]).touch()
-    time.sleep(120)
+    time.sleep(600)
 
 routetool.io.trace.save_file = save_then_pause
 main(sys.argv[2:], prog_name="routetool")
@@ -63,7 +63,7 @@ def test_a_signal_during_a_write_leaves_no_file_behind(tmp_path, signum, code, m
         env=_env(), text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # (a hang guard, generous for a loaded machine)
         while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert ready.exists(), proc.stderr.read() if proc.poll() is not None else "the write never started"
