@@ -372,10 +372,11 @@ def _switch_batches(E, K, dtype):
 
 
 BATCH_INVARIANCE = [
-    # (E, K, normalization, dtype, padding and bias): the models family's expert counts, every dtype
+    # (E, K, normalization, dtype, padding and bias): the models family's expert counts, every dtype (not
+    # 512 x 22: compiling its two-level kernels takes minutes; validate's models family routes it)
     (256, 8, "sigmoid", torch.float32, True), (256, 8, "sigmoid", torch.bfloat16, True),
     (256, 8, "sigmoid", torch.float16, False), (384, 8, "sigmoid", torch.float32, True),
-    (512, 10, "softmax", torch.bfloat16, False), (512, 22, "softmax", torch.float32, True),
+    (512, 10, "softmax", torch.bfloat16, False), (512, 8, "sigmoid", torch.float32, True),
     (160, 6, "softmax", torch.float16, True), (128, 8, "sigmoid", torch.bfloat16, True),
     (64, 6, "softmax", torch.float32, False), (60, 4, "softmax", torch.bfloat16, True),
     (8, 2, "softmax", torch.float16, True), (256, 16, "sigmoid", torch.float32, False),
