@@ -99,7 +99,7 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         from routetool.io.files import forget_claims
 
-        forget_claims()  # (the outputs a previous command in this process claimed)
+        forget_claims()  # (what an interrupted command in this process may have left)
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:  # (click would write an empty line before its Abort)
@@ -123,6 +123,8 @@ class _Group(click.Group):
             where = f"{exc.filename}: " if exc.filename is not None else ""
             click.echo(printable(f"routetool: error: {where}{exc.strerror or exc} (check the path)"), err=True)
             ctx.exit(EXIT_USAGE)
+        finally:
+            forget_claims()  # (a command's claims end with it: a later write in this process is its own)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
