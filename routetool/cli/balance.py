@@ -145,8 +145,9 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
               help="Where routing and statistics run (auto: cuda if present).")
 @click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
-              help="Kernel that routes a trace's logits (variant or module:function); given explicitly, every "
-                   "layer needs logits. Excludes --reference and --recorded. " + KERNEL_SIGNATURE_HELP)
+              help="Kernel that routes a trace's logits (variant or module:function); without a GPU the "
+                   "reference routes them unless --kernel is given. Given explicitly, every layer needs logits. "
+                   "Excludes --reference and --recorded. " + KERNEL_SIGNATURE_HELP)
 @click.option("--reference", is_flag=True, help="Route a trace's logits with the PyTorch reference instead of a kernel.")
 @click.option("--recorded", is_flag=True, help="Use the trace's recorded topk_ids instead of routing the logits.")
 @click.option("--layers", "layers_spec", default="all", show_default=True, help="Layers, e.g. 0,2,5-7.")
