@@ -18,6 +18,7 @@ import torch
 
 import moe_decoder
 from routetool.capture.recorder import RoutingRecorder
+from routetool.errors import RouteToolError
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,10 +45,10 @@ def _steps(model, steps, seed):
     return routed
 
 
-def _graph_replays(model, steps, seed, rec):
+def _graph_replays(model, steps, seed, rec, boundaries=False):
     """Capture one graph per batch size (warm-up and capture while the recorder is paused, as an
     engine's start-up is), then replay the steps with new inputs copied into the static buffers,
-    draining after most replays as the plugin's step hook does."""
+    draining after most replays (``boundaries``: ending each step, as the plugin's step hook does)."""
     graphs = {}
     for size in sorted({rows for rows, _ in steps}):
         x = torch.zeros(size, HIDDEN, device="cuda")
@@ -72,7 +73,9 @@ def _graph_replays(model, steps, seed, rec):
         pad.copy_(new_pad)
         graph.replay()
         routed.append((logits.clone(), weights.clone(), ids.clone(), new_pad.clone()))
-        if i % 4 != 3:
+        if boundaries:
+            rec.step()
+        elif i % 4 != 3:
             rec.drain()
     return routed
 
@@ -118,3 +121,42 @@ def test_a_full_ring_drops_whole_steps_under_replay(tmp_path):
     assert rec.stats.steps_dropped == 5 and rec.stats.steps_written == 3
     assert json.loads(out.read_text())["recording"]["dropped_steps"] == 5
     moe_decoder.assert_trace_holds(out, routed[:3])
+
+
+def test_a_layer_count_that_disagrees_is_refused_under_replay(tmp_path):
+    # num_layers=3 for a 4-layer model, steps ended by the step hook after each graph replay: the
+    # end-of-step kernel finds step 1 ending after 1 call (layer 3 began it), recording stops there;
+    # step 0 holds layers 0-2, as routed, and nothing is filed under a layer it did not come from
+    model = moe_decoder.TinyMoEDecoder(num_layers=LAYERS, hidden=HIDDEN, device="cuda")
+    out = tmp_path / "refused.json"
+    with pytest.warns(RuntimeWarning, match="step 1 ended with 1 routing call"):
+        with pytest.raises(RouteToolError, match="step 1 ended with 1 routing call"):
+            with RoutingRecorder(out, target=moe_decoder.TARGET, num_layers=LAYERS - 1, ring_mb=4, paused=True,
+                                 shard_mb=0.01) as rec:
+                routed = _graph_replays(model, GRAPH_STEPS[:4], seed=7, rec=rec, boundaries=True)
+    assert rec.refusal["step"] == 1
+    index = json.loads(out.read_text())
+    assert index["complete"] is False and index["recording"]["refused"]["step"] == 1
+    moe_decoder.assert_trace_holds(out, [tuple(t[: LAYERS - 1] for t in r[:3]) + (r[3],) for r in routed[:1]])
+
+
+def test_an_interrupted_step_is_dropped_under_replay(tmp_path):
+    # the step hook's boundary while an exception propagates (a Ctrl-C inside the model step) ends
+    # the step as interrupted: it is dropped, the steps before it stay whole on every layer
+    model = moe_decoder.TinyMoEDecoder(num_layers=LAYERS, hidden=HIDDEN, device="cuda")
+    out = tmp_path / "interrupted.json"
+    with RoutingRecorder(out, target=moe_decoder.TARGET, num_layers=LAYERS, ring_mb=4, paused=True) as rec:
+        routed = _graph_replays(model, GRAPH_STEPS[:3], seed=9, rec=rec, boundaries=True)
+        x, pad = moe_decoder.batch(8, 1, HIDDEN, "cuda", torch.Generator().manual_seed(1))
+        two_layers = moe_decoder.TinyMoEDecoder(num_layers=2, hidden=HIDDEN, device="cuda")
+        try:
+            try:
+                two_layers(x, pad)  # the next step stops after 2 of its 4 layers
+                raise KeyboardInterrupt
+            finally:
+                rec.step()
+        except KeyboardInterrupt:
+            pass
+    index = json.loads(out.read_text())
+    assert index["recording"]["not_written"] == [{"step": 3, "why": "interrupted"}]
+    moe_decoder.assert_trace_holds(out, routed)

@@ -95,7 +95,7 @@ def test_sharded_trace_info(tmp_path):
     with open_trace(index) as t:
         info = trace_info(t, scan=True)
     assert info.sharded and info.index == {"complete": False, "stopped_by": "error: KeyboardInterrupt: ",
-                                           "num_shards": 2}
+                                           "num_shards": 2, "last_complete_step": None}
     assert [f.role for f in info.files] == ["index", "shard", "shard"]
     assert info.size_bytes == sum(p.stat().st_size for p in tmp_path.iterdir())
     layer = info.layers[0]

@@ -54,10 +54,20 @@ class FakeEngine:
             x = torch.randn((num_tokens, E), generator=self.gen).to(self.dtype)
             if layer_hook is not None:
                 layer_hook(pos)
+            call = [step, pos, x, pad, None, None]  # the outputs once the call returns
+            self.calls.append(call)
             w, ids = self.module.fused_musespark1x_routing(
                 x, self.bias[pos], K, self.route_scale, None, "sigmoid", 1e-20,
                 torch.empty((num_tokens, K)), torch.empty((num_tokens, K), dtype=torch.int32), is_padding=pad)
-            self.calls.append((step, pos, x, pad, w.clone(), ids.clone()))
+            call[4:] = w.clone(), ids.clone()
+
+    def outputs(self, call):
+        """What a call routed: its outputs, or (a call interrupted before it returned) the reference's."""
+        step, pos, x, pad, w, ids = call
+        if w is None:
+            w, ids = musespark1x_routing_reference(x, self.bias[pos], K, self.route_scale, None, "sigmoid", 1e-20,
+                                                   is_padding=pad)
+        return w, ids.to(torch.int32)
 
 
 STEP_SIZES = [(37, 0), (5, 3), (8, 1), (1, 0), (16, 7)]  # (rows, padded rows): a prefill, then padded decodes
@@ -229,10 +239,30 @@ def test_exception_mid_run_keeps_everything_recorded(fake_module, tmp_path):
     assert fake_module.fused_musespark1x_routing is fused_musespark1x_routing
     index = json.loads(out.read_text())
     assert index["complete"] is False and index["stopped_by"].startswith("error: RuntimeError")
-    with open_trace(out) as t:  # everything recorded, including the partial step, is readable
-        assert t.info(0).num_steps == 5 and t.info(1).num_steps == 5 and t.info(2).num_steps == 4
-        last = list(t.steps(1))[-1]
-        assert torch.equal(last.gating_output, engine.calls[-1][2])
+    # every whole step is readable; the step the run stopped inside is dropped (its layers would
+    # have unequal steps) and named
+    assert index["recording"]["not_written"] == [{"step": 4, "why": "interrupted"}]
+    assert index["last_complete_step"] == 3
+    with open_trace(out) as t:
+        assert [t.info(layer).num_steps for layer in t.layers] == [4, 4, 4]
+        _assert_recorded_as_routed(t, engine, range(4))
+
+
+def _assert_recorded_as_routed(t, engine, steps, layers=None):
+    """Every row of ``t`` is what ``engine`` routed at that step and layer (bit for bit), and
+    each layer holds exactly ``steps``."""
+    layers = layers if layers is not None else list(range(engine.num_layers))
+    assert t.layers == tuple(layers)
+    for pos in layers:
+        expected = _expected(engine, pos, list(steps))
+        got = list(t.steps(pos))
+        assert len(got) == len(expected) == len(list(steps))
+        for step, call in zip(got, expected):
+            assert torch.equal(step.gating_output, call[2])
+            assert torch.equal(step.is_padding, call[3])
+            w, ids = engine.outputs(call)
+            assert torch.equal(step.recorded_weights, w) and torch.equal(step.recorded_ids, ids)
+            assert torch.equal(t.bias(pos), engine.bias[pos])
 
 
 def test_calls_during_graph_capture_are_recorded(fake_module, tmp_path, monkeypatch):
@@ -419,3 +449,179 @@ def test_weights_semantics_written_is_a_documented_value(fake_module, tmp_path):
         for shard in t.shards:
             assert shard.meta.extra["weights_semantics"] in WEIGHTS_SEMANTICS
             assert shard.meta.extra["weights_semantics"] == "renormalized"  # the seed always renormalises
+
+
+# -- a recorder knows its calls per step (the calls of a 3-layer model, counted with another num_layers)
+def _steps_with_boundaries(rec, engine, sizes):
+    for step, (n, padded) in enumerate(sizes):
+        engine.forward(step, n, padded)
+        rec.step()  # the step hook
+
+
+@pytest.mark.parametrize("num_layers, boundaries, sizes, written, message", [
+    # step 0 counts layers 0-1; layer 2 begins step 1, which the boundary ends after 1 call
+    (2, True, STEP_SIZES, [0], "step 1 ended with 1 routing call"),
+    # step 0 ends after 3 of 4 calls: nothing is written
+    (4, True, STEP_SIZES, [], "step 0 ended with 3 routing call"),
+    # no boundaries (STEP_HOOK=none): layer 2 of step 0 (37 rows) and layer 0 of step 1 (5 rows) in one step
+    (2, False, STEP_SIZES, [0], "call 2 of step 1 routes 5 rows, the step's first call 37"),
+    (4, False, STEP_SIZES, [], "call 4 of step 0 routes 5 rows, the step's first call 37"),
+], ids=["2-of-3-step-hook", "4-of-3-step-hook", "2-of-3-no-hook", "4-of-3-no-hook"])
+def test_a_layer_count_that_disagrees_is_refused_and_nothing_is_misfiled(fake_module, tmp_path, num_layers,
+                                                                         boundaries, sizes, written, message):
+    out = tmp_path / "run.json"
+    engine = FakeEngine(fake_module)  # 3 MoE layers
+    with pytest.warns(RuntimeWarning, match=message) as warned:
+        with pytest.raises(RouteToolError, match=message):
+            with RoutingRecorder(out, target=TARGET, num_layers=num_layers, drain_interval_s=0, shard_mb=0.001) as rec:
+                if boundaries:
+                    _steps_with_boundaries(rec, engine, sizes)
+                else:
+                    _run(engine, sizes)
+    assert len([w for w in warned if "routetool recorder" in str(w.message)]) == 1  # warned once
+    assert len(engine.calls) == 3 * len(sizes)  # the run itself went on
+    assert rec.refusal["step"] == (written[-1] + 1 if written else 0)
+    if not written:
+        assert not out.exists()
+        return
+    index = json.loads(out.read_text())
+    assert index["complete"] is False and message in index["stopped_by"]
+    assert index["recording"]["refused"]["step"] == rec.refusal["step"]
+    with open_trace(out) as t:  # only rows of the layers they came from
+        _assert_recorded_as_routed(t, engine, written, layers=list(range(num_layers)))
+
+
+def test_without_boundaries_a_wrong_count_shows_in_the_bias(fake_module, tmp_path):
+    # equal batch sizes and no step hook: the rows cannot tell; each layer's own bias can (the host
+    # compares every call's bias with its layer's first), before the step is written
+    out = tmp_path / "run.json"
+    engine = FakeEngine(fake_module)
+    with pytest.raises(RouteToolError, match=r"bias of layer 0 changed at step 1 \(calls are counted into layers"):
+        with RoutingRecorder(out, target=TARGET, num_layers=2):
+            _run(engine, [(8, 0)] * 4)
+    with open_trace(out) as t:
+        _assert_recorded_as_routed(t, engine, [0], layers=[0, 1])
+
+
+def test_whole_extra_forwards_between_boundaries_are_steps(fake_module, tmp_path):
+    # an engine may run whole forwards outside its step hook (vLLM's dummy batches under data
+    # parallelism): a whole number of num_layers calls between two boundaries is no disagreement
+    out = tmp_path / "run.json"
+    engine = FakeEngine(fake_module)
+    with RoutingRecorder(out, target=TARGET, num_layers=3) as rec:
+        engine.forward(0, 5)
+        rec.step()
+        engine.forward(1, 1)  # a dummy forward
+        engine.forward(2, 7)
+        rec.step()
+    assert rec.refusal is None
+    with open_trace(out) as t:
+        _assert_recorded_as_routed(t, engine, range(3))
+
+
+def test_an_interrupt_at_any_line_of_the_recorder_leaves_only_steps_as_routed(fake_module, tmp_path):
+    # a SIGINT lands between two Python lines of the thread that runs the model: raise
+    # KeyboardInterrupt at the k-th line the recorder (wrapper, record op, CPU ring, drain, step
+    # boundary) runs during step 2, for k across the ~900 lines of that step; what is written is
+    # whole steps, each exactly as routed, on every layer alike
+    files = {recorder_mod.__file__, sys.modules["routetool.capture.ring"].__file__}
+    lines = [0]
+    stop_at = [0]
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename in files else None
+
+    def local(frame, event, arg):
+        if event == "line":
+            lines[0] += 1
+            if lines[0] == stop_at[0]:
+                raise KeyboardInterrupt
+        return local
+
+    for k in range(1, 1000, 15):
+        lines[0], stop_at[0] = 0, k
+        out = tmp_path / f"run-{k}.json"
+        engine = FakeEngine(fake_module)
+        with pytest.raises(KeyboardInterrupt):
+            with RoutingRecorder(out, target=TARGET, num_layers=3, drain_interval_s=0) as rec:
+                for step, n in enumerate((5, 7)):
+                    engine.forward(step, n, padded=1)
+                    rec.step()
+                sys.settrace(tracer)
+                try:
+                    engine.forward(2, 4, padded=2)
+                    rec.step()
+                finally:
+                    sys.settrace(None)
+                raise KeyboardInterrupt  # (k beyond the step's lines)
+        index = json.loads(out.read_text())
+        assert index["complete"] is False and index["stopped_by"] == "error: KeyboardInterrupt: "
+        steps = index["last_complete_step"] + 1
+        assert steps in (2, 3), k
+        with open_trace(out) as t:
+            _assert_recorded_as_routed(t, engine, range(steps))
+
+
+_KILLED_RECORDING = """
+import os, signal, sys, time, types
+sys.path[:0] = {paths!r}
+from standin_engine import fused_musespark1x_routing
+from test_recorder import FakeEngine, MODULE, TARGET
+from routetool.capture import recorder as recorder_mod
+
+mod = types.ModuleType(MODULE)
+mod.fused_musespark1x_routing = fused_musespark1x_routing
+sys.modules[MODULE] = mod
+# no shard is written by time: only flush() and close() write
+rec = recorder_mod.RoutingRecorder({out!r}, target=TARGET, num_layers=3, shard_s=3600).start()
+engine = FakeEngine(mod)
+for step in range(10):
+    engine.forward(step, 3 + step % 4, padded=step % 2)
+rec.flush()
+for step in range(10, 15):
+    engine.forward(step, 2)
+if {mode!r} == "after-flush":
+    print("flushed", flush=True)
+    time.sleep(120)
+else:  # killed inside close, at its first file write
+    recorder_mod.write_trace = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    rec.close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["after-flush", "in-close"])
+def test_a_killed_recording_keeps_every_flushed_step(fake_module, tmp_path, mode):
+    # SIGKILL (no atexit, no close) after flush(), or while close() drains and writes: every step
+    # recorded before flush() is on disk, whole and listed; the index says the recording did not end
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    out = tmp_path / "run.json"
+    script = _KILLED_RECORDING.format(paths=[str(here), str(here.parent)], out=str(out), mode=mode)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if mode == "after-flush":
+            assert proc.stdout.readline() == "flushed\n", proc.stderr.read()
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+    index = json.loads(out.read_text())
+    assert index["complete"] is False and index["stopped_by"] is None
+    assert index["last_complete_step"] == 9
+    engine = FakeEngine(fake_module)  # the same calls again (same seed)
+    for step in range(10):
+        engine.forward(step, 3 + step % 4, padded=step % 2)
+    with open_trace(out) as t:
+        _assert_recorded_as_routed(t, engine, range(10))
+    # info says so, and names the last complete step
+    from click.testing import CliRunner
+
+    from routetool.cli import main
+
+    result = CliRunner().invoke(main, ["info", str(out), "--json", str(tmp_path / "info.json")], env={"COLUMNS": "250"})
+    assert "INCOMPLETE" in result.output and "last complete step: 9" in result.output, result.output
+    assert json.loads((tmp_path / "info.json").read_text())["index"]["last_complete_step"] == 9

@@ -30,59 +30,100 @@ def _ring(**kw) -> R.DeviceRing:
 
 
 def _calls(seed: int = 0):
-    """A sequence of calls that takes every branch of the kernel: steps by call count, an explicit
-    position that repeats, a step that fits nowhere (too large), a full ring, release and
-    wrap-around, a call with other rows than its step, a step of zero rows, no padding, a strided
-    gating_output, int64 ids, a bias that changes (the host compares biases) and a last step
-    over the token budget."""
+    """A sequence of calls that takes every branch of the kernel's sampling: steps by call count, an
+    explicit position that repeats, a step that fits nowhere (too large), a full ring, release and
+    wrap-around, a step of zero rows, no padding, a strided gating_output, int64 ids, a bias that
+    changes (the host compares biases) and a last step over the token budget; boundaries, one of
+    them for a step the run stopped inside."""
     g = torch.Generator().manual_seed(seed)
     bias = torch.randn(E, generator=g)
     sizes = [5, 9, 3, 0, 7, 160, 100, 2, 30, 2, 2, 11, 2, 40]
     for step, n in enumerate(sizes):
         for layer in range(3):
-            rows = n + 1 if (step == 7 and layer == 2) else n  # a call of other rows than its step
-            x = torch.randn(rows, 2 * E, generator=g).to(torch.bfloat16)[:, ::2]
-            pad = (torch.rand(rows, generator=g) < 0.3) if step % 3 else None
-            w = torch.rand(rows, K, generator=g)
-            ids = torch.randint(0, E, (rows, K), generator=g)
+            x = torch.randn(n, 2 * E, generator=g).to(torch.bfloat16)[:, ::2]
+            pad = (torch.rand(n, generator=g) < 0.3) if step % 3 else None
+            w = torch.rand(n, K, generator=g)
+            ids = torch.randint(0, E, (n, K), generator=g)
             b = bias + 1 if step == len(sizes) - 1 else bias
             position = 0 if (step == 9 and layer == 2) else -1  # layer position 0 again: a new step
-            yield step, x, b, pad, w, ids, position
+            yield x, b, pad, w, ids, position
         if step in (4, 10):
             yield "release"
         if step == 2:
             yield "end_step"
+        if step == 9:  # the step the repeated position began has 1 call: ended as interrupted (not judged)
+            yield "interrupted"
+
+
+def _steps(plan, seed: int = 1):
+    """Calls of ``plan``: per step, the rows of each call (by call order), then "end_step",
+    "interrupted" (a boundary where the run stopped inside the step) or nothing (no boundary)."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(E, generator=g)
+    for rows, boundary in plan:
+        for n in rows:
+            x = torch.randn(n, E, generator=g).to(torch.bfloat16)
+            yield x, bias, None, torch.rand(n, K, generator=g), torch.randint(0, E, (n, K), generator=g), -1
+        if boundary:
+            yield boundary
+
+
+SEQUENCES = {
+    "sampling": (_calls, dict(max_tokens=190)),
+    # boundaries: a whole step, two whole steps between two boundaries (an engine's dummy forward),
+    # a step the run stopped inside (flagged, not judged), then a step that ends short: refused
+    "short-step": (lambda: _steps([([4, 4, 4], "end_step"), ([3, 3, 3, 2, 2, 2], "end_step"),
+                                    ([5, 5], "interrupted"), ([6, 6, 6], "end_step"), ([7, 7], "end_step"),
+                                    ([8, 8, 8], "end_step")]), {}),
+    # no boundaries: a call of other rows than its step's is refused (here the step is recorded)
+    "other-rows": (lambda: _steps([([4, 4, 4], None), ([5, 5, 6], None), ([2, 2, 2], None)]), {}),
+}
 
 
 @pytest.mark.parametrize("rows_per_program", [None, 4], ids=["one-program", "several-programs"])
-def test_kernel_matches_the_cpu_implementation(rows_per_program):
-    # the kernel on DEVICE: interpreted on CPU tensors here, compiled on a GPU machine
-    from routetool.capture.ring_kernel import record_routing_call
+@pytest.mark.parametrize("sequence", list(SEQUENCES))
+def test_kernel_matches_the_cpu_implementation(rows_per_program, sequence):
+    # the kernels on DEVICE: interpreted on CPU tensors here, compiled on a GPU machine
+    from routetool.capture.ring_kernel import end_step_call, record_routing_call
 
-    cpu, kern = _ring(max_tokens=190), _ring(device=DEVICE, max_tokens=190)
+    calls, kw = SEQUENCES[sequence]
+    cpu, kern = _ring(**kw), _ring(device=DEVICE, **kw)
     kern.rows_per_program = rows_per_program
-    for item in _calls():
+    for item in calls():
         if item == "release":
             for ring in (cpu, kern):
                 s = ring.state.tolist()
                 ring._release(s[R.STATE_HEAD_ROWS], s[R.STATE_HEAD_STEPS])
-            continue
-        if item == "end_step":
-            cpu.end_step()
-            kern.end_step()
-            continue
-        _, x, b, pad, w, ids, position = item
-        R._record_cpu(cpu, x, b, pad, w, ids.to(torch.int32), position, 0)
-        on = [t.to(DEVICE) if t is not None else None for t in (x, b, pad, w, ids)]
-        record_routing_call(kern, *on, position, 0)
+        elif item in ("end_step", "interrupted"):
+            R._end_step_cpu(cpu, item == "interrupted")
+            end_step_call(kern, item == "interrupted")
+        else:
+            x, b, pad, w, ids, position = item
+            R._record_cpu(cpu, x, b, pad, w, ids.to(torch.int32), position, 0)
+            on = [t.to(DEVICE) if t is not None else None for t in (x, b, pad, w, ids)]
+            record_routing_call(kern, *on, position, 0)
         assert cpu.state.tolist() == kern.state.tolist()
-    assert torch.equal(cpu.buf, kern.buf.cpu())
+        assert torch.equal(cpu.buf, kern.buf.cpu())
     s = cpu.state.tolist()
-    # every branch was taken
-    assert s[R.STATE_DROPPED_LARGE] >= 1 and s[R.STATE_DROPPED_FULL] >= 1 and s[R.STATE_CALLS_DROPPED] >= 1
-    assert s[R.STATE_STOPPED] == R.STOPPED_BUDGET  # the last step went over max_tokens
-    assert s[R.STATE_HEAD_ROWS] > cpu.layout.rows  # wrapped around
-    assert s[R.STATE_STEPS_SEEN] == 15  # 14 steps and the one the repeated position began
+    flags = cpu.steps_table[:, R.STEP_FLAGS].tolist()
+    if sequence == "sampling":  # every branch was taken
+        assert s[R.STATE_DROPPED_LARGE] >= 1 and s[R.STATE_DROPPED_FULL] >= 1
+        assert s[R.STATE_STOPPED] == R.STOPPED_BUDGET  # the last step went over max_tokens
+        assert s[R.STATE_HEAD_ROWS] > cpu.layout.rows  # wrapped around
+        assert s[R.STATE_STEPS_SEEN] == 15  # 14 steps and the one the repeated position began
+        assert s[R.STATE_MISMATCH_STEP] == 0 and flags.count(R.STEP_INTERRUPTED) <= 1
+        assert R.STEP_MISMATCHED not in flags
+    elif sequence == "short-step":
+        # steps 0, 1, 2 whole; 3 interrupted (flagged only); 4 whole; 5 ends after 2 calls: refused
+        assert s[R.STATE_STOPPED] == R.STOPPED_MISMATCH and s[R.STATE_MISMATCH_STEP] == 5 + 1
+        assert (s[R.STATE_MISMATCH_KIND], s[R.STATE_MISMATCH_CALLS]) == (R.MISMATCH_CALLS, 2)
+        assert s[R.STATE_HEAD_STEPS] == 6  # nothing claimed after the refusal
+        assert flags[:6] == [0, 0, 0, R.STEP_INTERRUPTED, 0, R.STEP_MISMATCHED]
+    else:
+        assert s[R.STATE_STOPPED] == R.STOPPED_MISMATCH and s[R.STATE_MISMATCH_STEP] == 1 + 1
+        assert (s[R.STATE_MISMATCH_KIND], s[R.STATE_MISMATCH_CALLS]) == (R.MISMATCH_ROWS, 3)
+        assert (s[R.STATE_MISMATCH_ROWS], s[R.STATE_MISMATCH_STEP_ROWS]) == (6, 5)
+        assert s[R.STATE_HEAD_STEPS] == 2 and flags[:2] == [0, R.STEP_MISMATCHED]
 
 
 def test_drained_steps_are_exact_across_laps(fake_module, tmp_path):

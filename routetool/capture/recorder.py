@@ -78,6 +78,7 @@ import contextlib
 import math
 import os
 import platform
+import sys
 import threading
 import time
 import warnings
@@ -90,6 +91,7 @@ from pathlib import Path
 
 import torch
 
+from kernel._dispatch import _Driver, call_signature
 from routetool.capture import ring as ring_mod
 from routetool.capture.binding import (SEED_PARAMETERS, Bindings, check_routing_function, import_target,
                                        split_target)
@@ -122,6 +124,8 @@ _CAPTURED_FIRST_FIX = (
     "recorder its device up front: RoutingRecorder(..., device='cuda:0')"
 )
 _MAX_COPIES_IN_FLIGHT = 4
+_MAX_NOTED_STEPS = 100  # dropped steps the index names one by one (all are counted)
+_MAX_PLANS = 4096  # launch plans a ring keeps (one more empties them: a call is re-checked, never wrong)
 
 
 def _stream_capturing(device: torch.device | None = None) -> bool:
@@ -169,6 +173,8 @@ class RecorderStats:
             rarely or the disk was slow: call ``drain()`` more often or raise ``ring_mb``).
         steps_too_large: sampled steps dropped because one step needs more rows than the
             whole ring (raise ``ring_mb``).
+        steps_not_written: recorded steps the host dropped: the run stopped inside them
+            (interrupted), or their calls disagreed with ``num_layers`` (the index names them).
         calls_dropped: calls of a recorded step not stored (rows other than the step's first
             call, or more calls than ``max_layers``).
         tokens_recorded: token rows recorded per layer (the ``max_tokens`` budget counts these).
@@ -189,6 +195,7 @@ class RecorderStats:
     steps_written: int = 0
     steps_dropped: int = 0
     steps_too_large: int = 0
+    steps_not_written: int = 0
     calls_dropped: int = 0
     tokens_recorded: int = 0
     bytes_recorded: int = 0
@@ -207,6 +214,7 @@ class _Shard:
     number: int
     steps: list[ring_mod.RingStep] = field(default_factory=list)
     nbytes: int = 0
+    started: float = 0.0  # time.monotonic() when its first step arrived
 
 
 class RoutingRecorder:
@@ -231,6 +239,10 @@ class RoutingRecorder:
         layer_fn: optional callback returning the current call's layer index (or None to
             fall back to call order); e.g. reading the engine's forward context.
         shard_mb: write a shard whenever this many MB of drained steps are pending.
+        shard_s: write a shard once the oldest pending drained step is this many seconds old
+            (checked as steps arrive and at each drain): a process killed without closing loses
+            at most the steps still in the ring and the last ``shard_s`` seconds (at most
+            ``shard_mb``) of drained ones; nothing written before :meth:`flush`.
         every_n_steps: record one forward step in N.
         max_tokens: stop recording before the step that would take the recorded token rows
             per layer over this budget (None = no budget).
@@ -280,6 +292,7 @@ class RoutingRecorder:
         layer_ids: Iterable[int] | None = None,
         layer_fn: Callable[[], int | None] | None = None,
         shard_mb: float = 256.0,
+        shard_s: float = 1.0,
         every_n_steps: int = 1,
         max_tokens: int | None = None,
         skip_steps: int = 0,
@@ -328,6 +341,9 @@ class RoutingRecorder:
         if not (drain_interval_s >= 0 and math.isfinite(drain_interval_s)):
             raise RouteToolError(f"drain_interval_s={drain_interval_s} must be >= 0", fix="e.g. 0.05")
         self.shard_bytes = max(64, int(shard_mb * 2**20))
+        if not (shard_s >= 0 and math.isfinite(shard_s)):
+            raise RouteToolError(f"shard_s={shard_s} must be >= 0 seconds", fix="e.g. shard_s=5")
+        self.shard_s = float(shard_s)
         self.ring_bytes = int(ring_mb * 2**20)
         header = ring_mod.header_layout(self.ring_bytes, ring_steps, self.max_layers).header_bytes
         if header >= self.ring_bytes // 2:
@@ -376,8 +392,7 @@ class RoutingRecorder:
         self._handle = ring_mod.register_sink(self)
         self._snapshot: ring_mod.RingSnapshot | None = None
         self._copies: deque[ring_mod.RingCopy] = deque()
-        self._released_rows = 0
-        self._released_steps = 0
+        self._released = (0, 0)  # (virtual rows, step slots) handed to the writer: one attribute, set at once
         self._last_drain = 0.0
         self._state: list[int] | None = None
         self._stop_pending = False
@@ -388,6 +403,10 @@ class RoutingRecorder:
         self._last_drops = 0
         self._discarding = False
         self._written: list[dict] = []
+        self._refused_from: int | None = None  # the first step whose calls disagreed with num_layers
+        self._interrupted: set[int] = set()  # steps the run stopped inside (found at close)
+        self._not_written: list[dict] = []  # recorded steps dropped by the host: {"step": N, "why": ...}
+        self._age_write_queued = False
         self._executor: ThreadPoolExecutor | None = None
 
     # -- set-up ------------------------------------------------------------------------------
@@ -494,16 +513,25 @@ class RoutingRecorder:
         finally:
             self._local.layer = previous
 
-    def step(self) -> None:
+    def step(self, *, interrupted: bool | None = None) -> None:
         """End the current forward step now (the next call starts a new one), then drain.
+
+        A step boundary is also a check: the calls since the previous boundary must be a whole
+        number of ``num_layers`` (an engine may run whole extra forwards in between). The first
+        step that ends otherwise stops the recording (it is never written, nor is anything
+        after it; a warning, and the error when recording stops). ``interrupted``: the run
+        stopped inside the step (an exception), so a step short of calls is dropped, not judged;
+        None: so when called while an exception propagates (a ``finally:`` after the model step).
 
         The end of the step is device work on the current stream, so it is also recorded
         into a graph being captured; the drain is skipped while capturing."""
+        if interrupted is None:
+            interrupted = sys.exc_info()[0] is not None
         with self._lock:
             if self._active and not self._paused:
                 self.stats.model_steps += 1
             if self._ring is not None and self._active:
-                self._ring.end_step()
+                self._ring.end_step(interrupted=interrupted)
         self.drain()
 
     def pause(self) -> None:
@@ -526,8 +554,9 @@ class RoutingRecorder:
 
     def flush(self) -> None:
         """Write everything recorded so far (complete steps) before returning: a drain that
-        waits for the copies and for the writer (a host sync; not for the hot path; nothing
-        while the current stream captures a graph)."""
+        waits for the copies, then the writer writes the pending steps as a shard and the index
+        (a host sync and a file write; not for the hot path; nothing while the current stream
+        captures a graph). A process killed after ``flush()`` keeps every step recorded before it."""
         with self._lock:
             if self._capturing() or self._ring is None:
                 return
@@ -538,11 +567,17 @@ class RoutingRecorder:
                 copy.wait()
                 self._submit(copy)
             executor = self._executor
+        self._write_now(executor)
+
+    def _write_now(self, executor: ThreadPoolExecutor | None) -> None:
+        """Have the writer write its pending steps (after everything handed to it) and wait."""
         if executor is not None:
             try:
-                executor.submit(lambda: None).result()  # the writer works in order: all before this is done
-            except RuntimeError:
+                executor.submit(self._write_pending).result()  # the writer works in order
+                return
+            except RuntimeError:  # at interpreter exit, thread pools refuse work before atexit runs
                 pass
+        self._write_pending()
 
     def drain(self) -> None:
         """Hand the ring's complete steps to the writer (host work on the current stream, no
@@ -576,22 +611,35 @@ class RoutingRecorder:
         return params
 
     def _record(self, args: tuple, kwargs: dict, out) -> None:
-        """Call the record op for one routing call (Python side of the wrapper)."""
+        """Record one routing call (the Python side of the wrapper). Run eagerly (also while a
+        CUDA graph is captured), it calls the op's host side (:meth:`record_call`) itself, without
+        the dispatcher; torch.compile traces the op (:meth:`_record_traced`), and tensors of other
+        classes (fake or meta tensors) go through the op too."""
         if _compiling():
             self._record_traced(args, kwargs, out)
             return
         try:
-            p = self._params(args, kwargs)
-            g = p["gating_output"]
-            if not isinstance(g, torch.Tensor) or g.dim() != 2:
-                raise RouteToolError("gating_output is not a 2-D tensor", path=self.out,
-                                     fix="record a function with the seed's signature")
+            if len(args) == 9 and (not kwargs or (len(kwargs) == 1 and "is_padding" in kwargs)):
+                g, bias, topk, scale, mult, norm, eps = args[:7]  # the engines' call: every argument positional
+                pad = kwargs.get("is_padding") if kwargs else None
+            else:
+                p = self._params(args, kwargs)
+                g, bias, pad = p["gating_output"], p["bias"], p["is_padding"]
+                topk, scale, mult, norm, eps = (p["topk"], p["route_scale"], p["router_output_multiplier"],
+                                                p["router_score_normalization"], p["router_score_division_eps"])
+            params = (int(topk), float(scale), None if mult is None else float(mult), str(norm),
+                      None if eps is None else float(eps))
             w = ids = None
             if self.record_outputs:
-                w, ids = self._outputs(out, g, p["topk"])
+                w, ids = self._outputs(out, g, params[0])
             position = self._position()
-            torch.ops.routetool.record_routing(self._token, g, p["bias"], p["is_padding"], w, ids, self._handle,
-                                               position, *_router_args(p))
+            if type(g) is torch.Tensor:
+                self.record_call(self._token, g, bias, pad, w, ids, position, params)
+            else:
+                if not isinstance(g, torch.Tensor) or g.dim() != 2:
+                    raise RouteToolError("gating_output is not a 2-D tensor", path=self.out,
+                                         fix="record a function with the seed's signature")
+                torch.ops.routetool.record_routing(self._token, g, bias, pad, w, ids, self._handle, position, *params)
         except RouteToolError as exc:
             with self._lock:
                 self._fail(exc)
@@ -607,17 +655,16 @@ class RoutingRecorder:
         torch.ops.routetool.record_routing(self._token, p["gating_output"], p["bias"], p["is_padding"], w, ids,
                                            self._handle, -1, *_router_args(p))
 
-    def _outputs(self, out, g: torch.Tensor, topk) -> tuple[torch.Tensor, torch.Tensor]:
-        n = int(g.shape[0])
+    def _outputs(self, out, g, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's ``(topk_weights, topk_ids)``; their shapes, dtypes and devices are checked
+        with the call's other tensors (:meth:`_check_call`, once per signature)."""
         try:
             w_out, ids_out = out
-            ok = (isinstance(w_out, torch.Tensor) and isinstance(ids_out, torch.Tensor)
-                  and tuple(w_out.shape) == (n, topk) and tuple(ids_out.shape) == (n, topk))
         except (TypeError, ValueError):
-            ok = False
-        if not ok:
+            n = int(g.shape[0]) if isinstance(g, torch.Tensor) and g.dim() == 2 else "num_tokens"
             raise RouteToolError(f"the function did not return (topk_weights [{n}, {topk}], topk_ids [{n}, {topk}])",
-                                 path=self.out, tensor="topk_ids", fix="pass record_outputs=False to record inputs only")
+                                 path=self.out, tensor="topk_ids",
+                                 fix="pass record_outputs=False to record inputs only") from None
         return w_out, ids_out
 
     def _position(self) -> int:
@@ -646,23 +693,18 @@ class RoutingRecorder:
     def record_call(self, token: torch.Tensor, g: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
                     w: torch.Tensor | None, ids: torch.Tensor | None, position: int, params: tuple) -> None:
         """The record op's host side (runs when Python runs the op: eager, compiled code, capture):
-        check the call against the ring's layout and launch the record kernel."""
+        check the call against the ring's layout and launch the record kernel.
+
+        The checks and the launch settings depend only on the call's signature (every tensor's
+        dtype, shape, strides, device and alignment, the router parameters, the ring's launch
+        settings): the first call of a signature runs them and leaves a plan (its site and the
+        kernel's launch); later calls with it launch the compiled kernel directly
+        (:mod:`kernel._dispatch`), with their own data pointers and layer position."""
         with self._lock:
             if not self._active:
                 return
             try:
-                if self._ring is None:
-                    if _stream_capturing(g.device):
-                        raise RouteToolError("the first recorded routing call is being captured into a CUDA graph, "
-                                             "before the recorder has its ring", path=self.out,
-                                             fix=_CAPTURED_FIRST_FIX)
-                    self._allocate(g.device)
-                self._check_call(g, bias, pad, w, ids, int(params[0]))
-                site = self._site(params, int(g.shape[1]))
-                if position < 0 and self.num_layers is None:
-                    raise RouteToolError("a routing call without a layer index and no num_layers to count calls "
-                                         "(compiled code counts calls)", fix="give num_layers")
-                self._ring.launch(g, bias, pad, w, ids, position, site)
+                self._launch(g, bias, pad, w, ids, position, params)
             except RouteToolError as exc:
                 self._fail(exc)
                 return
@@ -672,6 +714,42 @@ class RoutingRecorder:
                 return
             if time.monotonic() - self._last_drain >= self.drain_interval_s and not self._capturing():
                 self._drain()
+
+    def _launch(self, g: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None, w: torch.Tensor | None,
+                ids: torch.Tensor | None, position: int, params: tuple) -> None:
+        """Launch the record kernel for one call: from its signature's plan, or checked (under the lock)."""
+        ring = self._ring
+        key = None
+        if ring is not None and ring.device.type == "cuda":
+            try:
+                key, pointers, device = call_signature(
+                    (g, bias, pad, w, ids), (*params, ring.rows_per_program, ring.num_warps, ring.use_pdl), True)
+                plan = ring.plans.get(key)
+            except Exception:  # noqa: BLE001 - no key: the checked path names what is wrong
+                key = plan = None
+            if plan is not None and (position >= 0 or self.num_layers is not None):
+                site, launch = plan
+                if launch.can_direct:
+                    launch.direct(_Driver.current_stream(device), *pointers, position, site)
+                else:
+                    launch.jit(g, bias, pad, w, ids, position, site)
+                return
+        if ring is None:
+            if _stream_capturing(g.device):
+                raise RouteToolError("the first recorded routing call is being captured into a CUDA graph, "
+                                     "before the recorder has its ring", path=self.out, fix=_CAPTURED_FIRST_FIX)
+            self._allocate(g.device)
+            ring = self._ring
+        self._check_call(g, bias, pad, w, ids, int(params[0]))
+        site = self._site(params, int(g.shape[1]))
+        if position < 0 and self.num_layers is None:
+            raise RouteToolError("a routing call without a layer index and no num_layers to count calls "
+                                 "(compiled code counts calls)", fix="give num_layers")
+        launch = ring.launch(g, bias, pad, w, ids, position, site)
+        if key is not None and launch is not None:
+            if len(ring.plans) >= _MAX_PLANS:
+                ring.plans.clear()
+            ring.plans[key] = (site, launch)
 
     def _site(self, params: tuple, num_experts: int) -> int:
         """The number of the call's router parameters; the first call's are the trace's."""
@@ -758,15 +836,52 @@ class RoutingRecorder:
             state = snap.values()
             self._update_stats(state)
             if final or self._backlog + len(self._copies) < _MAX_COPIES_IN_FLIGHT:
-                copy = ring.copy_out(state, self._released_rows, self._released_steps, final)
+                if final:
+                    self._find_interrupted(state)
+                copy = ring.copy_out(state, *self._released, final, release=False)
                 if copy is not None:
+                    # taken over first, released after: an interruption in between copies the steps again
                     copy.state = state
-                    self._released_rows = copy.rows_end
-                    self._released_steps = copy.first_slot + int(copy.steps.shape[0])
                     self._copies.append(copy)
+                    self._released = (copy.rows_end, copy.first_slot + int(copy.steps.shape[0]))
+                    ring.release(*self._released)
                     self.stats.drains += 1
         if self._snapshot is None and not final:
             self._snapshot = ring.snapshot()
+        shard = self._shard
+        if (shard is not None and not self._age_write_queued and self._executor is not None
+                and time.monotonic() - shard.started >= self.shard_s):
+            self._age_write_queued = True  # the pending steps are old enough: write them (on the writer)
+            try:
+                self._executor.submit(self._write_pending)
+            except RuntimeError:
+                pass
+
+    def _find_interrupted(self, state: list[int]) -> None:
+        """At close: a recorded step that the run stopped inside (fewer calls than ``num_layers``,
+        or than the step before when calls are numbered explicitly) is dropped, not written."""
+        S = ring_mod
+        calls = state[S.STATE_CALLS_IN_STEP]
+        expect = self.num_layers or state[S.STATE_LAST_STEP_CALLS]
+        if 0 < calls < expect and state[S.STATE_CUR_SLOT] > 0 and state[S.STATE_CUR_SLOT] == state[S.STATE_HEAD_STEPS]:
+            self._interrupted.add(state[S.STATE_STEPS_SEEN] - 1)
+
+    def _write_drained(self) -> None:
+        """At close, before the ring's last steps: hand every landed copy to the writer and have it
+        write its pending steps, so that a kill while closing loses at most what the ring holds."""
+        with self._lock:
+            if self._ring is None or self._capturing():
+                return
+            try:
+                self._drain(wait=True)
+                while self._copies:
+                    copy = self._copies.popleft()
+                    copy.wait()
+                    self._submit(copy)
+            except Exception:  # noqa: BLE001 - a broken device: the final drain reports it
+                return
+            executor = self._executor
+        self._write_now(executor)
 
     def _final_drain(self) -> None:
         """Everything the ring holds, synchronously (at close)."""
@@ -793,6 +908,39 @@ class RoutingRecorder:
         st.tokens_recorded = state[S.STATE_TOKENS]
         if state[S.STATE_STOPPED] == S.STOPPED_BUDGET and self.stopped_by is None:
             self.stopped_by = "max_tokens"
+        if state[S.STATE_MISMATCH_STEP] and self._refused_from is None:
+            self._refuse(state)
+
+    def _refuse(self, state: list[int]) -> None:
+        """The device found a step whose calls disagree with ``num_layers``: stop recording, write
+        nothing from that step on, warn once now and raise when recording stops (under the lock)."""
+        S = ring_mod
+        step = state[S.STATE_MISMATCH_STEP] - 1
+        self._refused_from = step
+        layers = f"num_layers={self.num_layers}"
+        if state[S.STATE_MISMATCH_KIND] == S.MISMATCH_ROWS:
+            what = (f"call {state[S.STATE_MISMATCH_CALLS]} of step {step} routes {state[S.STATE_MISMATCH_ROWS]} rows, "
+                    f"the step's first call {state[S.STATE_MISMATCH_STEP_ROWS]}: the calls of one step route the same "
+                    f"tokens, so counting {layers} calls per step puts calls into steps and layers they do not "
+                    "belong to")
+        else:
+            what = (f"step {step} ended with {state[S.STATE_MISMATCH_CALLS]} routing call(s) since the last whole "
+                    f"step of {layers}: the model routes another number of calls per step")
+        error = RouteToolError(f"{what}; recording stopped at step {step}, nothing from it on is written",
+                               path=self.out, tensor="num_layers",
+                               fix="give the model's MoE layers per forward step (ROUTETOOL_CAPTURE_LAYERS for the "
+                                   "vLLM plugin), or layer indexes (layer_fn / rec.layer)")
+        self._fail(error)
+        self.refusal = {"step": step, "reason": what}
+        warnings.warn(f"routetool recorder: {error}", RuntimeWarning, stacklevel=2)
+        if self._written and self._executor is not None:  # mark the trace now, not only at close
+            try:
+                self._executor.submit(self._write_index)
+            except RuntimeError:
+                pass
+
+    refusal: dict | None = None
+    """``{"step": N, "reason": ...}`` once a step's calls disagreed with ``num_layers``."""
 
     def _submit(self, copy: ring_mod.RingCopy) -> None:
         self._backlog += 1
@@ -815,28 +963,37 @@ class RoutingRecorder:
             for step in self._ring.decode(copy):
                 if self._bias_changed:
                     break
+                why = self._drop_reason(step)
+                if why is not None:
+                    with self._lock:
+                        if len(self._not_written) < _MAX_NOTED_STEPS:
+                            self._not_written.append({"step": step.number, "why": why})
+                        self.stats.steps_not_written += 1
+                    continue
                 for call in step.calls:
                     first = self._bias.setdefault(call.position, call.bias)
                     if not torch.equal(first.view(torch.int32), call.bias.view(torch.int32)):
                         layer = self._layers[call.position]
+                        counted = (f" (calls are counted into layers: a num_layers={self.num_layers} that is not the "
+                                   "model's MoE layers per step shows so too)" if self.num_layers else "")
                         with self._lock:
                             self._bias_changed = True
                             self._fail(RouteToolError(
-                                f"the bias of layer {layer} changed at step {step.number}; the steps before it are "
-                                "kept", path=self.out, tensor=f"layers.{layer}.bias",
-                                fix="a trace holds one bias per layer: record runs with another bias separately"),
-                                from_writer=True)
+                                f"the bias of layer {layer} changed at step {step.number}{counted}; the steps before "
+                                "it are kept", path=self.out, tensor=f"layers.{layer}.bias",
+                                fix="a trace holds one bias per layer: record runs with another bias separately; give "
+                                    "the model's MoE layers per step"), from_writer=True)
                         break
                 if self._bias_changed or not step.calls:
                     continue
                 if self._shard is None:
-                    self._shard = _Shard(number=self._shard_number)
+                    self._shard = _Shard(number=self._shard_number, started=time.monotonic())
                     self._shard_number += 1
                 self._shard.steps.append(step)
                 nbytes = sum(_call_bytes(c) for c in step.calls)
                 self._shard.nbytes += nbytes
                 self.stats.bytes_recorded += nbytes
-                if self._shard.nbytes >= self.shard_bytes:
+                if self._shard.nbytes >= self.shard_bytes or time.monotonic() - self._shard.started >= self.shard_s:
                     self._write_pending()
         except Exception as exc:  # never break the recorded run
             with self._lock:
@@ -848,7 +1005,20 @@ class RoutingRecorder:
 
     _bias_changed = False
 
+    def _drop_reason(self, step: ring_mod.RingStep) -> str | None:
+        """Why a drained step must not be written (None: it is written)."""
+        if step.flags == ring_mod.STEP_INTERRUPTED or step.number in self._interrupted:
+            return "interrupted"  # the run stopped inside it: some layers lack it
+        if step.flags == ring_mod.STEP_MISMATCHED or (self._refused_from is not None
+                                                      and step.number >= self._refused_from):
+            return "calls disagree with num_layers"
+        return None
+
     def _write_pending(self) -> None:
+        """Write the pending steps as the next shard, make it durable, then list it in the index
+        (the writer's thread, or the model's at close). Each file is written aside and renamed into
+        place, so a kill at any moment leaves every listed shard whole."""
+        self._age_write_queued = False
         shard, self._shard = self._shard, None
         if shard is None or not shard.steps:
             return
@@ -858,6 +1028,7 @@ class RoutingRecorder:
                 return
             layers = self._shard_layers(shard)
             write_trace(path, self._shard_meta(shard), layers, force=self.force)
+            _fsync(path)  # on disk before the index lists it
             first, last = shard.steps[0], shard.steps[-1]
             drops = last.drops_before - self._last_drops
             self._last_drops = last.drops_before
@@ -867,9 +1038,7 @@ class RoutingRecorder:
                 self._written.append(entry)
                 self.stats.shards_written += 1
                 self.stats.steps_written += len(shard.steps)
-                written = list(self._written)
-                extra = self._index_extra()
-            write_index(self.out, written, complete=False, stopped_by=None, extra=extra)
+            self._write_index()
         except RouteToolError as exc:
             with self._lock:
                 self._write_failed = True
@@ -881,6 +1050,17 @@ class RoutingRecorder:
                                           fix="check free disk space and permissions"), from_writer=True)
 
     _write_failed = False
+
+    def _write_index(self) -> None:
+        """Rewrite the index of a recording still running (``complete: false``; why it stops, once
+        known), listing every shard written so far."""
+        with self._lock:
+            written = list(self._written)
+            extra = self._index_extra()
+            stopped_by = f"recorder error: {self.error}" if self.error is not None else None
+        if written:
+            write_index(self.out, written, complete=False, stopped_by=stopped_by, extra=extra)
+            _fsync(self.out)
 
     def _shard_layers(self, shard: _Shard) -> dict[int, LayerArrays]:
         by_pos: dict[int, list[ring_mod.RingCall]] = {}
@@ -934,6 +1114,14 @@ class RoutingRecorder:
             "sampling": {"every_n_steps": self.every_n_steps, "skip_steps": self.skip_steps,
                          "max_tokens": self.max_tokens},
         }
+        recording = extra["recording"]
+        recording["steps_not_written"] = st.steps_not_written
+        if self._not_written:
+            recording["not_written"] = list(self._not_written)
+        if self.refusal is not None:
+            recording["refused"] = dict(self.refusal)
+        if self._written:  # shards hold whole steps: the last one written is the last complete step
+            extra["last_complete_step"] = self._written[-1]["last_step"]
         return extra
 
     def _fail(self, exc: RouteToolError, from_writer: bool = False) -> None:
@@ -1013,6 +1201,12 @@ class RoutingRecorder:
         self._closed = True
         atexit.unregister(self._atexit)
         self._unpatch()
+        # a KeyboardInterrupt that lands between taking the lock and entering the block that
+        # releases it leaves the lock held by this thread (bpo-29988); nothing else holds it here,
+        # and the writer needs it to finish
+        while self._lock._is_owned():
+            self._lock.release()
+        self._write_drained()  # what was drained goes to disk first: a kill while closing loses only the ring's steps
         with self._lock:
             self._active = False
             try:
@@ -1072,6 +1266,25 @@ def _router_args(p: dict) -> tuple:
     mult, eps = p["router_output_multiplier"], p["router_score_division_eps"]
     return (int(p["topk"]), float(p["route_scale"]), None if mult is None else float(mult),
             str(p["router_score_normalization"]), None if eps is None else float(eps))
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path``'s data (and the folder entry that names it) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        fd = os.open(path.parent if str(path.parent) else ".", os.O_RDONLY)
+    except OSError:  # a folder that cannot be opened (some platforms): the data are on disk
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _pageable(t: torch.Tensor) -> torch.Tensor:

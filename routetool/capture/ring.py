@@ -78,8 +78,13 @@ STATE_CALLS_RECORDED = 10
 STATE_DROPPED_FULL = 11  # sampled steps dropped: the ring was full
 STATE_DROPPED_LARGE = 12  # sampled steps dropped: larger than the whole ring
 STATE_CALLS_DROPPED = 13  # calls of a recorded step not stored (other rows than the step, no slot)
-STATE_STOPPED = 14  # 0 recording, 1 the max_tokens budget was reached
+STATE_STOPPED = 14  # 0 recording, 1 the max_tokens budget was reached, 2 a step disagreed (STATE_MISMATCH_*)
+STATE_MISMATCH_STEP = 15  # the first step whose calls disagreed with num_layers (its number + 1; 0: none)
+STATE_MISMATCH_KIND = 16  # how: MISMATCH_CALLS or MISMATCH_ROWS
 STATE_DONE = 17  # programs of the running launch that finished (reset by the last one)
+STATE_MISMATCH_CALLS = 18  # MISMATCH_CALLS: the calls the step ended with; MISMATCH_ROWS: the call's place (1-based)
+STATE_MISMATCH_ROWS = 19  # MISMATCH_ROWS: the call's rows
+STATE_MISMATCH_STEP_ROWS = 20  # MISMATCH_ROWS: the rows of the step's first call
 # written by the host only (the device reads them)
 STATE_RELEASED_ROWS = 24  # virtual rows the host has copied (the device may reuse rows below)
 STATE_RELEASED_STEPS = 25  # step slots the host has copied
@@ -87,12 +92,18 @@ STATE_HOST_STOP = 26  # 1: the host stopped recording (closed, or a recorder pro
 STATE_LEN = 32
 
 STOPPED_BUDGET = 1
+STOPPED_MISMATCH = 2
+MISMATCH_CALLS = 1  # a step boundary came after a number of calls that is not a whole number of num_layers
+MISMATCH_ROWS = 2  # a call has other rows than its step's first call (one step's calls route the same tokens)
 
 STEP_ROW = 0
 STEP_ROWS = 1
 STEP_NUMBER = 2
 STEP_CALLS = 3
 STEP_DROPS_BEFORE = 4
+STEP_FLAGS = 5  # 0, or why the step must not be written: STEP_INTERRUPTED / STEP_MISMATCHED
+STEP_INTERRUPTED = 1  # ended (by an exception, at close) before all its calls ran
+STEP_MISMATCHED = 2  # its calls disagreed with num_layers
 STEP_WIDTH = 8
 CALL_WIDTH = 4
 _ALIGN = 256
@@ -200,6 +211,7 @@ class RingStep:
     num_tokens: int
     drops_before: int
     calls: list[RingCall]
+    flags: int = 0  # STEP_INTERRUPTED / STEP_MISMATCHED: a step that must not be written
 
 
 @dataclass
@@ -284,6 +296,9 @@ class DeviceRing:
         self.rows_per_program: int | None = None  # the record kernel's rows per program (None: its default)
         self.num_warps = 4
         self.use_pdl: bool | None = None  # programmatic dependent launch (None: where supported)
+        self.plans: dict = {}  # the recorder's launch plans by call signature (routetool.capture.recorder)
+        if self.device.type == "cuda":
+            self.end_step()  # compiles the end-of-step kernel now, never inside a graph capture (no step yet: a no-op)
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
@@ -320,20 +335,33 @@ class DeviceRing:
 
     # -- the device side ------------------------------------------------------------------------
     def launch(self, gating: torch.Tensor, bias: torch.Tensor, padding: torch.Tensor | None,
-               weights: torch.Tensor | None, ids: torch.Tensor | None, position: int, site: int) -> None:
-        """Record one call (device work on the current stream; eager torch on the CPU)."""
+               weights: torch.Tensor | None, ids: torch.Tensor | None, position: int, site: int) -> object:
+        """Record one call (device work on the current stream; eager torch on the CPU).
+
+        Returns the kernel's launch (:func:`routetool.capture.ring_kernel.record_routing_call`),
+        which later calls of the same signature may repeat directly; None on the CPU."""
         if not self.record_outputs:
             weights = ids = None
         if self.device.type == "cpu":
             _record_cpu(self, gating, bias, padding, weights, ids, position, site)
+            return None
+        from routetool.capture.ring_kernel import record_routing_call
+
+        return record_routing_call(self, gating, bias, padding, weights, ids, position, site)
+
+    def end_step(self, interrupted: bool = False) -> None:
+        """End the current forward step (stream-ordered: also inside a captured graph).
+
+        A step that ends after a number of calls that is not a whole number of ``num_layers`` is
+        flagged (never written); unless ``interrupted`` (the run stopped inside the step), it is
+        also the recording's first disagreeing step: recording stops and the state words say
+        which step and how many calls (``STATE_MISMATCH_*``)."""
+        if self.device.type == "cpu":
+            _end_step_cpu(self, interrupted)
         else:
-            from routetool.capture.ring_kernel import record_routing_call
+            from routetool.capture.ring_kernel import end_step_call
 
-            record_routing_call(self, gating, bias, padding, weights, ids, position, site)
-
-    def end_step(self) -> None:
-        """End the current forward step (stream-ordered: also inside a captured graph)."""
-        self.state[STATE_CALLS_IN_STEP].zero_()
+            end_step_call(self, interrupted)
 
     def stop(self) -> None:
         """Stop recording on the device (stream-ordered); later launches only count calls."""
@@ -366,12 +394,15 @@ class DeviceRing:
         in_progress = current == end - 1 and (self.num_layers == 0 or state[STATE_CALLS_IN_STEP] < self.num_layers)
         return end - 1 if in_progress else end
 
-    def copy_out(self, state: list[int], released_rows: int, released_steps: int, final: bool) -> RingCopy | None:
+    def copy_out(self, state: list[int], released_rows: int, released_steps: int, final: bool,
+                 release: bool = True) -> RingCopy | None:
         """Copy the complete steps after ``released_steps`` to the host and release their rows.
 
         Enqueued on the current stream: the copies (into pinned memory, non-blocking), then the
         release of the rows and step slots they read, so the device reuses them only after the
-        copies. Returns None when no step is complete.
+        copies. Returns None when no step is complete. ``release=False``: the caller releases
+        (:meth:`release`, with the copy's ``rows_end`` and ``first_slot + len(steps)``) once it
+        has taken the copy over, so that an interruption in between loses no step.
         """
         lay = self.layout
         end = self.complete_steps(state, released_steps, final)
@@ -388,7 +419,8 @@ class DeviceRing:
         if self.device.type != "cpu":
             event = torch.cuda.Event()
             event.record()
-        self._release(rows_end, end)
+        if release:
+            self._release(rows_end, end)
         return RingCopy(steps=steps, first_slot=released_steps, calls=calls, first_row=released_rows,
                         rows_end=rows_end, rows=rows, event=event)
 
@@ -398,13 +430,16 @@ class DeviceRing:
         L = self.layout.max_layers
         b = bias_rows(self.layout.gating_dtype)
         rows = copy.rows
-        for i, (row0, n, number, ncalls, drops) in enumerate(t[:5] for t in copy.steps.tolist()):
+        available = copy.rows_end - copy.first_row
+        for i, (row0, n, number, ncalls, drops, flags) in enumerate(t[:6] for t in copy.steps.tolist()):
             tag = call_tag(copy.first_slot + i)
             calls = []
             for j, (pos, site, has_pad, entry_tag) in enumerate(copy.calls[i, : min(ncalls, L)].tolist()):
                 if entry_tag != tag:  # not written in this step (a call of other rows, or no room)
                     continue
                 r = row0 - copy.first_row + j * (n + b)
+                if r + n + b > available:  # a call whose state words were never committed (an interrupt)
+                    continue
                 calls.append(RingCall(
                     position=pos, site=site, gating=rows["gating"][r: r + n],
                     bias=join_bias(rows["gating"][r + n: r + n + b]),
@@ -412,7 +447,7 @@ class DeviceRing:
                     ids=rows["ids"][r: r + n] if "ids" in rows else None,
                     weights=rows["weights"][r: r + n] if "weights" in rows else None,
                 ))
-            steps_out.append(RingStep(number=number, num_tokens=n, drops_before=drops, calls=calls))
+            steps_out.append(RingStep(number=number, num_tokens=n, drops_before=drops, calls=calls, flags=flags))
         return steps_out
 
     def _copy_ring(self, ring: torch.Tensor, first: int, end: int) -> torch.Tensor:
@@ -432,6 +467,11 @@ class DeviceRing:
             host[at: at + b - a].copy_(ring[a:b], non_blocking=True)
             at += b - a
         return host
+
+    def release(self, rows: int, steps: int) -> None:
+        """Let the device reuse virtual rows below ``rows`` and step slots below ``steps``
+        (stream-ordered, after the copies enqueued before)."""
+        self._release(rows, steps)
 
     def _release(self, rows: int, steps: int) -> None:
         if self.device.type == "cpu":
@@ -477,11 +517,13 @@ def _record_cpu(ring: DeviceRing, gating: torch.Tensor, bias: torch.Tensor, padd
     claim = sampled and not too_large and not full
     slot = s[STATE_HEAD_STEPS] if claim else (-1 if new_step else s[STATE_CUR_SLOT] - 1)
     row0 = start if claim else s[STATE_CUR_ROW]
-    rows = n if claim else s[STATE_CUR_ROWS]
+    rows = n if new_step else s[STATE_CUR_ROWS]
+    other_rows = not new_step and n != rows and running and rel >= 0
+    refuse = other_rows and s[STATE_MISMATCH_STEP] == 0
     stride = rows + b
     active = slot >= 0
     end = row0 + (j + 1) * stride
-    write = (active and n == rows and j < lay.max_layers and row0 % R + (j + 1) * stride <= R
+    write = (active and not other_rows and n == rows and j < lay.max_layers and row0 % R + (j + 1) * stride <= R
              and end - s[STATE_RELEASED_ROWS] <= R)
     if write:
         dst = row0 % R + j * stride
@@ -513,13 +555,40 @@ def _record_cpu(ring: DeviceRing, gating: torch.Tensor, bias: torch.Tensor, padd
     new[STATE_CALLS_DROPPED] += int(active and not write and n > 0)
     if over_budget:
         new[STATE_STOPPED] = STOPPED_BUDGET
-    ring.state.copy_(torch.tensor([new[i] for i in range(STATE_LEN)], dtype=torch.int64))
-    ring.seen[pos] = steps_seen_new
+    elif refuse:
+        new[STATE_STOPPED] = STOPPED_MISMATCH
+        new[STATE_MISMATCH_STEP] = steps_seen_new
+        new[STATE_MISMATCH_KIND] = MISMATCH_ROWS
+        new[STATE_MISMATCH_CALLS] = j + 1
+        new[STATE_MISMATCH_ROWS] = n
+        new[STATE_MISMATCH_STEP_ROWS] = rows
+    # the step's table entry first, the state words last: a KeyboardInterrupt between two of these
+    # statements leaves a state that never points at an entry or rows not yet written
     if claim:
         ring.steps_table[slot % S] = torch.tensor(
             [start, n, number, 0, s[STATE_DROPPED_FULL] + s[STATE_DROPPED_LARGE], 0, 0, 0], dtype=torch.int64)
     if write:
         ring.steps_table[slot % S, STEP_CALLS] = j + 1
+    if active and other_rows:
+        ring.steps_table[slot % S, STEP_FLAGS] = STEP_MISMATCHED
+    ring.seen[pos] = steps_seen_new
+    ring.state.copy_(torch.tensor([new[i] for i in range(STATE_LEN)], dtype=torch.int64))
+
+
+def _end_step_cpu(ring: DeviceRing, interrupted: bool) -> None:
+    """:func:`routetool.capture.ring_kernel._end_step_kernel` in torch, for the CPU."""
+    s = ring.state.tolist()
+    calls, slot, L = s[STATE_CALLS_IN_STEP], s[STATE_CUR_SLOT] - 1, ring.num_layers
+    short = L > 0 and 0 < calls < L
+    if short and slot >= 0:
+        ring.steps_table[slot % ring.layout.steps, STEP_FLAGS] = STEP_INTERRUPTED if interrupted else STEP_MISMATCHED
+    if (not interrupted and short and s[STATE_STOPPED] == 0 and s[STATE_HOST_STOP] == 0
+            and s[STATE_STEPS_SEEN] - 1 - ring.skip_steps >= 0 and s[STATE_MISMATCH_STEP] == 0):
+        ring.state[STATE_MISMATCH_STEP] = s[STATE_STEPS_SEEN]
+        ring.state[STATE_MISMATCH_KIND] = MISMATCH_CALLS
+        ring.state[STATE_MISMATCH_CALLS] = calls
+        ring.state[STATE_STOPPED] = STOPPED_MISMATCH
+    ring.state[STATE_CALLS_IN_STEP] = 0
 
 
 # -- the custom op ------------------------------------------------------------------------------

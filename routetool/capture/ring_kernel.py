@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel._dispatch import KernelLaunch
 from kernel._launch import pdl_supported
 from routetool.capture import ring as R
 
@@ -43,11 +44,22 @@ _DROPPED_FULL = tl.constexpr(R.STATE_DROPPED_FULL)
 _DROPPED_LARGE = tl.constexpr(R.STATE_DROPPED_LARGE)
 _CALLS_DROPPED = tl.constexpr(R.STATE_CALLS_DROPPED)
 _STOPPED = tl.constexpr(R.STATE_STOPPED)
+_MISMATCH_STEP = tl.constexpr(R.STATE_MISMATCH_STEP)
+_MISMATCH_KIND = tl.constexpr(R.STATE_MISMATCH_KIND)
+_MISMATCH_CALLS = tl.constexpr(R.STATE_MISMATCH_CALLS)
+_MISMATCH_ROWS = tl.constexpr(R.STATE_MISMATCH_ROWS)
+_MISMATCH_STEP_ROWS = tl.constexpr(R.STATE_MISMATCH_STEP_ROWS)
 _DONE = tl.constexpr(R.STATE_DONE)
 _RELEASED_ROWS = tl.constexpr(R.STATE_RELEASED_ROWS)
 _RELEASED_STEPS = tl.constexpr(R.STATE_RELEASED_STEPS)
 _HOST_STOP = tl.constexpr(R.STATE_HOST_STOP)
 _STOPPED_BUDGET = tl.constexpr(R.STOPPED_BUDGET)
+_STOPPED_MISMATCH = tl.constexpr(R.STOPPED_MISMATCH)
+_KIND_CALLS = tl.constexpr(R.MISMATCH_CALLS)
+_KIND_ROWS = tl.constexpr(R.MISMATCH_ROWS)
+_STEP_FLAGS = tl.constexpr(R.STEP_FLAGS)
+_STEP_INTERRUPTED = tl.constexpr(R.STEP_INTERRUPTED)
+_STEP_MISMATCHED = tl.constexpr(R.STEP_MISMATCHED)
 _STEP_WIDTH = tl.constexpr(R.STEP_WIDTH)
 _CALL_WIDTH = tl.constexpr(R.CALL_WIDTH)
 _TAG_MOD = tl.constexpr(R._TAG_MOD)
@@ -130,6 +142,7 @@ def _record_kernel(
     dropped_full = tl.load(st + _DROPPED_FULL)
     dropped_large = tl.load(st + _DROPPED_LARGE)
     calls_dropped = tl.load(st + _CALLS_DROPPED)
+    mismatch_step = tl.load(st + _MISMATCH_STEP)
 
     # the step and the call's place in it
     by_order = tl.where(calls_in_step >= num_layers, 0, calls_in_step)
@@ -155,11 +168,15 @@ def _record_kernel(
     claim = sampled & (too_large == 0) & (full == 0)
     slot = tl.where(claim, head_steps, tl.where(new_step, -1, cur_slot))
     row0 = tl.where(claim, start, cur_row)
-    rows = tl.where(claim, n, cur_rows)
+    rows = tl.where(new_step, n, cur_rows)  # the step's rows per call (its first call's)
+    # one step's calls route the same tokens: a call of other rows means the calls are not counted into
+    # the steps they belong to (judged from skip_steps on, while recording)
+    other_rows = (new_step == 0) & (n != rows) & running & (rel >= 0)
+    refuse = other_rows & (mismatch_step == 0)
     stride = rows + BIAS_ROWS  # ring rows per call of this step
     active = slot >= 0
     end = row0 + (j + 1) * stride
-    write = active & (n == rows) & (j < max_layers) & ((row0 % ring_rows) + (j + 1) * stride <= ring_rows) & (
+    write = active & (other_rows == 0) & (n == rows) & (j < max_layers) & ((row0 % ring_rows) + (j + 1) * stride <= ring_rows) & (
         end - released_rows <= ring_rows)
     dst_row = row0 % ring_rows + j * stride
 
@@ -231,7 +248,13 @@ def _record_kernel(
         tl.store(st + _DROPPED_FULL, dropped_full + full.to(tl.int64))
         tl.store(st + _DROPPED_LARGE, dropped_large + too_large.to(tl.int64))
         tl.store(st + _CALLS_DROPPED, calls_dropped + (active & (write == 0) & (n > 0)).to(tl.int64))
-        tl.store(st + _STOPPED, tl.where(over_budget, _STOPPED_BUDGET, stopped))
+        tl.store(st + _STOPPED, tl.where(over_budget, _STOPPED_BUDGET, tl.where(refuse, _STOPPED_MISMATCH, stopped)))
+        if refuse:
+            tl.store(st + _MISMATCH_STEP, steps_seen_new)
+            tl.store(st + _MISMATCH_KIND, _KIND_ROWS)
+            tl.store(st + _MISMATCH_CALLS, j + 1)
+            tl.store(st + _MISMATCH_ROWS, n)
+            tl.store(st + _MISMATCH_STEP_ROWS, rows)
         tl.store(seen_ptr + pos, steps_seen_new)
         step_entry = steps_ptr + (slot % ring_steps) * _STEP_WIDTH
         if claim:
@@ -240,8 +263,51 @@ def _record_kernel(
             tl.store(step_entry + 2, number)
             tl.store(step_entry + 3, 0)
             tl.store(step_entry + 4, dropped_full + dropped_large)
+            tl.store(step_entry + _STEP_FLAGS, 0)
         if write:
             tl.store(step_entry + 3, j + 1)
+        if active & other_rows:
+            tl.store(step_entry + _STEP_FLAGS, _STEP_MISMATCHED)
+
+
+@triton.jit
+def _end_step_kernel(
+    state_ptr,  # (STATE_LEN,) int64: the ring's state words
+    steps_ptr,  # (S, STEP_WIDTH) int64: step slots
+    ring_steps,
+    num_layers,  # calls per step, 0 if unknown
+    skip_steps,
+    INTERRUPTED: tl.constexpr,  # the step ends because the run stopped inside it (nothing is judged)
+):
+    """Grid ``(1,)``: end the current forward step. A step that ends after a number of calls that is
+    not a whole number of ``num_layers`` (engines may run whole extra forwards between two
+    boundaries, e.g. vLLM's dummy batches) is flagged in its slot, so the host never writes it;
+    unless ``INTERRUPTED``, it is also the recording's first disagreeing step (judged from
+    ``skip_steps`` on, while recording): the state words keep it and recording stops."""
+    st = state_ptr
+    calls = tl.load(st + _CALLS_IN_STEP)
+    slot = tl.load(st + _CUR_SLOT) - 1
+    steps_seen = tl.load(st + _STEPS_SEEN)
+    stopped = tl.load(st + _STOPPED)
+    host_stop = tl.load(st + _HOST_STOP)
+    mismatch_step = tl.load(st + _MISMATCH_STEP)
+    short = (num_layers > 0) & (calls > 0) & (calls < num_layers)
+    if short & (slot >= 0):
+        tl.store(steps_ptr + (slot % ring_steps) * _STEP_WIDTH + _STEP_FLAGS,
+                 _STEP_INTERRUPTED if INTERRUPTED else _STEP_MISMATCHED)
+    if not INTERRUPTED:
+        if short & (stopped == 0) & (host_stop == 0) & (steps_seen - 1 - skip_steps >= 0) & (mismatch_step == 0):
+            tl.store(st + _MISMATCH_STEP, steps_seen)
+            tl.store(st + _MISMATCH_KIND, _KIND_CALLS)
+            tl.store(st + _MISMATCH_CALLS, calls)
+            tl.store(st + _STOPPED, _STOPPED_MISMATCH)
+    tl.store(st + _CALLS_IN_STEP, 0)
+
+
+def end_step_call(ring: R.DeviceRing, interrupted: bool) -> None:
+    """Launch :func:`_end_step_kernel` on the current stream (no sync; also inside graph capture)."""
+    _end_step_kernel[(1,)](ring.state, ring.steps_table, ring.layout.steps, ring.num_layers, ring.skip_steps,
+                           INTERRUPTED=bool(interrupted), num_warps=1)
 
 
 TILE = 16384
@@ -255,9 +321,19 @@ def default_rows_per_program(num_experts: int) -> int:
     return max(1, min(64, 4 * TILE // min(triton.next_power_of_2(num_experts), TILE)))
 
 
+RECORD_PER_CALL = ("gating_ptr", "bias_ptr", "pad_ptr", "weights_ptr", "ids_ptr", "position", "site")
+"""The record kernel's parameters that change from call to call of one signature (in this order):
+the call's five tensors (data pointers on a direct launch) and its layer position and site."""
+
+
 def record_routing_call(ring: R.DeviceRing, gating: torch.Tensor, bias: torch.Tensor, padding: torch.Tensor | None,
-                        weights: torch.Tensor | None, ids: torch.Tensor | None, position: int, site: int) -> None:
-    """Launch :func:`_record_kernel` for one call on the current stream (no sync, no allocation).
+                        weights: torch.Tensor | None, ids: torch.Tensor | None, position: int,
+                        site: int) -> KernelLaunch:
+    """Launch :func:`_record_kernel` for one call on the current stream (no sync, no allocation)
+    through Triton's JIT, and return the launch (:class:`kernel._dispatch.KernelLaunch`, per-call
+    parameters :data:`RECORD_PER_CALL`) that later calls of the same signature (every tensor's
+    dtype, shape, strides, device and alignment; the ring and its launch settings) may repeat
+    directly with their own data pointers, layer position and site.
 
     The caller (the recorder's op) has checked shapes, dtypes and devices against the ring's
     layout; ``weights``/``ids`` are None when the ring keeps no outputs.
@@ -270,18 +346,22 @@ def record_routing_call(ring: R.DeviceRing, gating: torch.Tensor, bias: torch.Te
     sub_r = min(block_r, max(1, TILE // block_e))
     grid = (triton.cdiv(max(n, 1), block_r),)
     has_outputs = weights is not None and ids is not None
+    if not has_outputs:
+        weights = ids = None
     use_pdl = ring.use_pdl if ring.use_pdl is not None else pdl_supported(gating.device)
-    _record_kernel[grid](
+    args = (
         ring.state, ring.steps_table, ring.calls_table, ring.seen, ring.gating,
         ring.ids if has_outputs else None, ring.weights if has_outputs else None, ring.padding,
-        gating, bias, padding, weights if has_outputs else None, ids if has_outputs else None,
+        None, None, None, None, None,  # the call's tensors (per call)
         n, num_experts, lay.topk,
         gating.stride(0), gating.stride(1), bias.stride(0),
         padding.stride(0) if padding is not None else 0,
         weights.stride(0) if has_outputs else 0, weights.stride(1) if has_outputs else 0,
         ids.stride(0) if has_outputs else 0, ids.stride(1) if has_outputs else 0,
-        position, site,
+        0, 0,  # position, site (per call)
         lay.rows, lay.steps, lay.max_layers, ring.num_layers, ring.skip_steps, ring.every_n_steps, ring.max_tokens,
+    )
+    kwargs = dict(
         BIAS_ROWS=R.bias_rows(lay.gating_dtype),
         BLOCK_R=block_r,
         SUB_R=sub_r,
@@ -294,3 +374,6 @@ def record_routing_call(ring: R.DeviceRing, gating: torch.Tensor, bias: torch.Te
         num_warps=ring.num_warps,
         **({"launch_pdl": True} if use_pdl else {}),
     )
+    launch = KernelLaunch(_record_kernel, grid, args, kwargs, RECORD_PER_CALL)
+    launch.first(gating, bias, padding, weights, ids, position, site)
+    return launch

@@ -87,7 +87,9 @@ class TraceInfo:
         format_version: trace format version. model / provenance: from the metadata.
         router: router parameters. metadata: the other metadata keys (``capture``,
             ``generator``, ``weights_semantics``, ...).
-        index: for a sharded trace: ``complete``, ``stopped_by``, ``num_shards`` (else None).
+        index: for a sharded trace: ``complete``, ``stopped_by``, ``num_shards`` and
+            ``last_complete_step`` (the recorder's number of the last step its shards hold whole;
+            None when the index does not say) (else None).
         layers: per-layer summaries. scanned: whether the data were read (``--scan``).
         step_shapes: rows per step -> steps (of one layer when steps_same_in_all_layers,
             else layer-steps over all layers).
@@ -269,10 +271,19 @@ def trace_info(trace, *, scan: bool = False, progress: Callable[[int], None] | N
     if sharded:
         doc = trace.index
         index = {"complete": doc.get("complete"), "stopped_by": doc.get("stopped_by"),
-                 "num_shards": len(doc.get("shards", []))}
+                 "num_shards": len(doc.get("shards", [])), "last_complete_step": _last_step(doc)}
     shapes, same = step_shape_counts(layers)
     return TraceInfo(
         trace=str(trace.display_path), sharded=sharded, files=files, format_version=FORMAT_VERSION,
         model=meta.model, provenance=meta.provenance, router=r, metadata=dict(meta.extra), index=index,
         layers=layers, scanned=scan, step_shapes=shapes, steps_same_in_all_layers=same,
     )
+
+
+def _last_step(doc: dict) -> int | None:
+    """The last complete step a sharded trace's index names (``last_complete_step``, else its
+    last shard's ``last_step``), or None."""
+    for value in (doc.get("last_complete_step"), (doc.get("shards") or [{}])[-1].get("last_step")):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None

@@ -42,8 +42,10 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
     if info.sharded:
         idx = info.index or {}
         state = "complete" if idx.get("complete") else "INCOMPLETE"
+        last = idx.get("last_complete_step")
         header.add_row("layout", f"sharded: {idx.get('num_shards')} shards + index, {state} "
-                                 f"(stopped by: {idx.get('stopped_by') or 'unknown: still recording or killed'})")
+                                 f"(stopped by: {idx.get('stopped_by') or 'unknown: still recording or killed'}"
+                                 + (f"; last complete step: {last}" if last is not None else "") + ")")
     else:
         header.add_row("layout", "one file")
     header.add_row("size", f"{fmt_bytes(info.size_bytes)} ({info.size_bytes:,} bytes)")
