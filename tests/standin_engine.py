@@ -93,3 +93,25 @@ def worker(rank: int, world: int, tp: int, site: str, init_file: str, results: s
     torch.save(routed, f"{results}/rank-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def forked_worker(site: str, results: str) -> None:
+    """vLLM's default start method: the engine core loads the plugins, then forks a worker
+    (``VLLM_WORKER_MULTIPROC_METHOD=fork``) whose own ``load_general_plugins`` does nothing.
+    Run it in a fresh interpreter (a process that already ran torch's thread pool may hang in
+    a forked child); saves what the worker routed to ``results``."""
+    import multiprocessing
+
+    use_fixture(site)
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # the engine core
+    child = multiprocessing.get_context("fork").Process(target=_save_routed, args=(results,))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise SystemExit(f"the forked worker exited with {child.exitcode}")
+
+
+def _save_routed(results: str) -> None:
+    torch.save(run_worker(0, 1, 1), results)

@@ -10,6 +10,7 @@ hook: the plugin's defaults must find them.
 import json
 import os
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -265,3 +266,35 @@ def test_a_run_folder_with_control_characters_is_named_escaped(engine, tmp_path,
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "run\\nnext" in err  # two lines, the newline escaped
     assert (run / "rank-0" / "trace.json").is_file()
+
+
+def test_a_recorder_failure_at_a_step_never_reaches_the_engine(engine, tmp_path, monkeypatch, capsys):
+    from routetool.capture.recorder import RoutingRecorder
+
+    def broken_step(self, **kwargs):
+        raise RuntimeError("simulated device error while draining")
+
+    _env(monkeypatch, tmp_path / "run")
+    monkeypatch.setattr(RoutingRecorder, "step", broken_step)
+    routed = standin_engine.run_worker(0, 1, 1)  # every step runs
+    assert len(routed) == len(standin_engine.STEPS)
+    err = capsys.readouterr().err.splitlines()
+    assert sum("recording failed at a model step (RuntimeError: simulated" in line for line in err) == 1
+
+
+def test_a_worker_forked_after_the_plugin_loaded_records_and_ends(tmp_path, monkeypatch):
+    """vLLM forks its workers from the engine core (VLLM_WORKER_MULTIPROC_METHOD=fork, the
+    default), which loaded the plugins: the worker's session is the inherited one, and the
+    worker ends with os._exit (no atexit): the recording is finished all the same."""
+    run = tmp_path / "run"
+    for name in [k for k in list(os.environ) if k.startswith(vllm_plugin.PREFIX)]:
+        monkeypatch.delenv(name)
+    _env(monkeypatch, run)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    code = f"import standin_engine; standin_engine.forked_worker({str(_site(tmp_path))!r}, {str(tmp_path / 'r.pt')!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    _check_rank(run / "rank-0" / "trace.json", torch.load(tmp_path / "r.pt"))
+    err = proc.stderr.splitlines()
+    assert len(err) == 2 and err[1].startswith(f"routetool: {run}/rank-0/trace.json: recorded 4 steps"), err

@@ -27,6 +27,10 @@ recorder ends the step and drains the ring. V2 runs its dummy batches through
 ``execute_model(dummy_run=True)``: those never resume the recorder, and once it runs they end a
 step of their own (a data-parallel rank's idle batch is a forward pass of its own).
 
+Workers forked by multiprocessing from a process that loaded the plugin (vLLM's default
+``VLLM_WORKER_MULTIPROC_METHOD=fork``) go on with the inherited recording and finish it from
+multiprocessing's exit finalizers (they end with ``os._exit``, which runs no ``atexit`` handler).
+
 At exit each process that recorded prints one line (steps written, calls seen, model steps,
 the bindings of the function). A process that ran model steps and saw no routing call after
 the first says so on stderr and writes ``rank-<r>/trace.json`` as a ``"recorded": "nothing"``
@@ -317,7 +321,21 @@ class _Session:
                 self._cancel.append(when_imported(module_name, functools.partial(self._hook_module, qualname)))
         self._stopped = False
         atexit.register(self.stop)  # runs before the recorder's own (atexit is last in, first out)
+        import multiprocessing.util
+
+        multiprocessing.util.register_after_fork(self, _Session._after_fork)
         _say(f"recording {self.recorder.target} into {config.run_dir}/rank-<rank>/ (pid {os.getpid()})")
+
+    @staticmethod
+    def _after_fork(session: _Session) -> None:
+        """In a process forked by multiprocessing from one that loaded the plugin (vLLM forks its
+        workers from the engine core by default, ``VLLM_WORKER_MULTIPROC_METHOD=fork``, and their
+        ``load_general_plugins`` then does nothing): the session goes on in the child. Such a
+        child ends with ``os._exit``, which runs no ``atexit`` handler, only multiprocessing's
+        finalizers: stop there."""
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(session, session.stop, exitpriority=100)
 
     def _hook_module(self, qualname: str, module) -> None:
         found = _owner(module, qualname)
@@ -383,12 +401,29 @@ def _resolve_hook(spec: str) -> tuple[object, str]:
 class _StepHooks:
     """Wraps per-step methods: a real step resumes the recorder (the first time), runs, then
     ends the step and drains. ``dummy_run=True`` calls (V2's profile and warm-up runs) never
-    resume it. A step method called inside another (a subclass calling its base) is one step."""
+    resume it. A step method called inside another (a subclass calling its base) is one step.
+    A failure of the recorder here never reaches the engine: one line, and the hooks stop
+    recording (the step itself runs as without them)."""
 
     def __init__(self, recorder):
         self.recorder = recorder
         self._local = threading.local()
         self._installed: list[tuple[object, str, Callable, Callable]] = []
+        self.failed = False
+
+    def _call(self, method: Callable[[], None]) -> None:
+        if self.failed:
+            return
+        try:
+            method()
+        except Exception as exc:  # never break the engine's step for a recording
+            self.failed = True
+            try:
+                self.recorder.pause()
+            except Exception:
+                pass
+            _say(f"recording failed at a model step ({type(exc).__name__}: {exc}); recording is off in this "
+                 f"process (pid {os.getpid()}) (report this as a routetool bug)")
 
     def install(self, owner: object, attr: str) -> None:
         original = getattr(owner, attr)
@@ -398,7 +433,7 @@ class _StepHooks:
             dummy_at = list(inspect.signature(original).parameters).index("dummy_run")
         except (TypeError, ValueError):
             dummy_at = None
-        recorder, local = self.recorder, self._local
+        recorder, local, call = self.recorder, self._local, self._call
 
         @functools.wraps(original)
         def step_hook(*args, **kwargs):
@@ -407,13 +442,13 @@ class _StepHooks:
             dummy = kwargs.get("dummy_run", args[dummy_at] if dummy_at is not None and len(args) > dummy_at
                                else False)
             if not dummy:
-                recorder.resume()
+                call(recorder.resume)
             local.depth = 1
             try:
                 return original(*args, **kwargs)
             finally:
                 local.depth = 0
-                recorder.step()
+                call(recorder.step)
 
         step_hook.__routetool_step_hook__ = self
         setattr(owner, attr, step_hook)
