@@ -147,3 +147,24 @@ def test_an_alias_made_during_the_recording_is_restored(monkeypatch):
     monkeypatch.setitem(sys.modules, late.__name__, late)
     b.restore()
     assert late.fused is route and defining.route is route
+
+
+def test_a_target_not_importable_at_start_is_bound_once_it_is(tmp_path, monkeypatch):
+    """The plugin may load before the engine's packages are importable (a path added later)."""
+    site = tmp_path / "later"
+    site.mkdir()
+    (site / "routetool_test_pkg_d").mkdir()
+    (site / "routetool_test_pkg_d" / "__init__.py").write_text(
+        f"def route({SIGNATURE}):\n    return gating_output\n")
+    rec = RoutingRecorder(tmp_path / "run.json", target="routetool_test_pkg_d:route", num_layers=1,
+                          import_targets=False, require_calls=False).start()
+    try:
+        monkeypatch.syspath_prepend(str(site))
+        import importlib
+
+        pkg = importlib.import_module("routetool_test_pkg_d")
+        assert pkg.route.__routetool_recorder__ is rec
+    finally:
+        rec.close()
+        sys.modules.pop("routetool_test_pkg_d", None)
+    assert rec.stats.bindings == ["routetool_test_pkg_d.route"]

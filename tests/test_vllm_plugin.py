@@ -160,16 +160,23 @@ def test_every_call_of_every_step_is_recorded(engine, tmp_path, monkeypatch, cap
     assert "3 bindings: " in err[-1] and len(err) == 2
 
 
-def test_a_target_that_is_never_called_says_so(engine, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("target, said", [
+    # a module the engine never imports (on ROCm vLLM routes elsewhere)
+    ("vllm.models.muse_spark.amd.ops.router:fused_musespark1x_routing",
+     "0 bindings; never imported: vllm.models.muse_spark.amd.ops.router:fused_musespark1x_routing"),
+    # a function with the seed's signature that is bound, but that the model never calls
+    ("standin_engine:fused_musespark1x_routing", "binding"),
+], ids=["never-imported", "never-called"])
+def test_a_target_that_is_never_called_says_so(engine, tmp_path, monkeypatch, capsys, target, said):
     """The old failure (the engine routes, the recorder sees nothing) cannot end as an empty
     success: a warning at exit, and a "recorded: nothing" record that info reads as such."""
     run = tmp_path / "run"
-    _env(monkeypatch, run, TARGET="vllm.models.muse_spark.amd.ops.router:fused_musespark1x_routing")
+    _env(monkeypatch, run, TARGET=target)
     standin_engine.run_worker(0, 1, 1)
     vllm_plugin.stop()
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[1].startswith("routetool: warning: ") and "recorded nothing: 4 model steps" in err[1]
-    assert "never imported: vllm.models.muse_spark.amd.ops.router:fused_musespark1x_routing" in err[1]
+    assert said in err[1]
     index = json.loads((run / "rank-0" / "trace.json").read_text())
     assert index["recorded"] == "nothing" and index["shards"] == [] and index["recording"]["model_steps"] == 4
     from routetool.cli import main
