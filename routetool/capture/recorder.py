@@ -269,7 +269,7 @@ class RoutingRecorder:
         require_calls: a recording that saw no call is an error when it stops (False: it
             ends quietly, writing nothing, for processes that may never route, as the
             plugin's engine and API processes; unless model steps were ended by
-            :meth:`step` and no call came after the first: then the index is written as a
+            :meth:`step` and none of them called the target: then the index is written as a
             ``"recorded": "nothing"`` record and :attr:`recorded_nothing` says why).
         import_targets: import a target's module at :meth:`start` when it is not loaded yet
             (an error if it cannot be imported); False: bind it when the engine imports it
@@ -1162,13 +1162,13 @@ class RoutingRecorder:
         return text
 
     def _record_nothing(self, complete: bool, stopped_by: str) -> None:
-        """Model steps ran and no routing call came after the first: say so in the index (a
+        """Model steps ran and none called the target: say so in the index (a
         ``"recorded": "nothing"`` record with no shards), never end as an empty success."""
         st = self.stats
         self.recorded_nothing = (
-            f"recorded nothing: {st.model_steps} model step{'s' if st.model_steps != 1 else ''} ran and no call of "
-            f"{', '.join(self.targets)} came after the first ({self.bindings_summary()}; {st.calls_seen} "
-            f"call{'s' if st.calls_seen != 1 else ''} before the first step)")
+            f"recorded nothing: {st.model_steps} model step{'s' if st.model_steps != 1 else ''} ran and none called "
+            f"{', '.join(self.targets)} ({self.bindings_summary()}; {st.calls_seen} call{'s' if st.calls_seen != 1 else ''} "
+            "before the first step)")
         try:
             self._resolve_output()
             extra = self._index_extra()
