@@ -16,6 +16,11 @@ Shared by both algorithms:
 * Weights: the picked experts' logits are re-read (in cache) and only those ``topk`` scores
   are recomputed, renormalised by ``route_scale / (sum + eps)``; a zero denominator gives
   weights 0. Padded rows get id -1 and weight 0. Programmatic dependent launch on Hopper.
+* One arithmetic for every algorithm and tile (batch invariance): the sum of the picked
+  scores and the softmax total are taken in fixed point (:func:`_fixed_point`), exact in any
+  order, and rounded to float32 once; products that a compiler could fuse with a following
+  add are explicit (:func:`_biased_scores`, :func:`_mul_rn`). So a token's ids and weights
+  are the same bits whichever algorithm, tile or grid routes it (docs/kernel.md).
 
 **Scan** (:func:`_routing_kernel`; decode batches): a ``[BLOCK_T, NUM_CHUNKS, CHUNK]`` tile
 of logits (``CHUNK / vector width`` lanes share a row; 32 by default, so that every
