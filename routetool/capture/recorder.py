@@ -139,11 +139,7 @@ def _stream_capturing(device: torch.device | None = None) -> bool:
         return False
 
 
-def _compiling() -> bool:
-    try:
-        return bool(torch.compiler.is_compiling())
-    except AttributeError:  # pragma: no cover - torch < 2.3
-        return False
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)  # (torch < 2.3: never)
 
 
 def resolve_target(spec: str) -> tuple[object, str, Callable]:
@@ -618,6 +614,13 @@ class RoutingRecorder:
         if _compiling():
             self._record_traced(args, kwargs, out)
             return
+        plan_key = None
+        ring = self._ring
+        if (ring is not None and ring.plans and len(args) == 9 and type(args[0]) is torch.Tensor
+                and (not kwargs or (len(kwargs) == 1 and "is_padding" in kwargs)) and self.record_outputs):
+            plan_key = self._record_planned(ring, args, kwargs.get("is_padding") if kwargs else None, out)
+            if plan_key is True:
+                return
         try:
             if len(args) == 9 and (not kwargs or (len(kwargs) == 1 and "is_padding" in kwargs)):
                 g, bias, topk, scale, mult, norm, eps = args[:7]  # the engines' call: every argument positional
@@ -634,7 +637,7 @@ class RoutingRecorder:
                 w, ids = self._outputs(out, g, params[0])
             position = self._position()
             if type(g) is torch.Tensor:
-                self.record_call(self._token, g, bias, pad, w, ids, position, params)
+                self.record_call(self._token, g, bias, pad, w, ids, position, params, plan_key=plan_key)
             else:
                 if not isinstance(g, torch.Tensor) or g.dim() != 2:
                     raise RouteToolError("gating_output is not a 2-D tensor", path=self.out,
@@ -647,6 +650,51 @@ class RoutingRecorder:
             with self._lock:
                 self._fail(RouteToolError(f"recording failed ({type(exc).__name__}: {exc})", path=self.out,
                                           fix="report this as a routetool bug"))
+
+    def _record_planned(self, ring: ring_mod.DeviceRing, args: tuple, pad, out) -> tuple | bool | None:
+        """The eager hot path of an engine's call (every argument positional, outputs recorded): the
+        call's plan key (the current device, the router arguments as given, and every tensor's
+        dtype, shape, strides, device and 16-byte alignment: all a direct launch depends on), and,
+        when the ring has a plan
+        for it, the compiled record kernel launched directly. Returns True when launched, else the
+        key (None when no key can be made) for the checked path to leave its plan under."""
+        g, bias = args[0], args[1]
+        try:
+            w, ids = out
+            gp, bp, wp, ip = g.data_ptr(), bias.data_ptr(), w.data_ptr(), ids.data_ptr()
+            pp = None if pad is None else pad.data_ptr()
+            device = _Driver.current_device()
+            key = (device, *args[2:7], g.is_cuda,  # (the device of a CUDA tensor: its index; of the CPU: -1)
+                   g.dtype, g.shape, g.stride(), g.get_device(), gp & 15,
+                   bias.dtype, bias.shape, bias.stride(), bias.get_device(), bp & 15,
+                   w.dtype, w.shape, w.stride(), w.get_device(), wp & 15,
+                   ids.dtype, ids.shape, ids.stride(), ids.get_device(), ip & 15,
+                   None if pad is None else (pad.dtype, pad.shape, pad.stride(), pad.get_device(), pp & 15),
+                   ring.rows_per_program, ring.num_warps, ring.use_pdl)
+            plan = ring.plans.get(key)
+        except Exception:  # noqa: BLE001 - no key: the checked path names what is wrong
+            return None
+        if plan is None:
+            return key
+        if self.layer_fn is None and getattr(self._local, "layer", None) is None:
+            position = -1  # by call order (num_layers is given: a recorder without it has a layer_fn)
+        else:
+            position = self._position()
+            if position < 0 and self.num_layers is None:
+                return key
+        site, launch = plan
+        with self._lock:
+            if not self._active:
+                return True
+            try:
+                launch.direct(_Driver.current_stream(device), gp, bp, pp, wp, ip, position, site)
+            except Exception as exc:  # never break the recorded run
+                self._fail(RouteToolError(f"recording failed ({type(exc).__name__}: {exc})", path=self.out,
+                                          fix="report this as a routetool bug"))
+                return True
+            if time.monotonic() - self._last_drain >= self.drain_interval_s and not self._capturing():
+                self._drain()
+        return True
 
     def _record_traced(self, args: tuple, kwargs: dict, out) -> None:
         """The wrapper's recording as torch.compile traces it: only the op (layers by call order)."""
@@ -691,9 +739,11 @@ class RoutingRecorder:
 
     # -- the op's host side ---------------------------------------------------------------------
     def record_call(self, token: torch.Tensor, g: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
-                    w: torch.Tensor | None, ids: torch.Tensor | None, position: int, params: tuple) -> None:
+                    w: torch.Tensor | None, ids: torch.Tensor | None, position: int, params: tuple, *,
+                    plan_key: tuple | None = None) -> None:
         """The record op's host side (runs when Python runs the op: eager, compiled code, capture):
-        check the call against the ring's layout and launch the record kernel.
+        check the call against the ring's layout and launch the record kernel. ``plan_key``: the
+        wrapper's key of the call (:meth:`_record_planned`), under which its plan is kept too.
 
         The checks and the launch settings depend only on the call's signature (every tensor's
         dtype, shape, strides, device and alignment, the router parameters, the ring's launch
@@ -704,7 +754,7 @@ class RoutingRecorder:
             if not self._active:
                 return
             try:
-                self._launch(g, bias, pad, w, ids, position, params)
+                self._launch(g, bias, pad, w, ids, position, params, plan_key)
             except RouteToolError as exc:
                 self._fail(exc)
                 return
@@ -716,7 +766,7 @@ class RoutingRecorder:
                 self._drain()
 
     def _launch(self, g: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None, w: torch.Tensor | None,
-                ids: torch.Tensor | None, position: int, params: tuple) -> None:
+                ids: torch.Tensor | None, position: int, params: tuple, plan_key: tuple | None = None) -> None:
         """Launch the record kernel for one call: from its signature's plan, or checked (under the lock)."""
         ring = self._ring
         key = None
@@ -728,11 +778,8 @@ class RoutingRecorder:
             except Exception:  # noqa: BLE001 - no key: the checked path names what is wrong
                 key = plan = None
             if plan is not None and (position >= 0 or self.num_layers is not None):
-                site, launch = plan
-                if launch.can_direct:
-                    launch.direct(_Driver.current_stream(device), *pointers, position, site)
-                else:
-                    launch.jit(g, bias, pad, w, ids, position, site)
+                site, launch = plan  # (plans are kept for direct launches only)
+                launch.direct(_Driver.current_stream(device), *pointers, position, site)
                 return
         if ring is None:
             if _stream_capturing(g.device):
@@ -746,10 +793,12 @@ class RoutingRecorder:
             raise RouteToolError("a routing call without a layer index and no num_layers to count calls "
                                  "(compiled code counts calls)", fix="give num_layers")
         launch = ring.launch(g, bias, pad, w, ids, position, site)
-        if key is not None and launch is not None:
-            if len(ring.plans) >= _MAX_PLANS:
-                ring.plans.clear()
-            ring.plans[key] = (site, launch)
+        if launch is not None and launch.can_direct:
+            for k in (key, plan_key):
+                if k is not None:
+                    if len(ring.plans) >= _MAX_PLANS:
+                        ring.plans.clear()
+                    ring.plans[k] = (site, launch)
 
     def _site(self, params: tuple, num_experts: int) -> int:
         """The number of the call's router parameters; the first call's are the trace's."""

@@ -67,6 +67,13 @@ _TAG_MOD = tl.constexpr(R._TAG_MOD)
 
 @triton.jit(do_not_specialize=["num_tokens", "position", "site"])
 def _record_kernel(
+    gating_ptr,  # (T, E) fp32|bf16|fp16, any strides
+    bias_ptr,  # (E,) fp32|bf16|fp16, any stride
+    pad_ptr,  # (T,) bool, or None
+    weights_ptr,  # (T, K) fp32|bf16|fp16|fp64, any strides, or None
+    ids_ptr,  # (T, K) int32|int64, any strides, or None
+    position,  # the call's layer position (>= 0), or -1: its place in the step
+    site,  # the host's number of the call's router parameters
     state_ptr,  # (STATE_LEN,) int64: the ring's state words
     steps_ptr,  # (S, STEP_WIDTH) int64: step slots
     calls_ptr,  # (S, L, CALL_WIDTH) int32: the calls of each step slot
@@ -75,11 +82,6 @@ def _record_kernel(
     i_ring_ptr,  # (R, K) int32, or None
     w_ring_ptr,  # (R, K) fp32|bf16|fp16, or None
     p_ring_ptr,  # (R,) uint8
-    gating_ptr,  # (T, E) fp32|bf16|fp16, any strides
-    bias_ptr,  # (E,) fp32|bf16|fp16, any stride
-    pad_ptr,  # (T,) bool, or None
-    weights_ptr,  # (T, K) fp32|bf16|fp16|fp64, any strides, or None
-    ids_ptr,  # (T, K) int32|int64, any strides, or None
     num_tokens,
     num_experts,
     topk,
@@ -91,8 +93,6 @@ def _record_kernel(
     stride_wk,
     stride_im,
     stride_ik,
-    position,  # the call's layer position (>= 0), or -1: its place in the step
-    site,  # the host's number of the call's router parameters
     ring_rows,
     ring_steps,
     max_layers,
@@ -350,15 +350,14 @@ def record_routing_call(ring: R.DeviceRing, gating: torch.Tensor, bias: torch.Te
         weights = ids = None
     use_pdl = ring.use_pdl if ring.use_pdl is not None else pdl_supported(gating.device)
     args = (
+        None, None, None, None, None, 0, 0,  # the call's tensors, position and site (per call, leading)
         ring.state, ring.steps_table, ring.calls_table, ring.seen, ring.gating,
         ring.ids if has_outputs else None, ring.weights if has_outputs else None, ring.padding,
-        None, None, None, None, None,  # the call's tensors (per call)
         n, num_experts, lay.topk,
         gating.stride(0), gating.stride(1), bias.stride(0),
         padding.stride(0) if padding is not None else 0,
         weights.stride(0) if has_outputs else 0, weights.stride(1) if has_outputs else 0,
         ids.stride(0) if has_outputs else 0, ids.stride(1) if has_outputs else 0,
-        0, 0,  # position, site (per call)
         lay.rows, lay.steps, lay.max_layers, ring.num_layers, ring.skip_steps, ring.every_n_steps, ring.max_tokens,
     )
     kwargs = dict(
