@@ -246,9 +246,16 @@ def _tampered_generate() -> dict:
     return doc
 
 
+def _retype(path, **arrays):
+    """An ``np.savez`` archive with some members replaced (a damaged or hand-edited dump)."""
+    with np.load(path) as d:
+        members = {k: d[k] for k in d.files}
+    np.savez(path, **{**members, **arrays})
+
+
 REFUSALS = {
     # vLLM: what np.save would write for other arrays, and damaged copies
-    "float.npy": (lambda p: np.save(p, np.zeros((2, 2, 2), np.float32)), ["expert ids of dtype torch.float32"]),
+    "float.npy": (lambda p: np.save(p, np.zeros((2, 2, 2), np.float32)), ["expert ids of dtype float32"]),
     "objects.npy": (lambda p: p.write_bytes(_npy_bytes(np.array([{"x": 1}], dtype=object))),
                     ["a .npy array of Python objects"]),
     "cut.npy": (lambda p: p.write_bytes(_npy_bytes(routed_experts(50, 2, 2, 8))[:-40]), ["the .npy header declares"]),
@@ -259,6 +266,13 @@ REFUSALS = {
                                                                      "--enable-return-routed-experts"]),
     "b64.json": (lambda p: write_json(p, {**vllm_completion([None]), "choices": [
         {"index": 0, "routed_experts": "%%%"}]}), ["routed_experts is not base64"]),
+    "negative.npy": (lambda p: np.save(p, np.array([[[1, 2]], [[-3, 4]]], np.int8)),
+                     ["layer 0, token 1: the ids [-3, 4] hold a negative id"]),
+    "wrapped.npy": (lambda p: np.save(p, np.array([[[1, 2]], [[2**63 + 1, 4]]], np.uint64)),
+                    ["expert id 9223372036854775809 is out of range"]),
+    "datetime.npy": (lambda p: np.save(p, np.zeros((2, 2, 2), "datetime64[s]")), ["expert ids of dtype datetime64"]),
+    "huge.npy": (lambda p: p.write_bytes(_npy_bytes(routed_experts(5, 3, 2, 8)).replace(
+        b"(5, 3, 2)", b"(99999999999999999999999, 3, 2)")), ["the .npy header declares"]),
     # SGLang: a response whose ids do not split into its tokens x layers x topk
     "sg.json": (lambda p: write_json(p, _tampered_generate()), ["do not split into 10 tokens"], ["--topk", "2"]),
     # Megatron RouterReplay
@@ -271,7 +285,14 @@ REFUSALS = {
                ["dump_version 'mcore_ep_load_dump_v2'; routetool reads mcore_ep_load_dump_v1"]),
     "pickled.npz": (lambda p: np.savez(p, dump_version=np.asarray("mcore_ep_load_dump_v1"),
                                        loads=np.array([None], dtype=object)), ["of Python objects"]),
+    "floatlayers.npz": (lambda p: write_mcore_ep_load(p, np.ones((2, 1, 4)), [1, 3], [1, 1]) and _retype(
+        p, layer_numbers=np.asarray([1.5, 3.0])), ["layer_numbers of dtype float64, expected integers"]),
+    "rankarray.npz": (lambda p: write_mcore_ep_load(p, np.ones((2, 1, 4)), [1, 3], [1, 1]) and _retype(
+        p, global_rank=np.arange(3)), ["global_rank of shape [3], expected one integer"]),
     # FlashInfer-Trace
+    "moe_renorm_topk2_e8_x.safetensors":
+        (lambda p: write_flashinfer_workload(p.parent, "moe_renorm_topk2_e8", torch.zeros(0, 8), None).rename(p),
+         ["workload: routing_logits holds no rows"]),
     "moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048_x.safetensors":
         (lambda p: write_flashinfer_workload(p.parent, "moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048",
                                              torch.randn(2, 32), torch.zeros(32)).rename(p),
@@ -291,6 +312,16 @@ def test_damaged_or_unknown_variants_refused_in_one_line(tmp_path, name):
     for command in (["import", path, "-o", tmp_path / "x.safetensors"], ["balance", path, "--no-progress"]):
         one_line_error(run(*command, *options), str(path.name), *words)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_vllm_npy_of_either_byte_order_is_read_alike(tmp_path):
+    # np.save keeps an array's byte order: a big-endian uint16 array is the same ids
+    a = routed_experts(6, 2, 2, 300)
+    write_vllm_npy(tmp_path / "native.npy", a)
+    write_vllm_npy(tmp_path / "big.npy", a.astype(">u2"))
+    native = balance_counts(tmp_path / "native.npy", "--num-experts", 300)
+    assert balance_counts(tmp_path / "big.npy", "--num-experts", 300) == native
+    assert native == {x: counts(a[:, x], 300) for x in range(2)}
 
 
 def test_npy_base64_is_what_np_load_reads():

@@ -48,6 +48,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import re
 import zipfile
 from dataclasses import dataclass
@@ -157,7 +158,7 @@ def _npy_array(data: io.BufferedIOBase | io.BytesIO, size: int, where: str, path
     if dtype.hasobject:
         raise RouteToolError(f"{where}: a .npy array of Python objects (dtype {dtype}), not expert ids", path=path,
                              fix="pass the integer array vLLM returns, saved with np.save")
-    declared = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
+    declared = math.prod(shape) * dtype.itemsize  # Python integers: a hostile shape cannot overflow
     present = size - data.tell()
     if declared > present:
         raise RouteToolError(f"{where}: the .npy header declares {declared:,} bytes of data ({list(shape)} "
@@ -176,9 +177,21 @@ def _first_line(exc: BaseException, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
 def _int_ids(a, where: str, path: Path, expected: str) -> torch.Tensor:
-    """An integer array as int64, or a one-line error naming its dtype."""
-    t = torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a
+    """An integer array (numpy of any byte order and layout, or torch) as int64, or a one-line
+    error naming its dtype, or the first id int64 cannot hold (uint64)."""
+    if isinstance(a, np.ndarray):
+        if a.dtype.kind not in "iu":
+            raise RouteToolError(f"{where}: expert ids of dtype {a.dtype}, expected {expected}", path=path,
+                                 fix="pass the engine's unmodified output")
+        if a.dtype.kind == "u" and a.dtype.itemsize == 8 and a.size and int(a.max()) > _INT64_MAX:
+            raise RouteToolError(f"{where}: expert id {int(a.max())} is out of range (at most {MAX_EXPERTS - 1:,})",
+                                 path=path, fix="pass the engine's unmodified output")
+        a = np.ascontiguousarray(a, dtype=np.int64)  # native byte order, C order
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
     if not isinstance(t, torch.Tensor) or t.dtype in (torch.bool, torch.complex64, torch.complex128) \
             or t.is_floating_point() or t.is_complex():
         shown = getattr(t, "dtype", type(t).__name__)
@@ -201,7 +214,8 @@ def _check_rows(ids: torch.Tensor, E: int, where: str, layer: int, path: Path) -
     """Every row of ``ids`` ``[T, K]`` picks K distinct experts in ``[0, E)``: else one line naming the first bad row."""
     if ids.numel() == 0:
         return
-    bad = (ids < 0) | (ids >= E)
+    negative = ids < 0
+    bad = negative | (ids >= E)
     srt = ids.sort(dim=1).values
     dup = torch.zeros_like(bad)
     dup[:, 1:] = srt[:, 1:] == srt[:, :-1]
@@ -209,7 +223,8 @@ def _check_rows(ids: torch.Tensor, E: int, where: str, layer: int, path: Path) -
     if rows.numel():
         t = int(rows[0])
         row = ids[t].tolist()
-        why = f"an id outside [0, {E})" if bool(bad[t].any()) else "one expert twice"
+        why = "a negative id" if bool(negative[t].any()) else f"an id outside [0, {E})" if bool(bad[t].any()) \
+            else "one expert twice"
         raise RouteToolError(f"{where}: layer {layer}, token {t}: the ids {row} hold {why}; "
                              f"{rows.numel()} row(s) of the layer are invalid", path=path,
                              fix="each token picks distinct experts in [0, num_experts): pass the engine's unmodified "
@@ -251,6 +266,10 @@ def _assemble_parts(path: Path, fmt: str, parts: list[_Part], options, model: st
         shown = ", ".join(map(str, dense[:12])) + (" ..." if len(dense) > 12 else "")
         notes.append(f"layer(s) {shown} left out: every id 0 in every token {_UNUSED}")
     max_id = max(int(p.ids[:, used].max()) for p in parts)
+    for l in used:  # a negative id first: the largest id, which E is inferred from, means nothing beside it
+        for p in parts:
+            if bool((p.ids[:, l] < 0).any()):
+                _check_rows(p.ids[:, l], max_id + 1, p.where, names[l], path)
     E = options.num_experts
     if E is None:
         E = max_id + 1
@@ -528,6 +547,13 @@ def read_megatron_ep_load(path: Path, options):
             raise RouteToolError(f"{where}: {what}; routetool reads {_NPZ_VERSION} (Megatron-Core's ExpertLoadRecorder: "
                                  f"{', '.join(_NPZ_KEYS)})", path=path,
                                  fix=f"pass an unmodified {_NPZ_VERSION} dump")
+        for key in _NPZ_KEYS[1:]:  # every member read is integers; two of them one integer each
+            if d[key].dtype.kind not in "iu":
+                raise RouteToolError(f"{where}: {key} of dtype {d[key].dtype}, expected integers", path=path,
+                                     fix=f"pass an unmodified {_NPZ_VERSION} dump")
+            if key in ("num_global_physical_experts", "global_rank") and d[key].size != 1:
+                raise RouteToolError(f"{where}: {key} of shape {list(d[key].shape)}, expected one integer", path=path,
+                                     fix=f"pass an unmodified {_NPZ_VERSION} dump")
         dumps.append((where, d))
     _refuse_counts(path, options)
     layers_of: dict[int, torch.Tensor] = {}
@@ -536,8 +562,8 @@ def read_megatron_ep_load(path: Path, options):
     for where, d in dumps:
         loads_ = d["loads"]
         numbers, counts = d["layer_numbers"].reshape(-1), d["forward_counts"].reshape(-1)
-        p = int(d["num_global_physical_experts"])
-        rank = int(d["global_rank"])
+        p = int(d["num_global_physical_experts"].reshape(-1)[0])
+        rank = int(d["global_rank"].reshape(-1)[0])
         if loads_.ndim != 3 or loads_.dtype.kind not in "iu" or loads_.shape[0] != numbers.size \
                 or counts.size != numbers.size or loads_.shape[2] != p or not 1 <= p <= MAX_EXPERTS:
             raise RouteToolError(f"{where}: loads {list(loads_.shape)} {loads_.dtype} does not match "
@@ -652,6 +678,10 @@ def read_flashinfer(path: Path, options):
         if lg.dim() != 2 or lg.dtype not in _FLOAT or not 1 <= lg.shape[1] <= MAX_EXPERTS:
             raise RouteToolError(f"{where}: routing_logits is {list(lg.shape)} {lg.dtype}; expected [seq_len, "
                                  "num_experts] float32, bfloat16 or float16", path=path, fix="pass an unmodified blob")
+        if lg.shape[0] == 0:
+            raise RouteToolError(f"{where}: routing_logits holds no rows ({list(lg.shape)})", path=path,
+                                 fix="pass a workload of a call that routed tokens" + (
+                                     f", or move {f.name} out of the folder" if f != path else ""))
         E = lg.shape[1]
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != E or bias.dtype not in _FLOAT):
             raise RouteToolError(f"{where}: routing_bias is {list(bias.shape)} {bias.dtype}; expected [{E}] float",
