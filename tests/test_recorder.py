@@ -625,3 +625,52 @@ def test_a_killed_recording_keeps_every_flushed_step(fake_module, tmp_path, mode
     result = CliRunner().invoke(main, ["info", str(out), "--json", str(tmp_path / "info.json")], env={"COLUMNS": "250"})
     assert "INCOMPLETE" in result.output and "last complete step: 9" in result.output, result.output
     assert json.loads((tmp_path / "info.json").read_text())["index"]["last_complete_step"] == 9
+
+
+def test_a_signatures_plan_is_checked_once_then_launched_directly(fake_module, tmp_path, monkeypatch):
+    # the eager hot path on a CUDA ring, with its launches stood in for on the CPU: the first call of
+    # a signature is checked and leaves a plan; later calls launch it directly with their own data
+    # pointers and positions; a call of another signature (here a new dtype) is checked again
+    from kernel import _dispatch
+
+    class Launch:
+        can_direct = True
+        direct_calls: list = []
+
+        def direct(self, stream, *args):
+            self.direct_calls.append(args)
+
+    monkeypatch.setattr(_dispatch._Driver, "current_device", staticmethod(lambda: 0))
+    monkeypatch.setattr(_dispatch._Driver, "current_stream", staticmethod(lambda device: 7))
+    out = tmp_path / "run.json"
+    rec = RoutingRecorder(out, target=TARGET, num_layers=2, drain_interval_s=1e9).start()
+    call = fake_module.fused_musespark1x_routing
+    x = [torch.randn(4, E).to(torch.bfloat16) for _ in range(4)]
+    bias, w, ids = torch.zeros(E), torch.empty(4, K), torch.empty(4, K, dtype=torch.int32)
+    call(x[0], bias, K, 1.0, None, "sigmoid", None, w, ids)  # makes the (CPU) ring
+    ring = rec._ring
+    checked = []
+    real_check = rec._check_call
+
+    def check_on_the_cpu(*args):  # the calls' own checks, against the ring's real (CPU) device
+        with monkeypatch.context() as m:
+            m.setattr(ring, "device", torch.device("cpu"))
+            real_check(*args)
+
+    monkeypatch.setattr(rec, "_check_call", check_on_the_cpu)
+    monkeypatch.setattr(ring, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(ring, "launch", lambda *a: checked.append(a) or Launch())
+    keyed = []  # the op's generic signature keys made (the wrapper's own key is cheaper)
+    real_signature = recorder_mod.call_signature
+    monkeypatch.setattr(recorder_mod, "call_signature", lambda *a: keyed.append(a) or real_signature(*a))
+    for i in range(1, 5):
+        call(x[i % 4], bias, K, 1.0, None, "sigmoid", None, w, ids)
+    assert len(checked) == 1 and len(Launch.direct_calls) == 3  # checked once, then direct
+    assert len(keyed) == 2  # the checked call, and the one that found the plan and left it under the wrapper's key
+    assert [a[0] for a in Launch.direct_calls] == [x[2].data_ptr(), x[3].data_ptr(), x[0].data_ptr()]
+    assert [a[-2:] for a in Launch.direct_calls] == [(-1, 0)] * 3  # by call order, site 0
+    call(x[0].float(), bias, K, 1.0, None, "sigmoid", None, w, ids)  # another dtype: checked, refused
+    assert len(Launch.direct_calls) == 3 and rec.error is not None and "changed dtype" in str(rec.error)
+    monkeypatch.setattr(ring, "device", torch.device("cpu"))
+    with pytest.raises(RouteToolError, match="changed dtype"):
+        rec.close()

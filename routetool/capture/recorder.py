@@ -21,15 +21,21 @@ How it works:
   rows the kernel claims from device-side counters. Its router parameters are the op's
   arguments. No host sync, no Python on replay: a CUDA graph captured while recording
   repeats the copy on every replay, and torch.compile keeps the op as one opaque call. On the
-  CPU the same op runs eagerly.
+  CPU the same op runs eagerly. Run eagerly (an engine's prefill), the wrapper calls the op's
+  host side itself: the first call of a signature is checked and leaves a plan, later ones
+  launch the compiled record kernel directly (as :mod:`kernel._dispatch` does for routing).
 * The host drains the ring off the hot path, on the thread that runs the model, while no
   graph is being captured: at most every ``drain_interval_s`` when a routing call runs in
   Python, at :meth:`RoutingRecorder.drain` / :meth:`RoutingRecorder.step` (the vLLM plugin
   calls it after every model step; under CUDA-graph replay nothing else runs Python), and at
   the end. A drain enqueues copies of the complete steps into pinned memory and the release
   of their rows; a writer thread (no CUDA calls) turns landed copies into shards (complete
-  trace v1 files, each at least ``shard_mb``) and rewrites the index (see
-  :mod:`routetool.io.sharded`).
+  trace v1 files of ``shard_mb``, or fewer steps once the oldest pending one is ``shard_s``
+  old, and at :meth:`~RoutingRecorder.flush`), each written aside, synced and renamed into
+  place before the index (rewritten the same way) lists it, with the last complete step (see
+  :mod:`routetool.io.sharded`). A process killed at any moment leaves a readable trace of every
+  listed shard: it loses the steps still in the ring and at most ``shard_s`` seconds of drained
+  ones, none written before a ``flush()``.
 * Memory is bounded: the ring (``ring_mb``) on the device, the drained copies in flight and
   one pending shard on the host. When the ring is full a sampled step is dropped whole and
   counted, never written over rows the host has not copied; so is a step larger than the
@@ -42,6 +48,20 @@ How it works:
   replay); inside compiled code and graph replays, explicit layer indexes are those Python
   saw when it traced or captured the call. Each layer's ``step_offsets`` keep the step
   boundaries, so replay reproduces the production batch shapes.
+* The recorder knows its calls per step and refuses, loudly, the first step that disagrees
+  with ``num_layers`` (judged on the device from ``skip_steps`` on): a step boundary
+  (:meth:`~RoutingRecorder.step`, the plugin's step hook) after a number of calls that is not
+  a whole number of ``num_layers`` (whole extra forwards, such as vLLM's dummy batches, are
+  steps), or a call whose rows differ from its step's first call (the calls of one step route
+  the same tokens). Recording stops there, that step and everything after it are never
+  written, a warning is given once, the index names the refused step and the error is raised
+  when recording stops. Without boundaries a wrong count shows in the rows when batch sizes
+  change, and in each layer's bias (compared with the layer's first, bit for bit) when layers
+  have their own; a count off by a whole multiple of the model's layers, at constant batch
+  sizes and with equal biases (say, all zero), cannot be told from a right one.
+* A step the run stopped inside (an exception or Ctrl-C in the model step: the boundary is
+  then ``step(interrupted=True)``, or a step short of calls at close) is dropped and named in
+  the index (``recording.not_written``), so that no layer holds a step the others lack.
 * Sampling, decided on the device: ``every_n_steps`` records one step in N (steps 0, N, 2N, ...
   after ``skip_steps`` warm-up steps); ``max_tokens`` stops recording before the first step
   that would take the recorded token rows per layer over the budget (steps are never cut).
@@ -780,6 +800,7 @@ class RoutingRecorder:
             if plan is not None and (position >= 0 or self.num_layers is not None):
                 site, launch = plan  # (plans are kept for direct launches only)
                 launch.direct(_Driver.current_stream(device), *pointers, position, site)
+                _keep_plan(ring, (plan_key,), plan)  # the wrapper's next call of this signature finds it by its key
                 return
         if ring is None:
             if _stream_capturing(g.device):
@@ -794,11 +815,7 @@ class RoutingRecorder:
                                  "(compiled code counts calls)", fix="give num_layers")
         launch = ring.launch(g, bias, pad, w, ids, position, site)
         if launch is not None and launch.can_direct:
-            for k in (key, plan_key):
-                if k is not None:
-                    if len(ring.plans) >= _MAX_PLANS:
-                        ring.plans.clear()
-                    ring.plans[k] = (site, launch)
+            _keep_plan(ring, (key, plan_key), (site, launch))
 
     def _site(self, params: tuple, num_experts: int) -> int:
         """The number of the call's router parameters; the first call's are the trace's."""
@@ -1315,6 +1332,16 @@ def _router_args(p: dict) -> tuple:
     mult, eps = p["router_output_multiplier"], p["router_score_division_eps"]
     return (int(p["topk"]), float(p["route_scale"]), None if mult is None else float(mult),
             str(p["router_score_normalization"]), None if eps is None else float(eps))
+
+
+def _keep_plan(ring: ring_mod.DeviceRing, keys: tuple, plan: tuple) -> None:
+    """Keep a launch plan under each key that is not None (at most :data:`_MAX_PLANS`: one more
+    empties the ring's plans, so a call is checked again, never launched wrong)."""
+    for key in keys:
+        if key is not None:
+            if len(ring.plans) >= _MAX_PLANS:
+                ring.plans.clear()
+            ring.plans[key] = plan
 
 
 def _fsync(path: Path) -> None:

@@ -7,7 +7,9 @@ all programs are done, so all take the same decisions: does this call start a fo
 first call, a call after ``num_layers`` calls, a repeated layer position, or after
 ``end_step``), is the step sampled (``skip_steps``, ``every_n_steps``, ``max_tokens``, stopped),
 is there room for the whole step (``calls x (rows + bias rows)`` consecutive rows between the
-claimed end and the released start, and a free step slot), and where this call's rows go. Each
+claimed end and the released start, and a free step slot), where this call's rows go, and
+does the call disagree with its step (other rows than the step's first call: recording stops,
+the state words keep the step, its slot is flagged so the host never writes it). Each
 program stores its rows; program 0 also writes the call's table entry and its bias (as the
 float32 bits, in the rows after the call's rows). The last program to finish (a ticket taken
 with an atomic add; with one program, that program) writes the new state words. Launches on
@@ -15,6 +17,10 @@ one stream run one after the other, so the next call sees them; on Hopper and ne
 is a programmatic dependent launch, as the routing kernels are, so that neither launch waits
 for the other to be scheduled. Nothing here waits for the host: CUDA-graph capture records the
 launch and every replay repeats it.
+
+The end of a step (:func:`_end_step_kernel`, one program) is device work too: it judges the
+calls since the last whole step (a whole number of ``num_layers``, or the step is flagged and,
+unless the run stopped inside it, refused) and starts a new step.
 
 This module imports Triton: import it lazily (after ``TRITON_INTERPRET`` is settled).
 """
