@@ -48,6 +48,7 @@ COMMANDS = {
     "replay": ["replay", "--no-latency", "--no-progress", "--device", "cpu"],
     "validate": ["validate", "--suite", "none", "--no-progress", "--device", "cpu"],
     "balance": ["balance", "--no-progress", "--device", "cpu"],
+    "info": ["info", "--no-progress"],  # (a trace of unequal steps: its layout line said "one file" and no more)
 }
 
 

@@ -321,13 +321,18 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
         with _progress(progress and scan) as bar:
             task = bar.add_task(markup_safe(f"scan {trace.name}"), total=sum(r.trace.total_tokens for r in run.ranks))
             infos = [trace_info(r.trace, scan=scan, progress=lambda n: bar.advance(task, n)) for r in run.ranks]
+        partial = run.partial  # said first, as every command that reads a trace says it (report/partial.py)
+    from routetool.report.partial import partial_json, render_partial
+
     console = Console(stderr=json_path == "-")
+    render_partial(partial, console)
     if run.is_run:
         render_run_info(run, infos, console)
     else:
         render_info(infos[0], console)
     if json_path is not None:
-        write_json(run_info_json(run, infos) if run.is_run else info_json(infos[0]), json_path, sys.stdout)
+        doc = run_info_json(run, infos) if run.is_run else info_json(infos[0])
+        write_json({"schema": doc.pop("schema"), **partial_json(partial), **doc}, json_path, sys.stdout)
 
 
 # ---------------------------------------------------------------------------------------
