@@ -572,16 +572,21 @@ from routetool.capture import recorder as recorder_mod
 mod = types.ModuleType(MODULE)
 mod.fused_musespark1x_routing = fused_musespark1x_routing
 sys.modules[MODULE] = mod
-# no shard is written by time: only flush() and close() write
-rec = recorder_mod.RoutingRecorder({out!r}, target=TARGET, num_layers=3, shard_s=3600).start()
+# by-age: every drained step is written at once (shard_s=0); else only flush() and close() write
+by_age = {mode!r} == "by-age"
+rec = recorder_mod.RoutingRecorder({out!r}, target=TARGET, num_layers=3, shard_s=0 if by_age else 3600,
+                                   drain_interval_s=0).start()
 engine = FakeEngine(mod)
 for step in range(10):
     engine.forward(step, 3 + step % 4, padded=step % 2)
-rec.flush()
+if not by_age:
+    rec.flush()
 for step in range(10, 15):
     engine.forward(step, 2)
-if {mode!r} == "after-flush":
-    print("flushed", flush=True)
+if by_age:  # the writer has had the time to write what it was given (no flush)
+    rec._executor.submit(lambda: None).result()
+if {mode!r} != "in-close":
+    print("recorded", flush=True)
     time.sleep(120)
 else:  # killed inside close, at its first file write
     recorder_mod.write_trace = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
@@ -589,10 +594,11 @@ else:  # killed inside close, at its first file write
 """
 
 
-@pytest.mark.parametrize("mode", ["after-flush", "in-close"])
+@pytest.mark.parametrize("mode", ["after-flush", "in-close", "by-age"])
 def test_a_killed_recording_keeps_every_flushed_step(fake_module, tmp_path, mode):
     # SIGKILL (no atexit, no close) after flush(), or while close() drains and writes: every step
-    # recorded before flush() is on disk, whole and listed; the index says the recording did not end
+    # recorded before flush() is on disk, whole and listed; the index says the recording did not end.
+    # by-age (shard_s=0, no flush): every step drained before the kill is on disk
     import signal
     import subprocess
     from pathlib import Path
@@ -602,8 +608,8 @@ def test_a_killed_recording_keeps_every_flushed_step(fake_module, tmp_path, mode
     script = _KILLED_RECORDING.format(paths=[str(here), str(here.parent)], out=str(out), mode=mode)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        if mode == "after-flush":
-            assert proc.stdout.readline() == "flushed\n", proc.stderr.read()
+        if mode != "in-close":
+            assert proc.stdout.readline() == "recorded\n", proc.stderr.read()
             proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=120)
     finally:
@@ -611,20 +617,24 @@ def test_a_killed_recording_keeps_every_flushed_step(fake_module, tmp_path, mode
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
     index = json.loads(out.read_text())
     assert index["complete"] is False and index["stopped_by"] is None
-    assert index["last_complete_step"] == 9
+    steps = index["last_complete_step"] + 1
+    if mode == "by-age":  # shards written as steps were drained, without a flush; the ring's last steps are lost
+        assert steps >= 5 and len(index["shards"]) > 1, (steps, index["shards"])
+    else:
+        assert steps == 10
     engine = FakeEngine(fake_module)  # the same calls again (same seed)
-    for step in range(10):
-        engine.forward(step, 3 + step % 4, padded=step % 2)
+    for step in range(15):
+        engine.forward(step, 3 + step % 4, padded=step % 2) if step < 10 else engine.forward(step, 2)
     with open_trace(out) as t:
-        _assert_recorded_as_routed(t, engine, range(10))
+        _assert_recorded_as_routed(t, engine, range(steps))
     # info says so, and names the last complete step
     from click.testing import CliRunner
 
     from routetool.cli import main
 
     result = CliRunner().invoke(main, ["info", str(out), "--json", str(tmp_path / "info.json")], env={"COLUMNS": "250"})
-    assert "INCOMPLETE" in result.output and "last complete step: 9" in result.output, result.output
-    assert json.loads((tmp_path / "info.json").read_text())["index"]["last_complete_step"] == 9
+    assert "INCOMPLETE" in result.output and f"last complete step: {steps - 1}" in result.output, result.output
+    assert json.loads((tmp_path / "info.json").read_text())["index"]["last_complete_step"] == steps - 1
 
 
 def test_a_signatures_plan_is_checked_once_then_launched_directly(fake_module, tmp_path, monkeypatch):
