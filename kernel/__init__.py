@@ -3,7 +3,9 @@
 Depends on torch and triton only. Triton reads ``TRITON_INTERPRET`` when a kernel is
 defined, so the Triton modules (:mod:`kernel.routing` with :mod:`kernel.routing_jit`,
 :mod:`kernel.seed`) are imported lazily, on first use of their names here;
-:mod:`kernel.reference` and the launch settings (:mod:`kernel.routing_policy`) need no Triton.
+:mod:`kernel.reference` and the launch settings (:mod:`kernel.routing_policy`) need no Triton,
+and are imported on first use too, so that :mod:`kernel.spec` (:class:`~kernel.spec.RouterSpec`,
+standard library only) imports neither torch nor Triton.
 
 Variants (all with the seed's signature, returning ``(topk_weights, topk_ids)``):
 
@@ -22,9 +24,8 @@ from __future__ import annotations
 
 import importlib
 
-from kernel.reference import musespark1x_routing_reference
-
 _LAZY = {
+    "musespark1x_routing_reference": "kernel.reference",
     "fused_musespark1x_routing": "kernel.routing",
     "LaunchConfig": "kernel.routing_policy",
     "default_config": "kernel.routing_policy",

@@ -22,6 +22,9 @@ valid and distinct and weights always finite:
 * ``-0.0`` and ``+0.0`` biased scores are equal (a tie, lowest index wins).
 
 For finite input and a non-zero denominator this is exactly the seed's arithmetic.
+
+Each function takes the router's parameters by keyword, as the kernels do (the seed's
+signature); :func:`scores` and :func:`route` take them as one :class:`~kernel.spec.RouterSpec`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from kernel._launch import check_routing_args
+from kernel.spec import RouterSpec
 
 
 def normalized_scores(
@@ -205,3 +209,57 @@ def routing_with_scores(
         ids = torch.where(pad, -1, ids)
         weights = torch.where(pad, 0.0, weights)
     return weights, ids, scores, biased
+
+
+def _supported(spec: RouterSpec) -> RouterSpec:
+    """``spec``, when the reference defines its routing.
+
+    Raises:
+        NotImplementedError: group-limited routing (:meth:`RouterSpec.unsupported`).
+    """
+    why = spec.unsupported()
+    if why:
+        raise NotImplementedError(why)
+    return spec
+
+
+def scores(gating_output: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """:func:`normalized_scores` with ``spec``'s normalization and multiplier.
+
+    Args:
+        gating_output: ``[num_tokens, num_experts]`` float32, bfloat16 or float16 logits.
+        spec: the router.
+
+    Returns:
+        ``[num_tokens, num_experts]`` float32 scores in ``[0, 1]``.
+
+    Raises:
+        NotImplementedError: ``spec`` sets group-limited routing.
+        ValueError: an unknown normalization.
+    """
+    spec = _supported(spec)
+    return normalized_scores(gating_output, spec.router_score_normalization, spec.router_output_multiplier)
+
+
+def route(gating_output: torch.Tensor, bias: torch.Tensor, spec: RouterSpec, *,
+          is_padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`routing_with_scores` with the parameters of ``spec``:
+    ``(topk_weights, topk_ids, scores, biased)``.
+
+    Args:
+        gating_output: ``[num_tokens, num_experts]`` logits, ``num_experts == spec.num_experts``.
+        bias: ``[num_experts]``. spec: the router. is_padding: ``[num_tokens]`` bool or None.
+
+    Returns:
+        ``[num_tokens, topk]`` float32 weights and int32 ids, and ``[num_tokens, num_experts]``
+        float32 scores and selection keys.
+
+    Raises:
+        NotImplementedError: ``spec`` sets group-limited routing.
+        ValueError: the launchers' argument errors, or ``gating_output`` not of ``spec.num_experts`` columns.
+    """
+    spec = _supported(spec)
+    if gating_output.dim() == 2 and gating_output.shape[1] != spec.num_experts:
+        raise ValueError(f"gating_output has {gating_output.shape[1]} experts (columns); the router has "
+                         f"num_experts={spec.num_experts}")
+    return routing_with_scores(gating_output, bias, is_padding=is_padding, **spec.kernel_kwargs())

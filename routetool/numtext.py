@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import re
 
+from kernel.spec import PLAIN_FLOAT as _FLOAT
+from kernel.spec import PLAIN_INT as _INT
+from kernel.spec import SPECIAL_FLOAT as _SPECIAL
 from routetool.errors import RouteToolError
 
-_INT = re.compile(r"[-+]?[0-9]+")
-_FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
-_SPECIAL = re.compile(r"[-+]?(?:nan|inf|infinity)", re.IGNORECASE)
 _INDEX = re.compile(r"0|[1-9][0-9]*")
 
 

@@ -36,12 +36,10 @@ import types
 import warnings
 from collections.abc import Callable, Iterable
 
+from kernel.spec import RouterSpec
 from routetool.errors import RouteToolError
 
-SEED_PARAMETERS = (
-    "gating_output", "bias", "topk", "route_scale", "router_output_multiplier",
-    "router_score_normalization", "router_score_division_eps", "topk_weights", "topk_ids",
-)
+SEED_PARAMETERS = ("gating_output", "bias", *RouterSpec.KERNEL_KEYWORDS, "topk_weights", "topk_ids")
 """Positional parameters of the seed's signature (``is_padding`` is keyword-only)."""
 
 _TARGET_FIX = "e.g. vllm.models.muse_spark.common.ops.fused_routing:fused_musespark1x_routing"

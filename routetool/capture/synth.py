@@ -444,13 +444,13 @@ def _route_counts(logits: torch.Tensor, bias: torch.Tensor, router: RouterConfig
     equal keys is unspecified: such ties are measure-zero in these continuous draws, and
     which of two tied experts is counted does not matter here. ``logits`` may be overwritten.
     """
-    from kernel.reference import normalized_scores
+    from kernel import reference
 
     if router.router_score_normalization == "sigmoid":
         x = logits if router.router_output_multiplier is None else logits.mul_(router.router_output_multiplier)
         keys = torch.sigmoid_(x)
     else:
-        keys = normalized_scores(logits, router.router_score_normalization, router.router_output_multiplier)
+        keys = reference.scores(logits, router)
     if bool(bias.any()):
         keys = keys.add_(bias.float())
     ids = torch.topk(keys, router.topk, dim=-1, sorted=False).indices
@@ -563,13 +563,13 @@ def _fit_bias(offset: torch.Tensor, dirs: torch.Tensor, spec: SynthSpec, gen: to
 
 
 def _inject_ties(logits: torch.Tensor, bias: torch.Tensor, rows: torch.Tensor, spec: SynthSpec) -> int:
-    from kernel.reference import biased_scores, normalized_scores
+    from kernel.reference import biased_scores, scores
 
     r = spec.router
     made = 0
     for row in rows.tolist():
         x = logits[row:row + 1]
-        b = biased_scores(normalized_scores(x, r.router_score_normalization, r.router_output_multiplier), bias)[0]
+        b = biased_scores(scores(x, r), bias)[0]
         order = torch.sort(b, descending=True, stable=True).indices
         kth = int(order[r.topk - 1])
         for cand in order[r.topk:].tolist():
@@ -722,7 +722,8 @@ def synth_stats(meta: TraceMeta, layers: dict[int, LayerArrays],
             calibration (:func:`generate`), to report targets and affinities.
         progress: called with work units done (rows x experts per layer).
     """
-    from kernel.reference import biased_scores, normalized_scores, select_topk
+    from kernel import reference
+    from kernel.reference import biased_scores, select_topk
     from routetool.engine.compare import boundary_margins
     from routetool.engine.load import load_stats
 
@@ -743,7 +744,7 @@ def synth_stats(meta: TraceMeta, layers: dict[int, LayerArrays],
         for start in range(0, n, block):
             stop = min(n, start + block)
             x, p = logits[start:stop], pad[start:stop]
-            scores = normalized_scores(x, r.router_score_normalization, r.router_output_multiplier)
+            scores = reference.scores(x, r)
             biased = biased_scores(scores, bias)
             real = ~p
             counts += torch.bincount(select_topk(biased[real], r.topk).flatten(), minlength=E)

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
+from kernel.spec import RouterSpec
 from routetool.errors import RouteToolError, first_line
 from routetool.io.files import path_kind
 
@@ -96,13 +97,12 @@ def select_execution(choice: str) -> Execution:
 
 RoutingFn = Callable[..., tuple["torch.Tensor", "torch.Tensor"]]
 
-SEED_SIGNATURE = ("fn(gating_output, bias, topk, route_scale, router_output_multiplier, router_score_normalization, "
-                  "router_score_division_eps, topk_weights, topk_ids, *, is_padding) -> (topk_weights, topk_ids)")
+SEED_SIGNATURE = (f"fn(gating_output, bias, {', '.join(RouterSpec.KERNEL_KEYWORDS)}, topk_weights, topk_ids, *, "
+                  "is_padding) -> (topk_weights, topk_ids)")
 """The signature every ``--kernel`` takes (the seed's); the call passes the logits and the bias by
 position and every other argument by keyword (:func:`routetool.engine.contract.call_kernel`)."""
 
-_CALL_KEYWORDS = ("topk", "route_scale", "router_output_multiplier", "router_score_normalization",
-                  "router_score_division_eps", "topk_weights", "topk_ids", "is_padding")
+_CALL_KEYWORDS = (*RouterSpec.KERNEL_KEYWORDS, "topk_weights", "topk_ids", "is_padding")
 
 
 def signature_problem(fn: RoutingFn) -> str | None:

@@ -10,8 +10,8 @@ in its output path) is a *run folder* (docs/trace-format.md, "Run folders")::
 :func:`open_input` opens what every trace-reading command takes, a trace file, an index or a
 run folder, as a :class:`RunInput` of one or more :class:`RankTrace`; a plain trace is a run
 of one rank whose ``rank`` is None. Each rank's trace is read as a trace by itself
-(:func:`routetool.io.trace.open_trace`); the ranks must agree on the router (``num_experts``,
-``topk``, scale, normalization, multiplier, eps) and on ``weights_semantics``.
+(:func:`routetool.io.trace.open_trace`); the ranks must agree on the router (every field of
+:class:`kernel.spec.RouterSpec`) and on ``weights_semantics``.
 
 Which ranks routed the same tokens (:meth:`RunInput.token_groups`): the ranks of one
 data-parallel rank (its tensor-parallel peers, same ``dp_rank`` in the metadata) route the
@@ -37,8 +37,7 @@ LAYOUT_FIELDS = ("rank", "world_size", "local_rank", "dp_rank", "dp_size", "tp_r
                  "ep_rank", "ep_size", "pp_rank", "pp_size")
 """The parallel-layout metadata a recorder writes (:class:`routetool.capture.ranks.RankInfo`)."""
 
-_SAME_ROUTER = ("num_experts", "topk", "route_scale", "router_score_normalization", "router_output_multiplier",
-                "router_score_division_eps")
+_KNOWN_FOR_IDS_ONLY = ("num_experts", "topk")  # what an ids-only import records of its router
 
 
 @dataclass
@@ -302,11 +301,12 @@ class RunInput:
         for other in self.ranks[1:]:
             a, b = first.trace.meta.router, other.trace.meta.router
             unknown = any("router_parameters" in r.trace.meta.extra for r in (first, other))
-            for name in _SAME_ROUTER[:2] if unknown else _SAME_ROUTER:  # (an import records only E and topk)
-                if getattr(a, name) != getattr(b, name):
-                    raise RouteToolError(f"{other.label} routes with {name} {getattr(b, name)!r}, {first.label} with "
-                                         f"{getattr(a, name)!r}: the ranks of one run share one router",
-                                         path=self.display_path, fix="keep the ranks of one run (one model) in one folder")
+            differ = [n for n in a.differences(b) if not unknown or n in _KNOWN_FOR_IDS_ONLY]
+            if differ:
+                name = differ[0]
+                raise RouteToolError(f"{other.label} routes with {name} {getattr(b, name)!r}, {first.label} with "
+                                     f"{getattr(a, name)!r}: the ranks of one run share one router",
+                                     path=self.display_path, fix="keep the ranks of one run (one model) in one folder")
             sa = first.trace.meta.extra.get("weights_semantics", "renormalized")
             sb = other.trace.meta.extra.get("weights_semantics", "renormalized")
             if sa != sb:

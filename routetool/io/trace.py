@@ -5,12 +5,12 @@ one writer of it. The reader is lazy: opening a trace reads the header, checks e
 tensor's name, shape and dtype and the small per-layer tensors (bias, step_offsets), and
 reads the large ones (gating_output, is_padding, recorded outputs) one step at a time, so
 a trace larger than memory can be replayed. Every problem becomes a
-:class:`~routetool.errors.RouteToolError` naming the file and the tensor.
+:class:`~routetool.errors.RouteToolError` naming the file and the tensor. The router's metadata
+keys are read and written by :class:`kernel.spec.RouterSpec` (``RouterConfig`` here).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import struct
@@ -22,15 +22,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from kernel.spec import PLAIN_INT_FIX, RouterSpec, SpecError
 from routetool.errors import RouteToolError
 from routetool.io.files import atomic_write, check_output_folder, path_kind, require_input
 from routetool.io.jsonstrict import JSONProblem, loads
-from routetool.io.limits import MAX_EXPERTS, check_expert_tables
-from routetool.numtext import index_problem, parse_float, parse_int
+from routetool.io.limits import check_expert_tables
+from routetool.numtext import index_problem, parse_int
 
 FORMAT_NAME = "routetool-trace"
 FORMAT_VERSION = "1"
-NORMALIZATIONS = ("sigmoid", "softmax")
 WEIGHTS_SEMANTICS = ("renormalized", "unnormalized")
 
 _LAYER_TENSOR = re.compile(r"layers\.([^.]+)\.([a-z_]+)")  # the index is checked by numtext.is_index
@@ -60,35 +60,8 @@ def _dtypes_text(field_name: str) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    """The router's parameters, shared by every layer of a trace.
-
-    Attributes:
-        num_experts: routed experts per layer (E).
-        topk: experts picked per token (K), ``1 <= K <= E``.
-        route_scale: factor on the renormalised weights (``routed_scaling_factor``).
-        router_score_normalization: ``"sigmoid"`` or ``"softmax"``.
-        router_output_multiplier: optional factor on the logits before normalization.
-        router_score_division_eps: optional term added to the weights' denominator.
-    """
-
-    num_experts: int
-    topk: int
-    route_scale: float = 1.0
-    router_score_normalization: str = "sigmoid"
-    router_output_multiplier: float | None = None
-    router_score_division_eps: float | None = None
-
-    def kernel_kwargs(self) -> dict:
-        """Keyword arguments for a routing function with the seed's signature."""
-        return {
-            "topk": self.topk,
-            "route_scale": self.route_scale,
-            "router_output_multiplier": self.router_output_multiplier,
-            "router_score_normalization": self.router_score_normalization,
-            "router_score_division_eps": self.router_score_division_eps,
-        }
+RouterConfig = RouterSpec
+"""The router's parameters, shared by every layer of a trace: :class:`kernel.spec.RouterSpec`."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +76,7 @@ class TraceMeta:
     """
 
     model: str
-    router: RouterConfig
+    router: RouterSpec
     provenance: str
     extra: Mapping[str, str] = field(default_factory=dict)
 
@@ -182,24 +155,10 @@ class LayerArrays:
     topk_weights: torch.Tensor | None = None
 
 
-_PLAIN_NUMBER_FIX = ("write the value as a plain decimal number (ASCII digits 0-9, e.g. 8 or 2.5; no underscores, "
-                     "spaces or other scripts' digits)")
-_PLAIN_INT_FIX = ("write the value as a plain decimal integer (ASCII digits 0-9, e.g. 8; no decimal point, underscores, "
-                  "spaces or other scripts' digits)")
-
 _REQUIRED_KEYS = {
     # key: (what to add, its meaning), for the message naming a missing key (docs/trace-format.md)
     "format": (f'format="{FORMAT_NAME}"', "the file is a routetool trace"),
     "format_version": (f'format_version="{FORMAT_VERSION}"', "the trace format version it follows"),
-    "num_experts": ("num_experts=<E>", "E, the routed experts per layer: gating_output's columns"),
-    "topk": ("topk=<K>", "K, the experts picked per token, 1 <= K <= num_experts"),
-    "route_scale": ("route_scale=<factor>", "the factor on the renormalised weights, routed_scaling_factor, "
-                                            "finite and > 0; 1 for none"),
-}
-_FINITE_FIX = {
-    "route_scale": "write a finite number > 0 (1 for no scaling)",
-    "router_output_multiplier": "write a finite number, or leave the key out for no multiplier",
-    "router_score_division_eps": "write a finite number >= 0, or leave the key out for no eps",
 }
 
 
@@ -210,53 +169,9 @@ def _missing_key(path: Path, key: str, prefix: str = "") -> RouteToolError:
                           fix=f"add {add} to the metadata: {meaning}; see docs/trace-format.md")
 
 
-def _parse_float(path: Path, key: str, raw: str | None, *, optional: bool) -> float | None:
-    """A metadata number; an ``optional`` key that is absent is None. An empty value is an error,
-    not None: the writer leaves an unset parameter out, so ``""`` is a damaged or hand-made value."""
-    if raw is None:
-        if optional:
-            return None
-        raise _missing_key(path, key)
-    if raw == "":
-        raise RouteToolError(f"metadata {key}='' is empty, not a number", path=path, tensor="__metadata__",
-                             fix="write a plain decimal number" + (", or leave the key out for none" if optional else ""))
-    value = parse_float(raw, special=True)
-    if value is None:
-        raise RouteToolError(f"metadata {key}={raw!r} is not a plain decimal number", path=path, tensor="__metadata__",
-                             fix=_PLAIN_NUMBER_FIX)
-    if not math.isfinite(value):
-        raise RouteToolError(f"metadata {key}={raw!r} is not finite", path=path, tensor="__metadata__",
-                             fix=_FINITE_FIX[key])
-    return value
-
-
-def _parse_int(path: Path, key: str, raw: str | None) -> int:
-    if raw is None:
-        raise _missing_key(path, key)
-    value = parse_int(raw)
-    if value is None:
-        raise RouteToolError(f"metadata {key}={raw!r} is not a plain decimal integer", path=path, tensor="__metadata__",
-                             fix=_PLAIN_INT_FIX)
-    return value
-
-
-def router_config_errors(router: RouterConfig) -> list[str]:
-    """Why a router configuration is impossible (empty list when it is fine)."""
-    problems = []
-    if not 1 <= router.num_experts <= MAX_EXPERTS:
-        problems.append(f"num_experts={router.num_experts:,} must be in [1, {MAX_EXPERTS:,}]")
-    if not 1 <= router.topk <= max(router.num_experts, 1):
-        problems.append(f"topk={router.topk} must be in [1, num_experts={router.num_experts}]")
-    if not (math.isfinite(router.route_scale) and router.route_scale > 0):
-        problems.append(f"route_scale={router.route_scale} must be finite and > 0")
-    if router.router_score_normalization not in NORMALIZATIONS:
-        problems.append(f"router_score_normalization={router.router_score_normalization!r} must be sigmoid or softmax")
-    if router.router_output_multiplier is not None and not math.isfinite(router.router_output_multiplier):
-        problems.append("router_output_multiplier must be finite")
-    eps = router.router_score_division_eps
-    if eps is not None and not (math.isfinite(eps) and eps >= 0):
-        problems.append(f"router_score_division_eps={eps} must be finite and >= 0")
-    return problems
+def router_config_errors(router: RouterSpec) -> list[str]:
+    """Why a router configuration is impossible (empty list when it is fine): :meth:`RouterSpec.problems`."""
+    return router.problems()
 
 
 def parse_metadata(path: Path, raw: Mapping[str, str] | None) -> TraceMeta:
@@ -286,25 +201,20 @@ def parse_metadata(path: Path, raw: Mapping[str, str] | None) -> TraceMeta:
             fix=f'a trace that follows docs/trace-format.md says format_version="{FORMAT_VERSION}"; '
                 "for a trace of a newer format, upgrade routetool",
         )
-    router = RouterConfig(
-        num_experts=_parse_int(path, "num_experts", raw.get("num_experts")),
-        topk=_parse_int(path, "topk", raw.get("topk")),
-        route_scale=_parse_float(path, "route_scale", raw.get("route_scale"), optional=False),
-        router_score_normalization=raw.get("router_score_normalization", "sigmoid"),
-        router_output_multiplier=_parse_float(path, "router_output_multiplier", raw.get("router_output_multiplier"), optional=True),
-        router_score_division_eps=_parse_float(path, "router_score_division_eps", raw.get("router_score_division_eps"), optional=True),
-    )
-    problems = router_config_errors(router)
-    if problems:
-        raise RouteToolError("; ".join(problems), path=path, tensor="__metadata__", fix="fix the router parameters in the metadata")
+    try:
+        router = RouterSpec.from_metadata(raw)
+    except SpecError as exc:
+        raise RouteToolError(exc.problem, path=path, tensor="__metadata__", fix=exc.fix) from None
+    if router.unsupported():
+        raise RouteToolError(router.unsupported(), path=path, tensor="__metadata__",
+                             fix="routetool routes plain top-k only: leave n_group and topk_group out for a router without groups")
     semantics = raw.get("weights_semantics")
     if semantics is not None and semantics not in WEIGHTS_SEMANTICS:
         raise RouteToolError(f"metadata weights_semantics={semantics!r} is not one of {', '.join(WEIGHTS_SEMANTICS)}",
                              path=path, tensor="__metadata__",
                              fix="write renormalized (route_scale * s_i / (sum of picked s + eps), the default) or "
                                  "unnormalized (route_scale * s_i) for the recorded topk_weights; see docs/trace-format.md")
-    known = {"format", "format_version", "model", "num_layers", "num_experts", "topk", "route_scale",
-             "router_score_normalization", "router_output_multiplier", "router_score_division_eps", "provenance"}
+    known = {"format", "format_version", "model", "num_layers", "provenance"} | RouterSpec.metadata_keys()
     return TraceMeta(
         model=raw.get("model", ""),
         router=router,
@@ -315,23 +225,15 @@ def parse_metadata(path: Path, raw: Mapping[str, str] | None) -> TraceMeta:
 
 def metadata_dict(meta: TraceMeta, num_layers: int) -> dict[str, str]:
     """The ``__metadata__`` strings for ``meta`` (inverse of :func:`parse_metadata`)."""
-    r = meta.router
     out = dict(meta.extra)
     out.update({
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "model": meta.model,
         "num_layers": str(num_layers),
-        "num_experts": str(r.num_experts),
-        "topk": str(r.topk),
-        "route_scale": repr(float(r.route_scale)),
-        "router_score_normalization": r.router_score_normalization,
+        **meta.router.to_metadata(),
         "provenance": meta.provenance,
     })
-    if r.router_output_multiplier is not None:
-        out["router_output_multiplier"] = repr(float(r.router_output_multiplier))
-    if r.router_score_division_eps is not None:
-        out["router_score_division_eps"] = repr(float(r.router_score_division_eps))
     return out
 
 
@@ -386,7 +288,7 @@ class Trace:
         declared = self._file.metadata().get("num_layers")
         if declared is not None and parse_int(declared) is None:
             raise RouteToolError(f"metadata num_layers={declared!r} is not a plain decimal integer",
-                                 path=self.display_path, tensor="__metadata__", fix=_PLAIN_INT_FIX)
+                                 path=self.display_path, tensor="__metadata__", fix=PLAIN_INT_FIX)
         if declared is not None and parse_int(declared) != len(self.layers):
             raise RouteToolError(
                 f"metadata num_layers={declared} but the file holds {len(self.layers)} layers",
@@ -667,7 +569,7 @@ def write_trace(
     if kind == "folder":
         raise RouteToolError("is a directory", path=path, fix="name a file")
     check_output_folder(path.parent)
-    problems = router_config_errors(meta.router)
+    problems = meta.router.problems()
     if problems:
         raise RouteToolError("; ".join(problems), path=path, tensor="__metadata__", fix="fix the router parameters")
     tensors: dict[str, torch.Tensor] = {}

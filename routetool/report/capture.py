@@ -6,7 +6,6 @@ Result dataclasses in, rich tables and JSON documents out; nothing here computes
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict
 
 from rich.console import Console
 from rich.panel import Panel
@@ -170,7 +169,7 @@ def info_json(info: TraceInfo) -> dict:
         "format_version": info.format_version,
         "model": info.model,
         "provenance": info.provenance,
-        "router": asdict(info.router),
+        "router": info.router.document(),
         "metadata": dict(info.metadata),
         "scanned": info.scanned,
         "num_layers": len(info.layers),

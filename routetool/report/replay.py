@@ -469,7 +469,7 @@ def replay_json(result: ReplayResult) -> dict:
         **partial_json(result.partial),
         "model": result.model,
         "provenance": result.provenance,
-        "router": asdict(r),
+        "router": r.document(),
         "kernel": result.kernel,
         "execution": {
             "device": str(result.execution.device),

@@ -177,14 +177,12 @@ def table(title: str | Text, columns: list[str], left: tuple[str, ...] = ()) -> 
 
 
 def router_line(r, router_parameters: str | None = None) -> Text:
-    """A header's router line: E, topk and the router parameters of ``r`` (a
-    :class:`~routetool.io.trace.RouterConfig`); with ``router_parameters`` (the metadata of an
-    imported ids-only trace, where only E and topk are real) that text in place of the
-    placeholder parameters."""
+    """A header's router line: ``r.describe()`` (a :class:`kernel.spec.RouterSpec`); with
+    ``router_parameters`` (the metadata of an imported ids-only trace, where only E and topk are
+    real) that text in place of the placeholder parameters."""
     if router_parameters is not None:
         return user_text(f"E={r.num_experts} topk={r.topk}; router parameters {router_parameters}")
-    return Text(f"E={r.num_experts} topk={r.topk} {r.router_score_normalization} route_scale={r.route_scale:g} "
-                f"multiplier={r.router_output_multiplier} eps={r.router_score_division_eps}")
+    return Text(r.describe())
 
 
 def _values(values: list | None, fmt=str) -> str:

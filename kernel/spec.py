@@ -1,0 +1,293 @@
+"""The router's parameters, described once: :class:`RouterSpec`.
+
+One MuseSpark1x router is a number of routed experts (E), the experts picked per token (K),
+the scoring function, an optional multiplier on the logits, an optional eps in the weights'
+denominator and the factor on the weights (``route_scale``, a.k.a. ``routed_scaling_factor``);
+the semantics of each are in :mod:`kernel.reference`. A spec validates itself
+(:meth:`RouterSpec.problems`), reads and writes the trace metadata that carries it
+(:meth:`RouterSpec.to_metadata`, :meth:`RouterSpec.from_metadata`, docs/trace-format.md),
+gives the keyword arguments of the seed's signature (:meth:`RouterSpec.kernel_kwargs`) and the
+report's one-line description (:meth:`RouterSpec.describe`). Every field carries metadata
+(:data:`FIELD_INFO`): its metadata key, command-line option, help and fix texts.
+
+Group-limited routing (DeepSeek-V3's ``n_group`` / ``topk_group``: the experts split into
+``n_group`` equal groups, and a token picks its ``topk`` experts within its best ``topk_group``
+groups) has its fields and their checks here, and no semantics yet: the reference refuses a
+spec that sets them (``NotImplementedError``, :meth:`RouterSpec.unsupported`), the trace reader
+refuses such a trace, and a kernel with the seed's signature rejects the two keywords that
+:meth:`RouterSpec.kernel_kwargs` then passes (``TypeError``), which the contract counts as a
+rejection.
+
+Standard library only: the trace readers, the recorder and the command line read it without
+importing torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
+
+MAX_EXPERTS = 1 << 20
+"""Largest expert count a spec may describe (traces, dumps, options): 1,048,576
+(also :data:`routetool.io.limits.MAX_EXPERTS`)."""
+
+NORMALIZATIONS = ("sigmoid", "softmax")
+"""The values of ``router_score_normalization``."""
+
+PLAIN_INT = re.compile(r"[-+]?[0-9]+")
+"""A plain decimal integer: ASCII digits with an optional sign, nothing else (no ``_``, spaces
+or other scripts' digits)."""
+PLAIN_FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+"""A plain decimal number: as :data:`PLAIN_INT`, with a decimal point and an exponent."""
+SPECIAL_FLOAT = re.compile(r"[-+]?(?:nan|inf|infinity)", re.IGNORECASE)
+"""``nan``, ``inf`` and ``infinity`` as ``repr(float)`` writes them (any case, optional sign)."""
+
+PLAIN_NUMBER_FIX = ("write the value as a plain decimal number (ASCII digits 0-9, e.g. 8 or 2.5; no underscores, "
+                    "spaces or other scripts' digits)")
+PLAIN_INT_FIX = ("write the value as a plain decimal integer (ASCII digits 0-9, e.g. 8; no decimal point, "
+                 "underscores, spaces or other scripts' digits)")
+METADATA_FIX = "fix the router parameters in the metadata"
+
+
+def _info(kind: str, option: str, help: str, *, required: tuple[str, str] | None = None, fix: str = "",
+          examples: tuple = ()) -> dict:
+    """A field's metadata (see :data:`FIELD_INFO`)."""
+    return {"kind": kind, "option": option, "help": help, "required": required, "fix": fix, "examples": examples}
+
+
+@dataclass(frozen=True, repr=False)
+class RouterSpec:
+    """The parameters of one MuseSpark1x router, shared by every MoE layer of a model.
+
+    Constructing a spec checks nothing (a reader builds one from what it read, then says what is
+    wrong with it); :meth:`problems` is the one validation.
+
+    Attributes:
+        num_experts: routed experts per layer (E), ``1 <= E <=`` :data:`MAX_EXPERTS`.
+        topk: experts picked per token (K), ``1 <= K <= E``.
+        route_scale: factor on the renormalised weights (``routed_scaling_factor``), finite, > 0.
+        router_score_normalization: ``"sigmoid"`` or ``"softmax"``.
+        router_output_multiplier: optional finite factor on the logits before normalization.
+        router_score_division_eps: optional finite term >= 0 added to the weights' denominator.
+        n_group: expert groups of group-limited routing, or None (off); E must divide into them.
+        topk_group: groups a token may pick from, ``1 <= topk_group <= n_group``, or None (off);
+            set together with ``n_group``. Not implemented yet (see the module docstring).
+    """
+
+    num_experts: int = field(metadata=_info(
+        "int", "--experts", "Routed experts per layer (E).",
+        required=("num_experts=<E>", "E, the routed experts per layer: gating_output's columns"), examples=(8, 256)))
+    topk: int = field(metadata=_info(
+        "int", "--topk", "Experts per token (K <= E).",
+        required=("topk=<K>", "K, the experts picked per token, 1 <= K <= num_experts"), examples=(1, 8)))
+    route_scale: float = field(default=1.0, metadata=_info(
+        "float", "--route-scale", "routed_scaling_factor (finite, > 0).",
+        required=("route_scale=<factor>", "the factor on the renormalised weights, routed_scaling_factor, "
+                                          "finite and > 0; 1 for none"),
+        fix="write a finite number > 0 (1 for no scaling)", examples=(1.0, 2.5)))
+    router_score_normalization: str = field(default="sigmoid", metadata=_info(
+        "str", "--normalization", "sigmoid or softmax scores.", examples=NORMALIZATIONS))
+    router_output_multiplier: float | None = field(default=None, metadata=_info(
+        "float?", "--multiplier", "router_output_multiplier (default: none).",
+        fix="write a finite number, or leave the key out for no multiplier", examples=(None, 0.5)))
+    router_score_division_eps: float | None = field(default=None, metadata=_info(
+        "float?", "--eps", "router_score_division_eps (default: none).",
+        fix="write a finite number >= 0, or leave the key out for no eps", examples=(None, 1e-20)))
+    n_group: int | None = field(default=None, metadata=_info(
+        "int?", "--n-group", "Expert groups of group-limited routing (default: none)."))
+    topk_group: int | None = field(default=None, metadata=_info(
+        "int?", "--topk-group", "Groups a token may pick from (default: none)."))
+
+    KERNEL_KEYWORDS: ClassVar[tuple[str, ...]] = (
+        "topk", "route_scale", "router_output_multiplier", "router_score_normalization", "router_score_division_eps")
+    """The router's keyword arguments of the seed's signature, in its order
+    (``fn(gating_output, bias, topk, route_scale, ...)``)."""
+    DOCUMENT_KEYS: ClassVar[tuple[str, ...]] = (
+        "num_experts", "topk", "route_scale", "router_score_normalization", "router_output_multiplier",
+        "router_score_division_eps")
+    """The fields a report's JSON ``router`` object always holds; later fields only when set."""
+    GROUPING: ClassVar[tuple[str, ...]] = ("n_group", "topk_group")
+
+    # -- validation ------------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """Why this router is impossible, one phrase each (empty when it is fine), e.g.
+        ``"topk=9 must be in [1, num_experts=8]"`` or ``"route_scale=0.0 must be finite and > 0"``."""
+        problems = []
+        if not 1 <= self.num_experts <= MAX_EXPERTS:
+            problems.append(f"num_experts={self.num_experts:,} must be in [1, {MAX_EXPERTS:,}]")
+        if not 1 <= self.topk <= max(self.num_experts, 1):
+            problems.append(f"topk={self.topk} must be in [1, num_experts={self.num_experts}]")
+        if not (math.isfinite(self.route_scale) and self.route_scale > 0):
+            problems.append(f"route_scale={self.route_scale} must be finite and > 0")
+        if self.router_score_normalization not in NORMALIZATIONS:
+            problems.append(f"router_score_normalization={self.router_score_normalization!r} must be sigmoid or softmax")
+        if self.router_output_multiplier is not None and not math.isfinite(self.router_output_multiplier):
+            problems.append("router_output_multiplier must be finite")
+        eps = self.router_score_division_eps
+        if eps is not None and not (math.isfinite(eps) and eps >= 0):
+            problems.append(f"router_score_division_eps={eps} must be finite and >= 0")
+        problems.extend(self._grouping_problems())
+        return problems
+
+    def _grouping_problems(self) -> list[str]:
+        groups, picked = self.n_group, self.topk_group
+        if groups is None and picked is None:
+            return []
+        if groups is None or picked is None:
+            return ["n_group and topk_group must be set together"]
+        if not 1 <= groups <= max(self.num_experts, 1) or self.num_experts % groups:
+            return [f"n_group={groups} must divide num_experts={self.num_experts} into equal groups"]
+        problems = []
+        if not 1 <= picked <= groups:
+            problems.append(f"topk_group={picked} must be in [1, n_group={groups}]")
+        elif self.topk > picked * (self.num_experts // groups):
+            problems.append(f"topk={self.topk} must be at most the {picked * (self.num_experts // groups)} experts "
+                            f"of topk_group={picked} groups")
+        return problems
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the spec sets group-limited routing (``n_group`` / ``topk_group``)."""
+        return self.n_group is not None or self.topk_group is not None
+
+    def unsupported(self) -> str | None:
+        """Why no router of this package can route this spec yet, or None: group-limited routing
+        has fields and checks, not semantics."""
+        if not self.grouped:
+            return None
+        return (f"group-limited routing (n_group={self.n_group}, topk_group={self.topk_group}) is not implemented: "
+                "the reference and the kernels route plain top-k over all experts")
+
+    # -- the kernels' call -----------------------------------------------------------------------
+    def kernel_kwargs(self) -> dict[str, object]:
+        """Keyword arguments for a routing function with the seed's signature (:data:`KERNEL_KEYWORDS`);
+        with grouping set, also ``n_group`` and ``topk_group``, which the seed's signature rejects."""
+        out = {name: getattr(self, name) for name in self.KERNEL_KEYWORDS}
+        if self.grouped:
+            out.update((name, getattr(self, name)) for name in self.GROUPING)
+        return out
+
+    # -- trace metadata (docs/trace-format.md) -----------------------------------------------------
+    def to_metadata(self) -> dict[str, str]:
+        """The trace ``__metadata__`` strings of this spec: ``num_experts``, ``topk``, ``route_scale``
+        (``repr`` of the float), ``router_score_normalization``, and each optional field only when set."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            kind = f.metadata["kind"].rstrip("?")
+            out[f.name] = repr(float(value)) if kind == "float" else str(value)
+        return out
+
+    @classmethod
+    def from_metadata(cls, raw: Mapping[str, str]) -> RouterSpec:
+        """The spec a trace's ``__metadata__`` describes, checked (the inverse of :meth:`to_metadata`).
+        ``router_score_normalization`` defaults to sigmoid; other keys are ignored.
+
+        Raises:
+            SpecError: a required key (num_experts, topk, route_scale) missing; a value that is not a
+                plain decimal number (``2_5``, non-ASCII digits) or not finite; an empty value; or an
+                impossible router (:meth:`problems`). ``.key`` names the key when there is one.
+        """
+        values = {}
+        for f in fields(cls):
+            text = raw.get(f.name)
+            kind = f.metadata["kind"]
+            if kind == "str":
+                values[f.name] = f.default if text is None else text
+            elif text is None:
+                if not kind.endswith("?"):
+                    add, meaning = f.metadata["required"]
+                    raise SpecError(f"metadata key {f.name!r} is missing", key=f.name,
+                                    fix=f"add {add} to the metadata: {meaning}; see docs/trace-format.md")
+                values[f.name] = None
+            else:
+                values[f.name] = _read_number(f.name, text, kind, f.metadata["fix"])
+        spec = cls(**values)
+        problems = spec.problems()
+        if problems:
+            raise SpecError("; ".join(problems), fix=METADATA_FIX)
+        return spec
+
+    @classmethod
+    def metadata_keys(cls) -> frozenset[str]:
+        """Every metadata key a spec reads or writes."""
+        return frozenset(f.name for f in fields(cls))
+
+    # -- what reports show -------------------------------------------------------------------------
+    def document(self) -> dict[str, object]:
+        """The JSON ``router`` object: :data:`DOCUMENT_KEYS` always, a later field only when set."""
+        out = {name: getattr(self, name) for name in self.DOCUMENT_KEYS}
+        out.update((f.name, getattr(self, f.name)) for f in fields(self)
+                   if f.name not in out and getattr(self, f.name) is not None)
+        return out
+
+    def describe(self) -> str:
+        """The report header's router line, e.g.
+        ``E=256 topk=8 sigmoid route_scale=2.5 multiplier=None eps=1e-20``."""
+        text = (f"E={self.num_experts} topk={self.topk} {self.router_score_normalization} "
+                f"route_scale={self.route_scale:g} multiplier={self.router_output_multiplier} "
+                f"eps={self.router_score_division_eps}")
+        if self.grouped:
+            text += f" n_group={self.n_group} topk_group={self.topk_group}"
+        return text
+
+    def __repr__(self) -> str:
+        """``RouterSpec(num_experts=8, topk=2, ...)``: every field, the grouping fields only when set."""
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                          if f.name not in self.GROUPING or getattr(self, f.name) is not None)
+        return f"{type(self).__name__}({shown})"
+
+    def differences(self, other: RouterSpec) -> list[str]:
+        """The fields on which ``other`` routes differently from this spec, in field order."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+class SpecError(ValueError):
+    """A router spec that cannot be read or is impossible.
+
+    Attributes:
+        problem: what is wrong, one line (also ``str(error)``).
+        key: the metadata key it concerns, or None.
+        fix: what to do about it.
+    """
+
+    def __init__(self, problem: str, *, key: str | None = None, fix: str = "") -> None:
+        super().__init__(problem)
+        self.problem, self.key, self.fix = problem, key, fix
+
+
+def _read_number(key: str, text: str, kind: str, finite_fix: str) -> int | float:
+    """A metadata number of ``kind`` (``int``/``float``, ``?`` when optional), read strictly.
+
+    Raises:
+        SpecError: not a plain decimal (:data:`PLAIN_INT`, :data:`PLAIN_FLOAT`), empty, or not finite.
+    """
+    optional = kind.endswith("?")
+    if kind.startswith("int"):
+        if isinstance(text, str) and PLAIN_INT.fullmatch(text):
+            try:
+                return int(text)
+            except ValueError:  # more digits than Python converts
+                pass
+        raise SpecError(f"metadata {key}={text!r} is not a plain decimal integer", key=key, fix=PLAIN_INT_FIX)
+    if text == "":
+        raise SpecError(f"metadata {key}='' is empty, not a number", key=key,
+                        fix="write a plain decimal number" + (", or leave the key out for none" if optional else ""))
+    if not isinstance(text, str) or not (PLAIN_FLOAT.fullmatch(text) or SPECIAL_FLOAT.fullmatch(text)):
+        raise SpecError(f"metadata {key}={text!r} is not a plain decimal number", key=key, fix=PLAIN_NUMBER_FIX)
+    value = float(text)
+    if not math.isfinite(value):
+        raise SpecError(f"metadata {key}={text!r} is not finite", key=key, fix=finite_fix)
+    return value
+
+
+FIELD_INFO: dict[str, Mapping[str, object]] = {f.name: f.metadata for f in fields(RouterSpec)}
+"""Field name -> its metadata: ``kind`` (``int``, ``float``, ``str``; ``?`` when optional),
+``option`` (the command-line option), ``help``, ``required`` (for a required metadata key: what
+to add and its meaning), ``fix`` (for a value that is not finite) and ``examples`` (values a test
+suite varies it over)."""
