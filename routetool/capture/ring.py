@@ -27,7 +27,8 @@ region             shape, dtype          meaning
 =================  ===================  ==========================================================
 state              [32] int64            counters and the current step (``STATE_*`` below)
 steps              [S, 8] int64          per step slot: first row, rows, step number, calls,
-                                         steps dropped before it
+                                         steps dropped before it, flags (interrupted, mismatched:
+                                         never written)
 calls              [S, L, 4] int32       per call of a step: layer position, site, has padding, tag
 seen               [L] int64             per layer position: the step it was last called in (+1)
 gating / ids /     [R, E] / [R, K] /     the rows: a step of ``n`` rows and ``c`` calls takes
