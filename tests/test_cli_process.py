@@ -253,22 +253,28 @@ runpy.run_module("routetool", run_name="__main__")
 
 
 @pytest.mark.parametrize("point", ["import", "exit"])
-def test_sigterm_at_start_up_or_on_the_way_out_exits_143(tmp_path, point):
+@pytest.mark.parametrize("signum, code, line", [
+    (signal.SIGTERM, 143, "routetool: terminated by SIGTERM"),
+    # Ctrl-C there was Python's KeyboardInterrupt traceback and a process killed by SIGINT (-2)
+    (signal.SIGINT, 130, "routetool: aborted"),
+])
+def test_a_signal_at_start_up_or_on_the_way_out_exits_with_its_code(tmp_path, point, signum, code, line):
     # SIGTERM before the command group had installed its handler, or after it had restored the
     # default one, killed the process: exit -15 and no line
     ready = tmp_path / "ready"
     proc = subprocess.Popen([sys.executable, "-c", _PAUSED_AT, str(ready), point, "info", str(TRACE)], env=_env(),
-                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (as on a terminal)
     try:
         deadline = time.monotonic() + 300
         while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert ready.exists(), proc.stderr.read() if proc.poll() is not None else "never reached"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 143, err
-    assert err.splitlines() == ["routetool: terminated by SIGTERM"], err
+    assert proc.returncode == code, err
+    assert err.splitlines() == [line], err
