@@ -135,3 +135,37 @@ def test_an_allocation_the_input_forces_is_bad_input_not_a_kernel_crash(tmp_path
     assert len(lines) == 1 and lines[0].startswith("routetool: error: cannot allocate the memory this input needs "
                                                    "(RuntimeError: [enforce fail"), res.stderr
     assert "fix the kernel" not in res.stderr
+
+
+# -- a trace no command could read is not written --------------------------------------------
+def test_synth_refuses_a_step_no_command_could_read(tmp_path):
+    # synth wrote a 40,000-token prefill chunk of 1,024 experts (156 MiB of scores), which every
+    # command reading the trace then refused
+    out = tmp_path / "t.safetensors"
+    res = CliRunner().invoke(main, ["synth", "-o", str(out), "--layers", "1", "--experts", "1024", "--prefill", "40000",
+                                    "--decode-steps", "0", "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert res.output.startswith("routetool: error: step 0 holds 40,000 rows, 156.2 MiB of 1,024 experts' float32 "
+                                 "scores, more than the 128.0 MiB one step may take"), res.output
+    assert "--prefill" in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert not out.exists()
+
+
+def test_an_import_of_a_step_no_command_could_read_is_refused(tmp_path, monkeypatch):
+    # import wrote a trace that replay and balance then refused (balance reads an ids dump itself)
+    import numpy as np
+
+    import routetool.engine.stream as stream
+
+    monkeypatch.setattr(stream, "MAX_STEP_BYTES", 1024)  # 64 rows of 2 int64 ids
+    source = tmp_path / "request.npy"
+    ids = np.stack([np.arange(65) % 8, (np.arange(65) + 1) % 8], axis=1)[:, None, :].astype(np.uint8)
+    np.save(source, ids)
+    out = tmp_path / "t.safetensors"
+    res = CliRunner().invoke(main, ["import", str(source), "-o", str(out)])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == (f"routetool: error: {source}: layer 0: step 0 holds 65 rows, 1.0 KiB of their ids, "
+                                  "more than the 1.0 KiB one step may take (a step is routed, compared and counted "
+                                  "whole) (no forward pass routes that many tokens: import the requests or workloads "
+                                  "in smaller steps)"), res.output
+    assert not out.exists()

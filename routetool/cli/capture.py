@@ -218,6 +218,13 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
     if click.get_current_context().get_parameter_source("ties") == click.core.ParameterSource.DEFAULT:
         spec = with_default_ties(spec)  # the default, not the user, asked for 4: a smaller trace holds fewer
     synth_work(spec)  # checks the spec and its sizes before any work
+    from routetool.capture.synth import plan_steps
+    from routetool.engine.stream import check_step_sizes
+
+    E = spec.router.num_experts  # a step no command could read (engine/stream.py) is not written
+    check_step_sizes(plan_steps(spec)[0], 4 * E, f"{E:,} experts' float32 scores", path=None,
+                     fix="lower --prefill's chunk sizes or --max-decode-batch (a step is one prefill chunk or "
+                         "decode batch)")
     if num_ranks > 1:  # written aside, then renamed whole: a killed run leaves no mix of old and new ranks
         staged = staged_folder(out)
     outs = [out] if staged is None else [staged / f"rank-{r}" / "trace.safetensors" for r in range(num_ranks)]

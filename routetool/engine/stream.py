@@ -1,26 +1,27 @@
-"""One streaming pipeline over a trace: chunks of consecutive captured steps, read ahead.
+"""One streaming pipeline over a trace: bounded pieces of consecutive captured steps, read ahead.
 
 Replay, validate-on-trace and balance all read a layer the same way: :func:`stream_layer`
-groups the layer's consecutive steps into chunks of at most ``budget_bytes`` of logits (and at
-least one step), reads the next chunk on a background thread while the caller works on this one,
-and moves each chunk to the device in one copy. Per chunk the caller then
+cuts the layer's rows into chunks of at most ``budget_bytes`` of ``[rows, E]`` float32 scores,
+reads the next chunk on a background thread while the caller works on this one, and moves each
+chunk to the device in one copy. Consecutive steps that fit are one chunk; a step larger than
+the budget is read in pieces of at most the budget (:func:`plan_rows`), so per-row work holds
+bounded memory whatever a step's size. A chunk knows where it lies in its steps
+(:attr:`Chunk.step_start`, :attr:`Chunk.ends_step`), so per-step figures (balancedness,
+capacity, phases) accumulate over a step's pieces and are computed when its last piece is in.
 
-* runs the kernel under test once per captured step, on that step's own rows
-  (:func:`route_steps`: the captured shapes are what is validated and timed), with one
-  input guard for the whole chunk (:class:`~routetool.engine.contract.InputGuard`);
-* runs everything else (the reference, the comparison, padding and validity checks,
-  histograms, EP and capacity statistics) once over the whole chunk, on the device, with no
-  host synchronisation per step.
+Only the kernel under test needs a step whole: it must see the captured batch shape. With
+``whole_steps`` the chunks hold whole steps (a step larger than the budget is a chunk of its
+own), the caller runs the kernel once per captured step on that step's own rows
+(:func:`route_steps`, one input guard for the whole chunk), and then does everything else
+(the reference, the comparison, padding and validity checks, histograms, EP and capacity
+statistics) over :meth:`Chunk.pieces` of at most the budget, on the device, with no host
+synchronisation per step. A step is given to the kernel whole up to :data:`KERNEL_STEP_BYTES`;
+a larger one (no real forward pass routes so many tokens: a damaged ``step_offsets``, or a
+sparse file that declares gigabytes of logits) is refused before anything reads it
+(:func:`check_steps`): one line, exit 2, naming the way that reads it in pieces (the reference).
 
 At most two chunks are held at a time (the one in use and the one being read), so memory is
-bounded by about twice the budget plus the comparison's temporaries, whatever the trace's size.
-
-A step is the unit of the kernel's calls and of every per-step statistic (balancedness,
-capacity, phases), so a chunk never splits one: a step larger than the budget is a chunk of its
-own, up to :data:`MAX_STEP_BYTES`. A step beyond that (no real forward pass routes so many
-tokens: a damaged ``step_offsets``, or a sparse file that declares gigabytes of logits) is refused
-before anything reads it (:func:`check_steps`): one line, exit 2, never an allocation that takes
-the machine or a kernel blamed for running out of memory.
+bounded by about twice the chunk plus one piece's temporaries, whatever the trace's size.
 """
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ from routetool.engine.contract import InputGuard, KernelOutcome, RoutingFn, call
 from routetool.io.limits import CHUNK_BYTES
 
 DEFAULT_CHUNK_BYTES = CHUNK_BYTES
-"""Bytes of ``[rows, E]`` float32 scores per chunk (the largest of the comparison's temporaries);
-a step larger than this is a chunk of its own."""
+"""Bytes of ``[rows, E]`` float32 scores per chunk and per piece of per-row work (the largest of
+the comparison's temporaries): 64 MiB. A step larger than this is read in pieces."""
 
-MAX_STEP_BYTES = 2 * DEFAULT_CHUNK_BYTES
-"""Largest step (its rows as ``[rows, E]`` float32 scores, or ``[rows, K]`` int64 ids for an
-ids-only layer) a command reads: 128 MiB, 131,072 tokens of 256 experts, twice the largest
-forward pass an engine is usually given (vLLM's and SGLang's batched-token limits are 8,192 to
-65,536). A chunk of one such step peaks at about 16 times its size in the comparison's
-temporaries."""
+KERNEL_STEP_BYTES = 16 * DEFAULT_CHUNK_BYTES
+"""Largest step (its rows as ``[rows, E]`` float32 scores) given whole to a kernel under test:
+1 GiB, 262,144 tokens of 1,024 experts, four times a 65,536-token prefill step of 896 experts
+(224 MiB) and far above the batched-token limits engines are given (vLLM's and SGLang's are
+8,192 to 65,536). A kernel call holds the step's logits and its ``[rows, K]`` outputs; the
+work after it runs over pieces of :data:`DEFAULT_CHUNK_BYTES`, so a command that runs a kernel
+peaks at about the step plus a few chunks. Work without a kernel (``balance --reference``, the
+recorded ids of an ids-only layer) reads any step in pieces and has no such bound."""
 
 
 def step_bytes(trace, layer: int) -> int:
@@ -54,12 +57,14 @@ def step_bytes(trace, layer: int) -> int:
     return 4 * max(router.num_experts, 1) if trace.info(layer).has_logits else 8 * max(router.topk, 1)
 
 
-def check_steps(trace, layer: int, limit: int = MAX_STEP_BYTES) -> None:
-    """Refuse, before anything is read, a layer with a step larger than ``limit`` bytes
-    (:data:`MAX_STEP_BYTES`; rows counted by :func:`step_bytes`).
+def check_steps(trace, layer: int, limit: int = KERNEL_STEP_BYTES) -> None:
+    """Refuse, before anything is read, a layer with a step too large to give a kernel whole:
+    more than ``limit`` bytes (:data:`KERNEL_STEP_BYTES`; rows counted by :func:`step_bytes`).
+    Only from the step offsets, so a sparse file declaring gigabytes is refused at once.
 
     Raises:
-        RouteToolError: naming the trace, the layer's tensor, the step, its rows and bytes (exit 2).
+        RouteToolError: naming the trace, the layer's tensor, the step, its rows and bytes, and
+            the reference as the way that reads any step (exit 2).
     """
     from routetool.errors import RouteToolError
     from routetool.io.limits import fmt_bytes
@@ -78,9 +83,9 @@ def check_steps(trace, layer: int, limit: int = MAX_STEP_BYTES) -> None:
     tensor = "gating_output" if trace.info(layer).has_logits else "topk_ids"
     raise RouteToolError(
         f"step {step} holds {rows:,} rows, {fmt_bytes(rows * row)} of {what}, more than the {fmt_bytes(limit)} "
-        f"one step may take (a step is routed, compared and counted whole)", path=trace.display_path,
-        tensor=f"layers.{layer}.{tensor}",
-        fix="no forward pass routes that many tokens: check the layer's step_offsets, or record smaller steps")
+        f"a kernel under test is given whole", path=trace.display_path, tensor=f"layers.{layer}.{tensor}",
+        fix="route it with the reference, which reads any step in pieces (`routetool balance --reference`), or "
+            "check the layer's step_offsets")
 
 
 @dataclass

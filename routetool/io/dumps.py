@@ -1532,6 +1532,15 @@ def write_imported_trace(imported: ImportedRouting, out: str | Path, *, force: b
         provenance=f"routetool import of {imported.source} ({imported.format}); " + "; ".join(imported.notes),
         extra=extra,
     )
+    from routetool.engine.stream import check_step_sizes
+
+    E, K = meta.router.num_experts, meta.router.topk
+    for layer, x in imported.layers.items():  # a trace no command could read is not written
+        logits = x.gating_output is not None
+        check_step_sizes([b - a for a, b in zip(x.step_offsets, x.step_offsets[1:])], 4 * E if logits else 8 * K,
+                         f"{E:,} experts' float32 scores" if logits else "their ids", path=imported.source,
+                         tensor=f"layer {layer}", fix="no forward pass routes that many tokens: import the requests or "
+                                                      "workloads in smaller steps")
     layers = {
         layer: LayerArrays(
             topk_ids=x.topk_ids.to(torch.int32) if x.topk_ids is not None else None,
