@@ -156,6 +156,10 @@ class _Group(click.Group):
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             if sys.stdout is not None:
                 sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+        except click.exceptions.NoArgsIsHelpError as exc:  # `routetool`, `routetool capture`: no command named
+            if _first_process():
+                exc.show()  # the group's help, as click prints it: on stderr, exit 2 (a usage error)
+            return EXIT_USAGE
         except click.UsageError as exc:
             command = exc.ctx.command_path if exc.ctx is not None else "routetool"
             if _first_process():

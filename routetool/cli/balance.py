@@ -80,7 +80,7 @@ def _dump_options(f):
     """Options shared by both commands for reading routing dumps."""
     for opt in reversed([
         click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True,
-                     help="Input format (auto: by extension and content)."),
+                     metavar="FORMAT", help=f"Input format: {', '.join(FORMATS)} (auto: by extension and content)."),
         click.option("--num-experts", type=IntRange(min=1), default=None,
                      help="Routed experts E of a dump (default: the file's metadata, else largest id + 1)."),
         click.option("--topk", type=IntRange(min=1), default=None,
