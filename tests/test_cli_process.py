@@ -238,6 +238,17 @@ class PauseAtClick:
         return None
 
 sys.meta_path.insert(0, PauseAtClick())
+if point == "teardown":  # freed in the interpreter's teardown, where no Python signal handler runs
+
+    import types
+
+    class PauseWhenFreed:
+        def __del__(self, touch=ready.touch, sleep=time.sleep):  # (the globals may be gone by then)
+            touch()
+            sleep(300)
+
+    sys.modules["freed_at_teardown"] = types.ModuleType("freed_at_teardown")
+    sys.modules["freed_at_teardown"].pause = PauseWhenFreed()
 if point == "exit":
     real_exit = sys.exit
 
@@ -250,6 +261,26 @@ if point == "exit":
 sys.argv = ["routetool", *sys.argv[3:]]
 runpy.run_module("routetool", run_name="__main__")
 """
+
+
+def test_the_process_ends_without_the_interpreters_teardown(tmp_path):
+    # a signal in the interpreter's teardown (about 0.4 s after every report, with torch loaded) met
+    # the default action: exit -15 or -2 after the report was written
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_AT, str(ready), "teardown", "info", str(TRACE)], env=_env(),
+                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if ready.exists():
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and not ready.exists(), (proc.returncode, err)
 
 
 @pytest.mark.parametrize("point", ["import", "exit"])
