@@ -122,6 +122,24 @@ def test_sglang_generate_responses_round_trip(tmp_path):
     assert balance_counts(path, "--topk", 2) == {x: counts(np.concatenate([a, b])[:, x], 8) for x in range(3)}
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang-routed"])
+def test_a_folder_of_json_responses_is_read_response_by_response(tmp_path, engine):
+    # a folder of the servers' responses, one per .json file, was taken for a folder of traces
+    # ("not a trace, not a run folder"), and read_vllm read only .npy files in a folder
+    a = routed_experts(4, 3, 2, 8, seed=8)
+    b = routed_experts(3, 3, 2, 8, seed=9)
+    folder = tmp_path / "responses"
+    folder.mkdir()
+    for i, x in enumerate([a, b]):
+        write_json(folder / f"r{i}.json", vllm_completion([x], request_id=f"cmpl-{i}") if engine == "vllm" else
+                   sglang_generate(x.astype(np.int32), 2, f"r{i}"))
+    assert detect_format(folder) == engine
+    options = [] if engine == "vllm" else ["--topk", 2]
+    assert balance_counts(folder, *options) == {x: counts(np.concatenate([a, b])[:, x], 8) for x in range(3)}
+    with imported_trace(tmp_path, folder, *options) as t:
+        assert len(list(t.steps(0))) == 2
+
+
 # -- SGLang expert-distribution recorder ------------------------------------------------------
 def _sglang_passes():
     """Two forward passes of 2 layers, physical ids (6 slots: E=4 + 2 replicas), -1 beyond topk=2."""

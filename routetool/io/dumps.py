@@ -404,6 +404,11 @@ def detect_format(path: Path) -> str:
                          and not p.name.startswith(".")), key=_natural_key)
             if sniff(first) == "flashinfer-trace":
                 return "flashinfer-trace"
+        if ".json" in kinds:  # the engines' JSON responses (vLLM, SGLang), by the first file's content
+            first = min((p for p in path.iterdir() if p.suffix.lower() == ".json" and not p.name.startswith(".")),
+                        key=_natural_key)
+            if (engine := sniff(first)) is not None:
+                return engine
         if kinds & {".json", ".safetensors"}:  # a trace (or a rank's) in a folder: name it
             from routetool.io.run import folder_error
 
@@ -1534,13 +1539,13 @@ def write_imported_trace(imported: ImportedRouting, out: str | Path, *, force: b
     )
     from routetool.engine.stream import check_step_sizes
 
-    E, K = meta.router.num_experts, meta.router.topk
-    for layer, x in imported.layers.items():  # a trace no command could read is not written
-        logits = x.gating_output is not None
-        check_step_sizes([b - a for a, b in zip(x.step_offsets, x.step_offsets[1:])], 4 * E if logits else 8 * K,
-                         f"{E:,} experts' float32 scores" if logits else "their ids", path=imported.source,
-                         tensor=f"layer {layer}", fix="no forward pass routes that many tokens: import the requests or "
-                                                      "workloads in smaller steps")
+    E = meta.router.num_experts
+    for layer, x in imported.layers.items():  # logits no kernel could be given a step of are not written
+        if x.gating_output is not None:  # (ids are read in pieces, whatever a step's size)
+            check_step_sizes([b - a for a, b in zip(x.step_offsets, x.step_offsets[1:])], 4 * E,
+                             f"{E:,} experts' float32 scores", path=imported.source, tensor=f"layer {layer}",
+                             fix="no forward pass routes that many tokens: import the requests or workloads in "
+                                 "smaller steps")
     layers = {
         layer: LayerArrays(
             topk_ids=x.topk_ids.to(torch.int32) if x.topk_ids is not None else None,

@@ -9,7 +9,8 @@ Each reader follows the engine's own writer (docs/balance.md names the code and 
   writes, the dense ones, stay 0). On disk: the ``.npy`` ``np.save`` writes of one request, a
   folder of them, or the JSON of the OpenAI-compatible server's responses (``/v1/completions``,
   ``/v1/chat/completions``: ``choices[i].routed_experts``, the base64 of that ``.npy``; one
-  response per ``.json`` file, a list of them, or one per line of a ``.jsonl``).
+  response per ``.json`` file, a list of them, or one per line of a ``.jsonl``; a folder of
+  them).
 * ``sglang-routed``: SGLang's routed experts (``--enable-return-routed-experts`` and the request's
   ``return_routed_experts``): the native ``/generate`` response's ``meta_info.routed_experts``,
   the base64 of the raw int32 bytes of ``[prompt_tokens + completion_tokens - 1,
@@ -363,8 +364,10 @@ def _files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
 def read_vllm(path: Path, options):
     """vLLM's routed experts: ``.npy`` files (one request each, or a folder of them) or the JSON
     (lines) of its OpenAI-compatible responses. See the module docstring."""
-    files = _files(path, (".npy",)) if path.is_dir() or path.suffix.lower() == ".npy" else \
-        _files(path, (".json", ".jsonl", ".ndjson"))
+    npy = path.suffix.lower() == ".npy" or path.is_dir() and any(
+        p.suffix.lower() == ".npy" and not p.name.startswith(".") for p in path.iterdir())
+    files = _files(path, (".npy",)) if npy else _files(path, (".json", ".jsonl", ".ndjson"))  # (a folder: its
+    # .npy arrays, else its JSON responses)
     parts: list[_Part] = []
     notes: list[str] = []
     model = path.stem
