@@ -215,7 +215,7 @@ def _torchrun(*args, nproc: int = 2) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def _same(a: dict, b: dict, drop=("world_size", "elapsed_s", "throughput_token_layers_per_s", "duration_s")):
+def _same(a: dict, b: dict, drop=("world_size", "elapsed_s", "rows_per_s", "duration_s")):
     def clean(x):
         if isinstance(x, dict):
             return {k: clean(v) for k, v in x.items() if k not in drop}
@@ -381,3 +381,23 @@ def test_torchrun_help_is_printed_once():
     proc = _torchrun("replay", "--help")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("Usage: ") == 1, proc.stdout
+
+
+@pytest.mark.parametrize("other", ["rank-0/notes.txt", "rank-1/report.json", "rank-0/sub/trace.safetensors"])
+def test_synth_ranks_force_keeps_a_file_inside_a_rank_folder(tmp_path, other):
+    # --force replaced the run folder whole when its top level held only rank-<r> folders: a file
+    # inside one (notes, a report written there) was removed with it
+    out = tmp_path / "run"
+    args = ["synth", "-o", str(out), "--ranks", "2", "--layers", "1", "--experts", "8", "--topk", "2", "--prefill", "8",
+            "--decode-steps", "1", "--no-progress"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    (out / other).parent.mkdir(parents=True, exist_ok=True)
+    (out / other).write_text("keep")
+    res = CliRunner().invoke(main, [*args, "--force"])
+    assert res.exit_code == 2, res.output
+    assert "is no trace file" in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert (out / other).read_text() == "keep"
+    (out / other).unlink()
+    if (out / other).parent.name == "sub":
+        (out / other).parent.rmdir()
+    assert CliRunner().invoke(main, [*args, "--force"]).exit_code == 0  # (its trace files only: replaced)

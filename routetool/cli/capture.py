@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from routetool.cli.common import _progress
 from routetool.cli.numbers import FLOAT, IntRange
 from routetool.cli.paths import PATH, PATH_TEXT
 from routetool.errors import RouteToolError, printable
@@ -72,25 +73,6 @@ def _parse_overrides(items: tuple[str, ...]) -> dict:
                                  ) from None
         out[key] = value
     return out
-
-
-def _progress(enabled: bool, percent: bool = False):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TaskProgressColumn,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
-    count = TaskProgressColumn() if percent else MofNCompleteColumn()
-    console = Console(stderr=True)
-    # off where stderr is not a terminal: there a transient bar leaves an empty line behind,
-    # which would make a one-line error two lines
-    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), count,
-                    TimeRemainingColumn(), console=console, transient=True,
-                    disable=not enabled or not console.is_terminal)
 
 
 def _warn(line: str) -> None:
@@ -268,6 +250,18 @@ def _check_run_folder_output(out: Path, force: bool) -> None:
     if others:
         raise RouteToolError(f"holds {others[0]!r}, which is no rank-<r> folder; --force replaces a run folder whole "
                              "and would remove it", path=out, fix="choose another folder, or move that file away")
+    from routetool.io.dumps import _is_trace_index
+
+    for rank in entries:  # each rank folder holds its trace only: a file beside it would go with the folder
+        if path_kind(out / rank) != "folder":
+            raise RouteToolError(f"{rank} is no folder; --force replaces a run folder whole and would remove it",
+                                 path=out, fix="choose another folder, or move that file away")
+        for e in sorted(os.scandir(out / rank), key=lambda e: e.name):
+            trace = e.is_file(follow_symlinks=False) and (e.name.endswith(".safetensors") or (
+                e.name.endswith(".json") and _is_trace_index(Path(e.path))))
+            if not trace:
+                raise RouteToolError(f"{rank}/{e.name} is no trace file; --force replaces a run folder whole and would "
+                                     "remove it", path=out, fix="choose another folder, or move that file away")
 
 
 def _synth_write(spec, outs: list[Path], num_ranks: int, seed: int, force: bool, progress: bool, out: Path):
