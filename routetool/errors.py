@@ -38,6 +38,13 @@ def is_allocation_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
 
 
+def install_extra(extra: str) -> str:
+    """The fix for a missing optional extra (``plot``, ``capture``), for an install from the
+    package index and for the README's install from a source checkout (a bare
+    ``routetool[plot]`` in a checkout would send pip to the index), quoted for every shell."""
+    return f"pip install 'routetool[{extra}]', or from a source checkout pip install -e '.[{extra}]'"
+
+
 class RouteToolError(Exception):
     """A problem with the user's input or environment, reported in one line with exit 2.
 

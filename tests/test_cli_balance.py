@@ -234,7 +234,12 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     _ids_trace(trace)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     res = run("balance", trace, "--ep-size", "2", "--plot", tmp_path / "figs", "--no-progress")
-    assert res.exit_code == 2 and "pip install routetool[plot]" in res.output
+    # a source checkout (the README's install) needs -e '.[plot]': a bare routetool[plot] sends pip to the index
+    assert res.exit_code == 2 and "pip install 'routetool[plot]', or from a source checkout pip install -e '.[plot]'" \
+        in res.output
+    # an empty name is said first, whatever is installed (it was the missing matplotlib)
+    res = run("balance", trace, "--ep-size", "2", "--plot", "", "--no-progress")
+    assert res.exit_code == 2 and "an empty" in res.output and "matplotlib" not in res.output, res.output
 
 
 def test_import_writes_a_trace_balance_reads(tmp_path):

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from routetool.errors import RouteToolError
+from routetool.errors import RouteToolError, install_extra
 from routetool.io.files import path_kind
 from routetool.io.jsonstrict import load_file
 from routetool.io.trace import (
@@ -360,7 +360,7 @@ def require_transformers():
         import transformers
     except ImportError:
         raise RouteToolError("transformers is not installed",
-                             fix="pip install 'routetool[capture]' (or pip install 'transformers>=5')") from None
+                             fix=install_extra("capture") + " (or pip install 'transformers>=5')") from None
     return transformers
 
 

@@ -804,5 +804,5 @@ def synth_warnings(stats: list[SynthLayerStats]) -> list[str]:
         targets = _span([st.imbalance_target for st in group])
         got = _span([st.calibrated_imbalance for st in group])
         lines.append(f"layer{'s' if len(group) > 1 else ''} {layers}: imbalance target {targets} is {what}; got "
-                     f"{got} max/mean on {CALIBRATION_TOKENS} calibration tokens ({how})")
+                     f"{got} max/mean on {CALIBRATION_TOKENS:,} calibration tokens ({how})")
     return lines

@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from routetool.cli.common import KERNEL_SIGNATURE_HELP
+from routetool.cli.common import KERNEL_SIGNATURE_HELP, _progress
 from routetool.cli.numbers import INT, IntRange
 from routetool.cli.paths import PATH, PATH_TEXT
 from routetool.errors import EXIT_OK, RouteToolError
@@ -25,13 +24,6 @@ from routetool.numtext import list_items, parse_float, parse_int, refuse_repeats
 from routetool.report.tables import Console, markup_safe, user_text
 
 _CTX = {"help_option_names": ["-h", "--help"]}
-
-
-def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeRemainingColumn(), console=Console(stderr=True), transient=True, disable=not enabled,
-    )
 
 
 def _int_list(option: str, spec: str | None) -> list[int] | None:
@@ -144,7 +136,7 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
 @click.argument("source", type=PATH)
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True,
               help="Where routing and statistics run (auto: cuda if present).")
-@click.option("--kernel", "kernel_spec", default="tiled", show_default=True,
+@click.option("--kernel", "kernel_spec", default="tiled", show_default="tiled on a GPU; without one the reference",
               help="Kernel that routes a trace's logits (variant or module:function); without a GPU the "
                    "reference routes them unless --kernel is given. Given explicitly, every layer needs logits. "
                    "Excludes --reference and --recorded. " + KERNEL_SIGNATURE_HELP)
@@ -387,7 +379,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
 @click.command("import", context_settings=_CTX)
 @click.argument("source", type=PATH)
 @click.option("-o", "--output", "output", required=True, type=PATH,
-              help="The ids-only trace to write (.safetensors).")
+              help="The trace to write (.safetensors): ids only, or with logits from a FlashInfer-Trace workload.")
 @_dump_options
 @click.option("--model", default=None, help="Model name to record (default: from the file, else its name).")
 @click.option("--force", is_flag=True, help="Replace an existing output.")

@@ -8,6 +8,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskProgressColumn,
     TextColumn,
     TimeRemainingColumn,
 )
@@ -23,13 +24,16 @@ KERNEL_SIGNATURE_HELP = (f"A module:function kernel takes the seed's signature, 
 """Appended to every command's ``--kernel`` help: the signature a ``module:function`` must take."""
 
 
-def _progress(enabled: bool) -> Progress:
-    """A transient progress bar on stderr; off when stderr is not a terminal (logs, pipes)."""
+def _progress(enabled: bool, percent: bool = False) -> Progress:
+    """Every command's progress bar: transient, on stderr, counting done/total (``percent``: a
+    percentage). Off where stderr is not a terminal (logs, pipes): there a transient bar leaves
+    an empty line behind, which would put a blank line before the output and make a one-line
+    error two lines."""
     console = Console(stderr=True)
     return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
-        MofNCompleteColumn(),
+        TaskProgressColumn() if percent else MofNCompleteColumn(),
         TimeRemainingColumn(),
         console=console,
         transient=True,

@@ -14,7 +14,7 @@ from rich.text import Text
 from routetool.analysis.balance import BalanceResult, LayerBalance, Quantiles
 from routetool.analysis.eplb import placement_document
 from routetool.io.dumps import ImportedCounts, ImportedRouting
-from routetool.report.formats import load_json
+from routetool.report.formats import idle_layer_expert_pairs, load_json
 from routetool.report.partial import partial_json, render_partial
 from routetool.report.tables import fmt_float, histogram_renderable, table, user_text
 
@@ -200,8 +200,7 @@ def _render_summary(result: BalanceResult, console: Console, layer: int | None) 
     if several:
         text = (f"experts: max/mean {_f(_median([v for _, v in imb]))} median over {len(layers)} layers"
                 + (f" (worst L{worst[0]}: {_f(worst[1])})" if worst else "") + f"; all layers summed {_f(tl.imbalance)}")
-    idle = sum(len(x.load.idle) for x in layers)
-    lines.append(text + f"; idle experts {idle:,}" + (" (layer-expert pairs)" if several else ""))
+    lines.append(text + f"; idle layer-expert pairs {idle_layer_expert_pairs(x.load for x in layers):,}")
     for ep in result.ep:
         q = ep.balancedness
         lines.append(f"EP {ep.placement}: balancedness {_f(q.mean)}" + (" mean over layers" if several else "")
@@ -281,18 +280,32 @@ def _header(result: BalanceResult, console: Console) -> None:
     header.add_row("input", user_text(f"{result.source} ({result.kind})"))
     header.add_row("model", user_text(result.model or "-"))
     header.add_row("routing", user_text(result.routing))
-    tokens = sum(x.tokens for x in result.layers if x.tokens is not None)
-    known = all(x.tokens is not None for x in result.layers)
+    counted = _counted(result)
     header.add_row("experts", f"E={result.num_experts} topk={result.topk if result.topk else '?'}; "
                               f"{len(result.layers)} layer(s); "
-                              + (f"{tokens:,} unpadded rows, " if known else "")
-                              + f"{sum(x.assignments for x in result.layers):,} assignments")
-    rate = result.token_layers_per_s
-    unit = "rows/s" if result.kind != "counts" else "steps/s"
+                              + (f"{counted['tokens']:,} tokens, " if counted["tokens"] is not None else "")
+                              + f"{counted['assignments']:,} assignments")
+    rate = counted["rows_per_s"]
     header.add_row("statistics", f"on {result.device}, {result.elapsed_s:.2f} s"
-                                 + (f" ({rate:,.0f} {unit})" if rate else "")
+                                 + (f"; {counted['rows']:,} rows, {rate:,.0f} rows/s" if rate else "")
                                  + (f"; {result.world_size} processes (torchrun)" if result.world_size > 1 else ""))
     console.print(Panel(header, title="routetool balance", expand=False))
+
+
+def _counted(result: BalanceResult) -> dict:
+    """What the statistics counted, as the header prints it and the JSON holds it: ``rows``, the
+    token rows of every analysed layer (a token counts once per layer, padding included);
+    ``tokens``, those of them that are not padding (None for counts, which have no rows);
+    ``assignments``, token-expert picks; ``rows_per_s``, rows analysed per second of
+    ``elapsed_s`` (None for counts)."""
+    rows = result.kind != "counts"
+    tokens = [x.tokens for x in result.layers]
+    return {
+        "rows": result.rows if rows else None,
+        "tokens": sum(tokens) if rows and None not in tokens else None,
+        "assignments": sum(x.assignments for x in result.layers),
+        "rows_per_s": result.token_layers_per_s if rows else None,
+    }
 
 
 def _render_details(result: BalanceResult, console: Console, layer: int | None) -> None:
@@ -567,8 +580,7 @@ def balance_json(result: BalanceResult, include_placement: bool = True) -> dict:
         "topk": result.topk,
         "execution": {"device": result.device, "torch_version": torch.__version__},
         "elapsed_s": result.elapsed_s,
-        "rows": result.rows,
-        "throughput_token_layers_per_s": result.token_layers_per_s if result.kind != "counts" else None,
+        **_counted(result),
         "notes": result.notes,
         "world_size": result.world_size,
         "ranks": None if result.ranks is None else [
@@ -579,7 +591,8 @@ def balance_json(result: BalanceResult, include_placement: bool = True) -> dict:
         "capacity_factors": result.capacity_factors,
         "bias_effect_note": result.bias_note,
         "eplb_note": result.eplb_note,
-        "all_layers": {**load_json(result.total_load, "assignments"), "expert_counts_assignments": result.total_counts},
+        "all_layers": {**load_json(result.total_load, "assignments"), "expert_counts_assignments": result.total_counts,
+                       "idle_layer_expert_pairs": idle_layer_expert_pairs(x.load for x in result.layers)},
         "ep": [
             {"placement": s.placement, "num_ranks": s.num_ranks,
              "balancedness_over_layers": _quantiles(s.balancedness),

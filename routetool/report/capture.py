@@ -14,9 +14,17 @@ from rich.text import Text
 
 from routetool.io.info import TraceInfo, step_token_quantiles
 from routetool.io.limits import fmt_bytes
+from routetool.numtext import parse_int
 from routetool.report.tables import fmt_float, router_line, table, user_text
 
 INFO_SCHEMA = "routetool.info/1"
+
+
+def _number_text(value: str) -> str:
+    """A metadata value that is a whole number written as every report writes counts
+    (``16384`` -> ``16,384``); any other text as it is."""
+    n = parse_int(value)
+    return f"{n:,}" if n is not None and str(n) == value else value
 
 
 def _layer_list(layers: list[int]) -> str:
@@ -55,14 +63,14 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
     for key in sorted(info.metadata):
         if key == "router_parameters" and unknown is not None:
             continue  # (said on the router line)
-        header.add_row(user_text(key), user_text(info.metadata[key]))
+        header.add_row(user_text(key), user_text(_number_text(info.metadata[key])))
     header.add_row("provenance", user_text(info.provenance or "-"))
     header.add_row("layers", f"{len(info.layers)}: {', '.join(str(x.layer) for x in info.layers)}")
     header.add_row("rows", f"{info.total_tokens:,} (tokens x layers) in {info.total_steps:,} layer-steps")
     header.add_row("recorded outputs", {"all": "topk_ids/topk_weights in every layer", "some": "in some layers",
                                         "none": "none (inputs only)"}[info.recorded_outputs])
     if info.scanned:
-        header.add_row("padded rows", f"{info.padded_rows:,} ({fmt_float(100 * info.padded_fraction)} %)")
+        header.add_row("padded rows", f"{info.padded_rows:,} ({fmt_float(100 * info.padded_fraction)}%)")
         header.add_row("non-finite rows", f"{info.nonfinite_rows:,}")
     console.print(Panel(header, title="routetool info", expand=False))
 
@@ -232,7 +240,7 @@ def render_synth(path: str, stats: list, console: Console) -> None:
     caption = ("imb0 / imb: max/mean tokens per expert without / with the bias; CV: std/mean with the bias; "
                "idle: experts no token picks")
     if targets:
-        caption += ("; target: the layer's imbalance target, met on 2048 calibration tokens (imb0 differs by "
+        caption += ("; target: the layer's imbalance target, met on 2,048 calibration tokens (imb0 differs by "
                     "sampling noise, more for fewer tokens; (!): out of the model's reach, see the warning); "
                     "affinity: token-expert affinity of the logit model")
     load.caption = caption

@@ -33,6 +33,14 @@ def load_json(load: LoadStats | None, unit: str = "tokens") -> dict | None:
     }
 
 
+def idle_layer_expert_pairs(loads) -> int:
+    """Idle experts counted in each layer and summed over the layers: the layer-expert pairs no
+    token chose (an expert idle in two layers counts twice). Printed as ``idle layer-expert pairs
+    N`` and written as ``idle_layer_expert_pairs``, beside the experts idle over all layers
+    together (``idle_experts`` of the all-layers load, often none)."""
+    return sum(len(x.idle) for x in loads if x is not None)
+
+
 def _clean(value):
     """Replace non-finite floats by None (JSON has no NaN/inf)."""
     if isinstance(value, float):

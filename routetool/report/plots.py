@@ -1,4 +1,4 @@
-"""PNG figures of a balance result (matplotlib, an optional extra: ``pip install routetool[plot]``).
+"""PNG figures of a balance result (matplotlib, an optional extra: :func:`routetool.errors.install_extra`).
 
 matplotlib is imported only when a figure is drawn, with the non-interactive Agg backend.
 Files are written atomically (temporary file in the same folder, then rename) and an
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from routetool.errors import RouteToolError
+from routetool.errors import RouteToolError, install_extra
 from routetool.io.files import atomic_write, claim_outputs, missing_folders, path_kind
 
 if TYPE_CHECKING:  # importing it would import torch, and --plot's checks run before any work
@@ -29,7 +29,7 @@ def _pyplot():
         import matplotlib
     except ImportError:
         raise RouteToolError("--plot needs matplotlib, which is not installed",
-                             fix="pip install routetool[plot]") from None
+                             fix=install_extra("plot")) from None
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
@@ -37,7 +37,7 @@ def _pyplot():
 
 
 def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
-    """Fail early (before any work): matplotlib missing, ``-`` or an empty path given, the
+    """Fail early (before any work): ``-`` or an empty path given, matplotlib missing, the
     folder or one of its parents not a folder (a file, a dangling link), the folder not
     creatable or not writable, a figure already there without ``force``.
 
@@ -49,13 +49,13 @@ def check_plot_dir(folder: str | os.PathLike, force: bool) -> Path:
     Raises:
         RouteToolError: with the fix.
     """
-    _pyplot()
     if str(folder) == "-":
         raise RouteToolError("--plot needs a folder; figures cannot go to stdout", path="-",
                              fix="name a folder, e.g. --plot figs")
     if str(folder) == "":  # (Path("") is the current folder)
         raise RouteToolError("--plot needs a folder; an empty path names none", path="''",
                              fix="name a folder, e.g. --plot figs, or --plot . for the current folder")
+    _pyplot()  # (after the name: a wrong name is said first, whatever is installed)
     folder = Path(folder)
     if path_kind(folder) in ("file", "special"):
         raise RouteToolError("is not a folder", path=folder, fix="name a folder for the figures")
@@ -132,7 +132,7 @@ def write_balance_plots(result: BalanceResult, folder: str | os.PathLike, *, for
         The paths written.
 
     Raises:
-        RouteToolError: matplotlib missing (``pip install routetool[plot]``), existing
+        RouteToolError: matplotlib missing (the fix: :func:`routetool.errors.install_extra`), existing
             figures without ``force``, an unwritable folder.
     """
     plt = _pyplot()

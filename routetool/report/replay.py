@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from routetool.engine.verdict import Verdict
-from routetool.report.formats import load_json
+from routetool.report.formats import idle_layer_expert_pairs, load_json
 from routetool.report.partial import partial_json, render_partial
 from routetool.report.tables import (
     Console,
@@ -81,8 +81,10 @@ def render_replay(result: ReplayResult, console: Console, histogram_layer: int |
     header.add_row("trace", user_text(result.trace))
     header.add_row("model", user_text(result.model or "-"))
     header.add_row("router", router_line(r, result.router_parameters))
-    header.add_row("kernel", user_text(f"{result.kernel} on {ex.device_name}"))
-    header.add_row("ties", f"tie-equivalent within {result.tie_ulps:g} float32 ulps")
+    header.add_row("kernel", user_text(f"{result.kernel} on {ex.device_name}") if _routed(result)
+                   else Text("none ran: the replayed layers hold no logits", style="dim"))
+    if _routed(result):
+        header.add_row("ties", f"tie-equivalent within {result.tie_ulps:g} float32 ulps")
     if result.ranks is not None:
         header.add_row("ranks", f"{len(result.ranks)} ({_rank_span(result)}), replayed rank by rank and summed")
     if result.world_size > 1:
@@ -199,15 +201,17 @@ def _replay_summary(result: ReplayResult, console: Console, histogram_layer: int
     console.print(Text(f"load ({_load_source(result)}): all layers max/mean {fmt_float(tl.imbalance)}, CV {fmt_float(tl.cv)}"
                        f"; {_idle(result)}" + (f"; most imbalanced layer {worst[0]} (max/mean {fmt_float(worst[1])})"
                                                if worst and len(result.layers) > 1 else "")))
-    padded = sum(layer.padded_rows for layer in result.layers)
-    nonfinite = sum(layer.nonfinite_rows for layer in result.layers)
-    ties = sum(layer.boundary_ties for layer in result.layers)
-    facts = [f"{padded:,} padded rows", f"{nonfinite:,} with non-finite logits", f"{ties:,} exact ties at the k-th pick"]
-    ids_only = [layer.layer for layer in result.layers if layer.ids_only]
-    if ids_only:
-        facts.append(f"{len(ids_only)} ids-only layer(s): load from the recorded ids, nothing compared")
+    inputs = _inputs(result)
+    facts = [f"{inputs['padded_rows']:,} padded rows"]
+    if _routed(result):  # (rows of logits only: an ids-only layer has neither)
+        facts += [f"{inputs['nonfinite_rows']:,} non-finite rows",
+                  f"{inputs['boundary_ties']:,} boundary ties (rows tied exactly at the k-th pick)"]
+    if inputs["ids_only_layers"]:
+        facts.append(f"{inputs['ids_only_layers']} ids-only layer(s): load from the recorded ids, nothing compared")
     console.print(Text("inputs: " + ", ".join(facts), style="dim"))
-    if result.latency:
+    if not _routed(result):
+        pass  # (no kernel ran: no latency to speak of)
+    elif result.latency:
         shapes = sorted(result.latency, key=lambda x: -x.steps)[:SHAPES_SHOWN]
         lat = table(f"Latency (µs, CUDA-graph replay): {len(shapes)} most frequent of {len(result.latency)} step shapes",
                     ["tokens", "steps", "kernel p50", "p90", "reference p50", "speedup"])
@@ -223,7 +227,26 @@ def _replay_summary(result: ReplayResult, console: Console, histogram_layer: int
             layer.expert_counts,
             f"Expert load, layer {layer.layer} ({'recorded' if layer.ids_only else 'kernel'} ids)"))
     console.print(Text("--details: per-layer tables, every step shape's latency, the expert-load chart, more "
-                       "failing rows; --json for all numbers", style="dim"))
+                       "failing rows; --json for all numbers" if _routed(result) else
+                       "--details: per-layer tables and the expert-load chart; --json for all numbers", style="dim"))
+
+
+def _routed(result: ReplayResult) -> bool:
+    """Whether a kernel ran: some replayed layer holds logits (an ids-only layer is only counted)."""
+    return any(not layer.ids_only for layer in result.layers)
+
+
+def _inputs(result: ReplayResult) -> dict:
+    """What the replayed rows held, summed over the layers: the terminal's ``inputs:`` line and
+    the JSON's ``inputs`` (``nonfinite_rows`` and ``boundary_ties`` count rows of logits; None
+    where no layer holds any)."""
+    routed = _routed(result)
+    return {
+        "padded_rows": sum(layer.padded_rows for layer in result.layers),
+        "nonfinite_rows": sum(layer.nonfinite_rows for layer in result.layers) if routed else None,
+        "boundary_ties": sum(layer.boundary_ties for layer in result.layers) if routed else None,
+        "ids_only_layers": sum(layer.ids_only for layer in result.layers),
+    }
 
 
 def _outputs_grid(rows: list[tuple[str, list[int], list[float] | None]]) -> Table:
@@ -239,9 +262,8 @@ def _outputs_grid(rows: list[tuple[str, list[int], list[float] | None]]) -> Tabl
 
 
 def _idle(result: ReplayResult) -> str:
-    """Idle experts as balance counts them: per layer, summed (layer-expert pairs where there are several)."""
-    idle = sum(len(layer.load.idle) for layer in result.layers if layer.load is not None)
-    return f"idle experts {idle:,}" + (" (layer-expert pairs)" if len(result.layers) > 1 else "")
+    """Idle experts as balance counts them: per layer, summed (JSON ``load_all_layers.idle_layer_expert_pairs``)."""
+    return f"idle layer-expert pairs {idle_layer_expert_pairs(x.load for x in result.layers):,}"
 
 
 _REASON_WORDS = {"weight_outside_tolerance": "weights out of tolerance"}
@@ -483,6 +505,7 @@ def replay_json(result: ReplayResult) -> dict:
         "verdict": result.verdict.value,
         "exit_code": result.verdict.exit_code,
         "totals": {name: _summary_json(s) for name, s in result.totals().items()},
+        "inputs": _inputs(result),
         "recorded_pattern": result.recorded_pattern,
         "world_size": result.world_size,
         "notes": result.notes,
@@ -513,7 +536,8 @@ def replay_json(result: ReplayResult) -> dict:
             }
             for layer in result.layers
         ],
-        "load_all_layers": {**(load_json(result.total_load) or {}), "expert_counts_tokens": result.total_counts},
+        "load_all_layers": {**(load_json(result.total_load) or {}), "expert_counts_tokens": result.total_counts,
+                            "idle_layer_expert_pairs": idle_layer_expert_pairs(x.load for x in result.layers)},
         "latency": {
             "measured": result.latency is not None,
             "note": result.latency_note,

@@ -39,6 +39,10 @@ _BLOCKS = " ▁▂▃▄▅▆▇█"
 # ---------------------------------------------------------------------------------------
 # formatting helpers
 def fmt_float(value: float | None, digits: int = 3) -> str:
+    """Every report's one form of a ratio or other measured number: ``digits`` decimals from 1
+    up (``1.600``, ``3.184``), ``digits`` significant digits below 1 (``0.390``, ``0.0120``),
+    trailing zeros kept so that numbers side by side line up; scientific below 1e-3 and from
+    1e4 (``1.19e-07``); ``-`` for None, ``0`` for zero."""
     if value is None:
         return "-"
     if value == 0:
@@ -47,7 +51,8 @@ def fmt_float(value: float | None, digits: int = 3) -> str:
         return str(value)
     if abs(value) >= 1e4 or abs(value) < 1e-3:
         return f"{value:.{digits - 1}e}"
-    return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{digits}f}".rstrip("0").rstrip(".")
+    small = f"{value:#.{digits}g}"
+    return small if abs(value) < 1 and abs(float(small)) < 1 else f"{value:.{digits}f}"
 
 
 def user_text(text: object, style: str = "") -> Text:

@@ -100,7 +100,8 @@ def _verdict_line(result, console: Console) -> None:
         parts.append(f"{rejected} rejected as documented")
     if result.verdict is Verdict.NOTHING_CHECKED:
         what = "skipped" if all(c.verdict == "skipped" for c in result.cases) else "skipped or rejected"
-        console.print(user_text(f"NOTHING CHECKED: all {n} cases were {what}" + (f"; {parts[1]}" if skipped else ""),
+        cases = f"all {n} cases were" if n != 1 else "the one case was"
+        console.print(user_text(f"NOTHING CHECKED: {cases} {what}" + (f"; {parts[1]}" if skipped else ""),
                                 style="bold yellow"))
     elif result.verdict is Verdict.PASS:
         console.print(user_text(f"PASS: {', '.join(parts)}; nothing failed", style="bold green"))
@@ -120,7 +121,7 @@ def render_validate(result, console: Console, show_failures: int = 5, details: b
     render_partial(result.partial, console)  # (before anything: a verdict on part of a recording)
     ex = result.execution
     processes = f"; {result.world_size} processes (torchrun)" if result.world_size > 1 else ""
-    console.print(Panel(user_text(f"kernel {result.kernel} on {ex.device_name}; suite {result.suite or '-'}; "
+    console.print(Panel(user_text(f"kernel {result.kernel} on {ex.device_name}; suite {result.suite or 'none'}; "
                                   f"ties within {result.tie_ulps:g} float32 ulps{processes}"),
                         title="routetool validate", expand=False))
     _verdict_line(result, console)
