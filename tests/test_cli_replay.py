@@ -123,8 +123,8 @@ def test_nonfinite_rows_are_a_finding(tmp_path):
     res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
     assert res.exit_code == 0
     doc = json.loads(res.stdout)
-    assert doc["layers"][0]["nonfinite_rows"] == 2
-    assert "non-finite logits" in res.stderr
+    assert doc["layers"][0]["nonfinite_rows"] == doc["inputs"]["nonfinite_rows"] == 2
+    assert "2 non-finite rows" in res.stderr
 
 
 def test_seed_variant_rejects_bf16_trace_with_exit_2():
