@@ -46,7 +46,7 @@ from routetool.analysis.eplb import (
 )
 from routetool.engine.contract import RoutingFn, call_kernel
 from routetool.engine.distributed import Workers
-from routetool.engine.stream import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks, route_steps, stream_layer
+from routetool.engine.stream import DEFAULT_CHUNK_BYTES, Chunk, chunk_budget, plan_chunks, route_steps, stream_layer
 from routetool.errors import KernelError, RouteToolError
 from routetool.io.dumps import ImportedCounts, ImportedRouting
 from routetool.engine.load import LoadStats, load_stats
@@ -188,6 +188,10 @@ class ChunkLoad:
             :func:`routetool.engine.compare.invalid_reasons`; padded rows never), or None.
         invalid_bias: ``(invalid, ids)`` of each of a kernel's routings for the bias effect, or None.
         row_start: the layer row of the chunk's first row (rows are named in the layer).
+        piece: the load is part of one step's rows (a step read in pieces, or one rank's share of
+            a global step): ``counts``, ``num_tokens`` and the bias counts are that part's, which
+            add up; ``phases`` is None but on the step's last piece.
+        ends_step: the load's last row ends its step (False for a piece whose step goes on).
     """
 
     first_step: int
@@ -204,10 +208,17 @@ class ChunkLoad:
     invalid: torch.Tensor | None = None
     invalid_bias: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     row_start: int = 0
+    piece: bool = False
+    ends_step: bool = True
 
     @property
     def num_steps(self) -> int:
         return int(self.counts.shape[0])
+
+    @property
+    def rows(self) -> int | None:
+        """Rows of ``ids`` (None without ids)."""
+        return None if self.ids is None else int(self.ids.shape[0])
 
 
 class Source:
@@ -476,52 +487,82 @@ class TraceSource(Source):
                                   f"dumps: fix the capture{drop}")
 
     def chunks(self, layer: int, device: torch.device) -> Iterator[ChunkLoad]:
+        """The layer's loads, a chunk of whole steps or a piece of one step at a time: a kernel
+        under test routes whole steps (read whole, up to :data:`~routetool.engine.stream.KERNEL_STEP_BYTES`),
+        everything else runs over pieces of at most the budget (:meth:`Chunk.pieces`)."""
         E = self.num_experts
         mode = self._mode[layer]
         info = self.trace.info(layer)
         bias = self.trace.bias(layer).to(device)
         zeros = torch.zeros_like(bias)
-        for chunk in stream_layer(self.trace, layer, device, budget_bytes=self.budget_bytes):
-            S = chunk.num_steps
-            pad = chunk.is_padding
-            step_index = chunk.step_index()
-            sizes = chunk.step_sizes
-            if pad is not None:
-                padded = torch.zeros(S, dtype=torch.int64, device=device).index_add_(0, step_index, pad.long()).tolist()
-            else:
-                padded = [0] * S
-            both = self.bias_effect and info.has_logits and mode == "route" and self.nobias_fn is self.route_fn
-            if mode == "recorded":
-                ids = chunk.recorded_ids
-            elif both:  # the same routing with and without the bias: the reference's scores once
-                ids, without = self.route_fn.route_with_and_without(chunk, bias, self.path)
-            else:
-                ids = self.route_fn.route(chunk, bias, self.path)
-            masked = _mask(ids, pad)
-            counts, uncounted = count_experts_per_step(masked, step_index, S, E)
-            if pad is not None:
-                uncounted = uncounted - pad.sum() * ids.shape[1]
-            invalid = invalid_reasons(masked, None, pad, E)
-            load = ChunkLoad(first_step=chunk.first_step, counts=counts,
-                             num_tokens=[n - p for n, p in zip(sizes, padded)],
-                             phases=[_phase(n - p, p, self.decode_max_tokens) for n, p in zip(sizes, padded)],
-                             ids=masked, offsets=chunk.offsets, uncounted=uncounted, invalid=invalid,
-                             row_start=chunk.start)
-            if self.bias_effect and info.has_logits:
+        both = self.bias_effect and info.has_logits and mode == "route" and self.nobias_fn is self.route_fn
+        effect = self.bias_effect and info.has_logits and not both
+        kernel = mode == "route" and (self.route_fn.kernel or (effect and self.nobias_fn.kernel))
+        open_rows = open_padded = 0  # of a step read in pieces, so far
+        for chunk in stream_layer(self.trace, layer, device, budget_bytes=self.budget_bytes, whole_steps=kernel):
+            whole: dict[str, torch.Tensor] = {}  # a kernel's routings of the whole chunk, cut per piece below
+            if mode == "route" and self.route_fn.kernel:
                 if both:
-                    with_bias = ids
+                    whole["ids"], whole["without"] = self.route_fn.route_with_and_without(chunk, bias, self.path)
                 else:
-                    with_bias = self.nobias_fn.route(chunk, bias, self.path, context="(bias effect)")
-                    without = self.nobias_fn.route(chunk, zeros, self.path,
-                                                   context="with the bias zeroed (bias effect)", per_step=False)
-                load.bias_ids_with, load.ids_nobias = _mask(with_bias, pad), _mask(without, pad)
-                load.bias_counts_with = counts if with_bias is ids else \
-                    count_experts_per_step(load.bias_ids_with, step_index, S, E)[0]
-                load.counts_nobias = count_experts_per_step(load.ids_nobias, step_index, S, E)[0]
-                if self.nobias_fn.kernel:  # a kernel's ids are judged wherever they are used
-                    load.invalid_bias = [(invalid_reasons(x, None, pad, E), x) for x in (
-                        load.ids_nobias, *([load.bias_ids_with] if with_bias is not ids else []))]
-            yield load
+                    whole["ids"] = self.route_fn.route(chunk, bias, self.path)
+            if effect and self.nobias_fn.kernel:
+                whole["with"] = self.nobias_fn.route(chunk, bias, self.path, context="(bias effect)")
+                whole["without"] = self.nobias_fn.route(chunk, zeros, self.path,
+                                                        context="with the bias zeroed (bias effect)", per_step=False)
+            for piece in chunk.pieces(self.budget_bytes):
+                S = piece.num_steps
+                pad = piece.is_padding
+                step_index = piece.step_index()
+                sizes = piece.step_sizes
+                if pad is not None:
+                    padded = torch.zeros(S, dtype=torch.int64, device=device).index_add_(0, step_index, pad.long()).tolist()
+                else:
+                    padded = [0] * S
+                without = chunk.rows_of(piece, whole.get("without"))
+                if mode == "recorded":
+                    ids = piece.recorded_ids
+                elif "ids" in whole:
+                    ids = chunk.rows_of(piece, whole["ids"])
+                elif both:  # the same routing with and without the bias: the reference's scores once
+                    ids, without = self.route_fn.route_with_and_without(piece, bias, self.path)
+                else:
+                    ids = self.route_fn.route(piece, bias, self.path)
+                masked = _mask(ids, pad)
+                counts, uncounted = count_experts_per_step(masked, step_index, S, E)
+                if pad is not None:
+                    uncounted = uncounted - pad.sum() * ids.shape[1]
+                invalid = invalid_reasons(masked, None, pad, E)
+                tokens = [n - p for n, p in zip(sizes, padded)]
+                if piece.whole:
+                    phases = [_phase(n, p, self.decode_max_tokens) for n, p in zip(tokens, padded)]
+                else:  # a piece of one step: its phase once the step's last piece is in
+                    open_rows, open_padded = open_rows + sizes[0], open_padded + padded[0]
+                    phases = [_phase(open_rows - open_padded, open_padded, self.decode_max_tokens)] \
+                        if piece.ends_step else None
+                    if piece.ends_step:
+                        open_rows = open_padded = 0
+                load = ChunkLoad(first_step=piece.first_step, counts=counts, num_tokens=tokens, phases=phases,
+                                 ids=masked, offsets=piece.offsets, uncounted=uncounted, invalid=invalid,
+                                 row_start=piece.start, piece=not piece.whole, ends_step=piece.ends_step)
+                if self.bias_effect and info.has_logits:
+                    if both:
+                        with_bias = ids
+                    elif "with" in whole:
+                        with_bias = chunk.rows_of(piece, whole["with"])
+                    else:
+                        with_bias = self.nobias_fn.route(piece, bias, self.path, context="(bias effect)")
+                    if without is None:
+                        without = self.nobias_fn.route(piece, zeros, self.path,
+                                                       context="with the bias zeroed (bias effect)", per_step=False)
+                    load.bias_ids_with, load.ids_nobias = _mask(with_bias, pad), _mask(without, pad)
+                    load.bias_counts_with = counts if with_bias is ids else \
+                        count_experts_per_step(load.bias_ids_with, step_index, S, E)[0]
+                    load.counts_nobias = count_experts_per_step(load.ids_nobias, step_index, S, E)[0]
+                    if self.nobias_fn.kernel:  # a kernel's ids are judged wherever they are used
+                        load.invalid_bias = [(invalid_reasons(x, None, pad, E), x) for x in (
+                            load.ids_nobias, *([load.bias_ids_with] if with_bias is not ids else []))]
+                yield load
 
 
 def _slice_load(load: ChunkLoad, a: int, b: int) -> ChunkLoad:
@@ -590,12 +631,13 @@ class RunSource(Source):
     Args:
         run: an open :class:`~routetool.io.run.RunInput`. layers: layers to analyse.
         make_source: ``(trace, layers, budget_bytes) -> TraceSource`` for one rank.
-        budget_bytes: memory per chunk of steps over all ranks read together.
+        budget_bytes: memory per chunk of steps over all ranks read together (default:
+            :data:`~routetool.engine.stream.DEFAULT_CHUNK_BYTES` as it is when called).
     """
 
     kind = "trace"
 
-    def __init__(self, run, layers: Sequence[int], make_source: Callable, budget_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, run, layers: Sequence[int], make_source: Callable, budget_bytes: int | None = None):
         self.run = run
         self.layers = list(layers)
         self._groups = {layer: run.token_groups(layer) for layer in self.layers}
@@ -612,7 +654,8 @@ class RunSource(Source):
                             f"({peer.trace.info(layer).num_tokens:,} and {first.trace.info(layer).num_tokens:,} rows)",
                             path=run.display_path, fix="check the ranks' dp_rank metadata")
         readers = sorted({g[0] for groups in self._groups.values() for g in groups})
-        share = max(1 << 20, budget_bytes // max(1, max(len(g) for g in self._groups.values())))
+        budget_bytes = chunk_budget(budget_bytes)
+        share = max(min(budget_bytes, 1 << 20), budget_bytes // max(1, max(len(g) for g in self._groups.values())))
         self._sources: dict[int, TraceSource] = {}
         for i in readers:
             trace = run.ranks[i].trace
@@ -649,28 +692,67 @@ class RunSource(Source):
         return {self.run.ranks[i].rank: t.cpu() for i, t in self._rank_totals.get(layer, {}).items()}
 
     def chunks(self, layer: int, device: torch.device) -> Iterator[ChunkLoad]:
+        """Global steps: the ranks' chunks cut at common step boundaries and added; a step that
+        some rank reads in pieces comes as each rank's share of it, one piece at a time
+        (:attr:`ChunkLoad.piece`), closed by an empty piece that carries the step's phase."""
         readers = self.readers(layer)
         streams = {i: iter(self._sources[i].chunks(layer, device)) for i in readers}
         pending: dict[int, tuple[ChunkLoad, int]] = {}
         totals = self._rank_totals[layer] = {i: torch.zeros(self.num_experts, dtype=torch.int64, device=device)
                                              for i in readers}
         checks = {i: (_FirstInvalid(device), _FirstInvalid(device)) for i in readers}
+
+        def pull(i: int) -> ChunkLoad | None:
+            load = next(streams[i], None)
+            if load is None:
+                del streams[i]
+                return None
+            totals[i] += load.counts.sum(0)
+            if load.invalid is not None:
+                checks[i][0].add(load.invalid, load.ids, load)
+            for reasons, ids in load.invalid_bias or ():
+                checks[i][1].add(reasons, ids, load)
+            return load
+
+        def share(load: ChunkLoad) -> ChunkLoad:  # a rank's part of a global step read in pieces
+            return replace(load, invalid=None, invalid_bias=None, offsets=None, phases=None, piece=True,
+                           ends_step=False)
+
         while True:
             for i in list(streams):
                 if i not in pending:
-                    load = next(streams[i], None)
-                    if load is None:
-                        del streams[i]
-                        continue
-                    totals[i] += load.counts.sum(0)
-                    if load.invalid is not None:
-                        checks[i][0].add(load.invalid, load.ids, load)
-                    for reasons, ids in load.invalid_bias or ():
-                        checks[i][1].add(reasons, ids, load)
-                    pending[i] = (load, 0)
+                    load = pull(i)
+                    if load is not None:
+                        pending[i] = (load, 0)
             if not pending:
                 break
             start = min(load.first_step + at for load, at in pending.values())
+            if any(load.piece for load, _ in pending.values()):  # step `start` in shares, piece by piece
+                phases: list[str | None] = []
+                tokens_known = True
+                for i in sorted(pending):
+                    load, at = pending.pop(i)
+                    if not load.piece:
+                        part = _slice_load(load, at, at + 1)
+                        phases.append(part.phases[0] if part.phases is not None else None)
+                        tokens_known &= part.num_tokens is not None
+                        yield share(part)
+                        if at + 1 < load.num_steps:
+                            pending[i] = (load, at + 1)
+                        continue
+                    while load is not None:
+                        tokens_known &= load.num_tokens is not None
+                        yield share(load)
+                        if load.ends_step:
+                            phases.append(load.phases[0] if load.phases is not None else None)
+                            break
+                        load = pull(i)
+                phase = None if None in phases else ["prefill" if "prefill" in phases else "decode"]
+                z = torch.zeros(1, self.num_experts, dtype=torch.int64, device=device)
+                yield ChunkLoad(first_step=start, counts=z, num_tokens=[0] if tokens_known else None, phases=phase,
+                                bias_counts_with=z if self.bias_effect else None,
+                                counts_nobias=z if self.bias_effect else None, piece=True, ends_step=True)
+                continue
             end = min(load.first_step + load.num_steps for load, _ in pending.values())
             parts = []
             for i in sorted(pending):
@@ -1150,20 +1232,61 @@ class _LayerAccumulator:
         self.window_tokens: list[int | None] = [0] * num_windows
         self.invalid = _FirstInvalid(device)
         self.invalid_bias = _FirstInvalid(device)
+        self._open: ChunkLoad | None = None  # the step read in pieces so far
 
     def add(self, load: ChunkLoad) -> None:
-        C = load.counts
-        S, s0 = load.num_steps, load.first_step
-        s1 = s0 + S
-        self.steps += S
-        self.total += C.sum(0)
-        self.windows.index_add_(0, self.window_index[s0:s1], C)
+        """Add a chunk of whole steps, or a piece of one step: its rows are counted now, its
+        step's figures (balancedness, capacity, phases, windows) once the step's last piece is in,
+        on the counts of all its pieces."""
+        self._rows(load)
+        if not load.piece:
+            self._steps(load)
+            return
+        o = self._open
+        if o is None:
+            o = self._open = ChunkLoad(first_step=load.first_step, counts=torch.zeros_like(load.counts),
+                                       num_tokens=[0] if load.num_tokens is not None else None)
+        o.counts = o.counts + load.counts
+        if load.num_tokens is None or o.num_tokens is None:
+            o.num_tokens = None
+        else:
+            o.num_tokens = [o.num_tokens[0] + load.num_tokens[0]]
+        for name in ("bias_counts_with", "counts_nobias"):
+            part = getattr(load, name)
+            if part is not None:
+                setattr(o, name, part.clone() if getattr(o, name) is None else getattr(o, name) + part)
+        if load.ends_step:
+            o.phases = load.phases
+            self._open = None
+            self._steps(o)
+
+    def _rows(self, load: ChunkLoad) -> None:
+        """What is per row: out-of-range ids, invalid rows, tokens received per EP rank, ids the bias changes."""
         if load.uncounted is not None:
             self.uncounted += load.uncounted
         if load.invalid is not None:
             self.invalid.add(load.invalid, load.ids, load)
         for reasons, ids in load.invalid_bias or ():
             self.invalid_bias.add(reasons, ids, load)
+        if load.ids is not None:
+            for i, r in enumerate(self.rank_of):
+                if r is not None:
+                    self.ids_seen = True
+                    self.received[i] += tokens_per_rank(load.ids, r, self.rank_totals[i].numel())
+        if self.bias and load.counts_nobias is not None and load.bias_ids_with is not None \
+                and load.ids_nobias is not None:
+            a, b = load.bias_ids_with.long(), load.ids_nobias.long()
+            same = (a[:, :, None] == b[:, None, :]).any(-1) & (a >= 0)
+            self.changed += ((a >= 0).sum() - same.sum())
+
+    def _steps(self, load: ChunkLoad) -> None:
+        """What is per step, on whole steps' counts."""
+        C = load.counts
+        S, s0 = load.num_steps, load.first_step
+        s1 = s0 + S
+        self.steps += S
+        self.total += C.sum(0)
+        self.windows.index_add_(0, self.window_index[s0:s1], C)
         if load.num_tokens is None:
             self.tokens_known = False
             for s in range(s0, s1):
@@ -1186,9 +1309,6 @@ class _LayerAccumulator:
             rl = cf @ m
             self.rank_totals[i] += rl.sum(0)
             self.step_bal[i, s0:s1] = balancedness(rl)
-            if self.rank_of[i] is not None and load.ids is not None:
-                self.ids_seen = True
-                self.received[i] += tokens_per_rank(load.ids, self.rank_of[i], self.rank_totals[i].numel())
         # capacity: ceil(f * assignments / E) per expert and step
         cap = torch.ceil(self.factors[None, :] * cf.sum(1)[:, None] / self.E - 1e-9)  # [S, F]
         over = (cf[:, None, :] - cap[:, :, None]).clamp(min=0).long()  # [S, F, E]
@@ -1196,17 +1316,13 @@ class _LayerAccumulator:
         self.overflow_any |= (over > 0).any(0)
         self.overflow_steps += (over.sum(2) > 0).sum(0)
         if self.bias and load.counts_nobias is not None:
-            with_c, with_ids = load.bias_counts_with, load.bias_ids_with
+            with_c = load.bias_counts_with
             self.wb_total += with_c.sum(0)
             self.nb_total += load.counts_nobias.sum(0)
             if self.shares:
                 self.step_bal_nb[0, s0:s1] = balancedness(with_c.double() @ self.shares[0])
                 self.step_bal_nb[1, s0:s1] = balancedness(load.counts_nobias.double() @ self.shares[0])
-            if with_ids is not None and load.ids_nobias is not None:
-                a, b = with_ids.long(), load.ids_nobias.long()
-                same = (a[:, :, None] == b[:, None, :]).any(-1) & (a >= 0)
-                self.changed += ((a >= 0).sum() - same.sum())
-                self.picks += S
+            self.picks += S
 
 
 def _stats_row(counts: torch.Tensor) -> tuple[float | None, float | None, int | None]:
@@ -1289,7 +1405,7 @@ def analyze_balance(
         for load in source.chunks(layer, device):
             acc.add(load)
             if progress is not None:
-                progress(sum(sizes[load.first_step:load.first_step + load.num_steps]))
+                progress((load.rows or 0) if load.piece else sum(sizes[load.first_step:load.first_step + load.num_steps]))
         found = acc.invalid.found()  # one read-back per layer
         if found is not None:
             raise source.invalid_error(layer, found)

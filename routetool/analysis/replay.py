@@ -29,7 +29,7 @@ from routetool.engine.compare import (
     weight_tolerance,
 )
 from routetool.engine.contract import RoutingFn
-from routetool.engine.stream import DEFAULT_CHUNK_BYTES, route_steps, stream_layer
+from routetool.engine.stream import route_steps, stream_layer
 from routetool.engine.verdict import Verdict
 from routetool.errors import RouteToolError
 from routetool.engine.execution import Execution
@@ -400,7 +400,7 @@ def replay_trace(
     tie_ulps: float = DEFAULT_TIE_ULPS,
     measure_latency: bool = True,
     progress: Callable[[int], None] | None = None,
-    budget_bytes: int = DEFAULT_CHUNK_BYTES,
+    budget_bytes: int | None = None,
     workers: Workers | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` (or every rank of a run) through ``kernel_fn`` and the reference; compare, count, time.
@@ -416,7 +416,8 @@ def replay_trace(
         measure_latency: time each distinct step shape under CUDA graphs (GPU only).
         progress: called with the number of rows done after each chunk of steps (this
             process's share under torchrun).
-        budget_bytes: memory per chunk of steps (:mod:`routetool.engine.stream`).
+        budget_bytes: bytes of logits per chunk and per piece of per-row work (:mod:`routetool.engine.stream`;
+            default its ``DEFAULT_CHUNK_BYTES``).
         workers: the processes to share the units among (default: this one alone).
 
     Returns:
@@ -547,7 +548,7 @@ def merge_layers(parts: Sequence[LayerReplay]) -> LayerReplay:
 
 def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: RoutingFn, device: torch.device, *,
                   tie_ulps: float, unnormalized: bool, progress: Callable[[int], None] | None,
-                  budget_bytes: int) -> LayerReplay:
+                  budget_bytes: int | None) -> LayerReplay:
     """One layer with logits: the kernel once per captured step, everything else per chunk of steps."""
     from kernel.reference import routing_with_scores
 
@@ -566,13 +567,9 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
     padded, padded_ok, nonfinite, nonfinite_padded, ties = (torch.zeros((), **z) for _ in range(5))
     margin_min = None
     bias = trace.bias(layer).to(device)
-    for chunk in stream_layer(trace, layer, device, budget_bytes=budget_bytes):
+    for piece, w, ids in _routed_pieces(trace, layer, device, kernel_fn, bias, params, kernel_name, budget_bytes):
+        chunk = piece  # (the per-row work runs over pieces of at most the budget)
         gating, pad = chunk.gating_output, chunk.is_padding
-        routed = route_steps(kernel_fn, chunk, bias, params)
-        if not routed.ok:
-            raise routed.outcome.error(f"kernel {kernel_name!r}", f"layer {layer} step {routed.step}", path=trace.display_path,
-                                       tensor=f"layers.{layer}.gating_output")
-        w, ids = routed.weights, routed.ids
         ref_w, ref_ids, scores, biased = routing_with_scores(gating, bias, is_padding=pad, **params)
         where = dict(layer=layer, step=chunk.first_step, start=chunk.start, step_offsets=chunk.offsets)
 
@@ -630,8 +627,27 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
     return res
 
 
+def _routed_pieces(trace: Trace, layer: int, device: torch.device, kernel_fn: RoutingFn, bias: torch.Tensor,
+                   params: dict, kernel_name: str, budget_bytes: int | None):
+    """``(piece, weights, ids)`` over ``layer``: the kernel routes each captured step whole (chunks
+    of whole steps, :func:`~routetool.engine.stream.route_steps`), the rest of the work gets its
+    outputs over pieces of at most ``budget_bytes`` (:meth:`~routetool.engine.stream.Chunk.pieces`).
+
+    Raises:
+        KernelRejection / KernelError: the kernel broke the contract, named by layer and step.
+        RouteToolError: a step larger than :data:`~routetool.engine.stream.KERNEL_STEP_BYTES`.
+    """
+    for chunk in stream_layer(trace, layer, device, budget_bytes=budget_bytes, whole_steps=True):
+        routed = route_steps(kernel_fn, chunk, bias, params)
+        if not routed.ok:
+            raise routed.outcome.error(f"kernel {kernel_name!r}", f"layer {layer} step {routed.step}",
+                                       path=trace.display_path, tensor=f"layers.{layer}.gating_output")
+        for piece in chunk.pieces(budget_bytes):
+            yield piece, chunk.rows_of(piece, routed.weights), chunk.rows_of(piece, routed.ids)
+
+
 def _ids_only_layer(trace: Trace, res: LayerReplay, E: int, device: torch.device,
-                    progress: Callable[[int], None] | None, budget_bytes: int) -> LayerReplay:
+                    progress: Callable[[int], None] | None, budget_bytes: int | None) -> LayerReplay:
     """A layer without logits: only the load of the recorded ids (valid, unpadded rows), nothing to compare or time."""
     res.ids_only = True
     counts = torch.zeros(E, dtype=torch.int64, device=device)

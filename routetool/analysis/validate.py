@@ -514,7 +514,7 @@ def validate_layer(trace, layer: int, family: str, fn: RoutingFn, kernel_name: s
     first_seen: dict[str, tuple[int, int]] = {}  # class -> (step it first shows in, check order)
     tie_rows = 0
     rows: list[RowReport] = []
-    for chunk in stream_layer(trace, layer, device):
+    for chunk in stream_layer(trace, layer, device, whole_steps=True):
         routed = route_steps(fn, chunk, bias, params)
         if not routed.ok:  # a rejection, documented or not, fails too: a trace is production input
             outcome = routed.outcome
@@ -523,15 +523,17 @@ def validate_layer(trace, layer: int, family: str, fn: RoutingFn, kernel_name: s
                               message=str(outcome.error(f"kernel {kernel_name!r}", f"layer {layer} step {routed.step}",
                                                         path=trace.display_path, tensor=f"layers.{layer}.gating_output")),
                               duration_s=time.perf_counter() - start, exit_code=outcome.exit_code)
-        inp = CaseInput(gating_output=chunk.gating_output, bias=bias, is_padding=chunk.is_padding, **params)
-        chunk_classes, chunk_ties, chunk_rows, first_rows = evaluate(inp, routed.weights, routed.ids,
-                                                                     tie_ulps=tie_ulps, first_rows=True)
-        for order, c in enumerate(chunk_classes):
-            first_seen.setdefault(c, (chunk.step_of(first_rows[c]), order))
-        tie_rows += chunk_ties
-        for r in chunk_rows[:max(0, 3 - len(rows))]:
-            r.row += chunk.start
-            rows.append(r)
+        for piece in chunk.pieces():  # the kernel saw whole steps; the checks run over bounded pieces
+            inp = CaseInput(gating_output=piece.gating_output, bias=bias, is_padding=piece.is_padding, **params)
+            chunk_classes, chunk_ties, chunk_rows, first_rows = evaluate(
+                inp, chunk.rows_of(piece, routed.weights), chunk.rows_of(piece, routed.ids), tie_ulps=tie_ulps,
+                first_rows=True)
+            for c in chunk_classes:  # (evaluate's check order, whichever piece a class shows in)
+                first_seen.setdefault(c, (piece.step_of(first_rows[c]), _check_order(c)))
+            tie_rows += chunk_ties
+            for r in chunk_rows[:max(0, 3 - len(rows))]:
+                r.row += piece.start
+                rows.append(r)
     classes = sorted(first_seen, key=first_seen.__getitem__)  # as a step-by-step run meets them
     verdict = "fail" if classes else ("pass_tie" if tie_rows else "pass")
     return CaseResult(
@@ -539,6 +541,13 @@ def validate_layer(trace, layer: int, family: str, fn: RoutingFn, kernel_name: s
         failure_classes=classes, message=", ".join(classes) or (f"{tie_rows} tie-equivalent rows" if tie_rows else ""),
         rows=rows, duration_s=time.perf_counter() - start,
     )
+
+
+def _check_order(failure_class: str) -> int:
+    """Where :func:`evaluate` checks ``failure_class`` among the row checks."""
+    order = ["mismatch", *(f"invalid:{r}" for r in INVALID_REASONS), "weight_error",
+             "weights_not_renormalized_unbiased", "weight_sum"]
+    return order.index(failure_class) if failure_class in order else -1
 
 
 def trace_labels(traces: Sequence) -> list[str]:

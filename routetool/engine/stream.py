@@ -50,6 +50,11 @@ peaks at about the step plus a few chunks. Work without a kernel (``balance --re
 recorded ids of an ids-only layer) reads any step in pieces and has no such bound."""
 
 
+def chunk_budget(budget_bytes: int | None = None) -> int:
+    """``budget_bytes``, or :data:`DEFAULT_CHUNK_BYTES` as it is when called."""
+    return DEFAULT_CHUNK_BYTES if budget_bytes is None else budget_bytes
+
+
 def step_bytes(trace, layer: int) -> int:
     """Bytes of one row of ``layer`` as the pipeline holds it: ``4 * E`` float32 scores, or
     ``8 * K`` int64 ids for an ids-only layer."""
@@ -57,40 +62,52 @@ def step_bytes(trace, layer: int) -> int:
     return 4 * max(router.num_experts, 1) if trace.info(layer).has_logits else 8 * max(router.topk, 1)
 
 
-def check_steps(trace, layer: int, limit: int = KERNEL_STEP_BYTES) -> None:
+def check_step_sizes(sizes, row_bytes: int, what: str, *, path, tensor: str | None = None, fix: str = "",
+                     limit: int | None = None) -> None:
+    """Refuse steps of ``sizes`` rows (``row_bytes`` a row, ``what`` they hold, in words) of which
+    one is larger than ``limit`` bytes (:data:`KERNEL_STEP_BYTES`): the largest step a kernel
+    under test is given whole.
+
+    Raises:
+        RouteToolError: naming ``path``, ``tensor``, the first largest step, its rows and bytes (exit 2).
+    """
+    from routetool.errors import RouteToolError
+    from routetool.io.limits import fmt_bytes
+
+    limit = KERNEL_STEP_BYTES if limit is None else limit
+    sizes = list(sizes)
+    if not sizes:
+        return
+    rows = max(sizes)
+    if rows * row_bytes <= limit:
+        return
+    raise RouteToolError(
+        f"step {sizes.index(rows)} holds {rows:,} rows, {fmt_bytes(rows * row_bytes)} of {what}, more than the "
+        f"{fmt_bytes(limit)} a kernel under test is given whole", path=path, tensor=tensor, fix=fix)
+
+
+def check_steps(trace, layer: int, limit: int | None = None) -> None:
     """Refuse, before anything is read, a layer with a step too large to give a kernel whole:
     more than ``limit`` bytes (:data:`KERNEL_STEP_BYTES`; rows counted by :func:`step_bytes`).
-    Only from the step offsets, so a sparse file declaring gigabytes is refused at once.
+    Only the step offsets are read, so a sparse file declaring gigabytes is refused at once.
 
     Raises:
         RouteToolError: naming the trace, the layer's tensor, the step, its rows and bytes, and
             the reference as the way that reads any step (exit 2).
     """
-    from routetool.errors import RouteToolError
-    from routetool.io.limits import fmt_bytes
-
     offsets = trace.info(layer).step_offsets
-    row = step_bytes(trace, layer)
-    if len(offsets) < 2:
-        return
-    sizes = [b - a for a, b in zip(offsets, offsets[1:])]
-    rows = max(sizes)
-    if rows * row <= limit:
-        return
-    step = sizes.index(rows)
+    logits = trace.info(layer).has_logits
     E = trace.meta.router.num_experts
-    what = f"{E:,} experts' float32 scores" if trace.info(layer).has_logits else "their ids"
-    tensor = "gating_output" if trace.info(layer).has_logits else "topk_ids"
-    raise RouteToolError(
-        f"step {step} holds {rows:,} rows, {fmt_bytes(rows * row)} of {what}, more than the {fmt_bytes(limit)} "
-        f"a kernel under test is given whole", path=trace.display_path, tensor=f"layers.{layer}.{tensor}",
-        fix="route it with the reference, which reads any step in pieces (`routetool balance --reference`), or "
-            "check the layer's step_offsets")
+    check_step_sizes([b - a for a, b in zip(offsets, offsets[1:])], step_bytes(trace, layer),
+                     f"{E:,} experts' float32 scores" if logits else "their ids", path=trace.display_path,
+                     tensor=f"layers.{layer}.{'gating_output' if logits else 'topk_ids'}", limit=limit,
+                     fix="route it with the reference, which reads any step in pieces (`routetool balance "
+                         "--reference`), or check the layer's step_offsets")
 
 
 @dataclass
 class Chunk:
-    """Consecutive captured steps of one layer, on the analysis device.
+    """Consecutive captured steps of one layer, or a piece of one step, on the analysis device.
 
     Attributes:
         layer: the layer. first_step: index of the chunk's first step in the layer.
@@ -98,6 +115,11 @@ class Chunk:
         offsets: step boundaries within the chunk, ``[0, n_0, n_0 + n_1, ..., rows]``.
         gating_output: ``[rows, E]`` logits as stored, or None (an ids-only layer).
         is_padding: ``[rows]`` bool or None. recorded_ids / recorded_weights: ``[rows, K]`` or None.
+        step_start: rows of the first step that lie before the chunk (0 when the chunk starts
+            its first step; more when it is a later piece of a step larger than the budget).
+        ends_step: whether the chunk's last row ends its last step (False for a piece of a step
+            whose later rows come in the next chunk). A chunk of whole steps has
+            ``step_start == 0`` and ``ends_step``; a piece is one step's rows, ``num_steps == 1``.
     """
 
     layer: int
@@ -108,6 +130,13 @@ class Chunk:
     is_padding: torch.Tensor | None
     recorded_ids: torch.Tensor | None
     recorded_weights: torch.Tensor | None
+    step_start: int = 0
+    ends_step: bool = True
+
+    @property
+    def whole(self) -> bool:
+        """Whether the chunk holds whole steps (not a piece of one)."""
+        return self.step_start == 0 and self.ends_step
 
     @property
     def rows(self) -> int:
@@ -132,6 +161,67 @@ class Chunk:
         return torch.repeat_interleave(torch.arange(self.num_steps, device=device), sizes, output_size=self.rows)
 
 
+    def pieces(self, budget_bytes: int | None = None) -> Iterator[Chunk]:
+        """The chunk in pieces of at most ``budget_bytes`` of ``[rows, E]`` float32 scores (``[rows,
+        K]`` int64 ids for an ids-only chunk), as :func:`plan_rows` cuts them: views, for the
+        per-row work after a kernel has routed the chunk's whole steps. A chunk within the budget
+        is its own one piece. Rows of a piece are ``chunk rows [piece.start - chunk.start, ...)``."""
+        t = self.gating_output if self.gating_output is not None else self.recorded_ids
+        row = 4 * max(t.shape[1], 1) if self.gating_output is not None else 8 * max(t.shape[1], 1)
+        ranges = plan_rows(self.offsets, max(1, chunk_budget(budget_bytes) // row))
+        if len(ranges) == 1:
+            yield self
+            return
+        for a, b in ranges:
+            yield _view(self, a, b)
+
+    def rows_of(self, piece: Chunk, t: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows of ``t`` (``[rows, ...]``, aligned with this chunk) that ``piece`` holds."""
+        a = piece.start - self.start
+        return None if t is None else t[a:a + piece.rows]
+
+
+def _cut(t: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    return None if t is None else t[a:b]
+
+
+def _view(chunk: Chunk, a: int, b: int) -> Chunk:
+    """Rows ``[a, b)`` of ``chunk`` (cut at its step offsets or inside one step) as a chunk of views."""
+    o = chunk.offsets
+    s = bisect.bisect_right(o, a) - 1  # the chunk step holding row a
+    e = bisect.bisect_left(o, b)  # the first offset at or past b
+    inner = [v - a for v in o[s + 1:e]]
+    step_start = a - o[s] + (chunk.step_start if s == 0 else 0)
+    ends_step = e < len(o) and o[e] == b and (chunk.ends_step or b < o[-1])
+    return Chunk(layer=chunk.layer, first_step=chunk.first_step + s, start=chunk.start + a, offsets=[0, *inner, b - a],
+                 gating_output=_cut(chunk.gating_output, a, b), is_padding=_cut(chunk.is_padding, a, b),
+                 recorded_ids=_cut(chunk.recorded_ids, a, b), recorded_weights=_cut(chunk.recorded_weights, a, b),
+                 step_start=step_start, ends_step=ends_step)
+
+
+def plan_rows(step_offsets: tuple[int, ...] | list[int], limit_rows: int) -> list[tuple[int, int]]:
+    """Cut the rows of steps ``step_offsets`` (``[0, n_0, ..., rows]``) into ``[a, b)`` ranges of
+    at most ``limit_rows`` rows: consecutive whole steps that fit together, and a step larger than
+    that in pieces of ``limit_rows`` (the last piece the rest)."""
+    limit = max(1, limit_rows)
+    out: list[tuple[int, int]] = []
+    num_steps = len(step_offsets) - 1
+    s = 0
+    while s < num_steps:
+        a = step_offsets[s]
+        if step_offsets[s + 1] - a > limit:
+            top = step_offsets[s + 1]
+            out.extend((x, min(x + limit, top)) for x in range(a, top, limit))
+            s += 1
+            continue
+        e = s + 1
+        while e < num_steps and step_offsets[e + 1] - a <= limit:
+            e += 1
+        out.append((a, step_offsets[e]))
+        s = e
+    return out
+
+
 def plan_chunks(step_offsets: tuple[int, ...] | list[int], row_bytes: int, budget_bytes: int) -> list[tuple[int, int]]:
     """Group consecutive steps into chunks of at most ``budget_bytes`` (``row_bytes`` a row; at
     least one step a chunk). Returns ``(first step, end step)`` pairs, end exclusive."""
@@ -151,45 +241,57 @@ def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
 
 
-def stream_layer(trace, layer: int, device: torch.device, *, budget_bytes: int = DEFAULT_CHUNK_BYTES,
-                 read_ahead: bool = True) -> Iterator[Chunk]:
-    """Yield the captured steps of ``layer`` in chunks (see the module docstring).
+def stream_layer(trace, layer: int, device: torch.device, *, budget_bytes: int | None = None,
+                 whole_steps: bool = False, read_ahead: bool = True) -> Iterator[Chunk]:
+    """Yield the rows of ``layer`` in chunks (see the module docstring).
 
     Args:
         trace: an open trace (:func:`routetool.io.trace.open_trace`). layer: one of its layers.
-        device: where the chunks go. budget_bytes: see :data:`DEFAULT_CHUNK_BYTES`.
+        device: where the chunks go. budget_bytes: bytes of a chunk's rows (``[rows, E]`` float32
+            scores, or ``[rows, K]`` int64 ids for an ids-only layer); default
+            :data:`DEFAULT_CHUNK_BYTES`, read when called.
+        whole_steps: chunks of whole steps, for a kernel under test (a step larger than the budget
+            is a chunk of its own, up to :data:`KERNEL_STEP_BYTES`); otherwise a step larger than
+            the budget comes in pieces (:attr:`Chunk.step_start`, :attr:`Chunk.ends_step`).
         read_ahead: read the next chunk on a background thread while this one is used.
 
     Raises:
-        RouteToolError: a step larger than :data:`MAX_STEP_BYTES` (:func:`check_steps`, before
-            anything is read); the trace cannot be read (raised where the chunk is taken).
+        RouteToolError: with ``whole_steps``, a step larger than :data:`KERNEL_STEP_BYTES`
+            (:func:`check_steps`, before anything is read); the trace cannot be read (raised where
+            the chunk is taken).
     """
-    check_steps(trace, layer)
-    info = trace.info(layer)
-    offsets = info.step_offsets
-    E = trace.meta.router.num_experts
-    plan = plan_chunks(offsets, 4 * max(E, 1), budget_bytes)
+    budget_bytes = chunk_budget(budget_bytes)
+    if whole_steps:
+        check_steps(trace, layer)
+    offsets = trace.info(layer).step_offsets
+    row = step_bytes(trace, layer)
+    if whole_steps:
+        plan = [(offsets[f], offsets[e]) for f, e in plan_chunks(offsets, row, budget_bytes)]
+    else:
+        plan = plan_rows(offsets, max(1, budget_bytes // row))
+    whole = Chunk(layer=layer, first_step=0, start=0, offsets=list(offsets), gating_output=None, is_padding=None,
+                  recorded_ids=None, recorded_weights=None)
 
-    def read(first: int, end: int):
-        return trace.read_rows(layer, offsets[first], offsets[end])
+    def read(a: int, b: int):
+        return trace.read_rows(layer, a, b)
 
-    def chunk(first: int, end: int, step) -> Chunk:
-        base = offsets[first]
-        return Chunk(layer=layer, first_step=first, start=base, offsets=[o - base for o in offsets[first:end + 1]],
-                     gating_output=_to(step.gating_output, device), is_padding=_to(step.is_padding, device),
-                     recorded_ids=_to(step.recorded_ids, device), recorded_weights=_to(step.recorded_weights, device))
+    def chunk(a: int, b: int, rows) -> Chunk:
+        at = _view(whole, a, b)
+        at.gating_output, at.is_padding = _to(rows.gating_output, device), _to(rows.is_padding, device)
+        at.recorded_ids, at.recorded_weights = _to(rows.recorded_ids, device), _to(rows.recorded_weights, device)
+        return at
 
     if not read_ahead or len(plan) < 2:
-        for first, end in plan:
-            yield chunk(first, end, read(first, end))
+        for a, b in plan:
+            yield chunk(a, b, read(a, b))
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="routetool-read") as pool:
         pending = pool.submit(read, *plan[0])
-        for i, (first, end) in enumerate(plan):
-            step = pending.result()
+        for i, (a, b) in enumerate(plan):
+            rows = pending.result()
             if i + 1 < len(plan):
                 pending = pool.submit(read, *plan[i + 1])
-            yield chunk(first, end, step)
+            yield chunk(a, b, rows)
 
 
 @dataclass
@@ -229,6 +331,8 @@ def route_steps(fn: RoutingFn, chunk: Chunk, bias: torch.Tensor, params: Mapping
     Returns:
         A :class:`ChunkRouting`: the outputs, or the first failed call.
     """
+    if not chunk.whole:
+        raise ValueError("route_steps needs whole steps: stream the layer with whole_steps=True")
     gating = chunk.gating_output if gating_output is None else gating_output
     pad = chunk.is_padding
     guard = InputGuard(gating_output=gating, bias=bias, is_padding=pad)
