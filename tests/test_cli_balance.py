@@ -293,11 +293,11 @@ def test_import_refuses_a_counts_file_of_several_models_as_counts_first(tmp_path
     path.write_text(json.dumps(_counts_doc()))
     res = run("import", path, *extra, "-o", tmp_path / "x.safetensors")
     _one_line_error(res, f"{path}: holds per-expert counts, not per-token expert ids: a trace cannot be made from it "
-                         f"(analyse it directly: routetool balance {path}, choosing one with --select (e.g. mixtral, "
-                         "olmoe))")
+                         f"(analyse it directly: routetool balance {path} --select mixtral; the file holds several "
+                         "models: mixtral, olmoe)")  # (it was ', choosing one with --select (e.g. ...)': no command)
     assert not (tmp_path / "x.safetensors").exists()
     # balance keeps asking for --select, and reads the file with it
-    _one_line_error(run("balance", path, "--no-progress"), "several models in one file (choose one with --select")
+    _one_line_error(run("balance", path, "--no-progress"), "several models in one file (choose one with --select mixtral; ")
     res = run("balance", path, "--select", "mixtral", "--ep-size", "2", "--no-progress")
     assert res.exit_code == 0, res.output
 

@@ -720,9 +720,9 @@ def test_ids_only_trace_names_its_first_invalid_recorded_rows(tmp_path):
          "topk_weights": [0.25, 0.75]}]
     shown = res.stderr.split("First invalid recorded rows (3 of 4")[1]
     rows = [line.strip() for line in shown.splitlines() if line.strip().startswith("layer 0")]
-    assert rows == ["layer 0 step 0 row 1 (duplicate_id): ids 1 ×2; w 0.5 ×2",
-                    "layer 0 step 1 row 2 (nonfinite_weight): ids 2 3; w nan 1",
-                    "layer 0 step 1 row 3 (negative_weight): ids 1 7; w -0.5 1.5"]
+    assert rows == ["layer 0 step 0 row 1 (duplicate_id): ids 1 ×2; w 0.500 ×2",
+                    "layer 0 step 1 row 2 (nonfinite_weight): ids 2 3; w nan 1.000",
+                    "layer 0 step 1 row 3 (negative_weight): ids 1 7; w -0.500 1.500"]
 
 
 def test_at_most_five_invalid_recorded_rows_are_kept_per_layer(tmp_path):

@@ -368,6 +368,10 @@ def _is_trace_index(path: Path) -> bool:
     return re.search(rb'"format"\s*:\s*"routetool-trace-index"', head) is not None
 
 
+DUMP_SUFFIXES = (".csv", ".jsonl", ".ndjson", ".json", ".pt", ".pth", ".npy", ".npz", ".safetensors")
+"""The file names a folder of routing dumps is read by (:func:`detect_format`)."""
+
+
 def detect_format(path: Path) -> str:
     """The reader for ``path`` (file or folder) by extension, then by content.
 
@@ -413,8 +417,8 @@ def detect_format(path: Path) -> str:
             from routetool.io.run import folder_error
 
             raise folder_error(path)
-        raise RouteToolError("the folder holds no .csv, .pt or .jsonl files", path=path,
-                             fix="point at a routing dump or a folder of them")
+        raise RouteToolError(f"the folder holds no routing dump: no {', '.join(DUMP_SUFFIXES)} file", path=path,
+                             fix="point at a routing dump or a folder of them; folders inside it are not read")
     suffix = path.suffix.lower()
     engine = sniff(path)  # the engines' own outputs (.npy, .npz, FlashInfer-Trace .safetensors, ...)
     if engine is not None:
@@ -462,34 +466,107 @@ _DUMP_KINDS = {  # format: (a file, a folder)
     "flashinfer-trace": ("a FlashInfer-Trace MoE workload (.safetensors)",
                          "a folder of FlashInfer-Trace MoE workloads (.safetensors)"),
 }
-"""The dumps a trace command recognises and names (:func:`refuse_dump_as_trace`)."""
+"""The dumps of token rows a trace command recognises and names (:func:`refuse_dump_as_trace`)."""
+
+_COUNTS_KINDS = {  # format: (a file, a folder)
+    "counts-json": ("a JSON file of per-expert counts", "a folder of per-expert counts"),
+    "megatron-ep-load": ("a Megatron expert-load dump of per-expert counts (.npz)",
+                         "a folder of Megatron expert-load dumps of per-expert counts (.npz)"),
+    "sglang": ("an SGLang expert-distribution dump of per-expert counts (stat or per-pass .pt)",
+               "a folder of SGLang expert-distribution dumps of per-expert counts (.pt)"),
+}
+"""The dumps of per-expert counts a trace command recognises and names: balance reads them,
+import cannot make a trace of them (:func:`refuse_dump_as_trace`)."""
+
+_IMPORT_NEEDS = {"sglang-routed": " --topk K"}
+"""The options ``routetool import`` needs for a format whose file does not record them."""
+
+
+def _holds_counts(path: Path, fmt: str | None) -> bool:
+    """Whether the dump ``path`` (a file, or a folder's first file) that :func:`detect_format`
+    read as ``fmt`` holds per-expert counts rather than token rows: a counts JSON (a JSON
+    object without the ``format`` key every routetool trace index has), a Megatron expert-load
+    ``.npz``, an SGLang stat (``logical_count``) or per-pass (``global_physical_count`` without
+    ``topk_ids_of_layer``) ``.pt``."""
+    if fmt == "megatron-ep-load":
+        return True
+    if fmt not in ("counts-json", "sglang"):
+        return False
+    if path_kind(path) == "folder":
+        suffixes = (".json",) if fmt == "counts-json" else (".pt", ".pth")
+        files = [p for p in path.iterdir() if p.suffix.lower() in suffixes and not p.name.startswith(".")]
+        if not files:
+            return False
+        path = min(files, key=_natural_key)
+    if fmt == "counts-json":
+        try:
+            if path.stat().st_size > MAX_COUNTS_JSON_BYTES:
+                return False
+            doc = loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, JSONProblem):
+            return False
+        return isinstance(doc, dict) and "format" not in doc and _counts_tables(doc)
+    from routetool.io.engine_dumps import _torch_pickle_head
+
+    head = _torch_pickle_head(path)
+    # (per_token records hold their topk_ids_of_layer beside the counts every record has)
+    return b"logical_count" in head or (b"global_physical_count" in head and b"topk_ids_of_layer" not in head)
+
+
+MAX_COUNTS_JSON_BYTES = 64 << 20
+"""A JSON file larger than this is not parsed to tell whether it holds counts (the trace-index
+reader, which reads only small files, names it)."""
+
+
+def _counts_tables(doc) -> bool:
+    """Whether a parsed JSON value nests objects down to tables of counts: ``{"<expert>":
+    <count>}`` (keys decimal numbers) or ``[<count>, ...]``, counts whole numbers >= 0, at every
+    leaf (a report or a config holds text somewhere)."""
+    if isinstance(doc, list):
+        return bool(doc) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in doc)
+    if not isinstance(doc, dict) or not doc:
+        return False
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in doc.values()):
+        return all(parse_int(k) is not None for k in doc) and all(v >= 0 for v in doc.values())
+    return all(_counts_tables(v) for v in doc.values())
 
 
 def refuse_dump_as_trace(path: str | Path, display_path: object = None) -> None:
     """Refuse, for a command that reads traces, a path that :func:`detect_format` takes for a
-    dump of token rows (JSON lines, CSV or a folder of them, an SGLang ``.pt``), naming the
-    commands that read it: a trace reader would only say that it is no safetensors file or
-    no JSON trace index.
+    routing dump, naming what it is and the command that reads it: a dump of token rows (JSON
+    lines, CSV, the engines' outputs, or a folder of them) -> ``routetool import PATH -o
+    trace.safetensors`` (with the options the format needs) or ``routetool balance PATH``; a
+    dump of per-expert counts (counts JSON, Megatron expert-load ``.npz``, SGLang stat or
+    per-pass ``.pt``) -> ``routetool balance PATH``. A trace reader would only say that it is
+    no safetensors file or no JSON trace index.
 
-    Counts JSON is not named: a ``.json`` file that is no dump is read as a trace index, and
-    the index reader says what is wrong with it. Anything :func:`detect_format` refuses (a
-    missing path, a FIFO) is left to the trace reader, which names it.
+    A ``.json`` file with a ``format`` key is left to the trace-index reader, which says what
+    is wrong with it. Anything :func:`detect_format` refuses (a missing path, a FIFO) is left
+    to the trace reader, which names it.
 
     Raises:
         RouteToolError: naming ``display_path`` (default ``path``), what it looks like, and
-            ``routetool import PATH -o trace.safetensors`` / ``routetool balance PATH``.
+            the command that reads it.
     """
     path = Path(path)
     found = path_kind(path, shown=display_path)
-    kinds = _DUMP_KINDS.get(_detected(path)) if found in ("file", "folder") else None
+    fmt = _detected(path) if found in ("file", "folder") else None
+    shown = display_path if display_path is not None else path
+    quoted = shlex.quote(str(shown))
+    if _holds_counts(path, fmt):
+        kind = _COUNTS_KINDS[fmt][found == "folder"]
+        raise RouteToolError(f"looks like {kind}, not a routetool trace", path=shown,
+                             fix=f"analyse its load with `routetool balance {quoted}`; counts have no per-token "
+                                 "expert ids, so no trace can be made of them")
+    kinds = _DUMP_KINDS.get(fmt)
     if kinds is None:
         return
     kind = kinds[found == "folder"]
-    shown = display_path if display_path is not None else path
-    quoted = shlex.quote(str(shown))
+    needs = _IMPORT_NEEDS.get(fmt, "")
     raise RouteToolError(f"looks like {kind}, not a routetool trace", path=shown,
-                         fix=f"convert it with `routetool import {quoted} -o trace.safetensors`, or analyse its load "
-                             f"with `routetool balance {quoted}`")
+                         fix=f"convert it with `routetool import {quoted} -o trace.safetensors{needs}`"
+                             + (" (K: the model's experts per token)" if needs else "")
+                             + f", or analyse its load with `routetool balance {quoted}{needs}`")
 
 
 # ---------------------------------------------------------------------------------------
@@ -1348,11 +1425,14 @@ def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
     E = options.num_experts or max(widths.values())
     groups = sorted({n[0] if len(n) > 1 else "" for n, _ in tables})
     several = options.num_experts is None and len(set(widths.values())) > 1
-    choose = f"one with --select (e.g. {', '.join(groups[:4])})"
-    _refuse_counts(path, options, f", choosing {choose}" if several else "")  # (before the models' E is asked for)
+    models = [g for g in groups if g]
+    choose = f"--select {shlex.quote(models[0])}" if models else "--select NAME"
+    known = f"; the file holds several models: {', '.join(models[:4])}" + (", ..." if len(models) > 4 else "")
+    # (before the models' E is asked for; the command pastes as it stands)
+    _refuse_counts(path, options, f" {choose}{known}" if several else "")
     if several:
         raise RouteToolError(f"the tables have different expert counts ({sorted(set(widths.values()))}): "
-                             "several models in one file", path=path, fix=f"choose {choose}")
+                             "several models in one file", path=path, fix=f"choose one with {choose}{known}")
     if max(widths.values()) > E:
         raise RouteToolError(f"expert id {max(widths.values()) - 1} >= --num-experts {E}", path=path,
                              fix="fix --num-experts")

@@ -697,8 +697,10 @@ def read_flashinfer(path: Path, options):
                                  fix="read the workloads of one definition at a time")
         if biases and (bias is None) != (biases[0] is None) or (bias is not None and biases
                                                                and not torch.equal(bias.float(), biases[0].float())):
-            raise RouteToolError(f"{where}: routing_bias differs from {files[0].name}'s: one layer's bias is one tensor",
-                                 path=path, fix="read the workloads of one layer at a time")
+            raise RouteToolError(f"{where}: routing_bias differs from {files[0].name}'s: the workloads come from "
+                                 "different MoE layers (each layer has its own bias, and a workload does not say "
+                                 "which layer it is)", path=path,
+                                 fix="name one workload file, or a folder of workloads that share one routing_bias")
         logits.append(lg)
         biases.append(bias)
         names.add(re.sub(r"_[0-9a-f]{8}-[0-9a-f-]{27}$", "", f.stem))

@@ -271,6 +271,12 @@ class Trace:
         try:
             self._file = safe_open(str(self.path), framework="pt", device="cpu")
         except SafetensorError as exc:
+            if not _begins_as_safetensors(self.path):  # (README.md, a log: no trace at all, not a damaged one)
+                raise RouteToolError(
+                    "not a readable safetensors file: it does not begin with a safetensors header, so it is no "
+                    "routetool trace", path=self.display_path,
+                    fix="name a routetool trace: a .safetensors file routetool wrote, or a sharded trace's index .json",
+                ) from None
             raise RouteToolError(
                 f"not a readable safetensors file ({exc})", path=self.display_path,
                 fix="the file is corrupt or truncated; capture or copy it again",
@@ -490,6 +496,18 @@ class Trace:
 
 SAFETENSORS_MAX_HEADER = 100_000_000
 """The largest header the safetensors library reads (bytes)."""
+
+
+def _begins_as_safetensors(path: str | os.PathLike) -> bool:
+    """Whether the file begins as every safetensors file does: an 8-byte little-endian header
+    length, then the header's JSON object (``{``). A file that does not is no safetensors file
+    at all; one that does but cannot be read is damaged (truncated, corrupt)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(9)
+    except OSError:
+        return True  # (the reader names the problem)
+    return len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] > 1
 
 
 def read_header(path: str | os.PathLike, shown: object = None) -> dict | None:
