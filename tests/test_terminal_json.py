@@ -86,3 +86,20 @@ def test_info_writes_whole_numbers_of_the_metadata_with_separators():
     # "import_rows_dropped 16384" where every other output writes 16,384
     assert [_number_text(t) for t in ("16384", "0", "007", "1e3", "v2", "-5")] == [
         "16,384", "0", "007", "1e3", "v2", "-5"]
+
+
+def test_the_chart_legend_names_only_the_marks_it_shows():
+    import io
+
+    from rich.console import Console
+
+    from routetool.report.tables import histogram_renderable
+
+    def legend(counts):
+        console = Console(width=100, record=True, file=io.StringIO())
+        console.print(histogram_renderable(counts, "t"))
+        return console.export_text()
+
+    # "· = idle expert" stood under a chart of no idle expert
+    assert "· = idle expert" not in legend([1 + e % 5 for e in range(128)])
+    assert "· = idle expert" in legend([e % 5 for e in range(128)])

@@ -107,7 +107,8 @@ def histogram_renderable(counts: list[int], title: str, width: int = 64) -> Pane
                 style = "red" if peak and c == peak else ("dim red" if c == 0 else "cyan")
                 line.append(_BLOCKS[level] if c else "·", style=style)
             lines.append(line)
-        lines.append(Text("bar height = assignments / busiest expert; · = idle expert", style="dim"))
+        lines.append(Text("bar height = assignments / busiest expert" + ("; · = idle expert" if 0 in counts else ""),
+                          style="dim"))  # (the legend names the marks the chart shows)
     footer = Text(f"mean {mean:,.1f} assignments/expert, max {peak:,}, total {total:,} assignments", style="dim")
     return Panel(Group(*lines, footer), title=title, expand=False)
 
