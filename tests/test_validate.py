@@ -204,11 +204,11 @@ def test_a_failing_case_shows_its_class_first_row_and_both_outputs_on_one_screen
     cases = [c for c in QUICK if c.family in ("models", "nonfinite")]
     for name, must in (("large_batch_rounding", ["✗ models/qwen1.5-moe/E60-k4  batch_variant",
                                                  "token 4: in a batch of 7 (row 4) and of 129 (row 56)",
-                                                 "B=7   ids 29 24 22 56; w 0.46 0.273 0.151 0.116",
+                                                 "B=7   ids 29 24 22 56; w 0.460 0.273 0.151 0.116",
                                                  "B=129 ids the same; w of slot 0 (expert 29) 0.460315973, not "
                                                  "0.460316002"]),
                        ("wrong_at_160_experts_k8", ["✗ models/glm-4.5/E160-k8  mismatch", "row 3: mismatch",
-                                                    "expected ids 98 73 121 157 103 12 30 141; w 0.3 0.311 ",
+                                                    "expected ids 98 73 121 157 103 12 30 141; w 0.300 0.311 ",
                                                     "got      ids 98 73 121 103 12 30 71 44; w 0.303 0.314 "]),
                        ("nan_unsafe", ["Failing cases (7; 5 shown): invalid:nonfinite_weight 7",
                                        "got      ids 0 1 2 3 4 5; w nan nan", "and 2 more failing cases"])):
