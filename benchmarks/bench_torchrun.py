@@ -36,7 +36,7 @@ COMMANDS = {
     "validate": ["validate", "{run}", "--suite", "none"],
     "balance": ["balance", "{run}", "--ep-size", "8"],
 }
-VOLATILE = {"world_size", "elapsed_s", "throughput_token_layers_per_s", "duration_s"}
+VOLATILE = {"world_size", "elapsed_s", "rows_per_s", "duration_s"}
 
 
 def _clean(doc):
