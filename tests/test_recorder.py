@@ -583,8 +583,11 @@ if not by_age:
     rec.flush()
 for step in range(10, 15):
     engine.forward(step, 2)
-if by_age:  # the writer has had the time to write what it was given (no flush)
-    rec._executor.submit(lambda: None).result()
+if by_age:  # drains hand every complete step to the writer, which writes them by age (no flush)
+    for _ in range(3):
+        with rec._lock:
+            rec._drain(wait=True)
+        rec._executor.submit(lambda: None).result()
 if {mode!r} != "in-close":
     print("recorded", flush=True)
     time.sleep(120)

@@ -901,7 +901,8 @@ class RoutingRecorder:
             self._snapshot = None
             state = snap.values()
             self._update_stats(state)
-            if final or self._backlog + len(self._copies) < _MAX_COPIES_IN_FLIGHT:
+            # (a drain that waits, flush's and close's, copies whatever the writer's backlog)
+            if final or wait or self._backlog + len(self._copies) < _MAX_COPIES_IN_FLIGHT:
                 if final:
                     self._find_interrupted(state)
                 copy = ring.copy_out(state, *self._released, final, release=False)
