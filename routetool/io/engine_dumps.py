@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from routetool.errors import RouteToolError
+from routetool.errors import RouteToolError, first_line
 from routetool.io.jsonstrict import JSONProblem, load_file, loads
 from routetool.io.limits import MAX_EXPERTS, MAX_LAYERS, check_expert_tables, input_bytes
 from routetool.io.trace import RouterConfig
@@ -173,9 +173,8 @@ def _npy_array(data: io.BufferedIOBase | io.BytesIO, size: int, where: str, path
                              fix="save it again with np.save") from None
 
 
-def _first_line(exc: BaseException, limit: int = 100) -> str:
-    text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _first_line(exc: BaseException) -> str:
+    return first_line(exc, 100, with_type=False) or type(exc).__name__
 
 
 _INT64_MAX = (1 << 63) - 1
