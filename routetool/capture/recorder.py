@@ -668,8 +668,7 @@ class RoutingRecorder:
                 self._fail(exc)
         except Exception as exc:  # never break the recorded run
             with self._lock:
-                self._fail(RouteToolError(f"recording failed ({type(exc).__name__}: {exc})", path=self.out,
-                                          fix="report this as a routetool bug"))
+                self._fail(self._unexpected(exc))
 
     def _record_planned(self, ring: ring_mod.DeviceRing, args: tuple, pad, out) -> tuple | bool | None:
         """The eager hot path of an engine's call (every argument positional, outputs recorded): the
@@ -709,8 +708,7 @@ class RoutingRecorder:
             try:
                 launch.direct(_Driver.current_stream(device), gp, bp, pp, wp, ip, position, site)
             except Exception as exc:  # never break the recorded run
-                self._fail(RouteToolError(f"recording failed ({type(exc).__name__}: {exc})", path=self.out,
-                                          fix="report this as a routetool bug"))
+                self._fail(self._unexpected(exc))
                 return True
             if time.monotonic() - self._last_drain >= self.drain_interval_s and not self._capturing():
                 self._drain()
@@ -779,8 +777,7 @@ class RoutingRecorder:
                 self._fail(exc)
                 return
             except Exception as exc:  # never break the recorded run
-                self._fail(RouteToolError(f"recording failed ({type(exc).__name__}: {exc})", path=self.out,
-                                          fix="report this as a routetool bug"))
+                self._fail(self._unexpected(exc))
                 return
             if time.monotonic() - self._last_drain >= self.drain_interval_s and not self._capturing():
                 self._drain()
@@ -1064,8 +1061,7 @@ class RoutingRecorder:
                     self._write_pending()
         except Exception as exc:  # never break the recorded run
             with self._lock:
-                self._fail(RouteToolError(f"recording failed ({type(exc).__name__}: {exc})", path=self.out,
-                                          fix="report this as a routetool bug"), from_writer=True)
+                self._fail(self._unexpected(exc), from_writer=True)
         finally:
             with self._lock:
                 self._backlog -= 1
@@ -1190,6 +1186,11 @@ class RoutingRecorder:
         if self._written:  # shards hold whole steps: the last one written is the last complete step
             extra["last_complete_step"] = self._written[-1]["last_step"]
         return extra
+
+    def _unexpected(self, exc: Exception) -> RouteToolError:
+        """An exception that is no :class:`RouteToolError` (a recorder bug), as the recording's error."""
+        return RouteToolError(f"recording failed ({type(exc).__name__}: {exc})", path=self.out,
+                              fix="report this as a routetool bug")
 
     def _fail(self, exc: RouteToolError, from_writer: bool = False) -> None:
         """A problem of the recorder: stop recording, keep what was written, raise at close
