@@ -392,6 +392,11 @@ def detect_format(path: Path) -> str:
             raise RouteToolError(f"cannot list the folder ({exc.strerror or exc})", path=path,
                                  fix="check permissions") from None
         dump_kinds = {".csv", ".pt", ".pth", ".jsonl", ".ndjson", ".npy", ".npz"}
+
+        def first(suffixes: tuple[str, ...]) -> Path:  # the folder's first file of a kind, in natural order
+            return min((p for p in path.iterdir() if p.suffix.lower() in suffixes and not p.name.startswith(".")),
+                       key=_natural_key)
+
         for suffixes, fmt in (((".csv",), "csv"), ((".pt", ".pth"), "sglang"), ((".jsonl", ".ndjson"), "jsonl"),
                               ((".npy",), "vllm"), ((".npz",), "megatron-ep-load")):
             if kinds & set(suffixes):
@@ -399,19 +404,13 @@ def detect_format(path: Path) -> str:
                     raise RouteToolError("the folder mixes dump formats", path=path,
                                          fix="put one kind of file (CSV, .pt, JSONL, .npy or .npz) in a folder")
                 if fmt in ("sglang", "jsonl"):  # the engines' .pt and JSON lines: by the first file's content
-                    first = min((p for p in path.iterdir() if p.suffix.lower() in suffixes
-                                 and not p.name.startswith(".")), key=_natural_key)
-                    fmt = sniff(first) or fmt
+                    fmt = sniff(first(suffixes)) or fmt
                 return fmt
         if ".safetensors" in kinds:  # FlashInfer-Trace workload blobs, or traces
-            first = min((p for p in path.iterdir() if p.suffix.lower() == ".safetensors"
-                         and not p.name.startswith(".")), key=_natural_key)
-            if sniff(first) == "flashinfer-trace":
+            if sniff(first((".safetensors",))) == "flashinfer-trace":
                 return "flashinfer-trace"
         if ".json" in kinds:  # the engines' JSON responses (vLLM, SGLang), by the first file's content
-            first = min((p for p in path.iterdir() if p.suffix.lower() == ".json" and not p.name.startswith(".")),
-                        key=_natural_key)
-            if (engine := sniff(first)) is not None:
+            if (engine := sniff(first((".json",)))) is not None:
                 return engine
         if kinds & {".json", ".safetensors"}:  # a trace (or a rank's) in a folder: name it
             from routetool.io.run import folder_error
