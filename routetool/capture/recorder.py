@@ -636,15 +636,16 @@ class RoutingRecorder:
             return
         plan_key = None
         ring = self._ring
-        if (ring is not None and ring.plans and len(args) == 9 and type(args[0]) is torch.Tensor
-                and (not kwargs or (len(kwargs) == 1 and "is_padding" in kwargs)) and self.record_outputs):
-            plan_key = self._record_planned(ring, args, kwargs.get("is_padding") if kwargs else None, out)
+        # the engines' call: every argument positional but is_padding
+        positional = len(args) == 9 and (not kwargs or (len(kwargs) == 1 and "is_padding" in kwargs))
+        pad = kwargs.get("is_padding") if positional and kwargs else None
+        if ring is not None and ring.plans and positional and type(args[0]) is torch.Tensor and self.record_outputs:
+            plan_key = self._record_planned(ring, args, pad, out)
             if plan_key is True:
                 return
         try:
-            if len(args) == 9 and (not kwargs or (len(kwargs) == 1 and "is_padding" in kwargs)):
-                g, bias, topk, scale, mult, norm, eps = args[:7]  # the engines' call: every argument positional
-                pad = kwargs.get("is_padding") if kwargs else None
+            if positional:
+                g, bias, topk, scale, mult, norm, eps = args[:7]
             else:
                 p = self._params(args, kwargs)
                 g, bias, pad = p["gating_output"], p["bias"], p["is_padding"]
