@@ -47,6 +47,25 @@ def _routetool(*args, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "routetool", *map(str, args)], env=_env(), text=True, **kwargs)
 
 
+def _signal_when_ready(proc, ready, signum, not_reached, paused_check=None) -> str:
+    """Wait (a hang guard, generous for a loaded machine) until ``proc`` makes the file ``ready``,
+    send it ``signum`` and return its stderr; ``paused_check()`` must be true while it waits there."""
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ready.exists(), proc.stderr.read() if proc.poll() is not None else not_reached
+        if paused_check is not None:
+            assert paused_check(), "the temporary file should exist while the write is paused"
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return err
+
+
 @pytest.mark.parametrize("signum, code, message", [
     (signal.SIGTERM, 143, "routetool: terminated by SIGTERM"),
     (signal.SIGINT, 130, "routetool: aborted"),
@@ -62,18 +81,7 @@ def test_a_signal_during_a_write_leaves_no_file_behind(tmp_path, signum, code, m
          "--layers", "1", "--experts", "8", "--topk", "2", "--prefill", "16", "--decode-steps", "2", "--no-progress"],
         env=_env(), text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
-    try:
-        deadline = time.monotonic() + 300  # (a hang guard, generous for a loaded machine)
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ready.exists(), proc.stderr.read() if proc.poll() is not None else "the write never started"
-        assert [p.name for p in out_dir.iterdir()], "the temporary file should exist while the write is paused"
-        proc.send_signal(signum)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    err = _signal_when_ready(proc, ready, signum, "the write never started", lambda: [p.name for p in out_dir.iterdir()])
     assert proc.returncode == code, err
     assert list(out_dir.iterdir()) == []  # neither the output nor a temporary file
     assert err.splitlines() == [message]  # one line: no empty line before it (click writes one on Ctrl-C)
@@ -296,16 +304,6 @@ def test_a_signal_at_start_up_or_on_the_way_out_exits_with_its_code(tmp_path, po
     proc = subprocess.Popen([sys.executable, "-c", _PAUSED_AT, str(ready), point, "info", str(TRACE)], env=_env(),
                             text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (as on a terminal)
-    try:
-        deadline = time.monotonic() + 300
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ready.exists(), proc.stderr.read() if proc.poll() is not None else "never reached"
-        proc.send_signal(signum)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    err = _signal_when_ready(proc, ready, signum, "never reached")
     assert proc.returncode == code, err
     assert err.splitlines() == [line], err
