@@ -93,7 +93,7 @@ def test_kernel_matches_the_cpu_implementation(rows_per_program, sequence):
         if item == "release":
             for ring in (cpu, kern):
                 s = ring.state.tolist()
-                ring._release(s[R.STATE_HEAD_ROWS], s[R.STATE_HEAD_STEPS])
+                ring.release(s[R.STATE_HEAD_ROWS], s[R.STATE_HEAD_STEPS])
         elif item in ("end_step", "interrupted"):
             R._end_step_cpu(cpu, item == "interrupted")
             end_step_call(kern, item == "interrupted")

@@ -421,7 +421,7 @@ class DeviceRing:
             event = torch.cuda.Event()
             event.record()
         if release:
-            self._release(rows_end, end)
+            self.release(rows_end, end)
         return RingCopy(steps=steps, first_slot=released_steps, calls=calls, first_row=released_rows,
                         rows_end=rows_end, rows=rows, event=event)
 
@@ -472,9 +472,6 @@ class DeviceRing:
     def release(self, rows: int, steps: int) -> None:
         """Let the device reuse virtual rows below ``rows`` and step slots below ``steps``
         (stream-ordered, after the copies enqueued before)."""
-        self._release(rows, steps)
-
-    def _release(self, rows: int, steps: int) -> None:
         if self.device.type == "cpu":
             self.state[STATE_RELEASED_ROWS] = rows
             self.state[STATE_RELEASED_STEPS] = steps
