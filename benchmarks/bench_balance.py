@@ -150,7 +150,7 @@ def main() -> int:
 
     route = None
     if args.routing == "reference":
-        from kernel.reference import musespark1x_routing_reference
+        from routetool_kernels.reference import musespark1x_routing_reference
 
     times, result = [], None
     anon_before = AnonRssSampler.read()

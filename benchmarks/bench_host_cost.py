@@ -17,7 +17,7 @@ the bench's input sets, arguments by keyword, PDL left to the launcher's default
 Each row's floor is an empty ``@triton.jit`` kernel launched the ordinary way
 (``kernel[(1,)](buffer)``, the JIT's dispatch), its batches timed in turn with the row's (the
 host's speed drifts within a run); it is also measured alone first and last. Besides:
-``torch.topk`` on the same logits and, with a ``kernel`` package that has ``kernel._dispatch``
+``torch.topk`` on the same logits and, with a ``kernel`` package that has ``routetool_kernels._dispatch``
 (the signature plans), the empty kernel launched directly (``KernelLaunch.direct``: the
 compiled kernel's own launch, without the JIT's dispatch), and whether the variant's calls took
 the direct launch. The script imports only ``kernel`` and ``routetool.analysis.bench``, so the same
@@ -48,9 +48,9 @@ def _int_list(text: str) -> list[int]:
 
 
 def _direct_empty_launch():
-    """A closure launching the empty kernel through ``kernel._dispatch.KernelLaunch.direct``, or None."""
+    """A closure launching the empty kernel through ``routetool_kernels._dispatch.KernelLaunch.direct``, or None."""
     try:
-        from kernel._dispatch import KernelLaunch, _Driver
+        from routetool_kernels._dispatch import KernelLaunch, _Driver
     except ImportError:
         return None
     buf = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -65,7 +65,7 @@ def _direct_empty_launch():
 
 def _took_direct_launch(variant: str) -> str:
     """'yes' / 'no' for the variant's plans (all of them direct), 'n/a' for a kernel package without plans."""
-    module = importlib.import_module("kernel.routing" if variant == "tiled" else "kernel.seed")
+    module = importlib.import_module("routetool_kernels.routing" if variant == "tiled" else "routetool_kernels.seed")
     plans = getattr(module, "_PLANS", None)
     if plans is None:
         return "n/a"
@@ -74,7 +74,7 @@ def _took_direct_launch(variant: str) -> str:
 
 
 def main() -> int:
-    import kernel
+    import routetool_kernels
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,64,4096,65536")
@@ -91,7 +91,7 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)
     head = dict(label=a.label, gpu=props.name, torch=torch.__version__, triton=triton.__version__,
-                kernel_package=kernel.__file__)
+                kernel_package=routetool_kernels.__file__)
     print(" ".join(f"{k}={v}" for k, v in head.items()), flush=True)
 
     rows = []
@@ -119,7 +119,7 @@ def main() -> int:
     add("torch.topk", topk_call, dtype="fp32", tokens=64, experts=E0)
 
     for variant in a.variant.split(","):
-        fn = kernel.variant(variant)
+        fn = routetool_kernels.variant(variant)
         for dname in a.dtype.split(","):
             if variant == "seed" and dname != "fp32":
                 continue  # the seed rejects half-precision logits

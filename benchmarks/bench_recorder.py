@@ -89,12 +89,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_recorder: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import kernel
+    import routetool_kernels
     import triton
 
     T, E, K, L = args.tokens, args.experts, args.topk, args.calls
     mod = types.ModuleType(MODULE)
-    mod.fused_musespark1x_routing = kernel.variant("tiled")
+    mod.fused_musespark1x_routing = routetool_kernels.variant("tiled")
     sys.modules[MODULE] = mod
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = [torch.randn((T, E), device="cuda", generator=gen).to(torch.bfloat16) for _ in range(L)]

@@ -28,7 +28,9 @@ OUT=${OUT:-out}
 R="$OUT/r"
 S="$OUT/summary.txt"
 mkdir -p "$R"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
+# the folder kernel/ imports as routetool_kernels only once installed (no registry needed: no dependencies)
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.txt" 2>&1 || { echo "install failed" >> "$S"; cat "$R/install.txt"; }
 DEADLINE=$((SECONDS + ${BUDGET_S:-570}))
 MODES=${*:-tests validate replays bench host engine}
 RESULTS="$OUT/results.csv"

@@ -15,8 +15,8 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernel.routing_jit import _routing_kernel, _two_level_kernel
-from kernel.routing_policy import PING_PONG_MAX_SLICES, padded_num_experts, sum_bits
+from routetool_kernels.routing_jit import _routing_kernel, _two_level_kernel
+from routetool_kernels.routing_policy import PING_PONG_MAX_SLICES, padded_num_experts, sum_bits
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--experts", type=int, default=256)

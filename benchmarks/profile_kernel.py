@@ -9,8 +9,8 @@ import argparse
 
 import torch
 
-from kernel.routing import fused_musespark1x_routing
-from kernel.routing_policy import LaunchConfig, default_config
+from routetool_kernels.routing import fused_musespark1x_routing
+from routetool_kernels.routing_policy import LaunchConfig, default_config
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=65536)
@@ -24,13 +24,13 @@ ap.add_argument("--warps", type=int, default=1)
 ap.add_argument("--per-sm", type=int, default=32)
 ap.add_argument("--calls", type=int, default=5)
 ap.add_argument("--variant", default="",
-                help="comma-separated NAME=INT switches of kernel.routing_policy (experiments)")
+                help="comma-separated NAME=INT switches of routetool_kernels.routing_policy (experiments)")
 a = ap.parse_args()
-from kernel import routing_policy  # noqa: E402
+from routetool_kernels import routing_policy  # noqa: E402
 for item in filter(None, a.variant.split(",")):
     name, value = item.split("=")
     if not hasattr(routing_policy, name):
-        ap.error(f"kernel.routing_policy has no switch {name}")
+        ap.error(f"routetool_kernels.routing_policy has no switch {name}")
     setattr(routing_policy, name, int(value))
 dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
 x = (torch.randn(a.tokens, a.experts, device="cuda") * 2).to(dtype)

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.testing
 
-from kernel import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
-from kernel.reference import biased_scores, normalized_scores
-from kernel.routing_policy import LaunchConfig, default_config, padded_num_experts
+from routetool_kernels import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
+from routetool_kernels.reference import biased_scores, normalized_scores
+from routetool_kernels.routing_policy import LaunchConfig, default_config, padded_num_experts
 from routetool.engine.compare import RowClass, compare_step, weight_tolerance
 
 L2_BYTES = 60 * 2**20
@@ -125,14 +125,14 @@ def main():
     ap.add_argument("--padding", type=float, default=0.0,
                     help="pass an is_padding mask with this fraction of the rows padded (random; 0: no mask)")
     ap.add_argument("--variant", default="",
-                    help="comma-separated NAME=INT switches of kernel.routing_policy to set first (experiments, "
+                    help="comma-separated NAME=INT switches of routetool_kernels.routing_policy to set first (experiments, "
                          "e.g. DYNAMIC_TILES_FROM=1); recorded in the CSV's variant column")
     args = ap.parse_args()
-    from kernel import routing_policy
+    from routetool_kernels import routing_policy
     for item in filter(None, args.variant.split(",")):
         name, value = item.split("=")
         if not hasattr(routing_policy, name):
-            sys.exit(f"kernel.routing_policy has no switch {name}")
+            sys.exit(f"routetool_kernels.routing_policy has no switch {name}")
         setattr(routing_policy, name, int(value))
     props = torch.cuda.get_device_properties(0)
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")

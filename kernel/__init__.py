@@ -1,10 +1,10 @@
 """MuseSpark1x top-k routing: Triton kernels and the PyTorch reference that defines them.
 
 Depends on torch and triton only. Triton reads ``TRITON_INTERPRET`` when a kernel is
-defined, so the Triton modules (:mod:`kernel.routing` with :mod:`kernel.routing_jit`,
-:mod:`kernel.seed`) are imported lazily, on first use of their names here;
-:mod:`kernel.reference` and the launch settings (:mod:`kernel.routing_policy`) need no Triton,
-and are imported on first use too, so that :mod:`kernel.spec` (:class:`~kernel.spec.RouterSpec`,
+defined, so the Triton modules (:mod:`routetool_kernels.routing` with :mod:`routetool_kernels.routing_jit`,
+:mod:`routetool_kernels.seed`) are imported lazily, on first use of their names here;
+:mod:`routetool_kernels.reference` and the launch settings (:mod:`routetool_kernels.routing_policy`) need no Triton,
+and are imported on first use too, so that :mod:`routetool_kernels.spec` (:class:`~routetool_kernels.spec.RouterSpec`,
 standard library only) imports neither torch nor Triton.
 
 Variants (all with the seed's signature, returning ``(topk_weights, topk_ids)``):
@@ -16,7 +16,7 @@ Variants (all with the seed's signature, returning ``(topk_weights, topk_ids)``)
   token with repeated ``tl.argmax``; float32 gating_output only.
 
 Both launchers check a call's arguments and pick its launch settings once per argument
-signature and then launch the compiled kernel directly (:mod:`kernel._dispatch`), so a call
+signature and then launch the compiled kernel directly (:mod:`routetool_kernels._dispatch`), so a call
 costs the host little more than an empty Triton launch.
 """
 
@@ -25,11 +25,11 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "musespark1x_routing_reference": "kernel.reference",
-    "fused_musespark1x_routing": "kernel.routing",
-    "LaunchConfig": "kernel.routing_policy",
-    "default_config": "kernel.routing_policy",
-    "fused_musespark1x_routing_seed": "kernel.seed",
+    "musespark1x_routing_reference": "routetool_kernels.reference",
+    "fused_musespark1x_routing": "routetool_kernels.routing",
+    "LaunchConfig": "routetool_kernels.routing_policy",
+    "default_config": "routetool_kernels.routing_policy",
+    "fused_musespark1x_routing_seed": "routetool_kernels.seed",
 }
 
 VARIANT_NAMES = ("tiled", "seed")
@@ -39,9 +39,9 @@ VARIANT_NAMES = ("tiled", "seed")
 def variant(name: str):
     """The launcher of variant ``name`` (see :data:`VARIANT_NAMES`). Raises KeyError."""
     if name == "tiled":
-        return importlib.import_module("kernel.routing").fused_musespark1x_routing
+        return importlib.import_module("routetool_kernels.routing").fused_musespark1x_routing
     if name == "seed":
-        return importlib.import_module("kernel.seed").fused_musespark1x_routing_seed
+        return importlib.import_module("routetool_kernels.seed").fused_musespark1x_routing_seed
     raise KeyError(name)
 
 

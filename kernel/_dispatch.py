@@ -1,6 +1,6 @@
 """Cheap repeated routing calls: one plan per argument signature, and direct launches of compiled kernels.
 
-What a launcher checks (:func:`kernel._launch.check_routing_args`, the launch config) and the
+What a launcher checks (:func:`routetool_kernels._launch.check_routing_args`, the launch config) and the
 launch settings it picks depend only on a call's *signature*: the class, dtype, shape, strides
 and device of every tensor argument, the 16-byte alignment of every data pointer, the type and
 value of every other argument, and the current CUDA device. So a launcher builds that key on
@@ -60,7 +60,7 @@ def clear_plans() -> None:
     """Forget every launcher's plans, so that each next call is checked and configured afresh.
 
     Needed only after changing a module-level setting that launch settings are chosen from
-    (e.g. :data:`kernel.routing_policy.DYNAMIC_TILES_FROM`, as experiments and tests do).
+    (e.g. :data:`routetool_kernels.routing_policy.DYNAMIC_TILES_FROM`, as experiments and tests do).
     """
     for cache in _CACHES:
         cache.clear()

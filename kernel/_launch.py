@@ -3,7 +3,7 @@
 Every launcher in this package takes the seed's signature
 (``fused_musespark1x_routing(gating_output, bias, topk, route_scale, ...)``) and calls
 :func:`check_routing_args` for every call of a new argument signature (later calls with the
-signature reuse the verdict: :mod:`kernel._dispatch`), so that wrong input raises the same
+signature reuse the verdict: :mod:`routetool_kernels._dispatch`), so that wrong input raises the same
 ``ValueError`` whichever variant runs.
 """
 

@@ -24,15 +24,15 @@ valid and distinct and weights always finite:
 For finite input and a non-zero denominator this is exactly the seed's arithmetic.
 
 Each function takes the router's parameters by keyword, as the kernels do (the seed's
-signature); :func:`scores` and :func:`route` take them as one :class:`~kernel.spec.RouterSpec`.
+signature); :func:`scores` and :func:`route` take them as one :class:`~routetool_kernels.spec.RouterSpec`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernel._launch import check_routing_args
-from kernel.spec import RouterSpec
+from routetool_kernels._launch import check_routing_args
+from routetool_kernels.spec import RouterSpec
 
 
 def normalized_scores(

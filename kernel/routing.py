@@ -2,19 +2,19 @@
 
 The variant lives in three modules, one layer each:
 
-* :mod:`kernel.routing_jit`: the ``@triton.jit`` code, the scan and the two-level algorithm
+* :mod:`routetool_kernels.routing_jit`: the ``@triton.jit`` code, the scan and the two-level algorithm
   (sketched in its docstring);
-* :mod:`kernel.routing_policy`: the launch settings, chosen on the host by shape
+* :mod:`routetool_kernels.routing_policy`: the launch settings, chosen on the host by shape
   (``LaunchConfig``, ``default_config`` and the switches they read);
 * this module: the launcher, which checks a call, takes its settings from the policy, and
-  launches the kernel (:mod:`kernel._dispatch`).
+  launches the kernel (:mod:`routetool_kernels._dispatch`).
 
 The policy's and the kernels' names can be read from here too
-(``from kernel.routing import LaunchConfig, default_config, _two_level_kernel``). The
-policy's names read through to :mod:`kernel.routing_policy` and cannot be rebound here: the
+(``from routetool_kernels.routing import LaunchConfig, default_config, _two_level_kernel``). The
+policy's names read through to :mod:`routetool_kernels.routing_policy` and cannot be rebound here: the
 launcher reads every switch there, so that is where a switch is set.
 
-Semantics are the seed's (see :mod:`kernel.reference`, which defines them, including the
+Semantics are the seed's (see :mod:`routetool_kernels.reference`, which defines them, including the
 rule for non-finite input). Differences from the seed kernel, and why:
 
 * float32, bfloat16 and float16 gating_output are accepted (upcast on load); the seed
@@ -34,21 +34,21 @@ import types
 import torch
 import triton
 
-from kernel import routing_policy as policy
-from kernel._dispatch import ROUTING_PER_CALL, KernelLaunch, PlanCache, cached_call, is_interpreted, plan_for
-from kernel._launch import check_routing_args, pdl_supported
-from kernel.routing_jit import _routing_kernel, _two_level_kernel
+from routetool_kernels import routing_policy as policy
+from routetool_kernels._dispatch import ROUTING_PER_CALL, KernelLaunch, PlanCache, cached_call, is_interpreted, plan_for
+from routetool_kernels._launch import check_routing_args, pdl_supported
+from routetool_kernels.routing_jit import _routing_kernel, _two_level_kernel
 
 _POLICY_NAMES = frozenset({
     "ALGORITHMS", "DYNAMIC_TILES_FROM", "MAX_TILE_ELEMENTS", "PERSISTENT_FROM", "PING_PONG_MAX_SLICES", "SMALL_BATCH",
     "TILE_GROUPS", "TWO_LEVEL_MAX_TOPK", "LaunchConfig", "check_launch_config", "default_config",
     "padded_num_experts", "tile_counters",
 })
-"""Names of :mod:`kernel.routing_policy` that this module shows, as they are there at the time of reading."""
+"""Names of :mod:`routetool_kernels.routing_policy` that this module shows, as they are there at the time of reading."""
 
 
 class _Module(types.ModuleType):
-    """This module: the policy's names read through to :mod:`kernel.routing_policy`, and never rebound here
+    """This module: the policy's names read through to :mod:`routetool_kernels.routing_policy`, and never rebound here
     (the launcher reads them there, so a value set here would change nothing)."""
 
     def __getattr__(self, name: str):
@@ -58,8 +58,8 @@ class _Module(types.ModuleType):
 
     def __setattr__(self, name: str, value) -> None:
         if name in _POLICY_NAMES:
-            raise AttributeError(f"kernel.routing.{name} is read-only: set kernel.routing_policy.{name}, which the "
-                                 "launcher reads (then call kernel._dispatch.clear_plans())")
+            raise AttributeError(f"routetool_kernels.routing.{name} is read-only: set routetool_kernels.routing_policy.{name}, which the "
+                                 "launcher reads (then call routetool_kernels._dispatch.clear_plans())")
         super().__setattr__(name, value)
 
     def __dir__(self):
@@ -97,9 +97,9 @@ def fused_musespark1x_routing(
     device and 16-byte alignment, every other argument's type and value, the current device)
     checks the arguments, picks the launch settings and launches through Triton's JIT; later
     calls with that signature reuse the verdict and the settings and launch the compiled
-    kernel directly (:mod:`kernel._dispatch`), for a host cost close to an empty Triton
-    launch's. After changing a switch of :mod:`kernel.routing_policy` (e.g.
-    :data:`~kernel.routing_policy.DYNAMIC_TILES_FROM`), call :func:`kernel._dispatch.clear_plans`.
+    kernel directly (:mod:`routetool_kernels._dispatch`), for a host cost close to an empty Triton
+    launch's. After changing a switch of :mod:`routetool_kernels.routing_policy` (e.g.
+    :data:`~routetool_kernels.routing_policy.DYNAMIC_TILES_FROM`), call :func:`routetool_kernels._dispatch.clear_plans`.
 
     Args:
         gating_output: ``[num_tokens, num_experts]`` float32, bfloat16 or float16 logits,
@@ -115,14 +115,14 @@ def fused_musespark1x_routing(
         is_padding: optional ``[num_tokens]`` bool; padded rows get id -1 and weight 0.
         use_pdl: programmatic dependent launch; ``None`` uses it where supported (Hopper+).
         config: launch settings; ``None`` picks them with
-            :func:`kernel.routing_policy.default_config`.
+            :func:`routetool_kernels.routing_policy.default_config`.
 
     Returns:
         ``(topk_weights, topk_ids)``: ``[num_tokens, topk]`` views (float32, and int32 or
         the given buffer's int dtype), best expert first.
 
     Raises:
-        ValueError: bad arguments (see :func:`kernel._launch.check_routing_args`) or a
+        ValueError: bad arguments (see :func:`routetool_kernels._launch.check_routing_args`) or a
             launch config that does not fit the shape.
     """
     tensors = (gating_output, bias, topk_weights, topk_ids, is_padding)

@@ -1,7 +1,7 @@
 """The tiled variant's ``@triton.jit`` code: :func:`_routing_kernel` (scan) and :func:`_two_level_kernel`.
 
-Launched by :func:`kernel.routing.fused_musespark1x_routing` with the launch settings of
-:mod:`kernel.routing_policy`; nothing here runs on the host.
+Launched by :func:`routetool_kernels.routing.fused_musespark1x_routing` with the launch settings of
+:mod:`routetool_kernels.routing_policy`; nothing here runs on the host.
 
 Shared by both algorithms:
 
@@ -36,7 +36,7 @@ two heads hold equal keys (more pops than ``topk``); such tiles are redone by re
 argmax over the logits still in registers. Each expert is touched a constant number of
 times instead of ``topk`` times; a persistent grid loads each token's logits one token
 ahead and, with many tokens per program, claims tokens from self-resetting atomic counters
-(:func:`kernel.routing_policy.tile_counters`) so that all programs end together.
+(:func:`routetool_kernels.routing_policy.tile_counters`) so that all programs end together.
 Measurements of both: benchmarks/NOTES.md.
 
 Shapes in the argument comments: ``T`` tokens, ``E`` experts, ``topk`` picks per token.
@@ -374,8 +374,8 @@ def _routing_kernel(
     HAS_EPS: tl.constexpr,
     USE_PDL: tl.constexpr,
     FAST_MATH: tl.constexpr,
-    TOTAL_BITS: tl.constexpr,  # softmax total: kernel.routing_policy.sum_bits(padded experts)
-    PICK_BITS: tl.constexpr,  # sum of the picked scores: kernel.routing_policy.sum_bits(topk)
+    TOTAL_BITS: tl.constexpr,  # softmax total: routetool_kernels.routing_policy.sum_bits(padded experts)
+    PICK_BITS: tl.constexpr,  # sum of the picked scores: routetool_kernels.routing_policy.sum_bits(topk)
 ):
     """Scan algorithm. Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``."""
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
@@ -715,8 +715,8 @@ def _two_level_kernel(
     HAS_EPS: tl.constexpr,
     USE_PDL: tl.constexpr,
     FAST_MATH: tl.constexpr,
-    TOTAL_BITS: tl.constexpr,  # softmax total: kernel.routing_policy.sum_bits(padded experts)
-    PICK_BITS: tl.constexpr,  # sum of the picked scores: kernel.routing_policy.sum_bits(topk)
+    TOTAL_BITS: tl.constexpr,  # softmax total: routetool_kernels.routing_policy.sum_bits(padded experts)
+    PICK_BITS: tl.constexpr,  # sum of the picked scores: routetool_kernels.routing_policy.sum_bits(topk)
     PERSISTENT: tl.constexpr,
     PING_PONG: tl.constexpr,  # persistent loop over two tiles per iteration (see below)
     counter_ptr=None,  # (TILE_GROUPS * 32,) int32, zero between launches (tile_counters); None unless DYNAMIC
@@ -731,7 +731,7 @@ def _two_level_kernel(
     tile's logits one tile ahead, so that the memory latency of the next tile overlaps the
     work on this one. With ``PING_PONG`` the loop takes two tiles per iteration, alternating
     between two register sets, so no logits are copied between iterations (chosen while a
-    thread holds at most :data:`kernel.routing_policy.PING_PONG_MAX_SLICES` logit slices:
+    thread holds at most :data:`routetool_kernels.routing_policy.PING_PONG_MAX_SLICES` logit slices:
     beyond that the second set costs more registers, and resident programs, than the
     copies). With ``DYNAMIC`` a
     persistent program takes two tiles by index and then claims tiles from ``counter_ptr``,

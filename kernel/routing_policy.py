@@ -1,15 +1,15 @@
 """Launch settings of the tiled variant: :class:`LaunchConfig`, the shape-chosen default and its switches.
 
-Host side only (torch, no Triton): what :func:`kernel.routing.fused_musespark1x_routing` asks
-of the kernels in :mod:`kernel.routing_jit`. :func:`default_config` picks the algorithm and
+Host side only (torch, no Triton): what :func:`routetool_kernels.routing.fused_musespark1x_routing` asks
+of the kernels in :mod:`routetool_kernels.routing_jit`. :func:`default_config` picks the algorithm and
 grid from the batch's shape, :func:`check_launch_config` says whether a config fits it,
 :func:`tile_counters` holds the atomic counters of dynamic-tile launches.
 
 The module-level switches (:data:`SMALL_BATCH`, :data:`PERSISTENT_FROM`,
 :data:`TWO_LEVEL_MAX_TOPK`, :data:`DYNAMIC_TILES_FROM`, :data:`PING_PONG_MAX_SLICES`,
 :data:`TILE_GROUPS`) are read from this module on every checked call, so experiments and
-tests set them here (``kernel.routing`` shows them, read-only) and then call
-:func:`kernel._dispatch.clear_plans`, since a plan keeps the settings it was made with.
+tests set them here (``routetool_kernels.routing`` shows them, read-only) and then call
+:func:`routetool_kernels._dispatch.clear_plans`, since a plan keeps the settings it was made with.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Launch settings of :func:`kernel.routing.fused_musespark1x_routing`.
+    """Launch settings of :func:`routetool_kernels.routing.fused_musespark1x_routing`.
 
     Attributes:
         block_t: tokens per program, or per loop iteration of a persistent program
@@ -32,7 +32,7 @@ class LaunchConfig:
         num_warps: warps per program.
         algorithm: ``"scan"`` (``topk`` rounds over every expert of the row) or
             ``"two_level"`` (per-column best two, then a merge of the columns; see
-            :func:`kernel.routing_jit._two_level_kernel`).
+            :func:`routetool_kernels.routing_jit._two_level_kernel`).
         programs_per_sm: ``"two_level"`` only: a persistent grid of this many programs per
             streaming multiprocessor (0: one program per ``block_t`` tokens).
         max_registers: registers per thread the compiler may use (``maxnreg``; 0: its
@@ -40,7 +40,7 @@ class LaunchConfig:
         dynamic_tiles: ``"two_level"`` on a persistent grid only: each program takes its first
             two tiles by index and claims the rest from atomic counters (two at a time where
             the persistent loop holds two tiles, :data:`PING_PONG_MAX_SLICES`, one at a time
-            for more experts; :func:`kernel.routing_jit._two_level_kernel`), so that programs
+            for more experts; :func:`routetool_kernels.routing_jit._two_level_kernel`), so that programs
             that started early or met easy tiles take more and all end together. Applies where
             programs average at least :data:`DYNAMIC_TILES_FROM` tiles and the launch has its
             stream's counters (see :func:`tile_counters`); elsewhere the launch takes every
@@ -182,7 +182,7 @@ def sum_bits(num_terms: int) -> int:
 
     The kernels sum the picked scores (``num_terms`` = ``topk``) and the softmax numerators
     (``num_terms`` = the padded expert count) in fixed point, so that every algorithm and tile
-    gets the same bits (``kernel.routing_jit._fixed_point``): each term, scaled so the largest
+    gets the same bits (``routetool_kernels.routing_jit._fixed_point``): each term, scaled so the largest
     lies in ``[2**F, 2**(F + 1)]``, is split into ``round(x)`` and ``round((x - round(x)) * L)``
     (``L = 2**min(22, F + 8)``), and the two int32 sums are exact in any order. ``F = min(21,
     23 - ceil(log2 num_terms))`` keeps the first sum within ``2**24`` (exact in float32) and

@@ -12,7 +12,7 @@ behaves there. For ``topk > 32`` its rounds run as a loop instead of being unrol
 same arithmetic; unrolling 384 or 512 rounds takes minutes to compile). It differs from the seed only in its launcher, which raises ``ValueError``
 instead of asserting, and in rejecting float16/bfloat16 gating_output up front: the seed
 hands them to ``tl.sigmoid`` / ``tl.exp``, which accept only fp32/fp64, so the seed fails
-to compile for them on a GPU. Use :func:`kernel.routing.fused_musespark1x_routing` for
+to compile for them on a GPU. Use :func:`routetool_kernels.routing.fused_musespark1x_routing` for
 those dtypes.
 """
 
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel._dispatch import ROUTING_PER_CALL, KernelLaunch, PlanCache, cached_call, is_interpreted, plan_for
-from kernel._launch import check_routing_args, pdl_supported
+from routetool_kernels._dispatch import ROUTING_PER_CALL, KernelLaunch, PlanCache, cached_call, is_interpreted, plan_for
+from routetool_kernels._launch import check_routing_args, pdl_supported
 
 
 @triton.jit
@@ -137,7 +137,7 @@ def fused_musespark1x_routing_seed(
     """Route with the seed's algorithm (one program per token, repeated argmax).
 
     Checked and launched once per argument signature through Triton's JIT, then launched
-    directly, like :func:`kernel.routing.fused_musespark1x_routing`.
+    directly, like :func:`routetool_kernels.routing.fused_musespark1x_routing`.
 
     Args:
         gating_output: ``[num_tokens, num_experts]`` **float32** logits, any strides.
@@ -157,7 +157,7 @@ def fused_musespark1x_routing_seed(
         ``(topk_weights, topk_ids)`` views of shape ``[num_tokens, topk]``.
 
     Raises:
-        ValueError: bad arguments (see :func:`kernel._launch.check_routing_args`), and
+        ValueError: bad arguments (see :func:`routetool_kernels._launch.check_routing_args`), and
             bfloat16/float16 gating_output, which the seed cannot compile.
     """
     tensors = (gating_output, bias, topk_weights, topk_ids, is_padding)

@@ -3,7 +3,7 @@
 One MuseSpark1x router is a number of routed experts (E), the experts picked per token (K),
 the scoring function, an optional multiplier on the logits, an optional eps in the weights'
 denominator and the factor on the weights (``route_scale``, a.k.a. ``routed_scaling_factor``);
-the semantics of each are in :mod:`kernel.reference`. A spec validates itself
+the semantics of each are in :mod:`routetool_kernels.reference`. A spec validates itself
 (:meth:`RouterSpec.problems`), reads and writes the trace metadata that carries it
 (:meth:`RouterSpec.to_metadata`, :meth:`RouterSpec.from_metadata`, docs/trace-format.md),
 gives the keyword arguments of the seed's signature (:meth:`RouterSpec.kernel_kwargs`) and the

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 
-from kernel.spec import PLAIN_FLOAT as _FLOAT
-from kernel.spec import PLAIN_INT as _INT
-from kernel.spec import SPECIAL_FLOAT as _SPECIAL
+from routetool_kernels.spec import PLAIN_FLOAT as _FLOAT
+from routetool_kernels.spec import PLAIN_INT as _INT
+from routetool_kernels.spec import SPECIAL_FLOAT as _SPECIAL
 from routetool.errors import RouteToolError
 
 _INDEX = re.compile(r"0|[1-9][0-9]*")

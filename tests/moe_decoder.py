@@ -26,9 +26,9 @@ EPS = 1e-20
                          schema="(Tensor gating_output, Tensor bias, int topk, float route_scale, "
                                 "Tensor? is_padding) -> (Tensor, Tensor)")
 def _tiled_routing(gating_output, bias, topk, route_scale, is_padding):
-    import kernel
+    import routetool_kernels
 
-    return kernel.variant("tiled")(gating_output, bias, topk, route_scale, None, "sigmoid", EPS,
+    return routetool_kernels.variant("tiled")(gating_output, bias, topk, route_scale, None, "sigmoid", EPS,
                                    is_padding=is_padding)
 
 

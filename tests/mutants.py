@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores, select_topk
+from routetool_kernels.reference import biased_scores, musespark1x_routing_reference, normalized_scores, select_topk
 
 
 def _out(w, ids, topk_weights, topk_ids):

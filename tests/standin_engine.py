@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernel.reference import musespark1x_routing_reference
+from routetool_kernels.reference import musespark1x_routing_reference
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "vllm033"
 """The folder holding the stand-in ``vllm`` package."""

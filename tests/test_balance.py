@@ -208,7 +208,7 @@ def _bias_trace(path):
 
 
 def _reference():
-    from kernel.reference import musespark1x_routing_reference
+    from routetool_kernels.reference import musespark1x_routing_reference
 
     return musespark1x_routing_reference
 
@@ -438,7 +438,7 @@ def test_misbehaving_routing_function_is_one_line(tmp_path, fn, words):
 
 def _ids_plus(offset):
     def route(gating, bias, pad):
-        from kernel.reference import musespark1x_routing_reference
+        from routetool_kernels.reference import musespark1x_routing_reference
 
         return musespark1x_routing_reference(gating, bias, topk=1, route_scale=1.0, is_padding=pad)[1] + offset
     return _ids_kernel(route)

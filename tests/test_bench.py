@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import mutants
 from conftest import HAS_CUDA
 from helpers import make_trace
-from kernel import VARIANT_NAMES
+from routetool_kernels import VARIANT_NAMES
 from routetool.analysis.bench import (TORCH_KERNELS, BenchKernel, BenchResult, BenchRow, _call_args, check_fits,
                              host_latencies, point_bytes, trace_step_shapes)
 from routetool.cli import main

@@ -30,7 +30,7 @@ def package(tmp_path, monkeypatch):
         root.mkdir()
         (root / "__init__.py").write_text("from . import caller\n")
         (root / "ops.py").write_text(textwrap.dedent(f"""
-            from kernel.reference import musespark1x_routing_reference
+            from routetool_kernels.reference import musespark1x_routing_reference
 
 
             def route({signature}):

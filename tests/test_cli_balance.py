@@ -867,7 +867,7 @@ def test_a_fifo_placement_is_refused_at_once(tmp_path):
 
 KERNELS = '''
 import torch
-from kernel.reference import musespark1x_routing_reference as ref
+from routetool_kernels.reference import musespark1x_routing_reference as ref
 
 def boom(gating_output, bias, *args, **kwargs):
     raise RuntimeError("illegal memory access\\nwith a second line")
@@ -1031,7 +1031,7 @@ def test_window_tokens_exclude_padding_through_the_cli(tmp_path):
 def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
     # its print() (on import and on every call) went to stdout, mixed into the JSON document
     mod = tmp_path / "chatty.py"
-    mod.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
+    mod.write_text("from routetool_kernels.reference import musespark1x_routing_reference as ref\n"
                    "print('chatty: imported')\n"
                    "def route(gating_output, bias, *args, topk_weights=None, topk_ids=None, **kwargs):\n"
                    "    print('chatty: called')\n"
@@ -1119,7 +1119,7 @@ def test_kernel_given_on_the_cpu_still_routes_through_the_kernel(tmp_path):
     make_trace(trace, {0: LayerArrays(gating_output=torch.randn(12, 8, generator=torch.Generator().manual_seed(2)),
                                       bias=torch.zeros(8), step_offsets=torch.tensor([0, 12]))})
     mod = tmp_path / "plain.py"
-    mod.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
+    mod.write_text("from routetool_kernels.reference import musespark1x_routing_reference as ref\n"
                    "def fn(g, b, topk, route_scale, router_output_multiplier=None, router_score_normalization='sigmoid',\n"
                    "       router_score_division_eps=None, topk_weights=None, topk_ids=None, *, is_padding=None):\n"
                    "    return ref(g, b, topk, route_scale, router_output_multiplier, router_score_normalization,\n"

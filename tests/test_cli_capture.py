@@ -184,7 +184,7 @@ def test_info_on_a_sharded_recording(tmp_path, monkeypatch):
     import sys
     import types
 
-    from kernel.reference import musespark1x_routing_reference
+    from routetool_kernels.reference import musespark1x_routing_reference
     from routetool.capture.recorder import RoutingRecorder
 
     mod = types.ModuleType("routetool_test_cli_routing")

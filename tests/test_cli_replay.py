@@ -90,7 +90,7 @@ def test_layer_selection_and_histogram_layer():
 def _bad_kernel_file(tmp_path):
     src = tmp_path / "bad_kernel.py"
     src.write_text(
-        "from kernel.reference import musespark1x_routing_reference\n"
+        "from routetool_kernels.reference import musespark1x_routing_reference\n"
         "def route_biased_weights(gating_output, bias, topk, route_scale, router_output_multiplier=None,\n"
         "                         router_score_normalization='sigmoid', router_score_division_eps=None,\n"
         "                         topk_weights=None, topk_ids=None, *, is_padding=None):\n"
@@ -280,7 +280,7 @@ def _kernels_file(tmp_path):
     src = tmp_path / "user_kernels.py"
     src.write_text(
         "import torch\n"
-        "from kernel.reference import musespark1x_routing_reference as ref\n"
+        "from routetool_kernels.reference import musespark1x_routing_reference as ref\n"
         "def raises(g, b, topk, route_scale, *a, **k):\n"
         "    raise RuntimeError('boom\\nsecond line')\n"
         "def exits(g, b, topk, route_scale, *a, **k):\n"
@@ -339,7 +339,7 @@ def test_outputs_on_another_device_are_one_line_exit_1(tmp_path):
     # outputs on another device than the inputs (meta tensors here; on a GPU, CPU tensors from a
     # CUDA run) were a traceback ("Cannot copy out of meta tensor") in replay, validate and balance
     src = tmp_path / "elsewhere.py"
-    src.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
+    src.write_text("from routetool_kernels.reference import musespark1x_routing_reference as ref\n"
                    "def route(g, b, topk, route_scale, *a, topk_weights=None, topk_ids=None, **k):\n"
                    "    w, ids = ref(g, b, topk, route_scale, *a, **k)\n"
                    "    return w.to('meta'), ids.to('meta')\n")
@@ -369,7 +369,7 @@ def test_a_kernel_imports_the_modules_beside_it(tmp_path, monkeypatch):
     folder = tmp_path / "kernels"
     folder.mkdir()
     (folder / "sibling_of_kernel_e6.py").write_text(
-        "from kernel.reference import musespark1x_routing_reference as ref\n")
+        "from routetool_kernels.reference import musespark1x_routing_reference as ref\n")
     code = ("from sibling_of_kernel_e6 import ref\n"
             "def route(g, b, *a, topk_weights=None, topk_ids=None, **k):\n"
             "    return ref(g, b, *a, **k)\n")
@@ -447,7 +447,7 @@ def test_a_dangling_link_as_output_needs_force(tmp_path):
 def test_outputs_never_replace_the_kernel_file_a_fifo_or_a_file_of_an_input_folder(tmp_path):
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
     kernel_file = tmp_path / "k.py"
-    kernel_file.write_text("from kernel import fused_musespark1x_routing as fn\n")
+    kernel_file.write_text("from routetool_kernels import fused_musespark1x_routing as fn\n")
     before = kernel_file.read_bytes()
     res = _run("replay", trace, "--device", DEVICE, "--layers", "1", "--no-progress", "--no-latency",
                "--kernel", f"{kernel_file}:fn", "--json", kernel_file, "--force")
@@ -599,7 +599,7 @@ def test_first_line_escapes_what_is_not_printable():
 def _printing_kernel(tmp_path):
     src = tmp_path / "chatty.py"
     src.write_text(
-        "from kernel.reference import musespark1x_routing_reference as ref\n"
+        "from routetool_kernels.reference import musespark1x_routing_reference as ref\n"
         "print('chatty: imported')\n"
         "def route(gating_output, bias, topk, route_scale, router_output_multiplier=None,\n"
         "          router_score_normalization='sigmoid', router_score_division_eps=None, topk_weights=None,\n"
@@ -650,7 +650,7 @@ def test_a_kernel_cannot_close_or_bypass_the_output_streams(tmp_path):
     src = tmp_path / "rude.py"
     src.write_text(
         "import sys\n"
-        "from kernel.reference import musespark1x_routing_reference as ref\n"
+        "from routetool_kernels.reference import musespark1x_routing_reference as ref\n"
         "print('rude: imported', file=sys.__stdout__)\n"
         "def close_both(g, b, *a, topk_weights=None, topk_ids=None, **k):\n"
         "    sys.stdout.close()\n"
@@ -816,7 +816,7 @@ def test_trace_commands_name_a_routing_dump_and_the_commands_that_read_it(tmp_pa
 def _recorded_trace(path, factor=None, per_row=False, wrong_ids=False):
     """A trace whose recorded outputs are the reference's, with weights times ``factor`` (one for
     every row, or with ``per_row`` another one per row), or with one id changed on row 0."""
-    from kernel.reference import musespark1x_routing_reference as ref
+    from routetool_kernels.reference import musespark1x_routing_reference as ref
 
     g = torch.randn(24, 8, generator=torch.Generator().manual_seed(5))
     router = RouterConfig(num_experts=8, topk=2, route_scale=2.5)
@@ -862,7 +862,7 @@ def test_fail_line_quotes_the_failing_comparison(tmp_path, how, pattern):
 def test_pass_line_counts_what_weakens_a_pass(tmp_path):
     # reordered recorded rows are counted in the verdict line, not only in the table
     trace = tmp_path / "t.safetensors"
-    from kernel.reference import musespark1x_routing_reference as ref
+    from routetool_kernels.reference import musespark1x_routing_reference as ref
 
     g = torch.randn(10, 8, generator=torch.Generator().manual_seed(6))
     w, ids = ref(g, torch.zeros(8), 2, 1.0)

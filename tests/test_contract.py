@@ -17,7 +17,7 @@ from tests.helpers import make_trace
 KERNELS = '''
 import sys
 import torch
-from kernel.reference import musespark1x_routing_reference as ref
+from routetool_kernels.reference import musespark1x_routing_reference as ref
 
 
 def _ref(g, b, *a, topk_weights=None, topk_ids=None, **k):
@@ -134,7 +134,7 @@ def g_bf16():
 
 def test_a_kept_contract_returns_the_outputs():
     g = g_bf16()
-    from kernel.reference import musespark1x_routing_reference
+    from routetool_kernels.reference import musespark1x_routing_reference
 
     def fn(g, b, *a, topk_weights=None, topk_ids=None, **k):
         return musespark1x_routing_reference(g, b, *a, **k)

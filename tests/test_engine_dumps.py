@@ -23,7 +23,7 @@ from dump_writers import (
     write_sglang_distribution,
     write_vllm_npy,
 )
-from kernel.reference import musespark1x_routing_reference
+from routetool_kernels.reference import musespark1x_routing_reference
 from routetool.cli import main
 from routetool.io.dumps import ImportOptions, detect_format, iter_steps, read_dump
 from routetool.io.trace import Trace

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _classes(w, ids, logits, bias, topk, route_scale, pad=None, **kw):
-    from kernel.reference import biased_scores, musespark1x_routing_reference, normalized_scores
+    from routetool_kernels.reference import biased_scores, musespark1x_routing_reference, normalized_scores
 
     ref_w, ref_ids = musespark1x_routing_reference(logits, bias, topk, route_scale, is_padding=pad, **kw)
     scores = normalized_scores(logits, kw.get("router_score_normalization", "sigmoid"), kw.get("router_output_multiplier"))
@@ -43,7 +43,7 @@ LARGE = [
 
 @pytest.mark.parametrize("T,E,K,dtype", LARGE)
 def test_compiled_kernel_matches_reference(T, E, K, dtype):
-    from kernel import fused_musespark1x_routing
+    from routetool_kernels import fused_musespark1x_routing
 
     g = torch.Generator(device="cuda").manual_seed(T + E + K)
     logits = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
@@ -59,7 +59,7 @@ def test_compiled_kernel_matches_reference(T, E, K, dtype):
 def _assert_best_first(ids, logits, bias, cmp):
     """Reordered rows (same experts, another order) may differ from the reference only where
     consecutive picks are within 16 float32 ulps (the kernel's exp/rcp are not torch's)."""
-    from kernel.reference import biased_scores, normalized_scores
+    from routetool_kernels.reference import biased_scores, normalized_scores
 
     rows = (cmp.row_class == RowClass.REORDERED).nonzero().flatten()
     if rows.numel() == 0:
@@ -94,7 +94,7 @@ TWO_LEVEL = [
 @pytest.mark.parametrize("T,E,K,dtype,block_t,num_warps,columns,per_sm,max_registers,crowd", TWO_LEVEL)
 def test_two_level_persistent_matches_reference(T, E, K, dtype, block_t, num_warps, columns, per_sm, max_registers,
                                                 crowd):
-    from kernel import LaunchConfig, fused_musespark1x_routing
+    from routetool_kernels import LaunchConfig, fused_musespark1x_routing
 
     g = torch.Generator(device="cuda").manual_seed(T + E)
     logits = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
@@ -131,8 +131,8 @@ DYNAMIC = [
 
 @pytest.mark.parametrize("T,E,K,dtype,per_sm,options", DYNAMIC)
 def test_dynamic_tiles_match_reference_and_leave_counters_zero(T, E, K, dtype, per_sm, options, monkeypatch, request):
-    from kernel import LaunchConfig, fused_musespark1x_routing, routing, routing_policy
-    from kernel._dispatch import clear_plans
+    from routetool_kernels import LaunchConfig, fused_musespark1x_routing, routing, routing_policy
+    from routetool_kernels._dispatch import clear_plans
 
     monkeypatch.setattr(routing_policy, "DYNAMIC_TILES_FROM", 1)  # claimed tiles at every size
     clear_plans()  # plans made under the old threshold would keep their static tiles
@@ -177,10 +177,10 @@ DIRECT = [
 def test_repeated_calls_launch_the_compiled_kernel_directly(variant, T, E, K, dtype, options, monkeypatch):
     import triton.runtime.jit
 
-    import kernel
-    from kernel import LaunchConfig, routing, seed
+    import routetool_kernels
+    from routetool_kernels import LaunchConfig, routing, seed
 
-    fn = kernel.variant(variant)
+    fn = routetool_kernels.variant(variant)
     kw = {k: v for k, v in options.items() if k.startswith("router_")}
     g = torch.Generator(device="cuda").manual_seed(T + E)
     bias = torch.randn(E, device="cuda", generator=g) * 0.05
@@ -218,7 +218,7 @@ def test_repeated_calls_launch_the_compiled_kernel_directly(variant, T, E, K, dt
 def test_an_offset_view_after_an_aligned_one_gets_its_own_kernel(T, dtype):
     # Triton specialises a pointer on its 16-byte alignment (vector loads): the plan of an aligned
     # call must not serve a view one element off (a misaligned vector load would fault).
-    from kernel import fused_musespark1x_routing
+    from routetool_kernels import fused_musespark1x_routing
 
     E, K = 256, 8
     flat = torch.randn(T * E + 8, device="cuda").mul_(2).to(dtype)
@@ -231,7 +231,7 @@ def test_an_offset_view_after_an_aligned_one_gets_its_own_kernel(T, dtype):
 
 
 def test_a_new_stream_gets_its_tile_counters_then_direct_launches():
-    from kernel import default_config, fused_musespark1x_routing, routing_policy
+    from routetool_kernels import default_config, fused_musespark1x_routing, routing_policy
 
     T, E, K = 65536, 256, 8
     assert default_config(T, E, torch.float32).dynamic_tiles
@@ -255,7 +255,7 @@ def test_a_new_stream_gets_its_tile_counters_then_direct_launches():
 
 
 def test_dynamic_tiles_in_cuda_graph_replays():
-    from kernel import default_config, fused_musespark1x_routing, routing_policy
+    from routetool_kernels import default_config, fused_musespark1x_routing, routing_policy
 
     E, K = 256, 8
     sizes = (65536, 50000, 65536)
@@ -284,7 +284,7 @@ def test_dynamic_tiles_in_cuda_graph_replays():
 
 
 def test_dynamic_tiles_without_counters_during_capture_fall_back_to_static():
-    from kernel import fused_musespark1x_routing, routing_policy
+    from routetool_kernels import fused_musespark1x_routing, routing_policy
 
     T, E, K = 65536, 256, 8
     x = torch.randn((T, E), device="cuda")
@@ -304,7 +304,7 @@ def test_dynamic_tiles_without_counters_during_capture_fall_back_to_static():
 
 
 def test_two_level_cuda_graph_sees_new_padding_and_bias():
-    from kernel import default_config, fused_musespark1x_routing
+    from routetool_kernels import default_config, fused_musespark1x_routing
 
     T, E, K = 40000, 256, 8
     assert default_config(T, E, torch.float32).algorithm == "two_level"
@@ -331,10 +331,10 @@ def test_two_level_cuda_graph_sees_new_padding_and_bias():
 
 @pytest.mark.parametrize("variant", ["tiled", "seed"])
 def test_cuda_graph_sees_new_padding_and_bias(variant):
-    import kernel
-    from kernel.reference import musespark1x_routing_reference
+    import routetool_kernels
+    from routetool_kernels.reference import musespark1x_routing_reference
 
-    fn = kernel.variant(variant)
+    fn = routetool_kernels.variant(variant)
     T, E, K = 48, 256, 8
     logits = torch.randn((T, E), device="cuda")
     bias = torch.zeros(E, device="cuda")
@@ -361,7 +361,7 @@ def test_cuda_graph_sees_new_padding_and_bias(variant):
 def _switch_batches(E, K, dtype):
     """Batch sizes on either side of each switch of the policy on this GPU: the scan/two-level switch, the
     per-SM grid, the persistent grid (more tiles than programs) and the claimed tiles."""
-    from kernel import routing_policy as policy
+    from routetool_kernels import routing_policy as policy
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     per_sm = policy.default_config(policy.PERSISTENT_FROM + 1, E, dtype, "cuda", K).programs_per_sm or 32
@@ -387,7 +387,7 @@ BATCH_INVARIANCE = [
 def test_a_token_gets_the_same_bits_in_batches_across_every_switch(E, K, norm, dtype, extras):
     # 7 probe tokens (and one padded row) placed at the start, middle and end of batches straddling each
     # switch of the launch policy on this GPU, against each token routed alone: ids and weight bits equal
-    from kernel import fused_musespark1x_routing
+    from routetool_kernels import fused_musespark1x_routing
 
     g = torch.Generator(device="cuda").manual_seed(E + K)
     probes = (torch.randn((7, E), device="cuda", generator=g) * 2).to(dtype)
@@ -412,9 +412,9 @@ def test_a_token_gets_the_same_bits_in_batches_across_every_switch(E, K, norm, d
 
 @pytest.mark.parametrize("variant", ["tiled", "seed"])
 def test_pdl_on_and_off_agree(variant):
-    import kernel
+    import routetool_kernels
 
-    fn = kernel.variant(variant)
+    fn = routetool_kernels.variant(variant)
     logits = torch.randn((1000, 256), device="cuda")
     bias = torch.randn(256, device="cuda") * 0.1
     a = fn(logits, bias, 8, 2.5, use_pdl=True)
@@ -426,7 +426,7 @@ def test_seed_kernel_fails_to_compile_for_bf16():
     """The documented seed defect: tl.sigmoid on bf16 does not compile (why the launcher rejects it)."""
     import triton
 
-    from kernel.seed import _seed_routing_kernel
+    from routetool_kernels.seed import _seed_routing_kernel
 
     T, E, K = 4, 256, 8
     logits = torch.randn((T, E), device="cuda", dtype=torch.bfloat16)

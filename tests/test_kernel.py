@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from helpers import assert_routing_invariants
-from kernel import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
-from kernel._dispatch import clear_plans
-from kernel.reference import biased_scores, normalized_scores
-from kernel.routing_policy import LaunchConfig, default_config, padded_num_experts
+from routetool_kernels import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
+from routetool_kernels._dispatch import clear_plans
+from routetool_kernels.reference import biased_scores, normalized_scores
+from routetool_kernels.routing_policy import LaunchConfig, default_config, padded_num_experts
 from routetool.engine.compare import RowClass, compare_step, weight_tolerance
 
 SHAPES = [
@@ -261,10 +261,10 @@ def test_a_config_equal_to_a_valid_one_but_of_float_fields_is_checked(device):
 def test_a_signature_is_checked_once_and_its_plan_serves_later_calls(launcher, module, device, monkeypatch):
     # Same shapes, dtypes, strides, buffers and parameters with new data (new tensors, new values
     # in the same buffers, new padding): checked once, every call right.
-    import kernel.routing
-    import kernel.seed
+    import routetool_kernels.routing
+    import routetool_kernels.seed
 
-    mod = {"routing": kernel.routing, "seed": kernel.seed}[module]
+    mod = {"routing": routetool_kernels.routing, "seed": routetool_kernels.seed}[module]
     clear_plans()  # (another test may have left a plan of this signature)
     checks = []
     real_check = mod.check_routing_args
@@ -289,7 +289,7 @@ def test_a_signature_is_checked_once_and_its_plan_serves_later_calls(launcher, m
 def test_plans_keep_every_layout_apart(device):
     # Strides, a larger caller buffer, int64 ids, an offset view (another pointer alignment) and
     # the bias's stride are all in the key: each call is right after any other.
-    import kernel.routing
+    import routetool_kernels.routing
 
     T, E, K = 7, 48, 5
     wide = torch.randn((T, E + 5), device=device)
@@ -315,11 +315,11 @@ def test_plans_keep_every_layout_apart(device):
             if bufs:
                 assert w.shape == (T, K) and ids.dtype == torch.int64
                 assert (w_buf[T:] == -7).all() and (w_buf[:, K:] == -7).all() and (id_buf[T:] == -7).all()
-        assert len(kernel.routing._PLANS) == len(layouts), rep  # one plan each, found again the second time
+        assert len(routetool_kernels.routing._PLANS) == len(layouts), rep  # one plan each, found again the second time
 
 
 def test_the_plan_cache_is_bounded_and_can_be_cleared(device, monkeypatch):
-    from kernel import _dispatch, routing
+    from routetool_kernels import _dispatch, routing
 
     monkeypatch.setattr(_dispatch, "MAX_PLANS", 2)
     clear_plans()
@@ -430,7 +430,7 @@ def _policy_configs(E, K, dtype):
     """Every launch the policy picks on a GPU for batches on either side of each of its switches, plus the
     interpreter's own (a tile of rows): as the interpreter runs them, one program per tile (the persistent and
     claimed-tile loops route each tile with the same code as a one-tile program)."""
-    from kernel import routing_policy as policy
+    from routetool_kernels import routing_policy as policy
 
     sizes = {1, policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM, policy.PERSISTENT_FROM + 1,
              65536}
@@ -458,7 +458,7 @@ def _model_shapes():
 def test_a_token_gets_the_same_bits_in_every_batch_and_launch(E, K, norm, dtype, extras, device):
     # One arithmetic for every algorithm and tile: a token routed alone and in a batch under each launch the
     # policy picks across its switches gives the same ids and weight bits (the interpreter is exact IEEE, so
-    # any difference in the order of operations would show; kernel.routing_jit sums in fixed point).
+    # any difference in the order of operations would show; routetool_kernels.routing_jit sums in fixed point).
     if device.type == "cuda":
         pytest.skip("on a GPU tests/test_gpu.py routes real batches across the switches")
     T = 6
@@ -494,10 +494,10 @@ def test_default_config_by_shape():
 
 
 def test_switches_set_on_the_policy_module_change_the_launch(device, monkeypatch, request):
-    # default_config and the launcher read the switches from kernel.routing_policy on every
-    # checked call; kernel.routing shows the same values and refuses to rebind them
-    import kernel.routing
-    from kernel import routing_policy
+    # default_config and the launcher read the switches from routetool_kernels.routing_policy on every
+    # checked call; routetool_kernels.routing shows the same values and refuses to rebind them
+    import routetool_kernels.routing
+    from routetool_kernels import routing_policy
 
     request.addfinalizer(clear_plans)  # (no plan made under a patched switch outlives the test)
     assert default_config(3000, 256, torch.float32).algorithm == "two_level"
@@ -508,9 +508,9 @@ def test_switches_set_on_the_policy_module_change_the_launch(device, monkeypatch
     assert default_config(8000, 256, torch.float32).programs_per_sm == 0
     monkeypatch.setattr(routing_policy, "TWO_LEVEL_MAX_TOPK", 4)
     assert default_config(8000, 256, torch.float32, topk=8).algorithm == "scan"
-    assert kernel.routing.SMALL_BATCH == 4096 and kernel.routing.default_config is routing_policy.default_config
-    with pytest.raises(AttributeError, match="set kernel.routing_policy.DYNAMIC_TILES_FROM"):
-        monkeypatch.setattr(kernel.routing, "DYNAMIC_TILES_FROM", 1)
+    assert routetool_kernels.routing.SMALL_BATCH == 4096 and routetool_kernels.routing.default_config is routing_policy.default_config
+    with pytest.raises(AttributeError, match="set routetool_kernels.routing_policy.DYNAMIC_TILES_FROM"):
+        monkeypatch.setattr(routetool_kernels.routing, "DYNAMIC_TILES_FROM", 1)
     # the launcher's check of a config reads the policy module too
     clear_plans()
     x, bias = torch.zeros((2, 64), device=device), torch.zeros(64, device=device)
@@ -524,7 +524,7 @@ def test_switches_set_on_the_policy_module_change_the_launch(device, monkeypatch
 def test_the_policy_rounds_up_to_powers_of_two_as_triton_does():
     import triton
 
-    from kernel.routing_policy import _next_power_of_2
+    from routetool_kernels.routing_policy import _next_power_of_2
 
     assert [_next_power_of_2(n) for n in range(1, 2050)] == [triton.next_power_of_2(n) for n in range(1, 2050)]
 

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from kernel.reference import musespark1x_routing_reference
+from routetool_kernels.reference import musespark1x_routing_reference
 from standin_engine import E, K, fused_musespark1x_routing
 from routetool.capture import recorder as recorder_mod
 from routetool.capture.recorder import RoutingRecorder
@@ -644,7 +644,7 @@ def test_a_signatures_plan_is_checked_once_then_launched_directly(fake_module, t
     # the eager hot path on a CUDA ring, with its launches stood in for on the CPU: the first call of
     # a signature is checked and leaves a plan; later calls launch it directly with their own data
     # pointers and positions; a call of another signature (here a new dtype) is checked again
-    from kernel import _dispatch
+    from routetool_kernels import _dispatch
 
     class Launch:
         can_direct = True

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernel.reference import musespark1x_routing_reference, normalized_scores, select_topk
+from routetool_kernels.reference import musespark1x_routing_reference, normalized_scores, select_topk
 
 
 def _sig(x):
@@ -69,7 +69,7 @@ def test_softmax_rules_for_nonfinite_rows():
 def test_select_topk_equals_the_stable_sort_definition(E, K):
     # select_topk takes torch.topk's picks and sorts them; it must equal the definition (a stable
     # descending sort, equal values to the lowest index) on every row, ties and signed zeros included
-    from kernel.reference import select_topk
+    from routetool_kernels.reference import select_topk
 
     g = torch.Generator().manual_seed(E * 31 + K)
     x = torch.randint(-3, 4, (500, E), generator=g).float() / 2  # few distinct values: ties everywhere

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel import reference
-from kernel.spec import FIELD_INFO, MAX_EXPERTS, RouterSpec, SpecError
+from routetool_kernels import reference
+from routetool_kernels.spec import FIELD_INFO, MAX_EXPERTS, RouterSpec, SpecError
 from routetool.engine.execution import SEED_SIGNATURE
 from routetool.errors import RouteToolError
 from routetool.io.trace import RouterConfig, TraceMeta, metadata_dict, parse_metadata
@@ -227,6 +227,6 @@ def test_field_metadata_names_an_option_and_help_for_every_field():
 
 
 def test_spec_imports_no_torch():
-    code = "import sys, kernel.spec; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+    code = "import sys, routetool_kernels.spec; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert res.stdout.strip() == "[]", res.stderr

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel.reference import biased_scores, normalized_scores
+from routetool_kernels.reference import biased_scores, normalized_scores
 from routetool.engine.compare import boundary_margins
 from routetool.errors import RouteToolError
 from routetool.capture.synth import (

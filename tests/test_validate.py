@@ -106,7 +106,7 @@ def test_quick_holds_every_production_shape_and_names_its_model():
 
 def test_batch_sizes_cross_the_tiled_kernels_switches():
     # the sizes are chosen from kernel/routing_policy.py's launch settings: when they change, the sizes must follow
-    from kernel import routing_policy
+    from routetool_kernels import routing_policy
 
     for case in (c for c in MODELS if not c.cuda_only):
         inp = case.build(torch.device("cpu"))
@@ -224,16 +224,16 @@ def test_a_failing_case_shows_its_class_first_row_and_both_outputs_on_one_screen
 
 
 def test_project_kernel_passes_quick_suite(execution):
-    import kernel
+    import routetool_kernels
 
-    result = validate(kernel.variant("tiled"), "tiled", execution, cases=QUICK)
+    result = validate(routetool_kernels.variant("tiled"), "tiled", execution, cases=QUICK)
     assert result.ok, [(c.name, c.failure_classes, c.message) for c in result.cases if not c.ok]
 
 
 def test_seed_variant_passes_on_fp32_and_fails_nonfinite(execution):
-    import kernel
+    import routetool_kernels
 
-    seed = kernel.variant("seed")
+    seed = routetool_kernels.variant("seed")
     # one models case: the seed takes a program per token, 4-10 s per 129-token batch under the interpreter
     finite = [c for c in QUICK if c.family not in ("nonfinite", "models")] + MODELS[:1]
     result = validate(seed, "seed", execution, cases=finite)
@@ -258,11 +258,11 @@ def test_a_family_named_twice_runs_once(tmp_path):
 
 
 def test_rejection_is_documented_only_when_the_docstring_says_so():
-    import kernel
+    import routetool_kernels
 
-    assert rejection_documented(kernel.variant("seed"), "bfloat16")
+    assert rejection_documented(routetool_kernels.variant("seed"), "bfloat16")
     assert not rejection_documented(mutants.rejects_bf16, "bfloat16")
-    assert not rejection_documented(kernel.variant("seed"), None)
+    assert not rejection_documented(routetool_kernels.variant("seed"), None)
 
 
 @pytest.mark.parametrize("fn, cls, words", [
@@ -294,16 +294,16 @@ def test_evaluate_refuses_outputs_on_another_device():
 
 
 def test_traces_are_validated_layer_by_layer(execution):
-    import kernel
+    import routetool_kernels
 
     trace = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
-    result = validate(kernel.variant("tiled"), "tiled", execution, cases=[], traces=[trace])
+    result = validate(routetool_kernels.variant("tiled"), "tiled", execution, cases=[], traces=[trace])
     assert [c.name.rsplit("/", 1)[1] for c in result.cases] == ["layer1", "layer2", "layer3"]
     assert result.ok
     bad = validate(mutants.biased_weights, "biased", execution, cases=[], traces=[trace])
     assert not bad.ok and "weight_error" in _classes(bad)
     bf16 = ROOT / "traces" / "musespark1x-synth-bf16.safetensors"
-    rej = validate(kernel.variant("seed"), "seed", execution, cases=[], traces=[bf16])
+    rej = validate(routetool_kernels.variant("seed"), "seed", execution, cases=[], traces=[bf16])
     assert len(rej.cases) == 4 and not rej.ok  # one case per layer, each failed: see the test below
     assert {(c.verdict, tuple(c.failure_classes)) for c in rej.cases} == {("fail", ("rejected_documented",))}
 
@@ -312,7 +312,7 @@ def test_trace_cases_check_the_weights_of_tie_rows_and_report_rows_as_suite_case
     # a trace was judged by replay's summary alone: weights of tie-equivalent rows went unchecked (a
     # kernel breaking ties toward the highest expert with wrong weights on those rows passed), and
     # its offending rows had is_padding False, no top_inputs and a row class as failure class
-    from kernel.reference import musespark1x_routing_reference as ref
+    from routetool_kernels.reference import musespark1x_routing_reference as ref
 
     g = torch.zeros(12, 8)
     g[:, 0] = 3.0
@@ -366,10 +366,10 @@ def test_a_kernel_that_rejects_a_trace_fails_documented_or_not(execution, tmp_pa
     # whenever the trace's dtype name stood anywhere in the docstring: "float32" in one that
     # claims to support it, and the seed's documented bf16 restriction. A trace is production
     # input: a kernel that cannot route it fails
-    import kernel
+    import routetool_kernels
 
     fp32, bf16 = _two_dtype_traces(tmp_path)
-    rej = validate(kernel.variant("seed"), "seed", execution, cases=[], traces=[bf16])
+    rej = validate(routetool_kernels.variant("seed"), "seed", execution, cases=[], traces=[bf16])
     assert not rej.ok and [(c.verdict, c.failure_classes) for c in rej.cases] == [("fail", ["rejected_documented"])]
     assert "kernel 'seed' rejected layer 0 step 0 (ValueError: gating_output dtype bfloat16" in rej.cases[0].message
     src = _rejecting_kernels(tmp_path)
@@ -384,19 +384,19 @@ def test_a_kernel_that_rejects_a_trace_fails_documented_or_not(execution, tmp_pa
         assert "FAIL: 2 of 2 cases failed" in res.stderr and "PASS" not in res.stderr
     # the suite's rule is unchanged: its bf16 case's documented rejection passes (the input is synthetic)
     bf16_cases = [c for c in QUICK if c.name.startswith("dtypes/bfloat16")]
-    suite = validate(kernel.variant("seed"), "seed", execution, cases=bf16_cases)
+    suite = validate(routetool_kernels.variant("seed"), "seed", execution, cases=bf16_cases)
     assert suite.ok and {c.verdict for c in suite.cases} == {"rejected"}
 
 
 def test_a_run_that_routed_nothing_says_nothing_validated(execution, tmp_path):
     # documented rejections and skips alone ended in "PASS: n cases, nothing failed"
-    import kernel
+    import routetool_kernels
 
     from routetool.report.tables import Console
     from routetool.report.validate import render_validate
 
     bf16_cases = [c for c in QUICK if c.name.startswith("dtypes/bfloat16")]
-    result = validate(kernel.variant("seed"), "seed", execution, cases=bf16_cases)
+    result = validate(routetool_kernels.variant("seed"), "seed", execution, cases=bf16_cases)
     console = Console(width=100, record=True, color_system=None)
     render_validate(result, console)
     text = console.export_text()
@@ -408,10 +408,10 @@ def test_the_verdict_comes_first_with_its_skips_and_details_shows_every_case(exe
     from routetool.report.tables import Console
     from routetool.report.validate import render_validate
 
-    import kernel
+    import routetool_kernels
 
     cases = [c for c in QUICK if c.name.startswith("padding/")]
-    result = validate(kernel.variant("tiled"), "tiled", execution, cases=cases)
+    result = validate(routetool_kernels.variant("tiled"), "tiled", execution, cases=cases)
     skipped = [c for c in result.cases if c.verdict == "skipped"]
     passed = [c for c in result.cases if c.verdict in ("pass", "pass_tie")]
     assert isinstance(cases[0], Case) and passed
@@ -572,7 +572,7 @@ def test_a_kernel_without_the_seeds_signature_is_told_once(tmp_path, command):
     # ("name bfloat16 in its docstring"): the signature is checked when the kernel is loaded, and the
     # error says so once, with the signature it must have
     src = tmp_path / "nobuf.py"
-    src.write_text("from kernel.reference import musespark1x_routing_reference as ref\n"
+    src.write_text("from routetool_kernels.reference import musespark1x_routing_reference as ref\n"
                    "def fn(gating_output, bias, topk, route_scale, router_output_multiplier=None,\n"
                    "       router_score_normalization='sigmoid', router_score_division_eps=None, *, is_padding=None):\n"
                    "    raise AssertionError('never called')\n")

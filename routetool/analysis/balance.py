@@ -331,7 +331,7 @@ class Routing:
             return (self.route(chunk, bias, path),
                     self.route(chunk, torch.zeros_like(bias), path, context="with the bias zeroed (bias effect)",
                                per_step=False))
-        from kernel.reference import normalized_scores, select_experts
+        from routetool_kernels.reference import normalized_scores, select_experts
 
         p = self.params
         scores = normalized_scores(chunk.gating_output, p["router_score_normalization"], p["router_output_multiplier"])

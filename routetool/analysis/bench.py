@@ -126,8 +126,8 @@ def resolve_kernels(specs: Sequence[str], pdl: str) -> list[BenchKernel]:
     Raises:
         RouteToolError: an unknown kernel or an impossible ``--pdl``.
     """
-    import kernel
-    from kernel.reference import musespark1x_routing_reference
+    import routetool_kernels
+    from routetool_kernels.reference import musespark1x_routing_reference
     from routetool.engine.execution import load_kernel
 
     if pdl not in ("on", "off", "both"):
@@ -138,8 +138,8 @@ def resolve_kernels(specs: Sequence[str], pdl: str) -> list[BenchKernel]:
             out.append(BenchKernel("torch", musespark1x_routing_reference))
         elif spec == "torch-compile":
             out.append(BenchKernel("torch-compile", torch.compile(musespark1x_routing_reference, dynamic=False)))
-        elif spec in kernel.VARIANT_NAMES:
-            fn = kernel.variant(spec)
+        elif spec in routetool_kernels.VARIANT_NAMES:
+            fn = routetool_kernels.variant(spec)
             for flag in ((True, False) if pdl == "both" else (pdl == "on",)):
                 out.append(BenchKernel(spec, fn, flag))
         else:

@@ -550,7 +550,7 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
                   tie_ulps: float, unnormalized: bool, progress: Callable[[int], None] | None,
                   budget_bytes: int | None) -> LayerReplay:
     """One layer with logits: the kernel once per captured step, everything else per chunk of steps."""
-    from kernel.reference import routing_with_scores
+    from routetool_kernels.reference import routing_with_scores
 
     layer = res.layer
     info = trace.info(layer)
@@ -685,7 +685,7 @@ def _ids_only_layer(trace: Trace, res: LayerReplay, E: int, device: torch.device
 def _measure_shape(run: RunInput, kernel_fn: RoutingFn, router: RouterConfig, device: torch.device, n: int,
                    where: list) -> ShapeLatency:
     """Kernel and reference latency of the step shape of ``n`` rows, on its first step's tensors."""
-    from kernel.reference import musespark1x_routing_reference
+    from routetool_kernels.reference import musespark1x_routing_reference
 
     count, i, layer, index = where
     trace = run.ranks[i].trace

@@ -282,11 +282,11 @@ MODEL_PADDED_ROWS = (2, 5)
 BATCH_SIZES = (1, 129)
 """Other batches a ``models`` case's tokens are routed in (with the case's own 7 rows).
 The ``tiled`` kernel under the Triton interpreter routes ``min(128, next_pow2(T))`` rows per
-program (``kernel.routing_policy.default_config``): a token alone (a 1-row tile, no padding mask),
+program (``routetool_kernels.routing_policy.default_config``): a token alone (a 1-row tile, no padding mask),
 7 rows (one 8-row tile) and 129 rows (two 128-row tiles, the second holding one row)."""
 
 def _gpu_batch_sizes() -> tuple[int, ...]:
-    from kernel import routing_policy as policy
+    from routetool_kernels import routing_policy as policy
 
     per_sm = max(policy.default_config(policy.PERSISTENT_FROM + 1, e, torch.float32, "cuda").programs_per_sm
                  for e in (256, 384))
@@ -296,7 +296,7 @@ def _gpu_batch_sizes() -> tuple[int, ...]:
 
 GPU_BATCH_SIZES = _gpu_batch_sizes()
 """The GPU batches of a ``models`` case (``cuda_only``), read from the ``tiled`` kernel's switches on a
-GPU (``kernel.routing_policy``), so that a token is compared across each of them: up to
+GPU (``routetool_kernels.routing_policy``), so that a token is compared across each of them: up to
 ``SMALL_BATCH`` (2048) tokens the scan algorithm, above it the two-level one (2049); above
 ``PERSISTENT_FROM`` (4097) the launch asks for ``programs_per_sm`` (32) programs per SM, a
 persistent grid once the tokens exceed that times the SM count (8193: up to 256 SMs); tiles

@@ -186,7 +186,7 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
         ``(failure_classes, tie_equivalent_rows, offending_rows)``, and with ``first_rows`` a
         fourth item: failure class -> the first row it applies to.
     """
-    from kernel.reference import routing_with_scores
+    from routetool_kernels.reference import routing_with_scores
 
     T, K = inp.gating_output.shape[0], inp.topk
     if tuple(weights.shape) != (T, K) or tuple(ids.shape) != (T, K):
@@ -281,7 +281,7 @@ def _self_comparison(cls: str, inp: CaseInput, first: tuple, second: tuple, r: i
     """A token's outputs from two calls of the kernel: row ``r`` of ``first`` (``(weights, ids)``
     of ``inp``) against row ``p`` of ``second``; ``sizes``: the two calls' batch sizes, when the
     second is another batch than ``inp``."""
-    from kernel.reference import routing_with_scores
+    from routetool_kernels.reference import routing_with_scores
 
     _, _, scores, biased = routing_with_scores(inp.gating_output, inp.bias, **inp.kwargs())
     pad = inp.is_padding is not None and bool(inp.is_padding[r])
@@ -393,7 +393,7 @@ def _run_checks(case: Case, fn: RoutingFn, inp: CaseInput, weights, ids, tie_ulp
 
 def _reference_ids(inp: CaseInput) -> torch.Tensor:
     """``[T, K]`` the reference's ids for ``inp`` as it is now (padded rows -1)."""
-    from kernel.reference import routing_with_scores
+    from routetool_kernels.reference import routing_with_scores
 
     return routing_with_scores(inp.gating_output, inp.bias, **inp.kwargs())[1].clone()
 

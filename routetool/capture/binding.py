@@ -36,7 +36,7 @@ import types
 import warnings
 from collections.abc import Callable, Iterable
 
-from kernel.spec import RouterSpec
+from routetool_kernels.spec import RouterSpec
 from routetool.errors import RouteToolError
 
 SEED_PARAMETERS = ("gating_output", "bias", *RouterSpec.KERNEL_KEYWORDS, "topk_weights", "topk_ids")

@@ -23,7 +23,7 @@ How it works:
   repeats the copy on every replay, and torch.compile keeps the op as one opaque call. On the
   CPU the same op runs eagerly. Run eagerly (an engine's prefill), the wrapper calls the op's
   host side itself: the first call of a signature is checked and leaves a plan, later ones
-  launch the compiled record kernel directly (as :mod:`kernel._dispatch` does for routing).
+  launch the compiled record kernel directly (as :mod:`routetool_kernels._dispatch` does for routing).
 * The host drains the ring off the hot path, on the thread that runs the model, while no
   graph is being captured: at most every ``drain_interval_s`` when a routing call runs in
   Python, at :meth:`RoutingRecorder.drain` / :meth:`RoutingRecorder.step` (the vLLM plugin
@@ -111,7 +111,7 @@ from pathlib import Path
 
 import torch
 
-from kernel._dispatch import _Driver, call_signature
+from routetool_kernels._dispatch import _Driver, call_signature
 from routetool.capture import ring as ring_mod
 from routetool.capture.binding import (SEED_PARAMETERS, Bindings, check_routing_function, import_target,
                                        split_target)
@@ -768,7 +768,7 @@ class RoutingRecorder:
         dtype, shape, strides, device and alignment, the router parameters, the ring's launch
         settings): the first call of a signature runs them and leaves a plan (its site and the
         kernel's launch); later calls with it launch the compiled kernel directly
-        (:mod:`kernel._dispatch`), with their own data pointers and layer position."""
+        (:mod:`routetool_kernels._dispatch`), with their own data pointers and layer position."""
         with self._lock:
             if not self._active:
                 return

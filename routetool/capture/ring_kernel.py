@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel._dispatch import KernelLaunch
-from kernel._launch import pdl_supported
+from routetool_kernels._dispatch import KernelLaunch
+from routetool_kernels._launch import pdl_supported
 from routetool.capture import ring as R
 
 _HEAD_ROWS = tl.constexpr(R.STATE_HEAD_ROWS)
@@ -336,7 +336,7 @@ def record_routing_call(ring: R.DeviceRing, gating: torch.Tensor, bias: torch.Te
                         weights: torch.Tensor | None, ids: torch.Tensor | None, position: int,
                         site: int) -> KernelLaunch:
     """Launch :func:`_record_kernel` for one call on the current stream (no sync, no allocation)
-    through Triton's JIT, and return the launch (:class:`kernel._dispatch.KernelLaunch`, per-call
+    through Triton's JIT, and return the launch (:class:`routetool_kernels._dispatch.KernelLaunch`, per-call
     parameters :data:`RECORD_PER_CALL`) that later calls of the same signature (every tensor's
     dtype, shape, strides, device and alignment; the ring and its launch settings) may repeat
     directly with their own data pointers, layer position and site.

@@ -439,12 +439,12 @@ def synth_work(spec: SynthSpec) -> int:
 def _route_counts(logits: torch.Tensor, bias: torch.Tensor, router: RouterConfig) -> torch.Tensor:
     """Tokens per expert of a batch of finite float32 logits (calibration, bias fit).
 
-    The scores and keys are the reference's (``kernel.reference``) for finite logits,
+    The scores and keys are the reference's (``routetool_kernels.reference``) for finite logits,
     computed in fewer passes; the picks use ``torch.topk``, whose choice between two exactly
     equal keys is unspecified: such ties are measure-zero in these continuous draws, and
     which of two tied experts is counted does not matter here. ``logits`` may be overwritten.
     """
-    from kernel import reference
+    from routetool_kernels import reference
 
     if router.router_score_normalization == "sigmoid":
         x = logits if router.router_output_multiplier is None else logits.mul_(router.router_output_multiplier)
@@ -563,7 +563,7 @@ def _fit_bias(offset: torch.Tensor, dirs: torch.Tensor, spec: SynthSpec, gen: to
 
 
 def _inject_ties(logits: torch.Tensor, bias: torch.Tensor, rows: torch.Tensor, spec: SynthSpec) -> int:
-    from kernel.reference import biased_scores, scores
+    from routetool_kernels.reference import biased_scores, scores
 
     r = spec.router
     made = 0
@@ -722,8 +722,8 @@ def synth_stats(meta: TraceMeta, layers: dict[int, LayerArrays],
             calibration (:func:`generate`), to report targets and affinities.
         progress: called with work units done (rows x experts per layer).
     """
-    from kernel import reference
-    from kernel.reference import biased_scores, select_topk
+    from routetool_kernels import reference
+    from routetool_kernels.reference import biased_scores, select_topk
     from routetool.engine.compare import boundary_margins
     from routetool.engine.load import load_stats
 

@@ -283,7 +283,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
 
                     execution = select_execution(device)
                     stats_device = execution.device
-                    from kernel.reference import musespark1x_routing_reference
+                    from routetool_kernels.reference import musespark1x_routing_reference
 
                     # a load question on a machine without a GPU: the reference gives the routing the
                     # kernel must give, at a fraction of the cost of the kernel under the Triton interpreter

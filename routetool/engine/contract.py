@@ -174,8 +174,8 @@ def call_kernel(fn: RoutingFn, gating_output: torch.Tensor, bias: torch.Tensor, 
     Args:
         fn: the kernel under test.
         gating_output: ``[n, E]`` logits. bias: ``[E]`` float32. is_padding: ``[n]`` bool or None.
-        params: the router parameters by keyword (:meth:`kernel.spec.RouterSpec.kernel_kwargs`:
-            ``topk`` and the rest of :data:`kernel.spec.RouterSpec.KERNEL_KEYWORDS`).
+        params: the router parameters by keyword (:meth:`routetool_kernels.spec.RouterSpec.kernel_kwargs`:
+            ``topk`` and the rest of :data:`routetool_kernels.spec.RouterSpec.KERNEL_KEYWORDS`).
         topk_weights / topk_ids: output buffers the kernel should write, or None (it allocates).
         feature: the input's unusual feature for :func:`rejection_documented` (default: the
             logits' dtype, :func:`dtype_feature`).

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from kernel.spec import RouterSpec
+from routetool_kernels.spec import RouterSpec
 from routetool.errors import RouteToolError, first_line
 from routetool.io.files import path_kind
 
@@ -51,7 +51,7 @@ class Execution:
 
 def _kernels_interpreted() -> bool | None:
     """How the already imported kernels were defined (None when not imported yet)."""
-    mod = sys.modules.get("kernel.routing_jit")
+    mod = sys.modules.get("routetool_kernels.routing_jit")
     if mod is None:
         return None
     return type(mod._routing_kernel).__name__ == "InterpretedFunction"
@@ -236,7 +236,7 @@ def _importable(folder: str) -> Iterator[None]:
 
 
 def load_kernel(spec: str, *, also: Sequence[str] = ()) -> tuple[str, RoutingFn]:
-    """Resolve a kernel: a variant name of :data:`kernel.VARIANTS` or ``module:function``.
+    """Resolve a kernel: a variant name of :data:`routetool_kernels.VARIANTS` or ``module:function``.
 
     ``module`` may be an importable module name or a path to a ``.py`` file. While the module
     is imported, the file's folder (for a path) or the current directory (for a module name) is
@@ -254,14 +254,14 @@ def load_kernel(spec: str, *, also: Sequence[str] = ()) -> tuple[str, RoutingFn]
         RouteToolError: unknown variant, a path that is no ``.py`` file and no importable module
             (``README.md:fn``, a folder), unimportable module, missing function.
     """
-    import kernel
+    import routetool_kernels
 
-    if spec in kernel.VARIANT_NAMES:
-        return spec, kernel.variant(spec)
+    if spec in routetool_kernels.VARIANT_NAMES:
+        return spec, routetool_kernels.variant(spec)
     if ":" not in spec:
         raise RouteToolError(
             f"unknown kernel {spec!r}",
-            fix=f"use one of {', '.join((*kernel.VARIANT_NAMES, *also))} or module:function",
+            fix=f"use one of {', '.join((*routetool_kernels.VARIANT_NAMES, *also))} or module:function",
         )
     module_name, _, func_name = spec.rpartition(":")
     not_python = RouteToolError("is not a .py file or an importable module", path=module_name,

@@ -33,7 +33,7 @@ import os
 import zipfile
 
 # MAX_EXPERTS: the largest expert count accepted (a trace's or dump's metadata, ids), 1,048,576: as a router spec
-from kernel.spec import MAX_EXPERTS as MAX_EXPERTS
+from routetool_kernels.spec import MAX_EXPERTS as MAX_EXPERTS
 from routetool.errors import RouteToolError
 MAX_LAYERS = 1 << 16
 """Layer ids must lie in ``[0, MAX_LAYERS)``."""

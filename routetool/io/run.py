@@ -11,7 +11,7 @@ in its output path) is a *run folder* (docs/trace-format.md, "Run folders")::
 run folder, as a :class:`RunInput` of one or more :class:`RankTrace`; a plain trace is a run
 of one rank whose ``rank`` is None. Each rank's trace is read as a trace by itself
 (:func:`routetool.io.trace.open_trace`); the ranks must agree on the router (every field of
-:class:`kernel.spec.RouterSpec`) and on ``weights_semantics``.
+:class:`routetool_kernels.spec.RouterSpec`) and on ``weights_semantics``.
 
 Which ranks routed the same tokens (:meth:`RunInput.token_groups`): the ranks of one
 data-parallel rank (its tensor-parallel peers, same ``dp_rank`` in the metadata) route the

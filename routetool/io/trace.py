@@ -6,7 +6,7 @@ tensor's name, shape and dtype and the small per-layer tensors (bias, step_offse
 reads the large ones (gating_output, is_padding, recorded outputs) one step at a time, so
 a trace larger than memory can be replayed. Every problem becomes a
 :class:`~routetool.errors.RouteToolError` naming the file and the tensor. The router's metadata
-keys are read and written by :class:`kernel.spec.RouterSpec` (``RouterConfig`` here).
+keys are read and written by :class:`routetool_kernels.spec.RouterSpec` (``RouterConfig`` here).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from kernel.spec import PLAIN_INT_FIX, RouterSpec, SpecError
+from routetool_kernels.spec import PLAIN_INT_FIX, RouterSpec, SpecError
 from routetool.errors import RouteToolError
 from routetool.io.files import atomic_write, check_output_folder, path_kind, require_input
 from routetool.io.jsonstrict import JSONProblem, loads
@@ -61,7 +61,7 @@ def _dtypes_text(field_name: str) -> str:
 
 
 RouterConfig = RouterSpec
-"""The router's parameters, shared by every layer of a trace: :class:`kernel.spec.RouterSpec`."""
+"""The router's parameters, shared by every layer of a trace: :class:`routetool_kernels.spec.RouterSpec`."""
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,7 @@ def table(title: str | Text, columns: list[str], left: tuple[str, ...] = ()) -> 
 
 
 def router_line(r, router_parameters: str | None = None) -> Text:
-    """A header's router line: ``r.describe()`` (a :class:`kernel.spec.RouterSpec`); with
+    """A header's router line: ``r.describe()`` (a :class:`routetool_kernels.spec.RouterSpec`); with
     ``router_parameters`` (the metadata of an imported ids-only trace, where only E and topk are
     real) that text in place of the placeholder parameters."""
     if router_parameters is not None:
