@@ -223,12 +223,15 @@ def _supported(spec: RouterSpec) -> RouterSpec:
     return spec
 
 
-def scores(gating_output: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+def scores(gating_output: torch.Tensor, spec: RouterSpec, *, finite_inplace: bool = False) -> torch.Tensor:
     """:func:`normalized_scores` with ``spec``'s normalization and multiplier.
 
     Args:
         gating_output: ``[num_tokens, num_experts]`` float32, bfloat16 or float16 logits.
         spec: the router.
+        finite_inplace: the logits are float32 and finite, and may be overwritten: sigmoid
+            scores are computed in place, without the copies the rule for non-finite logits
+            needs (a large batch's memory; the same values).
 
     Returns:
         ``[num_tokens, num_experts]`` float32 scores in ``[0, 1]``.
@@ -238,7 +241,43 @@ def scores(gating_output: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
         ValueError: an unknown normalization.
     """
     spec = _supported(spec)
+    if finite_inplace and spec.router_score_normalization == "sigmoid":
+        x = gating_output if spec.router_output_multiplier is None else gating_output.mul_(spec.router_output_multiplier)
+        return torch.sigmoid_(x)
     return normalized_scores(gating_output, spec.router_score_normalization, spec.router_output_multiplier)
+
+
+def weight_sum(spec: RouterSpec) -> float | None:
+    """What a row's weights sum to under ``spec`` when some picked score is > 0: ``route_scale``
+    (the weights are renormalised); None with ``router_score_division_eps`` set (the eps makes
+    the sum smaller, by an amount that depends on the row)."""
+    return spec.route_scale if spec.router_score_division_eps is None else None
+
+
+def pick_weights(scores: torch.Tensor, ids: torch.Tensor, spec: RouterSpec, *, renormalized: bool = True
+                 ) -> torch.Tensor:
+    """The weights a row's picks ``ids`` carry under ``spec`` (docs/semantics.md): a row's
+    weights judged against its own picks, whichever experts they are.
+
+    Args:
+        scores: ``[n, E]`` float32 unbiased scores (:func:`scores`).
+        ids: ``[n, K]`` int picks (out-of-range ids, e.g. the -1 of padded rows, read expert 0:
+            callers mask such rows).
+        spec: the router (its ``route_scale`` and ``router_score_division_eps``).
+        renormalized: ``route_scale * s / (sum of the row's picked s + eps)`` (0 where that
+            denominator is 0), as the kernels compute them; False: ``route_scale * s``, the raw
+            top-k scores some engines record (``weights_semantics=unnormalized``).
+
+    Returns:
+        ``[n, K]`` float32, position by position with ``ids``.
+    """
+    picked = scores.gather(1, ids.long().clamp(0, max(0, scores.shape[1] - 1)))
+    if not renormalized:
+        return picked * spec.route_scale
+    denom = picked.sum(-1, keepdim=True)
+    if spec.router_score_division_eps is not None:
+        denom = denom + spec.router_score_division_eps
+    return torch.where(denom > 0, picked * (spec.route_scale / torch.where(denom > 0, denom, 1.0)), 0.0)
 
 
 def route(gating_output: torch.Tensor, bias: torch.Tensor, spec: RouterSpec, *,

@@ -9,10 +9,8 @@ The variant lives in three modules, one layer each:
 * this module: the launcher, which checks a call, takes its settings from the policy, and
   launches the kernel (:mod:`routetool_kernels._dispatch`).
 
-The policy's and the kernels' names can be read from here too
-(``from routetool_kernels.routing import LaunchConfig, default_config, _two_level_kernel``). The
-policy's names read through to :mod:`routetool_kernels.routing_policy` and cannot be rebound here: the
-launcher reads every switch there, so that is where a switch is set.
+The launcher reads every switch of :mod:`routetool_kernels.routing_policy` there, at each checked
+call, so that is where a switch is set (then call :func:`routetool_kernels._dispatch.clear_plans`).
 
 Semantics are the seed's (see :mod:`routetool_kernels.reference`, which defines them, including the
 rule for non-finite input). Differences from the seed kernel, and why:
@@ -28,9 +26,6 @@ rule for non-finite input). Differences from the seed kernel, and why:
 
 from __future__ import annotations
 
-import sys
-import types
-
 import torch
 import triton
 
@@ -38,35 +33,6 @@ from routetool_kernels import routing_policy as policy
 from routetool_kernels._dispatch import ROUTING_PER_CALL, KernelLaunch, PlanCache, cached_call, is_interpreted, plan_for
 from routetool_kernels._launch import check_routing_args, pdl_supported
 from routetool_kernels.routing_jit import _routing_kernel, _two_level_kernel
-
-_POLICY_NAMES = frozenset({
-    "ALGORITHMS", "DYNAMIC_TILES_FROM", "MAX_TILE_ELEMENTS", "PERSISTENT_FROM", "PING_PONG_MAX_SLICES", "SMALL_BATCH",
-    "TILE_GROUPS", "TWO_LEVEL_MAX_TOPK", "LaunchConfig", "check_launch_config", "default_config",
-    "padded_num_experts", "tile_counters",
-})
-"""Names of :mod:`routetool_kernels.routing_policy` that this module shows, as they are there at the time of reading."""
-
-
-class _Module(types.ModuleType):
-    """This module: the policy's names read through to :mod:`routetool_kernels.routing_policy`, and never rebound here
-    (the launcher reads them there, so a value set here would change nothing)."""
-
-    def __getattr__(self, name: str):
-        if name in _POLICY_NAMES:
-            return getattr(policy, name)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _POLICY_NAMES:
-            raise AttributeError(f"routetool_kernels.routing.{name} is read-only: set routetool_kernels.routing_policy.{name}, which the "
-                                 "launcher reads (then call routetool_kernels._dispatch.clear_plans())")
-        super().__setattr__(name, value)
-
-    def __dir__(self):
-        return sorted({*super().__dir__(), *_POLICY_NAMES})
-
-
-sys.modules[__name__].__class__ = _Module
 
 _INTERPRETED = is_interpreted(_routing_kernel)
 

@@ -170,6 +170,38 @@ class RouterSpec:
             out.update((name, getattr(self, name)) for name in self.GROUPING)
         return out
 
+    @classmethod
+    def call_defaults(cls) -> dict[str, object]:
+        """The defaults of the seed's signature for its optional router keywords (all of
+        :data:`KERNEL_KEYWORDS` after ``topk`` and ``route_scale``, which it requires): each
+        field's default, e.g. ``{"router_output_multiplier": None, ...}``."""
+        return {f.name: f.default for f in fields(cls) if f.name in cls.KERNEL_KEYWORDS[2:]}
+
+    @classmethod
+    def call_values(cls, values) -> tuple:
+        """The router arguments of one call, in :data:`KERNEL_KEYWORDS` order and coerced to each
+        field's kind (``int``, ``float``, ``str``; None stays None where the field is optional):
+        the form the recorder keys call sites by and passes to its op.
+
+        Args:
+            values: a mapping holding every name of :data:`KERNEL_KEYWORDS` (a call's bound
+                arguments), or a sequence of their values in that order.
+
+        Raises:
+            KeyError: a mapping without one of the names. ValueError, TypeError: a value that its
+                kind cannot take.
+        """
+        if isinstance(values, Mapping):
+            values = [values[name] for name in cls.KERNEL_KEYWORDS]
+        return tuple(None if v is None and optional else convert(v)
+                     for (convert, optional), v in zip(_CALL_KINDS, values, strict=True))
+
+    @classmethod
+    def from_call(cls, num_experts: int, values) -> RouterSpec:
+        """The spec of a call of the seed's signature on ``num_experts`` columns; ``values`` as for
+        :meth:`call_values`. Checks nothing (see :meth:`problems`)."""
+        return cls(num_experts=num_experts, **dict(zip(cls.KERNEL_KEYWORDS, cls.call_values(values))))
+
     # -- trace metadata (docs/trace-format.md) -----------------------------------------------------
     def to_metadata(self) -> dict[str, str]:
         """The trace ``__metadata__`` strings of this spec: ``num_experts``, ``topk``, ``route_scale``
@@ -247,6 +279,10 @@ class RouterSpec:
         return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
+MUSESPARK1X = RouterSpec(num_experts=256, topk=8, route_scale=2.5)
+"""MuseSpark1x's router: 256 routed experts, top-8, sigmoid scores, ``routed_scaling_factor`` 2.5."""
+
+
 class SpecError(ValueError):
     """A router spec that cannot be read or is impossible.
 
@@ -291,3 +327,14 @@ FIELD_INFO: dict[str, Mapping[str, object]] = {f.name: f.metadata for f in field
 ``option`` (the command-line option), ``help``, ``required`` (for a required metadata key: what
 to add and its meaning), ``fix`` (for a value that is not finite) and ``examples`` (values a test
 suite varies it over)."""
+
+_KIND_TYPES = {"int": int, "float": float, "str": str}
+_CALL_KINDS = tuple((_KIND_TYPES[FIELD_INFO[name]["kind"].rstrip("?")], FIELD_INFO[name]["kind"].endswith("?"))
+                    for name in RouterSpec.KERNEL_KEYWORDS)
+"""Per keyword of :data:`RouterSpec.KERNEL_KEYWORDS`: its Python type and whether it may be None."""
+
+
+def schema_arguments() -> str:
+    """The router's arguments in a ``torch.library`` schema, from :data:`FIELD_INFO`:
+    ``"int topk, float route_scale, float? router_output_multiplier, ..."``."""
+    return ", ".join(f"{FIELD_INFO[name]['kind']} {name}" for name in RouterSpec.KERNEL_KEYWORDS)

@@ -167,8 +167,8 @@ def test_bench_calls_a_kernel_by_the_documented_convention():
                     buffers=(topk_weights, topk_ids))
         return topk_weights, topk_ids
 
-    inp = CaseInput(gating_output=torch.zeros(4, 8), bias=torch.zeros(8), topk=2, route_scale=2.5,
-                    topk_weights=torch.empty(4, 2), topk_ids=torch.empty(4, 2, dtype=torch.int32))
+    inp = CaseInput.of(torch.zeros(4, 8), torch.zeros(8), 2, route_scale=2.5,
+                       topk_weights=torch.empty(4, 2), topk_ids=torch.empty(4, 2, dtype=torch.int32))
     args, kwargs = _call_args(BenchKernel("mine", kernel), inp)
     kernel(*args, **kwargs)
     assert seen == dict(topk=2, route_scale=2.5, multiplier=None, normalization="sigmoid", eps=None, pad=None,

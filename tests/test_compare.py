@@ -2,8 +2,10 @@
 
 import torch
 
-from routetool.engine.compare import (INVALID_REASONS, ComparisonSummary, RowClass, compare_step, own_pick_weights,
-                               weight_tolerance)
+from routetool_kernels.reference import pick_weights
+from routetool_kernels.spec import RouterSpec
+from routetool.engine.compare import (INVALID_REASONS, ComparisonSummary, RowClass, compare_step,
+                                         weight_tolerance)
 
 E, K = 6, 2
 # scores per row (unbiased; bias 0 so biased == scores)
@@ -94,13 +96,17 @@ def test_weight_errors_matched_by_expert_id():
         assert bool(cmp.weight_over_tol[0]) is over
 
 
+def _spec(route_scale: float, eps: float | None = None) -> RouterSpec:
+    return RouterSpec(num_experts=4, topk=2, route_scale=route_scale, router_score_division_eps=eps)
+
+
 def test_tie_equivalent_rows_weights_are_checked_against_their_own_picks():
     scores = torch.tensor([[0.9, 0.5, 0.5, 0.2]])  # experts 1 and 2 tie for the 2nd place
     exp_ids, test_ids = torch.tensor([[0, 1]]), torch.tensor([[0, 2]])
-    own = own_pick_weights(scores, test_ids, 2.0, None)
+    own = pick_weights(scores, test_ids, _spec(2.0))
     assert torch.allclose(own, torch.tensor([[0.9, 0.5]]) * 2.0 / 1.4)
     tol = weight_tolerance(torch.float32, 2.0)
-    exp_w = own_pick_weights(scores, exp_ids, 2.0, None)
+    exp_w = pick_weights(scores, exp_ids, _spec(2.0))
     right = compare_step(test_ids, own, exp_ids, exp_w, scores, scores, None, tie_ulps=0, tolerance=tol,
                          own_weights=own)
     assert RowClass(int(right.row_class[0])) == RowClass.TIE_EQUIVALENT and not right.weight_over_tol[0]
@@ -114,12 +120,12 @@ def test_tie_equivalent_rows_weights_are_checked_against_their_own_picks():
     assert wrong.weight_over_tol[0] and abs(float(wrong.weight_rel_err[0]) - 1.0) < 1e-6
 
 
-def test_own_pick_weights_eps_zero_denominator_and_unnormalized():
+def test_pick_weights_eps_zero_denominator_and_unnormalized():
     scores = torch.tensor([[0.6, 0.2, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     ids = torch.tensor([[0, 1], [2, 3]])
-    w = own_pick_weights(scores, ids, 1.5, 0.2)
+    w = pick_weights(scores, ids, _spec(1.5, 0.2))
     assert torch.allclose(w[0], torch.tensor([0.6, 0.2]) * 1.5 / 1.0) and (w[1] == 0).all()
-    assert torch.allclose(own_pick_weights(scores, ids, 1.5, None, renormalized=False)[0], torch.tensor([0.9, 0.3]))
+    assert torch.allclose(pick_weights(scores, ids, _spec(1.5), renormalized=False)[0], torch.tensor([0.9, 0.3]))
 
 
 def test_summary_counts_and_failures():

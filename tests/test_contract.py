@@ -121,7 +121,7 @@ def test_every_command_judges_a_kernel_alike(setup, name):
     from routetool.engine.execution import load_kernel
 
     _, fn = load_kernel(kernel)
-    inp = CaseInput(gating_output=g_bf16(), bias=torch.zeros(8), topk=2, route_scale=1.0)
+    inp = CaseInput.of(g_bf16(), torch.zeros(8), 2, route_scale=1.0)
     status, bench_exit = judge_kernel_call(fn, inp, tie_ulps=16.0)
     assert bench_exit == bench_code, status
     assert status.startswith("rejected" if bench_code == 0 else "failed")

@@ -495,8 +495,7 @@ def test_default_config_by_shape():
 
 def test_switches_set_on_the_policy_module_change_the_launch(device, monkeypatch, request):
     # default_config and the launcher read the switches from routetool_kernels.routing_policy on every
-    # checked call; routetool_kernels.routing shows the same values and refuses to rebind them
-    import routetool_kernels.routing
+    # checked call
     from routetool_kernels import routing_policy
 
     request.addfinalizer(clear_plans)  # (no plan made under a patched switch outlives the test)
@@ -508,9 +507,6 @@ def test_switches_set_on_the_policy_module_change_the_launch(device, monkeypatch
     assert default_config(8000, 256, torch.float32).programs_per_sm == 0
     monkeypatch.setattr(routing_policy, "TWO_LEVEL_MAX_TOPK", 4)
     assert default_config(8000, 256, torch.float32, topk=8).algorithm == "scan"
-    assert routetool_kernels.routing.SMALL_BATCH == 4096 and routetool_kernels.routing.default_config is routing_policy.default_config
-    with pytest.raises(AttributeError, match="set routetool_kernels.routing_policy.DYNAMIC_TILES_FROM"):
-        monkeypatch.setattr(routetool_kernels.routing, "DYNAMIC_TILES_FROM", 1)
     # the launcher's check of a config reads the policy module too
     clear_plans()
     x, bias = torch.zeros((2, 64), device=device), torch.zeros(64, device=device)

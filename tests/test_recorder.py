@@ -519,6 +519,38 @@ def test_whole_extra_forwards_between_boundaries_are_steps(fake_module, tmp_path
         _assert_recorded_as_routed(t, engine, range(3))
 
 
+def test_a_copy_interrupted_on_its_way_to_the_writer_is_handed_over_again_and_taken_once(fake_module, tmp_path,
+                                                                                         monkeypatch):
+    # Ctrl-C between taking a landed copy off the queue and handing it to the writer lost its
+    # steps; the copy now leaves the queue only once handed over, and the writer takes it once
+    # even when the interruption came after the hand-over
+    out = tmp_path / "run.json"
+    engine = FakeEngine(fake_module)
+    submit, seen = RoutingRecorder._submit, []
+
+    def interrupted(self, copy):
+        seen.append(copy)
+        if len(seen) == 1:
+            raise KeyboardInterrupt  # before the hand-over
+        submit(self, copy)
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # after it: the same copy is handed over once more
+
+    monkeypatch.setattr(RoutingRecorder, "_submit", interrupted)
+    with RoutingRecorder(out, target=TARGET, num_layers=3, drain_interval_s=0) as rec:
+        for step, n in enumerate((5, 7, 4)):
+            engine.forward(step, n, padded=1)
+            rec.step()
+            for _ in range(2):
+                try:
+                    rec.flush()
+                except KeyboardInterrupt:
+                    pass
+    assert seen[0] is seen[1] is seen[2]  # the first copy, offered three times
+    with open_trace(out) as t:
+        _assert_recorded_as_routed(t, engine, range(3))
+
+
 def test_an_interrupt_at_any_line_of_the_recorder_leaves_only_steps_as_routed(fake_module, tmp_path):
     # a SIGINT lands between two Python lines of the thread that runs the model: raise
     # KeyboardInterrupt at the k-th line the recorder (wrapper, record op, CPU ring, drain, step

@@ -230,3 +230,48 @@ def test_spec_imports_no_torch():
     code = "import sys, routetool_kernels.spec; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert res.stdout.strip() == "[]", res.stderr
+
+
+# -- where the parameters are spelled out ----------------------------------------------------------
+def _router_names_in(path) -> set[str]:
+    """The router parameters (other than the shape, num_experts and topk) that a module's code names:
+    as a name, an attribute, a keyword, an argument or a string of its own (docstrings and comments
+    aside)."""
+    import ast
+
+    wanted = set(RouterSpec.KERNEL_KEYWORDS[1:]) | set(RouterSpec.GROUPING)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                else node.arg if isinstance(node, (ast.keyword, ast.arg))
+                else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+        if name in wanted:
+            found.add(name)
+    return found
+
+
+def test_the_router_parameters_are_spelled_out_in_at_most_eight_modules():
+    # a module that names two or more of them spells the router out: adding a field may touch it.
+    # The eight: the spec, the reference, the kernels' launchers and code (whose signatures are the
+    # engines'), the validate suite's parameter cases and the Hugging Face config reader.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spelled = sorted(str(p.relative_to(root)) for folder in ("routetool", "kernel") for p in (root / folder).rglob("*.py")
+                     if len(_router_names_in(p)) >= 2)
+    assert spelled == ["kernel/_launch.py", "kernel/reference.py", "kernel/routing.py", "kernel/routing_jit.py",
+                       "kernel/seed.py", "kernel/spec.py", "routetool/analysis/suite.py", "routetool/capture/hf.py"]
+
+
+def test_the_call_values_follow_the_fields_kinds():
+    values = RouterSpec.call_values({"topk": 8.0, "route_scale": 2, "router_output_multiplier": None,
+                                     "router_score_normalization": "softmax", "router_score_division_eps": 0})
+    assert values == (8, 2.0, None, "softmax", 0.0) and [type(v) for v in values] == [int, float, type(None), str, float]
+    assert RouterSpec.call_values(values) == values  # from a call's positional arguments too
+    assert RouterSpec.from_call(16, values) == RouterSpec(num_experts=16, topk=8, route_scale=2.0,
+                                                          router_score_normalization="softmax",
+                                                          router_score_division_eps=0.0)
+    with pytest.raises(ValueError):
+        RouterSpec.call_values((8, 2.0, None, "softmax"))  # one short
+    assert RouterSpec.call_defaults() == {"router_output_multiplier": None, "router_score_normalization": "sigmoid",
+                                          "router_score_division_eps": None}

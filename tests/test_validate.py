@@ -88,7 +88,7 @@ def test_quick_holds_every_production_shape_and_names_its_model():
     cpu = [c for c in MODELS if not c.cuda_only]
     inputs = [c.build(torch.device("cpu")) for c in cpu]
     assert {i.topk for i in inputs} >= {2, 4, 6, 8, 10, 16, 22}
-    assert {i.router_score_normalization for i in inputs} == {"sigmoid", "softmax"}
+    assert {i.router.router_score_normalization for i in inputs} == {"sigmoid", "softmax"}
     assert any(bool(i.bias.any()) for i in inputs) and any(not i.bias.any() for i in inputs)
     assert {i.gating_output.dtype for i in inputs} == {torch.float32, torch.bfloat16}
     assert all(i.is_padding.any() and not i.is_padding.all() for i in inputs)  # padded rows among real ones

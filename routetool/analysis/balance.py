@@ -44,9 +44,9 @@ from routetool.analysis.eplb import (
     finite_or_none,
     rebalance_experts,
 )
-from routetool.engine.contract import RoutingFn, call_kernel
 from routetool.engine.distributed import Workers
-from routetool.engine.stream import DEFAULT_CHUNK_BYTES, Chunk, chunk_budget, plan_chunks, route_steps, stream_layer
+from routetool.engine.router import Router
+from routetool.engine.stream import DEFAULT_CHUNK_BYTES, Chunk, chunk_budget, plan_chunks, stream_layer
 from routetool.errors import KernelError, RouteToolError
 from routetool.io.dumps import ImportedCounts, ImportedRouting
 from routetool.engine.load import LoadStats, load_stats
@@ -305,67 +305,6 @@ class InvalidRows:
 
 _FIX_KERNEL = "fix the kernel (check it with `routetool validate`), or use --reference"
 
-
-@dataclass
-class Routing:
-    """How a trace's logits are routed for the analysis.
-
-    Attributes:
-        name: for reports (``kernel tiled (NVIDIA H200)``, ``reference (PyTorch)``).
-        fn: a routing function with the seed's signature.
-        params: the router parameters by keyword (:meth:`routetool.io.trace.RouterConfig.kernel_kwargs`).
-        kernel: ``fn`` is a kernel under test: it runs once per captured step, each call judged by
-            the one contract (:mod:`routetool.engine.contract`); otherwise ``fn`` is the PyTorch
-            reference, which routes rows independently and runs once per chunk of steps.
-    """
-
-    name: str
-    fn: RoutingFn
-    params: dict
-    kernel: bool = False
-
-    def route_with_and_without(self, chunk: Chunk, bias: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk's ids routed with ``bias`` and with it zeroed (the bias effect); the reference
-        computes the scores once for both."""
-        if self.kernel:
-            return (self.route(chunk, bias, path),
-                    self.route(chunk, torch.zeros_like(bias), path, context="with the bias zeroed (bias effect)",
-                               per_step=False))
-        from routetool_kernels.reference import normalized_scores, select_experts
-
-        p = self.params
-        scores = normalized_scores(chunk.gating_output, p["router_score_normalization"], p["router_output_multiplier"])
-        return tuple(select_experts(scores, b, p["topk"], is_padding=chunk.is_padding)
-                     for b in (bias, torch.zeros_like(bias)))
-
-    def route(self, chunk: Chunk, bias: torch.Tensor, path: str, context: str = "", per_step: bool = True
-              ) -> torch.Tensor:
-        """``[n, K]`` ids of the chunk's rows routed with ``bias``.
-
-        A kernel runs once per captured step (``per_step``), or once on the whole chunk (the bias
-        effect's routing with the bias zeroed: an analysis, not the captured calls); every call is
-        judged by the contract.
-
-        Raises:
-            RouteToolError: the kernel broke the contract (:meth:`KernelOutcome.error`: exit 2
-                for a documented rejection, 1 for anything else), named by layer and step.
-        """
-        if not self.kernel:
-            return self.fn(chunk.gating_output, bias, is_padding=chunk.is_padding, **self.params)[1]
-        if per_step:
-            routed = route_steps(self.fn, chunk, bias, self.params)
-            outcome, step = routed.outcome, routed.step
-        else:
-            outcome = call_kernel(self.fn, chunk.gating_output, bias, params=self.params, is_padding=chunk.is_padding)
-            step = f"{chunk.first_step}-{chunk.first_step + chunk.num_steps - 1}" if chunk.num_steps > 1 \
-                else chunk.first_step
-        if outcome is not None and not outcome.ok:
-            where = f"layer {chunk.layer}, step{'s' if isinstance(step, str) else ''} {step}" \
-                    f"{' ' + context if context else ''}"
-            raise outcome.error(self.name, where, path=path, tensor=f"layers.{chunk.layer}.gating_output")
-        return routed.ids if per_step else outcome.ids
-
-
 def _phase(num_tokens: int, padded: int, decode_max_tokens: int) -> str:
     return "decode" if padded > 0 or num_tokens <= decode_max_tokens else "prefill"
 
@@ -383,7 +322,7 @@ class TraceSource(Source):
         routing: ``auto`` (``route_fn`` on layers with logits, recorded ids on ids-only
             layers), ``kernel`` / ``reference`` (``route_fn``; every layer needs logits) or
             ``recorded`` (the trace's ``topk_ids``).
-        route_fn: routing of logits (the kernel or the reference), see :class:`Routing`.
+        route_fn: routing of logits (the kernel or the reference), a :class:`~routetool.engine.router.Router` (:func:`route_fn_from`).
         route_name: its name for reports (default: the routing's).
         nobias_fn: routing used for the bias effect (with the trace's bias and with zeros);
             needed when ``bias_effect`` is on and some layer has logits.
@@ -398,8 +337,8 @@ class TraceSource(Source):
 
     kind = "trace"
 
-    def __init__(self, trace: Trace, layers: Sequence[int], routing: str = "auto", route_fn: Routing | None = None,
-                 route_name: str = "", nobias_fn: Routing | None = None, nobias_name: str = "",
+    def __init__(self, trace: Trace, layers: Sequence[int], routing: str = "auto", route_fn: Router | None = None,
+                 route_name: str = "", nobias_fn: Router | None = None, nobias_name: str = "",
                  bias_effect: bool = True, decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS,
                  budget_bytes: int = DEFAULT_CHUNK_BYTES):
         route_name = route_name or (route_fn.name if route_fn is not None else "kernel")
@@ -497,19 +436,24 @@ class TraceSource(Source):
         zeros = torch.zeros_like(bias)
         both = self.bias_effect and info.has_logits and mode == "route" and self.nobias_fn is self.route_fn
         effect = self.bias_effect and info.has_logits and not both
-        kernel = mode == "route" and (self.route_fn.kernel or (effect and self.nobias_fn.kernel))
+        kernel = mode == "route" and (_by_step(self.route_fn) or (effect and _by_step(self.nobias_fn)))
         open_rows = open_padded = 0  # of a step read in pieces, so far
+
+        def route(router: Router, rows: Chunk, b: torch.Tensor, context: str = "", whole: bool = False):
+            return router.route_or_raise(rows, b, self.path, context=context, whole_chunk=whole).ids
+
+        def without_bias(router: Router, rows: Chunk):  # an analysis of the logits: all rows in one call
+            return route(router, rows, zeros, "with the bias zeroed (bias effect)", whole=True)
+
         for chunk in stream_layer(self.trace, layer, device, budget_bytes=self.budget_bytes, whole_steps=kernel):
             whole: dict[str, torch.Tensor] = {}  # a kernel's routings of the whole chunk, cut per piece below
-            if mode == "route" and self.route_fn.kernel:
+            if mode == "route" and _by_step(self.route_fn):
+                whole["ids"] = route(self.route_fn, chunk, bias)
                 if both:
-                    whole["ids"], whole["without"] = self.route_fn.route_with_and_without(chunk, bias, self.path)
-                else:
-                    whole["ids"] = self.route_fn.route(chunk, bias, self.path)
-            if effect and self.nobias_fn.kernel:
-                whole["with"] = self.nobias_fn.route(chunk, bias, self.path, context="(bias effect)")
-                whole["without"] = self.nobias_fn.route(chunk, zeros, self.path,
-                                                        context="with the bias zeroed (bias effect)", per_step=False)
+                    whole["without"] = without_bias(self.route_fn, chunk)
+            if effect and _by_step(self.nobias_fn):
+                whole["with"] = route(self.nobias_fn, chunk, bias, "(bias effect)")
+                whole["without"] = without_bias(self.nobias_fn, chunk)
             for piece in chunk.pieces(self.budget_bytes):
                 S = piece.num_steps
                 pad = piece.is_padding
@@ -524,10 +468,10 @@ class TraceSource(Source):
                     ids = piece.recorded_ids
                 elif "ids" in whole:
                     ids = chunk.rows_of(piece, whole["ids"])
-                elif both:  # the same routing with and without the bias: the reference's scores once
-                    ids, without = self.route_fn.route_with_and_without(piece, bias, self.path)
                 else:
-                    ids = self.route_fn.route(piece, bias, self.path)
+                    ids = route(self.route_fn, piece, bias)
+                    if both:
+                        without = without_bias(self.route_fn, piece)
                 masked = _mask(ids, pad)
                 counts, uncounted = count_experts_per_step(masked, step_index, S, E)
                 if pad is not None:
@@ -551,15 +495,14 @@ class TraceSource(Source):
                     elif "with" in whole:
                         with_bias = chunk.rows_of(piece, whole["with"])
                     else:
-                        with_bias = self.nobias_fn.route(piece, bias, self.path, context="(bias effect)")
+                        with_bias = route(self.nobias_fn, piece, bias, "(bias effect)")
                     if without is None:
-                        without = self.nobias_fn.route(piece, zeros, self.path,
-                                                       context="with the bias zeroed (bias effect)", per_step=False)
+                        without = without_bias(self.nobias_fn, piece)
                     load.bias_ids_with, load.ids_nobias = _mask(with_bias, pad), _mask(without, pad)
                     load.bias_counts_with = counts if with_bias is ids else \
                         count_experts_per_step(load.bias_ids_with, step_index, S, E)[0]
                     load.counts_nobias = count_experts_per_step(load.ids_nobias, step_index, S, E)[0]
-                    if self.nobias_fn.kernel:  # a kernel's ids are judged wherever they are used
+                    if _by_step(self.nobias_fn):  # a kernel's ids are judged wherever they are used
                         load.invalid_bias = [(invalid_reasons(x, None, pad, E), x) for x in (
                             load.ids_nobias, *([load.bias_ids_with] if with_bias is not ids else []))]
                 yield load
@@ -1628,12 +1571,20 @@ def default_ep_sizes(num_experts: int) -> list[int]:
     return [1]
 
 
-def route_fn_from(fn, router, *, kernel: bool = False, name: str = "") -> Routing:
-    """The :class:`Routing` of logits by ``fn`` (the seed's signature) with the trace's router parameters.
+def route_fn_from(fn, router, *, kernel: bool = False, name: str = "") -> Router:
+    """The :class:`~routetool.engine.router.Router` of logits by ``fn`` (the seed's signature) with
+    the trace's router parameters.
 
     ``kernel``: ``fn`` is a kernel under test (a variant or a ``--kernel module:function``): it runs
-    once per captured step, each call judged by the one contract; otherwise ``fn`` is the PyTorch
-    reference, run once per chunk of steps. ``name``: for reports (default ``kernel`` / ``reference``).
+    once per captured step; otherwise ``fn`` is the PyTorch reference (whatever ``fn`` is given),
+    run once per chunk of steps. Every call is judged by the one contract. ``name``: for reports
+    (default ``kernel`` / ``reference``).
     """
-    return Routing(name=name or ("kernel" if kernel else "reference"), fn=fn, params=router.kernel_kwargs(),
-                   kernel=kernel)
+    if kernel:
+        return Router(router, fn, name or "kernel")
+    return replace(Router.reference(router), name=name or "reference")
+
+
+def _by_step(router: Router | None) -> bool:
+    """Whether ``router`` runs once per captured step (a kernel under test, not the reference)."""
+    return router is not None and not router.per_row

@@ -181,16 +181,15 @@ def input_sets(T: int, E: int, K: int, dtype: torch.dtype, l2_bytes: int, seed: 
     sets = []
     for _ in range(n):
         logits = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
-        sets.append(CaseInput(gating_output=logits, bias=bias, topk=K, route_scale=2.5,
-                              topk_weights=torch.empty((T, K), device="cuda"),
-                              topk_ids=torch.empty((T, K), dtype=torch.int32, device="cuda")))
+        sets.append(CaseInput.of(logits, bias, K, topk_weights=torch.empty((T, K), device="cuda"),
+                                 topk_ids=torch.empty((T, K), dtype=torch.int32, device="cuda")))
     return sets
 
 
 def judge_kernel_call(fn: RoutingFn, inp: CaseInput, *, tie_ulps: float, buffers: bool = True,
                       extra: dict | None = None) -> tuple[str, int]:
     """One call of ``fn`` on ``inp``, judged before it is timed: the one kernel contract
-    (:func:`routetool.engine.contract.call_kernel`), then validate's checks of the output.
+    (:meth:`routetool.engine.router.Router.call`), then validate's checks of the output.
 
     Args:
         fn: the kernel. inp: the point's first input set. tie_ulps: as validate's.
@@ -202,15 +201,13 @@ def judge_kernel_call(fn: RoutingFn, inp: CaseInput, *, tie_ulps: float, buffers
         rejection the kernel documents (bench chose the input, as validate's suite does);
         ``("failed: CLASS: ...", 1)`` for a broken contract or failed checks.
     """
-    from routetool.engine.contract import call_kernel
     from routetool.analysis.validate import evaluate
+    from routetool.engine.router import Router
 
-    params = inp.kwargs()
-    pad = params.pop("is_padding")
-    params.update(extra or {})
     call = fn if buffers else (lambda g, b, topk_weights=None, topk_ids=None, **k: fn(g, b, **k))
-    out = call_kernel(call, inp.gating_output, inp.bias, params=params, is_padding=pad,
-                      topk_weights=inp.topk_weights if buffers else None, topk_ids=inp.topk_ids if buffers else None)
+    out = Router(inp.router, call).call(inp.gating_output, inp.bias, is_padding=inp.is_padding,
+                                        topk_weights=inp.topk_weights if buffers else None,
+                                        topk_ids=inp.topk_ids if buffers else None, extra=extra)
     if not out.ok:
         detail = out.message("the kernel")
         if out.failure_class == "rejected_documented":

@@ -25,11 +25,11 @@ from routetool.engine.compare import (
     coarser_dtype,
     compare_step,
     invalid_reasons,
-    own_pick_weights,
     weight_tolerance,
 )
 from routetool.engine.contract import RoutingFn
-from routetool.engine.stream import route_steps, stream_layer
+from routetool.engine.router import Router
+from routetool.engine.stream import stream_layer
 from routetool.engine.verdict import Verdict
 from routetool.errors import RouteToolError
 from routetool.engine.execution import Execution
@@ -550,14 +550,12 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
                   tie_ulps: float, unnormalized: bool, progress: Callable[[int], None] | None,
                   budget_bytes: int | None) -> LayerReplay:
     """One layer with logits: the kernel once per captured step, everything else per chunk of steps."""
-    from routetool_kernels.reference import routing_with_scores
+    from routetool_kernels import reference
 
     layer = res.layer
     info = trace.info(layer)
     router = trace.meta.router
     E, K = router.num_experts, router.topk
-    params = router.kernel_kwargs()
-    eps = router.router_score_division_eps
     kernel_tol = weight_tolerance(torch.float32, router.route_scale)
     if info.has_recorded_ids:
         res.reference_vs_recorded = ComparisonSummary()
@@ -567,13 +565,14 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
     padded, padded_ok, nonfinite, nonfinite_padded, ties = (torch.zeros((), **z) for _ in range(5))
     margin_min = None
     bias = trace.bias(layer).to(device)
-    for piece, w, ids in _routed_pieces(trace, layer, device, kernel_fn, bias, params, kernel_name, budget_bytes):
+    for piece, w, ids in _routed_pieces(trace, layer, device, Router(router, kernel_fn, kernel_name), bias,
+                                        budget_bytes):
         chunk = piece  # (the per-row work runs over pieces of at most the budget)
         gating, pad = chunk.gating_output, chunk.is_padding
-        ref_w, ref_ids, scores, biased = routing_with_scores(gating, bias, is_padding=pad, **params)
+        ref_w, ref_ids, scores, biased = reference.route(gating, bias, router, is_padding=pad)
         where = dict(layer=layer, step=chunk.first_step, start=chunk.start, step_offsets=chunk.offsets)
 
-        kernel_own = own_pick_weights(scores, ids, router.route_scale, eps)
+        kernel_own = reference.pick_weights(scores, ids, router)
         cmp = compare_step(ids, w, ref_ids, ref_w, scores, biased, pad, tie_ulps=tie_ulps, tolerance=kernel_tol,
                            own_weights=kernel_own)
         res.kernel_vs_reference.add(cmp, test_ids=ids, test_weights=w, expected_ids=ref_ids, expected_weights=ref_w,
@@ -583,14 +582,14 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
             rec_tol: WeightTolerance | None = None
             if rec_w is not None:
                 rec_tol = weight_tolerance(coarser_dtype(rec_w.dtype, torch.float32), router.route_scale)
-            # A tie-equivalent row's weights are checked against its own picks (own_pick_weights).
-            recorded_own = own_pick_weights(scores, rec_ids, router.route_scale, eps, renormalized=not unnormalized)
+            # A tie-equivalent row's weights are checked against its own picks (pick_weights).
+            recorded_own = reference.pick_weights(scores, rec_ids, router, renormalized=not unnormalized)
             pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, ref_w, recorded_own),
                      (res.kernel_vs_recorded, ids, w, rec_ids, rec_w, kernel_own)]
             if unnormalized:
                 # Production kept the raw top-k scores (times route_scale): compare like with
                 # like. The kernel always renormalises, so against it only ids are compared.
-                raw = own_pick_weights(scores, ref_ids, router.route_scale, eps, renormalized=False)
+                raw = reference.pick_weights(scores, ref_ids, router, renormalized=False)
                 if pad is not None:
                     raw = torch.where(pad[:, None], 0.0, raw)
                 pairs = [(res.reference_vs_recorded, rec_ids, rec_w, ref_ids, raw, recorded_own),
@@ -627,10 +626,10 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
     return res
 
 
-def _routed_pieces(trace: Trace, layer: int, device: torch.device, kernel_fn: RoutingFn, bias: torch.Tensor,
-                   params: dict, kernel_name: str, budget_bytes: int | None):
+def _routed_pieces(trace: Trace, layer: int, device: torch.device, router: Router, bias: torch.Tensor,
+                   budget_bytes: int | None):
     """``(piece, weights, ids)`` over ``layer``: the kernel routes each captured step whole (chunks
-    of whole steps, :func:`~routetool.engine.stream.route_steps`), the rest of the work gets its
+    of whole steps, :meth:`~routetool.engine.router.Router.route`), the rest of the work gets its
     outputs over pieces of at most ``budget_bytes`` (:meth:`~routetool.engine.stream.Chunk.pieces`).
 
     Raises:
@@ -638,9 +637,9 @@ def _routed_pieces(trace: Trace, layer: int, device: torch.device, kernel_fn: Ro
         RouteToolError: a step larger than :data:`~routetool.engine.stream.KERNEL_STEP_BYTES`.
     """
     for chunk in stream_layer(trace, layer, device, budget_bytes=budget_bytes, whole_steps=True):
-        routed = route_steps(kernel_fn, chunk, bias, params)
+        routed = router.route(chunk, bias)
         if not routed.ok:
-            raise routed.outcome.error(f"kernel {kernel_name!r}", f"layer {layer} step {routed.step}",
+            raise routed.outcome.error(f"kernel {router.name!r}", f"layer {layer} step {routed.step}",
                                        path=trace.display_path, tensor=f"layers.{layer}.gating_output")
         for piece in chunk.pieces(budget_bytes):
             yield piece, chunk.rows_of(piece, routed.weights), chunk.rows_of(piece, routed.ids)

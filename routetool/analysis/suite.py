@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from routetool_kernels.spec import RouterSpec
+
 SUITES = ("quick", "full")
 
 SHAPE_EXPERTS = (1, 2, 3, 8, 24, 60, 64, 72, 128, 160, 256, 384, 512)
@@ -21,26 +23,51 @@ SHAPE_TOPK = (1, 2, 4, 6, 8, 10, 16, 22)
 
 @dataclass
 class CaseInput:
-    """Arguments of one routing call (the seed's signature)."""
+    """Arguments of one routing call (the seed's signature).
+
+    Attributes:
+        gating_output: ``[T, E]`` logits. bias: ``[E]``.
+        router: the router's parameters (``router.num_experts`` is ``E``).
+        is_padding: ``[T]`` bool or None. topk_weights / topk_ids: caller buffers or None.
+    """
 
     gating_output: torch.Tensor
     bias: torch.Tensor
-    topk: int
-    route_scale: float = 2.5
-    router_output_multiplier: float | None = None
-    router_score_normalization: str = "sigmoid"
-    router_score_division_eps: float | None = None
+    router: RouterSpec
     is_padding: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
 
+    @classmethod
+    def of(cls, gating_output: torch.Tensor, bias: torch.Tensor, topk: int, *, is_padding: torch.Tensor | None = None,
+           topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None, **router) -> CaseInput:
+        """A case's inputs: the router of ``gating_output``'s columns, ``topk``, ``route_scale`` 2.5
+        unless given, and the other :class:`~routetool_kernels.spec.RouterSpec` fields in ``router``."""
+        spec = RouterSpec(num_experts=gating_output.shape[-1], topk=topk, **{**CASE_ROUTER, **router})
+        return cls(gating_output, bias, spec, is_padding, topk_weights, topk_ids)
+
+    @property
+    def topk(self) -> int:
+        return self.router.topk
+
+    def with_rows(self, gating_output: torch.Tensor, is_padding: torch.Tensor | None) -> CaseInput:
+        """The same router and bias on other rows, without caller buffers."""
+        return CaseInput(gating_output, self.bias, self.router, is_padding)
+
     def kwargs(self) -> dict:
         """Keyword arguments for the kernel (and, without buffers, the reference)."""
-        return dict(
-            topk=self.topk, route_scale=self.route_scale, router_output_multiplier=self.router_output_multiplier,
-            router_score_normalization=self.router_score_normalization,
-            router_score_division_eps=self.router_score_division_eps, is_padding=self.is_padding,
-        )
+        return {**self.router.kernel_kwargs(), "is_padding": self.is_padding}
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference's ``(topk_weights, topk_ids, scores, biased)`` for these inputs
+        (:func:`routetool_kernels.reference.route`)."""
+        from routetool_kernels import reference
+
+        return reference.route(self.gating_output, self.bias, self.router, is_padding=self.is_padding)
+
+
+CASE_ROUTER = {"route_scale": 2.5}
+"""What a case's router sets beyond its shape, unless the case says otherwise."""
 
 
 @dataclass
@@ -91,7 +118,7 @@ def _bias(name: str, E: int, scale: float = 0.05) -> torch.Tensor:
 
 def _simple(name: str, T: int, E: int, K: int, dtype=torch.float32, **kw) -> Callable[[torch.device], CaseInput]:
     def build(device: torch.device) -> CaseInput:
-        return CaseInput(gating_output=_randn(name, (T, E)).to(dtype).to(device), bias=_bias(name, E).to(device),
+        return CaseInput.of(gating_output=_randn(name, (T, E)).to(dtype).to(device), bias=_bias(name, E).to(device),
                          topk=K, **kw)
     return build
 
@@ -108,14 +135,14 @@ def _ties(suite: str) -> list[Case]:
             g[2] = -3.0
             g[3] = _randn(name, (E,))
             g[3, : E // 2] = g[3, 0]
-            return CaseInput(gating_output=g.to(device), bias=torch.zeros(E, device=device), topk=K)
+            return CaseInput.of(gating_output=g.to(device), bias=torch.zeros(E, device=device), topk=K)
         cases.append(Case("ties", name, f"rows of equal logits, E={E}: picks must be the lowest indices", build))
 
         name = f"ties/integer-logits/E{E}-k{K}"
 
         def build_int(device, E=E, K=K, name=name):
             g = torch.randint(-3, 4, (33, E), generator=_gen(name)).float()
-            return CaseInput(gating_output=g.to(device), bias=torch.zeros(E, device=device), topk=K)
+            return CaseInput.of(gating_output=g.to(device), bias=torch.zeros(E, device=device), topk=K)
         cases.append(Case("ties", name, "integer-valued logits: many exact ties at every rank", build_int,
                           checks=("determinism", "row_order")))
 
@@ -128,7 +155,7 @@ def _ties(suite: str) -> list[Case]:
                 order = torch.sort(g[r].float(), descending=True, stable=True).indices
                 if K < E:
                     g[r, order[K:K + 3]] = g[r, order[K - 1]].clone()
-            return CaseInput(gating_output=g.to(device), bias=b.to(device), topk=K)
+            return CaseInput.of(gating_output=g.to(device), bias=b.to(device), topk=K)
         cases.append(Case("ties", name, "bf16 logits colliding exactly at the k-th boundary", build_bf16,
                           feature="bfloat16"))
     # Prefill-sized batches, so that a GPU runs the kernel's large-batch algorithm on ties too
@@ -144,7 +171,7 @@ def _ties(suite: str) -> list[Case]:
             g[0::4] = 0.0                                  # every logit equal
             g[1::4, : E // 2] = 1.0                        # the first half equal, above the rest
             g[2::4] = torch.randint(-3, 4, (len(range(2, T, 4)), E), generator=_gen(name + "/int")).float()
-            return CaseInput(gating_output=g.to(device), bias=torch.zeros(E, device=device), topk=K)
+            return CaseInput.of(gating_output=g.to(device), bias=torch.zeros(E, device=device), topk=K)
         cases.append(Case("ties", name, "4100 rows (a prefill batch) of equal, half-equal and integer logits",
                           build_prefill, cuda_only=True))
     return cases
@@ -176,7 +203,7 @@ def _nonfinite(suite: str) -> list[Case]:
                         g[rows, 17] = float("inf")
                     else:
                         g[rows] = -1e4 + _randn(name + "/u", (3, E))
-                    return CaseInput(gating_output=g.to(device), bias=_bias(name, E).to(device), topk=K,
+                    return CaseInput.of(gating_output=g.to(device), bias=_bias(name, E).to(device), topk=K,
                                      router_score_normalization=norm, router_score_division_eps=eps)
                 cases.append(Case("nonfinite", name, f"{what} rows under {norm}", build))
     return cases
@@ -197,7 +224,7 @@ def _bias_family(suite: str) -> list[Case]:
 
             def build(device, make=make, bias_dtype=bias_dtype, name=name):
                 E, K = 96, 8
-                return CaseInput(gating_output=_randn(name, (33, E)).to(device),
+                return CaseInput.of(gating_output=_randn(name, (33, E)).to(device),
                                  bias=make(name, E).to(bias_dtype).to(device), topk=K)
             cases.append(Case("bias", name, f"{label} bias in {bias_dtype}", build,
                               feature="bias " + str(bias_dtype).removeprefix("torch.")
@@ -310,7 +337,7 @@ def _model_build(name: str, shape: ModelShape) -> Callable[[torch.device], CaseI
         pad = torch.zeros(MODEL_TOKENS, dtype=torch.bool)
         pad[list(MODEL_PADDED_ROWS)] = True
         bias = _bias(name, E, scale=0.1) if shape.bias else torch.zeros(E)
-        return CaseInput(gating_output=_randn(name, (MODEL_TOKENS, E)).to(shape.dtype).to(device),
+        return CaseInput.of(gating_output=_randn(name, (MODEL_TOKENS, E)).to(shape.dtype).to(device),
                          bias=bias.to(device), topk=shape.topk, route_scale=shape.route_scale,
                          router_score_normalization=shape.normalization, is_padding=pad.to(device))
     return build
@@ -372,8 +399,7 @@ def batch_around(name: str, inp: CaseInput, size: int) -> BatchProbe:
                 mask[[q for q in (p - 1, p + 1) if 0 <= q < size and q not in positions]] = True
         mask[positions] = pad[rows]
         mask = mask.to(device)
-    batch = CaseInput(**{**inp.__dict__, "gating_output": g, "is_padding": mask, "topk_weights": None,
-                         "topk_ids": None})
+    batch = inp.with_rows(g, mask)
     return BatchProbe(size=size, inp=batch, rows=rows, positions=positions)
 
 
@@ -383,23 +409,23 @@ def _layouts(suite: str) -> list[Case]:
 
     def column_slice(device, name="layouts/column-slice"):
         wide = _randn(name, (T, E + 9)).to(device)
-        return CaseInput(gating_output=wide[:, 5:5 + E], bias=_bias(name, E).to(device), topk=K)
+        return CaseInput.of(gating_output=wide[:, 5:5 + E], bias=_bias(name, E).to(device), topk=K)
 
     def transposed(device, name="layouts/transposed"):
-        return CaseInput(gating_output=_randn(name, (E, T)).to(device).t(), bias=_bias(name, E).to(device), topk=K)
+        return CaseInput.of(gating_output=_randn(name, (E, T)).to(device).t(), bias=_bias(name, E).to(device), topk=K)
 
     def big_buffers(device, name="layouts/larger-output-buffers"):
-        return CaseInput(gating_output=_randn(name, (T, E)).to(device), bias=_bias(name, E).to(device), topk=K,
+        return CaseInput.of(gating_output=_randn(name, (T, E)).to(device), bias=_bias(name, E).to(device), topk=K,
                          topk_weights=torch.empty((T + 7, K + 3), device=device),
                          topk_ids=torch.empty((T + 7, K + 3), dtype=torch.int32, device=device))
 
     def int64_ids(device, name="layouts/int64-ids-buffer"):
-        return CaseInput(gating_output=_randn(name, (T, E)).to(device), bias=_bias(name, E).to(device), topk=K,
+        return CaseInput.of(gating_output=_randn(name, (T, E)).to(device), bias=_bias(name, E).to(device), topk=K,
                          topk_weights=torch.empty((T, K), device=device),
                          topk_ids=torch.empty((T, K), dtype=torch.int64, device=device))
 
     def strided_bias(device, name="layouts/strided-bias"):
-        return CaseInput(gating_output=_randn(name, (T, E)).to(device),
+        return CaseInput.of(gating_output=_randn(name, (T, E)).to(device),
                          bias=_bias(name, 2 * E).to(device)[::2], topk=K)
 
     return [
@@ -435,12 +461,12 @@ def _padding(suite: str) -> list[Case]:
         name = f"padding/{label}"
 
         def build(device, mask=mask, name=name):
-            return CaseInput(gating_output=_randn(name, (T, E)).to(device), bias=_bias(name, E).to(device), topk=K,
+            return CaseInput.of(gating_output=_randn(name, (T, E)).to(device), bias=_bias(name, E).to(device), topk=K,
                              is_padding=mask().to(device))
         cases.append(Case("padding", name, f"{label} rows padded", build))
 
     def changing(device, name="padding/mask-and-bias-change"):
-        return CaseInput(gating_output=_randn(name, (T, E)).to(device), bias=_bias(name, E).to(device), topk=K,
+        return CaseInput.of(gating_output=_randn(name, (T, E)).to(device), bias=_bias(name, E).to(device), topk=K,
                          is_padding=torch.zeros(T, dtype=torch.bool, device=device),
                          topk_weights=torch.empty((T, K), device=device),
                          topk_ids=torch.empty((T, K), dtype=torch.int32, device=device))

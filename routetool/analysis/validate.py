@@ -43,17 +43,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from routetool.engine.compare import INVALID_REASONS, RowClass, compare_step, own_pick_weights, weight_tolerance
+from routetool.engine.compare import INVALID_REASONS, RowClass, compare_step, weight_tolerance
 from routetool.engine.distributed import Workers
 from routetool.engine.contract import (
     KERNEL_ID_DTYPES,
     KERNEL_WEIGHT_DTYPE,
     KernelOutcome,
     RoutingFn,
-    call_kernel,
     rejection_documented,  # noqa: F401 - part of validate's interface (the documented-rejection rule)
 )
-from routetool.engine.stream import route_steps, stream_layer
+from routetool.engine.router import Router
+from routetool.engine.stream import stream_layer
 from routetool.engine.verdict import Verdict
 from routetool.errors import EXIT_FINDINGS, EXIT_USAGE, RouteToolError, first_line
 from routetool.engine.execution import Execution
@@ -161,10 +161,9 @@ class CallFailed(Exception):
 def _call(fn: RoutingFn, inp: CaseInput, check_inputs: bool = True, feature: str | None = None):
     """``fn`` on the case's inputs, judged by the one kernel contract; a broken contract raises
     :class:`CallFailed`. ``check_inputs=False`` inside a CUDA-graph capture (the check synchronises)."""
-    params = inp.kwargs()
-    pad = params.pop("is_padding")
-    out = call_kernel(fn, inp.gating_output, inp.bias, params=params, is_padding=pad, topk_weights=inp.topk_weights,
-                      topk_ids=inp.topk_ids, feature=feature or "", check_inputs=check_inputs)
+    out = Router(inp.router, fn).call(inp.gating_output, inp.bias, is_padding=inp.is_padding,
+                                      topk_weights=inp.topk_weights, topk_ids=inp.topk_ids, feature=feature or "",
+                                      check_inputs=check_inputs)
     if not out.ok:
         raise CallFailed(out)
     return out.weights, out.ids
@@ -186,7 +185,7 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
         ``(failure_classes, tie_equivalent_rows, offending_rows)``, and with ``first_rows`` a
         fourth item: failure class -> the first row it applies to.
     """
-    from routetool_kernels.reference import routing_with_scores
+    from routetool_kernels.reference import pick_weights, weight_sum
 
     T, K = inp.gating_output.shape[0], inp.topk
     if tuple(weights.shape) != (T, K) or tuple(ids.shape) != (T, K):
@@ -196,8 +195,8 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
     device = inp.gating_output.device
     if weights.device != device or ids.device != device:
         return ["wrong_device"], 0, []
-    ref_w, ref_ids, scores, biased = routing_with_scores(inp.gating_output, inp.bias, **inp.kwargs())
-    tol = weight_tolerance(torch.float32, inp.route_scale)
+    ref_w, ref_ids, scores, biased = inp.reference()
+    tol = weight_tolerance(torch.float32, inp.router.route_scale)
     cmp = compare_step(ids, weights, ref_ids, ref_w, scores, biased, inp.is_padding, tie_ulps=tie_ulps, tolerance=tol)
 
     classes: list[str] = []
@@ -220,14 +219,15 @@ def evaluate(inp: CaseInput, weights: torch.Tensor, ids: torch.Tensor, *, tie_ul
     # Invariants on the kernel's own picks (valid, unpadded rows).
     pad = inp.is_padding if inp.is_padding is not None else torch.zeros(T, dtype=torch.bool, device=device)
     valid = ~pad & (cmp.row_class != RowClass.INVALID)
-    expected = own_pick_weights(scores, ids, inp.route_scale, inp.router_score_division_eps)
+    expected = pick_weights(scores, ids, inp.router)
     w = weights.float()
     off = (w - expected).abs() > tol.atol + tol.rtol * expected.abs()
     flag("weights_not_renormalized_unbiased", valid & off.any(-1))
-    if inp.router_score_division_eps is None:
+    total = weight_sum(inp.router)
+    if total is not None:
         sums = w.sum(-1)
         nonzero = expected.sum(-1) > 0  # some picked score is > 0
-        flag("weight_sum", valid & nonzero & ((sums - inp.route_scale).abs() > 1e-5 * inp.route_scale * max(1, K / 8)))
+        flag("weight_sum", valid & nonzero & ((sums - total).abs() > 1e-5 * total * max(1, K / 8)))
 
     reports = []
     for r, name in sorted(bad_rows.items())[:max_rows]:
@@ -281,9 +281,7 @@ def _self_comparison(cls: str, inp: CaseInput, first: tuple, second: tuple, r: i
     """A token's outputs from two calls of the kernel: row ``r`` of ``first`` (``(weights, ids)``
     of ``inp``) against row ``p`` of ``second``; ``sizes``: the two calls' batch sizes, when the
     second is another batch than ``inp``."""
-    from routetool_kernels.reference import routing_with_scores
-
-    _, _, scores, biased = routing_with_scores(inp.gating_output, inp.bias, **inp.kwargs())
+    _, _, scores, biased = inp.reference()
     pad = inp.is_padding is not None and bool(inp.is_padding[r])
     return RowReport(row=r, failure_class=cls, is_padding=pad, top_inputs=_top_inputs(inp, scores, biased, r),
                      expected_ids=first[1][r].tolist(), got_ids=second[1][p].tolist(),
@@ -366,9 +364,8 @@ def _run_checks(case: Case, fn: RoutingFn, inp: CaseInput, weights, ids, tie_ulp
     if "row_order" in case.checks:
         n = inp.gating_output.shape[0]
         perm = (torch.arange(n, device=inp.gating_output.device) + 1) % n  # every row moves by one
-        flipped = CaseInput(**{**inp.__dict__, "gating_output": inp.gating_output[perm].contiguous(),
-                               "is_padding": None if inp.is_padding is None else inp.is_padding[perm].contiguous(),
-                               "topk_weights": None, "topk_ids": None})
+        flipped = inp.with_rows(inp.gating_output[perm].contiguous(),
+                                None if inp.is_padding is None else inp.is_padding[perm].contiguous())
         w2, ids2 = _call(fn, flipped)
         inverse = torch.argsort(perm)
         if not torch.equal(ids2[inverse].long().cpu(), base[1].long().cpu()) or not torch.allclose(
@@ -393,9 +390,7 @@ def _run_checks(case: Case, fn: RoutingFn, inp: CaseInput, weights, ids, tie_ulp
 
 def _reference_ids(inp: CaseInput) -> torch.Tensor:
     """``[T, K]`` the reference's ids for ``inp`` as it is now (padded rows -1)."""
-    from routetool_kernels.reference import routing_with_scores
-
-    return routing_with_scores(inp.gating_output, inp.bias, **inp.kwargs())[1].clone()
+    return inp.reference()[1].clone()
 
 
 def _after_change(inp: CaseInput, ref_before: torch.Tensor, first: tuple, second: tuple,
@@ -498,7 +493,6 @@ def validate_layer(trace, layer: int, family: str, fn: RoutingFn, kernel_name: s
     nothing to route there.
     """
     router = trace.meta.router
-    params = router.kernel_kwargs()
     device = execution.device
     name = f"{family}/layer{layer}"
     info = trace.info(layer)
@@ -515,7 +509,7 @@ def validate_layer(trace, layer: int, family: str, fn: RoutingFn, kernel_name: s
     tie_rows = 0
     rows: list[RowReport] = []
     for chunk in stream_layer(trace, layer, device, whole_steps=True):
-        routed = route_steps(fn, chunk, bias, params)
+        routed = Router(router, fn, kernel_name).route(chunk, bias)
         if not routed.ok:  # a rejection, documented or not, fails too: a trace is production input
             outcome = routed.outcome
             return CaseResult(family=family, name=name, description=description, verdict="fail",
@@ -524,7 +518,7 @@ def validate_layer(trace, layer: int, family: str, fn: RoutingFn, kernel_name: s
                                                         path=trace.display_path, tensor=f"layers.{layer}.gating_output")),
                               duration_s=time.perf_counter() - start, exit_code=outcome.exit_code)
         for piece in chunk.pieces():  # the kernel saw whole steps; the checks run over bounded pieces
-            inp = CaseInput(gating_output=piece.gating_output, bias=bias, is_padding=piece.is_padding, **params)
+            inp = CaseInput(gating_output=piece.gating_output, bias=bias, router=router, is_padding=piece.is_padding)
             chunk_classes, chunk_ties, chunk_rows, first_rows = evaluate(
                 inp, chunk.rows_of(piece, routed.weights), chunk.rows_of(piece, routed.ids), tie_ulps=tie_ulps,
                 first_rows=True)

@@ -125,9 +125,7 @@ DEFAULT_TARGET = "vllm.models.muse_spark.common.ops.fused_routing:fused_musespar
 """vLLM 0.33's MuseSpark1x routing kernel (the seed's function), the default target to record."""
 
 _DEFAULTS = {
-    "router_output_multiplier": None,
-    "router_score_normalization": "sigmoid",
-    "router_score_division_eps": None,
+    **RouterConfig.call_defaults(),
     "topk_weights": None,
     "topk_ids": None,
     "is_padding": None,
@@ -578,10 +576,7 @@ class RoutingRecorder:
                 return
             for _ in range(3):  # a snapshot after all prior work -> copies of its steps -> the writer
                 self._drain(wait=True)
-            while self._copies:
-                copy = self._copies.popleft()
-                copy.wait()
-                self._submit(copy)
+            self._hand_over(wait=True)
             executor = self._executor
         self._write_now(executor)
 
@@ -645,14 +640,12 @@ class RoutingRecorder:
                 return
         try:
             if positional:
-                g, bias, topk, scale, mult, norm, eps = args[:7]
+                g, bias = args[:2]
+                params = RouterConfig.call_values(args[2:7])
             else:
                 p = self._params(args, kwargs)
                 g, bias, pad = p["gating_output"], p["bias"], p["is_padding"]
-                topk, scale, mult, norm, eps = (p["topk"], p["route_scale"], p["router_output_multiplier"],
-                                                p["router_score_normalization"], p["router_score_division_eps"])
-            params = (int(topk), float(scale), None if mult is None else float(mult), str(norm),
-                      None if eps is None else float(eps))
+                params = RouterConfig.call_values(p)
             w = ids = None
             if self.record_outputs:
                 w, ids = self._outputs(out, g, params[0])
@@ -720,7 +713,7 @@ class RoutingRecorder:
         p = self._params(args, kwargs)
         w, ids = out if self.record_outputs else (None, None)
         torch.ops.routetool.record_routing(self._token, p["gating_output"], p["bias"], p["is_padding"], w, ids,
-                                           self._handle, -1, *_router_args(p))
+                                           self._handle, -1, *RouterConfig.call_values(p))
 
     def _outputs(self, out, g, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The call's ``(topk_weights, topk_ids)``; their shapes, dtypes and devices are checked
@@ -817,11 +810,7 @@ class RoutingRecorder:
 
     def _site(self, params: tuple, num_experts: int) -> int:
         """The number of the call's router parameters; the first call's are the trace's."""
-        topk, scale, mult, norm, eps = params
-        router = RouterConfig(num_experts=num_experts, topk=int(topk), route_scale=float(scale),
-                              router_score_normalization=str(norm),
-                              router_output_multiplier=None if mult is None else float(mult),
-                              router_score_division_eps=None if eps is None else float(eps))
+        router = RouterConfig.from_call(num_experts, params)
         if self.router is None:
             problems = router_config_errors(router)
             if problems:
@@ -834,9 +823,7 @@ class RoutingRecorder:
                 path=self.out, tensor="__metadata__",
                 fix="a trace holds one router configuration; record runs with different parameters separately",
             )
-        key = (router.topk, router.route_scale, router.router_output_multiplier, router.router_score_normalization,
-               router.router_score_division_eps)
-        return self._sites.setdefault(key, len(self._sites))
+        return self._sites.setdefault(params, len(self._sites))
 
     def _check_call(self, g, bias, pad, w, ids, topk: int) -> None:
         ring = self._ring
@@ -889,10 +876,7 @@ class RoutingRecorder:
         if self._stop_pending:
             ring.stop()
             self._stop_pending = False
-        while self._copies and (wait or self._copies[0].ready()):
-            copy = self._copies.popleft()
-            copy.wait()
-            self._submit(copy)
+        self._hand_over(wait)
         snap = self._snapshot
         if snap is not None and (wait or snap.ready()):
             snap.wait()
@@ -939,10 +923,7 @@ class RoutingRecorder:
                 return
             try:
                 self._drain(wait=True)
-                while self._copies:
-                    copy = self._copies.popleft()
-                    copy.wait()
-                    self._submit(copy)
+                self._hand_over(wait=True)
             except Exception:  # noqa: BLE001 - a broken device: the final drain reports it
                 return
             executor = self._executor
@@ -1007,6 +988,17 @@ class RoutingRecorder:
     refusal: dict | None = None
     """``{"step": N, "reason": ...}`` once a step's calls disagreed with ``num_layers``."""
 
+    def _hand_over(self, wait: bool) -> None:
+        """Hand the landed copies (all of them with ``wait``) to the writer, oldest first. A copy
+        leaves the queue only once handed over, so an interruption in between (Ctrl-C lands
+        between any two lines) hands it over again at the next drain; the writer takes each copy
+        once (:meth:`_consume`)."""
+        while self._copies and (wait or self._copies[0].ready()):
+            copy = self._copies[0]
+            copy.wait()
+            self._submit(copy)
+            self._copies.popleft()
+
     def _submit(self, copy: ring_mod.RingCopy) -> None:
         self._backlog += 1
         if self._executor is not None:
@@ -1022,8 +1014,12 @@ class RoutingRecorder:
         """Turn a landed copy into pending steps; write a shard whenever ``shard_mb`` are pending.
 
         A call whose bias differs from its layer's first recorded bias (bit for bit) ends the
-        recording there: a trace holds one bias per layer; the steps before it are kept."""
+        recording there: a trace holds one bias per layer; the steps before it are kept. A copy
+        handed over twice (:meth:`_hand_over`) is taken once."""
         try:
+            if copy.taken:
+                return
+            copy.taken = True
             copy.rows = {name: _pageable(t) for name, t in copy.rows.items()}  # free the pinned copies now
             for step in self._ring.decode(copy):
                 if self._bias_changed:
@@ -1328,13 +1324,6 @@ class RoutingRecorder:
                 f"ring))",
                 path=self.out, fix="lower skip_steps/every_n_steps, raise max_tokens above one step's tokens, or "
                                    "raise ring_mb")
-
-
-def _router_args(p: dict) -> tuple:
-    """The record op's router arguments from a call's parameters (int, float, float?, str, float?)."""
-    mult, eps = p["router_output_multiplier"], p["router_score_division_eps"]
-    return (int(p["topk"]), float(p["route_scale"]), None if mult is None else float(mult),
-            str(p["router_score_normalization"]), None if eps is None else float(eps))
 
 
 def _keep_plan(ring: ring_mod.DeviceRing, keys: tuple, plan: tuple) -> None:

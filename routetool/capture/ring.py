@@ -63,6 +63,8 @@ from dataclasses import dataclass
 
 import torch
 
+from routetool_kernels.spec import schema_arguments
+
 # -- state words ---------------------------------------------------------------------------
 # written by the device (the last program of each record kernel)
 STATE_HEAD_ROWS = 0  # virtual rows claimed
@@ -227,6 +229,7 @@ class RingCopy:
     rows: dict[str, torch.Tensor]  # gating, padding, ids, weights: virtual rows [first_row, rows_end)
     event: object = None
     state: list[int] | None = None  # the state words the copy was made from
+    taken: bool = False  # the writer took it (a copy handed over twice is taken once)
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -604,27 +607,24 @@ def register_sink(sink: object) -> int:
 
 def _record_routing(token: torch.Tensor, gating_output: torch.Tensor, bias: torch.Tensor,
                     is_padding: torch.Tensor | None, topk_weights: torch.Tensor | None,
-                    topk_ids: torch.Tensor | None, handle: int, position: int, topk: int, route_scale: float,
-                    router_output_multiplier: float | None, router_score_normalization: str,
-                    router_score_division_eps: float | None) -> None:
+                    topk_ids: torch.Tensor | None, handle: int, position: int, *router: object) -> None:
     sink = _SINKS.get(handle)
     if sink is None:
         return
-    params = (topk, route_scale, router_output_multiplier, router_score_normalization, router_score_division_eps)
-    sink.record_call(token, gating_output, bias, is_padding, topk_weights, topk_ids, position, params)
+    sink.record_call(token, gating_output, bias, is_padding, topk_weights, topk_ids, position, router)
 
 
 record_routing = torch.library.custom_op(
     "routetool::record_routing", _record_routing, mutates_args=("token",),
     schema="(Tensor(a!) token, Tensor gating_output, Tensor bias, Tensor? is_padding, Tensor? topk_weights, "
-           "Tensor? topk_ids, int handle, int position, int topk, float route_scale, "
-           "float? router_output_multiplier, str router_score_normalization, "
-           "float? router_score_division_eps) -> ()",
+           f"Tensor? topk_ids, int handle, int position, {schema_arguments()}) -> ()",
 )
 """``torch.ops.routetool.record_routing(token, gating_output, bias, is_padding, topk_weights,
-topk_ids, handle, position, topk, route_scale, router_output_multiplier,
-router_score_normalization, router_score_division_eps)``: record one routing call into the
-ring of the recorder ``handle`` (:func:`register_sink`). ``position``: the call's layer
+topk_ids, handle, position, *router)``: record one routing call into the ring of the recorder
+``handle`` (:func:`register_sink`). ``router``: the call's router arguments in the seed's order
+(:data:`routetool_kernels.spec.RouterSpec.KERNEL_KEYWORDS`, typed in the schema by
+:func:`routetool_kernels.spec.schema_arguments`: ``int topk, float route_scale, ...``), as
+:meth:`~routetool_kernels.spec.RouterSpec.call_values` gives them. ``position``: the call's layer
 position, or -1 for its place in the step. ``token``: a tensor of the recorder's that the op is
 declared to mutate, so that torch.compile keeps the call, in order, as one opaque node (the
 ring itself may not exist yet when a graph is traced). CUDA-graph capture records the kernel
@@ -632,7 +632,6 @@ the op launches."""
 
 
 @record_routing.register_fake
-def _record_routing_fake(token, gating_output, bias, is_padding, topk_weights, topk_ids, handle, position, topk,
-                         route_scale, router_output_multiplier, router_score_normalization,
-                         router_score_division_eps) -> None:
+def _record_routing_fake(token, gating_output, bias, is_padding, topk_weights, topk_ids, handle, position,
+                         *router) -> None:
     return None

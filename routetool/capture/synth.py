@@ -54,13 +54,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from routetool.errors import RouteToolError
 from routetool.numtext import number_problem
 from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors
+from routetool_kernels.spec import MUSESPARK1X
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_TIES = 4
@@ -125,7 +126,7 @@ class SynthSpec:
     """
 
     num_layers: int = 4
-    router: RouterConfig = field(default_factory=lambda: RouterConfig(num_experts=256, topk=8, route_scale=2.5))
+    router: RouterConfig = MUSESPARK1X
     dtype: torch.dtype = torch.bfloat16
     prefill_chunks: tuple[int, ...] = (384, 128)
     decode_steps: int = 16
@@ -446,11 +447,7 @@ def _route_counts(logits: torch.Tensor, bias: torch.Tensor, router: RouterConfig
     """
     from routetool_kernels import reference
 
-    if router.router_score_normalization == "sigmoid":
-        x = logits if router.router_output_multiplier is None else logits.mul_(router.router_output_multiplier)
-        keys = torch.sigmoid_(x)
-    else:
-        keys = reference.scores(logits, router)
+    keys = reference.scores(logits, router, finite_inplace=True)
     if bool(bias.any()):
         keys = keys.add_(bias.float())
     ids = torch.topk(keys, router.topk, dim=-1, sorted=False).indices

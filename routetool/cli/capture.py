@@ -113,18 +113,43 @@ def _std(ctx, param, value):
 
 # ---------------------------------------------------------------------------------------
 # routetool synth
+_SYNTH_EXPERTS = 1 << 16
+"""The most experts synth writes per layer."""
+
+
+def _router_options(command):
+    """synth's options for the router, one per field of :class:`~routetool_kernels.spec.RouterSpec`
+    (its metadata: option, help, kind), defaulting to MuseSpark1x's router
+    (:data:`~routetool_kernels.spec.MUSESPARK1X`); the function receives them by field name.
+    Fields the reference does not route yet (group-limited routing) are left out."""
+    from dataclasses import fields
+
+    from routetool_kernels.spec import FIELD_INFO, MUSESPARK1X, NORMALIZATIONS, RouterSpec
+
+    for f in reversed(fields(RouterSpec)):
+        if f.name in RouterSpec.GROUPING:
+            continue
+        info, default = FIELD_INFO[f.name], getattr(MUSESPARK1X, f.name)
+        kind, help_text = info["kind"], info["help"]
+        if kind == "str":
+            kind = click.Choice(NORMALIZATIONS)
+        elif kind == "int":
+            top = _SYNTH_EXPERTS if f.name == "num_experts" else None
+            kind = IntRange(1, top)
+            help_text += f" 1-{top:,}." if top else ""
+        else:
+            kind = FLOAT
+        command = click.option(info["option"], f.name, type=kind, default=default, show_default=default is not None,
+                               help=help_text)(command)
+    return command
+
+
 @click.command()
 @click.option("-o", "--output", "--out", "out", type=PATH, required=True,
               help="Trace file to write (.safetensors). --out is an alias.")
 @click.option("--layers", "num_layers", type=IntRange(1, 1024), default=4, show_default=True,
               help="MoE layers (1-1024).")
-@click.option("--experts", "num_experts", type=IntRange(1, 1 << 16), default=256, show_default=True,
-              help="Routed experts per layer (E, 1-65536).")
-@click.option("--topk", type=IntRange(min=1), default=8, show_default=True, help="Experts per token (K <= E).")
-@click.option("--route-scale", type=FLOAT, default=2.5, show_default=True, help="routed_scaling_factor (finite, > 0).")
-@click.option("--normalization", type=click.Choice(["sigmoid", "softmax"]), default="sigmoid", show_default=True)
-@click.option("--multiplier", type=FLOAT, default=None, help="router_output_multiplier (default: none).")
-@click.option("--eps", type=FLOAT, default=None, help="router_score_division_eps (default: none).")
+@_router_options
 @click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bfloat16", show_default=True,
               help="dtype of the stored logits.")
 @click.option("--prefill", default="384,128", show_default=True, help="Prefill chunk sizes in tokens (none or 0: no prefill).")
@@ -158,11 +183,10 @@ def _std(ctx, param, value):
                    "model (--seed) for all, rank r's tokens drawn with seed + r.")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
-def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: float, normalization: str,
-          multiplier: float | None, eps: float | None, dtype: str, prefill: str, decode_steps: int,
+def synth(out: Path, num_layers: int, dtype: str, prefill: str, decode_steps: int,
           max_decode_batch: int, padding: str, order: str, skew: str, affinity: float | None, bias: str,
           bias_rate: float, fit_steps: int, ties: int, nonfinite: int, seed: int, model_name: str, num_ranks: int,
-          force: bool, progress: bool) -> None:
+          force: bool, progress: bool, **router) -> None:
     """Write a synthetic trace with controlled shape, skew, padding, ties and bias.
 
     Deterministic for a given seed. Prints the realised statistics per layer (tokens,
@@ -189,9 +213,7 @@ def synth(out: Path, num_layers: int, num_experts: int, topk: int, route_scale: 
         check_output_paths([out], force=force, allow_stdout=False)
     spec = SynthSpec(
         num_layers=num_layers,
-        router=RouterConfig(num_experts=num_experts, topk=topk, route_scale=route_scale,
-                            router_score_normalization=normalization, router_output_multiplier=multiplier,
-                            router_score_division_eps=eps),
+        router=RouterConfig(**router),
         dtype=_torch_dtype(dtype), prefill_chunks=_parse_chunks(prefill), decode_steps=decode_steps,
         max_decode_batch=max_decode_batch, padding=padding, order=order, skew=skew, bias=bias,
         bias_update_rate=bias_rate, fit_steps=fit_steps, ties=ties, nonfinite=nonfinite, seed=seed, model=model_name,

@@ -169,7 +169,7 @@ def compare_step(
         tie_ulps: near-tie tolerance in float32 ulps (0 = exact ties only).
         tolerance: weight tolerance (None skips weight checks).
         own_weights: ``[n, K]`` the weights ``test_ids`` should carry, position by position
-            (:func:`own_pick_weights`), or None. Given, a tie-equivalent row's weights are
+            (:func:`routetool_kernels.reference.pick_weights`), or None. Given, a tie-equivalent row's weights are
             checked against them (it picked other experts than ``expected``, so no weight of
             the row matches an expected one); without them such rows' weights go unchecked.
         row_chunk: rows per internal chunk for the ``[n, E]`` temporaries.
@@ -256,32 +256,6 @@ def compare_step(
         row_class=row_class, invalid_mask=reasons, exact_tie=exact_tie,
         weight_abs_err=abs_err, weight_rel_err=rel_err, weight_over_tol=over,
     )
-
-
-def own_pick_weights(scores: torch.Tensor, ids: torch.Tensor, route_scale: float, division_eps: float | None,
-                     renormalized: bool = True) -> torch.Tensor:
-    """The weights a row's picks ``ids`` carry under the routing semantics (docs/semantics.md).
-
-    Args:
-        scores: ``[n, E]`` float32 unbiased scores.
-        ids: ``[n, K]`` int picks (out-of-range ids, e.g. the -1 of padded rows, read expert 0:
-            callers mask such rows).
-        route_scale: the factor on the weights.
-        division_eps: the optional term added to the denominator.
-        renormalized: ``route_scale * s / (sum of the row's picked s + eps)`` (0 where that
-            denominator is 0), as the kernel computes them; False: ``route_scale * s``, the raw
-            top-k scores some engines record (``weights_semantics=unnormalized``).
-
-    Returns:
-        ``[n, K]`` float32, position by position with ``ids``.
-    """
-    picked = scores.gather(1, ids.long().clamp(0, max(0, scores.shape[1] - 1)))
-    if not renormalized:
-        return picked * route_scale
-    denom = picked.sum(-1, keepdim=True)
-    if division_eps is not None:
-        denom = denom + division_eps
-    return torch.where(denom > 0, picked * (route_scale / torch.where(denom > 0, denom, 1.0)), 0.0)
 
 
 @dataclass

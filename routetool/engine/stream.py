@@ -12,7 +12,7 @@ capacity, phases) accumulate over a step's pieces and are computed when its last
 Only the kernel under test needs a step whole: it must see the captured batch shape. With
 ``whole_steps`` the chunks hold whole steps (a step larger than the budget is a chunk of its
 own), the caller runs the kernel once per captured step on that step's own rows
-(:func:`route_steps`, one input guard for the whole chunk), and then does everything else
+(:meth:`routetool.engine.router.Router.route`, one input guard for the whole chunk), and then does everything else
 (the reference, the comparison, padding and validity checks, histograms, EP and capacity
 statistics) over :meth:`Chunk.pieces` of at most the budget, on the device, with no host
 synchronisation per step. A step is given to the kernel whole up to :data:`KERNEL_STEP_BYTES`;
@@ -27,13 +27,13 @@ bounded by about twice the chunk plus one piece's temporaries, whatever the trac
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from routetool.engine.contract import InputGuard, KernelOutcome, RoutingFn, call_kernel, modified_outcome
+from routetool.engine.contract import KernelOutcome
 from routetool.io.limits import CHUNK_BYTES
 
 DEFAULT_CHUNK_BYTES = CHUNK_BYTES
@@ -315,40 +315,3 @@ class ChunkRouting:
     @property
     def ok(self) -> bool:
         return self.outcome is None
-
-
-def route_steps(fn: RoutingFn, chunk: Chunk, bias: torch.Tensor, params: Mapping[str, object], *,
-                gating_output: torch.Tensor | None = None, feature: str | None = None) -> ChunkRouting:
-    """Run the kernel under test once per captured step of ``chunk``, on that step's own rows
-    (views into the chunk), and judge every call by the one contract
-    (:func:`~routetool.engine.contract.call_kernel`); the inputs are guarded once for the chunk.
-
-    Args:
-        fn: the kernel. chunk: from :func:`stream_layer`. bias: ``[E]`` float32 on the chunk's device.
-        params: the router parameters by keyword. gating_output: ``[rows, E]`` to route instead
-            of the chunk's own logits (default: those). feature: see ``call_kernel``.
-
-    Returns:
-        A :class:`ChunkRouting`: the outputs, or the first failed call.
-    """
-    if not chunk.whole:
-        raise ValueError("route_steps needs whole steps: stream the layer with whole_steps=True")
-    gating = chunk.gating_output if gating_output is None else gating_output
-    pad = chunk.is_padding
-    guard = InputGuard(gating_output=gating, bias=bias, is_padding=pad)
-    weights, ids = [], []
-    for s, (a, b) in enumerate(zip(chunk.offsets, chunk.offsets[1:])):
-        out = call_kernel(fn, gating[a:b], bias, params=params, is_padding=None if pad is None else pad[a:b],
-                          feature=feature, check_inputs=False)
-        if not out.ok:
-            return ChunkRouting(None, None, out, chunk.first_step + s, s + 1)
-        weights.append(out.weights)
-        ids.append(out.ids)
-    changed = guard.changed()
-    if changed:
-        rows = [guard.first_changed_row(n) for n in changed if n != "bias"]
-        step = chunk.step_of(min(rows)) if rows else chunk.first_step
-        return ChunkRouting(None, None, modified_outcome(changed), step, chunk.num_steps)
-    if len({t.dtype for t in ids}) > 1:  # int32 from some calls, int64 from others
-        ids = [t.long() for t in ids]
-    return ChunkRouting(torch.cat(weights), torch.cat(ids), calls=chunk.num_steps)

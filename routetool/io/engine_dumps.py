@@ -650,7 +650,7 @@ def flashinfer_router(name: str, topk: int | None, num_experts: int, path: Path)
         raise RouteToolError(f"topk={k} is not in [1, {num_experts}]", path=path, fix="pass the model's --topk")
     notes.append(f"FlashInfer-Trace routing: {scoring} scores, topk={k}; routed_scaling_factor is a scalar of the "
                  "workload, not in the blob: route_scale 1.0 is a placeholder (it scales weights, not ids)")
-    return RouterConfig(num_experts=num_experts, topk=k, route_scale=1.0, router_score_normalization=scoring), notes
+    return RouterConfig(num_experts=num_experts, topk=k, router_score_normalization=scoring), notes
 
 
 def read_flashinfer(path: Path, options):
