@@ -86,3 +86,18 @@ def test_a_kernel_needs_whole_steps():
     with pytest.raises(ValueError, match="whole steps"):
         Router(SPEC, _counting([])).route(piece, torch.zeros(8))
     assert Router.reference(SPEC).route(piece, torch.zeros(8)).ok  # the reference routes rows, not steps
+
+
+def test_a_kernel_rejecting_an_option_beyond_the_seeds_signature_is_told_to_document_that_option():
+    grouped = RouterSpec(num_experts=8, topk=2, n_group=4, topk_group=2)
+
+    def seed_signature(gating_output, bias, topk, route_scale, router_output_multiplier=None,
+                       router_score_normalization="sigmoid", router_score_division_eps=None, topk_weights=None,
+                       topk_ids=None, is_padding=None):
+        """Plain top-k."""
+
+    out = Router(grouped, seed_signature).call(torch.randn(3, 8), torch.zeros(8))
+    assert out.failure_class == "rejected_undocumented" and "name n_group in its docstring" in out.fix
+    seed_signature.__doc__ = "Plain top-k; n_group (group-limited routing) is not supported."
+    assert Router(grouped, seed_signature).call(torch.randn(3, 8), torch.zeros(8)).failure_class == \
+        "rejected_documented"

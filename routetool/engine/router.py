@@ -63,7 +63,9 @@ class Router:
         Args:
             gating_output: ``[n, E]`` float32/bfloat16/float16 logits. bias: ``[E]``.
             is_padding: ``[n]`` bool or None. topk_weights / topk_ids: caller buffers or None.
-            feature: the input's unusual feature (see :func:`~routetool.engine.contract.call_kernel`).
+            feature: the input's unusual feature (see :func:`~routetool.engine.contract.call_kernel`);
+                by default the logits' dtype, or the first option the spec sets beyond the seed's
+                signature (``n_group``).
             check_inputs: compare the inputs after the call (False inside a CUDA-graph capture).
             extra: more keywords for ``fn`` (``use_pdl``).
 
@@ -71,6 +73,9 @@ class Router:
             A :class:`~routetool.engine.contract.KernelOutcome` (never raises for what ``fn`` does).
         """
         params = self.spec.kernel_kwargs()
+        beyond = [name for name in params if name not in RouterSpec.KERNEL_KEYWORDS]
+        if feature is None and beyond:  # an option beyond the seed's signature (n_group): what a
+            feature = beyond[0]         # kernel that rejects the call must name in its docstring
         if extra:
             params.update(extra)
         return call_kernel(self.fn, gating_output, bias, params=params, is_padding=is_padding,
