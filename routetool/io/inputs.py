@@ -19,6 +19,11 @@ that reads it (:func:`refuse_dump`); ``routetool import`` and ``balance`` read d
 Outputs: :func:`check_output_paths` refuses, before any work, an output that cannot be written
 or would destroy data (an input, an index's shard, a file of a run folder's rank); the paths
 themselves are examined by :mod:`routetool.io.paths`, which also writes outputs safely.
+
+Importing this module imports no torch (the commands check their paths before torch is
+loaded); the readers below it that do (:mod:`~routetool.io.tracefile`,
+:mod:`~routetool.io.sharded`, :mod:`~routetool.io.engine_dumps`) are imported where a path
+is classified or opened.
 """
 
 from __future__ import annotations
@@ -32,15 +37,12 @@ from pathlib import Path
 
 from routetool.errors import RouteToolError
 from routetool.io.dump_options import FORMATS
-from routetool.io.engine_dumps import _torch_pickle_head, sniff
 from routetool.io.jsonstrict import JSONProblem, loads
 from routetool.io.paths import (  # noqa: F401 - require_input and the claims: part of this interface
     check_output_folder, claim_outputs, forget_claims, natural_key, path_kind, refuse_special_file, require_input,
     same_file,
 )
 from routetool.io.run import RunInput, folder_error, is_run_folder, rank_folders
-from routetool.io.sharded import ShardedTrace, listed_shard_files, looks_like_index
-from routetool.io.tracefile import Trace
 from routetool.numtext import parse_int
 
 # ---------------------------------------------------------------------------------------
@@ -85,6 +87,8 @@ def detect_format(path: Path) -> str:
         RouteToolError: missing path, a FIFO, device or socket (also as a dump file of a
             folder), or nothing recognisable.
     """
+    from routetool.io.engine_dumps import sniff
+
     require_input(path, what="file or folder")
     _refuse_special_files(path)
     if path_kind(path) == "folder":
@@ -207,6 +211,8 @@ def _holds_counts(path: Path, fmt: str | None) -> bool:
         except (OSError, UnicodeDecodeError, JSONProblem):
             return False
         return isinstance(doc, dict) and "format" not in doc and _counts_tables(doc)
+    from routetool.io.engine_dumps import _torch_pickle_head
+
     head = _torch_pickle_head(path)
     # (per_token records hold their topk_ids_of_layer beside the counts every record has)
     return b"logical_count" in head or (b"global_physical_count" in head and b"topk_ids_of_layer" not in head)
@@ -275,6 +281,8 @@ def classify(path: str | os.PathLike, *, display_path: str | os.PathLike | None 
         RouteToolError: the path cannot be examined (a loop of links, a NUL byte), naming
             ``display_path`` (default ``path``).
     """
+    from routetool.io.sharded import looks_like_index
+
     p = Path(path)
     found = path_kind(p, shown=display_path)
     fmt = _detected(p) if found in ("file", "folder") else None
@@ -337,6 +345,9 @@ def refuse_dump_as_trace(path: str | os.PathLike, display_path: object = None) -
 # opening what trace commands read
 def _open_classified(inp: InputPath):
     """The trace ``inp`` names (an index or a file; anything else is named by the file reader)."""
+    from routetool.io.sharded import ShardedTrace
+    from routetool.io.tracefile import Trace
+
     refuse_dump(inp)
     if inp.kind == "index":
         return ShardedTrace(inp.path, display_path=inp.display_path)
@@ -430,6 +441,8 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
             belongs (:func:`check_output_folder`); an output or input path that cannot be
             examined (a loop of symbolic links, a NUL byte: :func:`path_kind`).
     """
+    from routetool.io.sharded import listed_shard_files
+
     protected = [Path(i) for i in inputs if i is not None and str(i) != "-"]
     ranks = [folder for i in protected for folder in rank_folders(i)]
     protected += ranks  # a run folder's ranks
