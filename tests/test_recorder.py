@@ -556,7 +556,7 @@ def test_an_interrupt_at_any_line_of_the_recorder_leaves_only_steps_as_routed(fa
     # KeyboardInterrupt at the k-th line the recorder (wrapper, record op, CPU ring, drain, step
     # boundary) runs during step 2, for k across the ~900 lines of that step; what is written is
     # whole steps, each exactly as routed, on every layer alike
-    files = {recorder_mod.__file__, sys.modules["routetool.capture.ring"].__file__}
+    files = {recorder_mod.__file__, *(sys.modules[f"routetool.capture.{m}"].__file__ for m in ("ring", "ring_layout"))}
     lines = [0]
     stop_at = [0]
 

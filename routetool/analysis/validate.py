@@ -590,7 +590,8 @@ def validate(
     """
     from contextlib import ExitStack
 
-    from routetool.io.run import open_input, refuse_shared_files
+    from routetool.io.inputs import open_input
+    from routetool.io.run import refuse_shared_files
 
     workers = workers or Workers()
     with ExitStack() as stack:

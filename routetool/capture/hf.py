@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError, install_extra
-from routetool.io.files import path_kind
+from routetool.io.paths import path_kind
 from routetool.io.jsonstrict import load_file
 from routetool.io.trace import (
     WEIGHTS_SEMANTICS,

@@ -117,7 +117,7 @@ from routetool.capture.binding import (SEED_PARAMETERS, Bindings, check_routing_
                                        split_target)
 from routetool.capture.ranks import RankInfo, detect_ranks
 from routetool.errors import RouteToolError
-from routetool.io.files import check_output_folder, path_kind
+from routetool.io.paths import check_output_folder, path_kind
 from routetool.io.sharded import shard_path, write_index
 from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, router_config_errors, write_trace
 

@@ -22,7 +22,10 @@ The end of a step (:func:`_end_step_kernel`, one program) is device work too: it
 calls since the last whole step (a whole number of ``num_layers``, or the step is flagged and,
 unless the run stopped inside it, refused) and starts a new step.
 
-This module imports Triton: import it lazily (after ``TRITON_INTERPRET`` is settled).
+The ring's layout comes from :mod:`routetool.capture.ring_layout`; the ring itself
+(:class:`routetool.capture.ring.DeviceRing`, the ``ring`` argument) imports this module when it
+launches, never the other way. This module imports Triton: import it lazily (after
+``TRITON_INTERPRET`` is settled).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import triton.language as tl
 
 from routetool_kernels._dispatch import KernelLaunch
 from routetool_kernels._launch import pdl_supported
-from routetool.capture import ring as R
+from routetool.capture import ring_layout as R
 
 _HEAD_ROWS = tl.constexpr(R.STATE_HEAD_ROWS)
 _HEAD_STEPS = tl.constexpr(R.STATE_HEAD_STEPS)
@@ -310,8 +313,8 @@ def _end_step_kernel(
     tl.store(st + _CALLS_IN_STEP, 0)
 
 
-def end_step_call(ring: R.DeviceRing, interrupted: bool) -> None:
-    """Launch :func:`_end_step_kernel` on the current stream (no sync; also inside graph capture)."""
+def end_step_call(ring, interrupted: bool) -> None:
+    """Launch :func:`_end_step_kernel` for ``ring`` (:class:`routetool.capture.ring.DeviceRing`) on the current stream (no sync; also inside graph capture)."""
     _end_step_kernel[(1,)](ring.state, ring.steps_table, ring.layout.steps, ring.num_layers, ring.skip_steps,
                            INTERRUPTED=bool(interrupted), num_warps=1)
 
@@ -332,7 +335,7 @@ RECORD_PER_CALL = ("gating_ptr", "bias_ptr", "pad_ptr", "weights_ptr", "ids_ptr"
 the call's five tensors (data pointers on a direct launch) and its layer position and site."""
 
 
-def record_routing_call(ring: R.DeviceRing, gating: torch.Tensor, bias: torch.Tensor, padding: torch.Tensor | None,
+def record_routing_call(ring, gating: torch.Tensor, bias: torch.Tensor, padding: torch.Tensor | None,
                         weights: torch.Tensor | None, ids: torch.Tensor | None, position: int,
                         site: int) -> KernelLaunch:
     """Launch :func:`_record_kernel` for one call on the current stream (no sync, no allocation)
@@ -341,8 +344,9 @@ def record_routing_call(ring: R.DeviceRing, gating: torch.Tensor, bias: torch.Te
     dtype, shape, strides, device and alignment; the ring and its launch settings) may repeat
     directly with their own data pointers, layer position and site.
 
-    The caller (the recorder's op) has checked shapes, dtypes and devices against the ring's
-    layout; ``weights``/``ids`` are None when the ring keeps no outputs.
+    ``ring`` is a bound :class:`routetool.capture.ring.DeviceRing`. The caller (the recorder's
+    op) has checked shapes, dtypes and devices against the ring's layout; ``weights``/``ids``
+    are None when the ring keeps no outputs.
     """
     lay = ring.layout
     n, num_experts = gating.shape

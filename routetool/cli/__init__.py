@@ -97,7 +97,7 @@ class _Group(click.Group):
             raise click.exceptions.Exit(_stdout_closed()) from None
 
     def invoke(self, ctx: click.Context):
-        from routetool.io.files import forget_claims
+        from routetool.io.inputs import forget_claims
 
         forget_claims()  # (what an interrupted command in this process may have left)
         try:

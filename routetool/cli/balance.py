@@ -119,7 +119,7 @@ def _reject_dump_options(source: Path) -> None:
 
 def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], inputs: list) -> None:
     """No --plot figure may be another output of the run or one of its inputs."""
-    from routetool.io.files import resolved
+    from routetool.io.paths import resolved
 
     for fig in figures:
         for flag, out in outputs.items():
@@ -197,7 +197,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     from routetool.engine.distributed import join
 
     workers = join(device)  # under torchrun: the group first, so that every process ends with it
-    from routetool.io.files import check_output_paths, require_input
+    from routetool.io.inputs import check_output_paths, require_input
 
     if reference and recorded:
         raise RouteToolError("--reference and --recorded exclude each other", fix="pass one of them")
@@ -218,8 +218,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     if eplb_out and not eplb:
         raise RouteToolError("--eplb-out needs the EPLB what-if", fix="drop --no-eplb")
     if plot_dir is not None:
-        from routetool.io.files import refuse_rank_folder
-        from routetool.io.run import rank_folders
+        from routetool.io.inputs import rank_folders, refuse_rank_folder
         from routetool.report.plots import check_plot_dir, figure_paths
 
         refuse_rank_folder(plot_dir, rank_folders(source))
@@ -267,7 +266,7 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
     with cleanup, kernel_stdout("-" in (json_path, eplb_out)):  # a kernel's print() must not mix into the document
         try:
             if resolved_format == "trace":
-                from routetool.io.run import open_input
+                from routetool.io.inputs import open_input
 
                 # a trace file, a sharded trace's index, a run folder, or a dump of logits written as a trace
                 trace = open_input(trace_path, display_path=source)
@@ -394,7 +393,7 @@ def import_(source: Path, output: Path, fmt: str, num_experts, topk, skip_rows, 
     have no per-token ids and cannot become a trace: analyse them directly with
     `routetool balance FILE`.
     """
-    from routetool.io.files import check_output_paths, require_input
+    from routetool.io.inputs import check_output_paths, require_input
 
     require_input(source, what="file or folder")  # usage errors before torch is imported
     # before any work: '-' is refused (a trace is a file), and the dump is never the output

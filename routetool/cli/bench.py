@@ -58,7 +58,7 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
         trace_step_shapes,
     )
     from routetool.engine.execution import select_execution
-    from routetool.io.files import check_output_paths
+    from routetool.io.inputs import check_output_paths
     from routetool.report.bench import bench_csv, bench_json, render_bench
     from routetool.report.formats import write_json, write_text
 

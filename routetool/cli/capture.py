@@ -202,7 +202,8 @@ def synth(out: Path, num_layers: int, dtype: str, prefill: str, decode_steps: in
     import shutil
 
     from routetool.capture.synth import SynthSpec, synth_warnings, synth_work, with_default_ties
-    from routetool.io.files import check_output_paths, publish_folder, staged_folder
+    from routetool.io.inputs import check_output_paths
+    from routetool.io.paths import publish_folder, staged_folder
     from routetool.io.trace import RouterConfig
     from routetool.report.capture import render_synth
 
@@ -253,7 +254,7 @@ def _check_run_folder_output(out: Path, force: bool) -> None:
     import os
     import re
 
-    from routetool.io.files import check_output_folder, path_kind
+    from routetool.io.paths import check_output_folder, path_kind
 
     kind = path_kind(out)
     if kind not in ("missing", "folder"):
@@ -272,7 +273,7 @@ def _check_run_folder_output(out: Path, force: bool) -> None:
     if others:
         raise RouteToolError(f"holds {others[0]!r}, which is no rank-<r> folder; --force replaces a run folder whole "
                              "and would remove it", path=out, fix="choose another folder, or move that file away")
-    from routetool.io.dumps import _is_trace_index
+    from routetool.io.inputs import _is_trace_index
 
     for rank in entries:  # each rank folder holds its trace only: a file beside it would go with the folder
         if path_kind(out / rank) != "folder":
@@ -330,13 +331,13 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
     rank-<r>/ traces (one row per rank). Reads headers only (fast on any size) unless --scan
     is given.
     """
-    from routetool.io.files import check_output_paths, require_input
+    from routetool.io.inputs import check_output_paths, require_input
 
     require_input(trace)  # usage errors before torch is imported
     check_output_paths([json_path], force=force, inputs=[trace])
     from routetool.io.info import check_trace_file, trace_info
     from routetool.report.formats import write_json
-    from routetool.io.run import open_input
+    from routetool.io.inputs import open_input
     from routetool.report.capture import info_json, render_info, render_run_info, run_info_json
 
     check_trace_file(trace)
@@ -412,7 +413,7 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
     DeepSeek-V3 / Kimi-K2 / GLM-4.5 (sigmoid + bias), Qwen3-MoE / Mixtral (softmax).
     """
     from routetool.capture import hf
-    from routetool.io.files import check_output_paths
+    from routetool.io.inputs import check_output_paths
     from routetool.report.capture import render_hf_capture
     from routetool.io.trace import write_trace
 

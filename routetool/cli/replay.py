@@ -53,13 +53,13 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     from routetool.engine.distributed import join
 
     workers = join(device)  # under torchrun: the group first, so that every process ends with it
-    from routetool.io.files import check_output_paths, require_input
+    from routetool.io.inputs import check_output_paths, require_input
 
     require_input(trace)  # usage errors before torch is imported
     check_output_paths([json_path], force=force, inputs=[trace, kernel_source(kernel_spec)])
     from routetool.analysis.replay import parse_layers, replay_trace
     from routetool.engine.execution import load_kernel, select_execution
-    from routetool.io.run import open_input
+    from routetool.io.inputs import open_input
     from routetool.report.formats import write_json
     from routetool.report.replay import render_replay, replay_json
 

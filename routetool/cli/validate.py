@@ -52,7 +52,7 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     from routetool.engine.distributed import join
 
     workers = join(device)  # under torchrun: the group first, so that every process ends with it
-    from routetool.io.files import check_output_paths, require_input
+    from routetool.io.inputs import check_output_paths, require_input
 
     if json_path == "-" and junit_path == "-":
         raise RouteToolError("--json - and --junit - both want stdout", fix="write one of them to a file")

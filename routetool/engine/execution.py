@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from routetool_kernels.spec import RouterSpec
 from routetool.errors import RouteToolError, first_line
-from routetool.io.files import path_kind
+from routetool.io.paths import path_kind
 
 if TYPE_CHECKING:
     import torch

@@ -59,7 +59,7 @@ disagree, or one layer or expert spelled two ways (``"0"`` and ``"00"``), is an 
 is a :class:`RouteToolError` of one line naming the file and the line, key or tensor element.
 
 JSON is read by :mod:`routetool.io.jsonstrict` (keys once per object, nesting and number length
-bounded), paths are examined by :func:`routetool.io.files.path_kind`, and what a dump may make the
+bounded), paths are examined by :func:`routetool.io.paths.path_kind`, and what a dump may make the
 tool allocate is checked on declared sizes first (:mod:`routetool.io.limits`): the per-expert tables
 E makes over the dump's steps and layers, an SGLang ``.pt``'s records and tensors counted as
 materialised (stride-0 views and shared references in full).
@@ -72,23 +72,29 @@ import json
 import math
 import re
 import shlex
-import warnings
 import zipfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.io.files import path_kind, refuse_special_file, require_input
+from routetool.io.engine_dumps import (read_flashinfer, read_megatron, read_megatron_ep_load, read_sglang_routed,
+                                       read_vllm)
+from routetool.io.imported import (  # noqa: F401 - what the readers return, part of this interface
+    DumpStep, ImportedCounts, ImportedLayer, ImportedRouting, ImportOptions, _refuse_counts, _torch_load, iter_steps,
+    one_line,
+)
+from routetool.io.inputs import (  # noqa: F401 - format detection, part of this interface
+    DUMP_SUFFIXES, _detected, _is_trace_index, _refuse_special_files, detect_format, refuse_dump_as_trace,
+)
 from routetool.io.jsonstrict import JSONProblem, load_file, loads
-from routetool.io.limits import (MAX_EXPERTS, MAX_LAYERS, check_expert_tables, check_materialised, check_torch_archive,
-                              input_bytes)
+from routetool.io.limits import MAX_EXPERTS, MAX_LAYERS, check_expert_tables, input_bytes
+from routetool.io.paths import natural_key as _natural_key
+from routetool.io.paths import require_input
 from routetool.numtext import parse_float, parse_int
 from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
-from routetool.io.engine_dumps import (read_flashinfer, read_megatron, read_megatron_ep_load, read_sglang_routed,
-                                       read_vllm, sniff)
 
 from routetool.io.dump_options import (  # noqa: F401 - the options of the importers, part of this interface
     COUNTS_OPTIONS, DEFAULT_DROP_REPEATS, FORMATS, OPTIONS_READ, READING_OPTIONS,
@@ -110,13 +116,6 @@ _CSV_SPLIT = re.compile(r"[\s,;\[\]()]+")
 
 MAX_COUNT = 1 << 62
 """Largest per-expert count accepted in counts files (int64 headroom for sums)."""
-
-
-def one_line(text: object, limit: int = 160) -> str:
-    """The first non-empty line of ``text`` (e.g. an exception), shortened to ``limit`` characters."""
-    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    first = lines[0] if lines else ""
-    return first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
 
 
 def _as_int(value, *, text: bool = True) -> int | None:
@@ -173,401 +172,6 @@ def _layer_index(value, where: str, key: str, path: Path, spellings: dict[int, t
     return layer
 
 
-@dataclass
-class ImportOptions:
-    """How to read a routing dump.
-
-    Attributes:
-        format: one of :data:`FORMATS` (``auto``: by extension and content).
-        num_experts / topk: E and K when the file does not say (None: infer).
-        skip_rows: drop the first N token rows of the file (warm-up).
-        drop_repeats: drop runs of at least this many identical consecutive rows
-            (0 = keep everything).
-        select: for counts JSON, the named tables to use (``model`` or ``model/domain``,
-            a prefix of the names' path); None = all, if they agree on E.
-        model: model name to record (default: from the file or its name).
-        given: the reading options the user gave (keys of :data:`READING_OPTIONS`), also
-            at their default values; None: those that differ from their defaults. A format
-            that does not read one of them refuses it.
-        refuse_counts: None to read dumps of per-expert counts; else the fix to name when
-            one is refused (``import``: a trace needs per-token ids). The refusal comes as
-            soon as the dump is recognised as counts, before ``select`` and the other
-            reading options are applied to it (a file of several models is refused as
-            counts, not asked for ``--select``).
-    """
-
-    format: str = "auto"
-    num_experts: int | None = None
-    topk: int | None = None
-    skip_rows: int = 0
-    drop_repeats: int = DEFAULT_DROP_REPEATS
-    select: str | None = None
-    model: str | None = None
-    given: frozenset[str] | None = None
-    refuse_counts: str | None = None
-
-
-def _refuse_counts(path: Path, options: ImportOptions, also: str = "") -> None:
-    """Refuse a dump of per-expert counts when ``options.refuse_counts`` asks for per-token ids
-    (``also``: more of the fix, e.g. the ``--select`` a file of several models needs)."""
-    if options.refuse_counts is not None:
-        raise RouteToolError("holds per-expert counts, not per-token expert ids: a trace cannot be made from it",
-                             path=path, fix=options.refuse_counts + also)
-
-
-@dataclass
-class ImportedLayer:
-    """The routing of one layer read from a dump: ``topk_ids`` ``[T, K]`` int32 and optional
-    ``topk_weights`` ``[T, K]`` float32, or (formats that hold logits) ``gating_output``
-    ``[T, E]`` float and optional ``bias`` ``[E]`` float32 with ``topk_ids`` None; ``step_offsets``
-    ``[0, ..., T]``; ``positions`` ``[T]`` int64, each row's token position in its request or
-    sequence where the format records it (None where it does not)."""
-
-    topk_ids: torch.Tensor | None
-    topk_weights: torch.Tensor | None
-    step_offsets: list[int]
-    gating_output: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int((self.topk_ids if self.topk_ids is not None else self.gating_output).shape[0])
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.step_offsets) - 1
-
-
-@dataclass
-class ImportedRouting:
-    """Per-token routing read from a dump (becomes an ids-only trace).
-
-    Attributes:
-        source: the file or folder read. format: the reader used. model: model name.
-        num_experts / topk: E and K. layers: layer id -> :class:`ImportedLayer`.
-        rows_read: token rows found (all layers). rows_skipped: dropped by ``skip_rows``.
-        rows_dropped: dropped by ``drop_repeats``; runs_dropped: in how many runs.
-        notes: how E/K were found, what was ignored, and similar facts worth telling.
-        step_labels: a name per step, the same for every layer (the request id of formats that
-            give one step per request), or None.
-        router: the router parameters, for formats that hold logits and name their routing
-            (FlashInfer-Trace); None: only E and K are known.
-    """
-
-    source: str
-    format: str
-    model: str
-    num_experts: int
-    topk: int
-    layers: dict[int, ImportedLayer]
-    rows_read: int = 0
-    rows_skipped: int = 0
-    rows_dropped: int = 0
-    runs_dropped: int = 0
-    notes: list[str] = field(default_factory=list)
-    step_labels: list[str] | None = None
-    router: RouterConfig | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(x.num_tokens for x in self.layers.values())
-
-    @property
-    def has_logits(self) -> bool:
-        """Whether the layers hold logits (a trace a kernel can route) rather than ids."""
-        return any(x.gating_output is not None for x in self.layers.values())
-
-
-@dataclass
-class DumpStep:
-    """One step (forward pass, or request for per-request formats) of one layer of a dump, as
-    :func:`iter_steps` yields it: ``topk_ids`` ``[n, K]`` int32 or None, ``topk_weights``
-    ``[n, K]`` float32 or None, ``gating_output`` ``[n, E]`` or None, ``bias`` ``[E]`` or None,
-    ``positions`` ``[n]`` int64 or None (token positions in the request), ``label`` (e.g. the
-    request id) or None, ``start``: its first row in the layer."""
-
-    layer: int
-    index: int
-    start: int
-    label: str | None
-    topk_ids: torch.Tensor | None
-    topk_weights: torch.Tensor | None
-    gating_output: torch.Tensor | None
-    bias: torch.Tensor | None
-    positions: torch.Tensor | None
-
-
-def iter_steps(imported: ImportedRouting, layers: Iterable[int] | None = None) -> Iterator[DumpStep]:
-    """The steps of ``imported``, layer by layer (``layers``: those, in that order; default all,
-    ascending): the one way to walk any format's routing, whatever it holds (ids, weights,
-    logits) and whatever alignment it records (request labels, token positions)."""
-    for layer in (sorted(imported.layers) if layers is None else layers):
-        x = imported.layers[layer]
-        o = x.step_offsets
-        for i, (a, b) in enumerate(zip(o, o[1:])):
-            def cut(t, a=a, b=b):
-                return None if t is None else t[a:b]
-            yield DumpStep(layer=layer, index=i, start=a,
-                           label=imported.step_labels[i] if imported.step_labels is not None else None,
-                           topk_ids=cut(x.topk_ids), topk_weights=cut(x.topk_weights),
-                           gating_output=cut(x.gating_output), bias=x.bias, positions=cut(x.positions))
-
-
-@dataclass
-class ImportedCounts:
-    """Tokens per expert read from a dump that has no per-token ids.
-
-    Attributes:
-        source / format / model: as in :class:`ImportedRouting`.
-        num_experts: E. topk: K if known (then tokens = assignments / K), else None.
-        layers: layer id -> ``[S, E]`` int64 counts of S steps (forward passes, or named
-            tables such as text domains).
-        step_labels: a name per step, or None.
-        notes: facts worth telling.
-    """
-
-    source: str
-    format: str
-    model: str
-    num_experts: int
-    topk: int | None
-    layers: dict[int, torch.Tensor]
-    step_labels: list[str] | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------------------
-# format detection
-_DUMP_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".pt", ".pth", ".json", ".npy", ".npz", ".safetensors")
-"""The files of a dump folder that the readers read."""
-
-
-def _refuse_special_files(path: Path) -> None:
-    """A dump, or a file a dump folder holds for the readers, that is a FIFO, device or socket
-    is refused before anything opens it (reading one could block forever) or names it by its
-    extension alone (``x.safetensors`` as a trace)."""
-    fix = "write it to a regular file and pass that"
-    refuse_special_file(path, fix=fix)
-    if path_kind(path) == "folder":
-        try:
-            entries = [p for p in path.iterdir() if p.suffix.lower() in _DUMP_SUFFIXES]
-        except OSError:
-            return  # the folder's reader names why it cannot be listed
-        for p in entries:
-            refuse_special_file(p, fix=fix)
-
-
-def _is_trace_index(path: Path) -> bool:
-    """A sharded-trace index: JSON whose top-level ``format`` is ``routetool-trace-index``."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(65536)
-    except OSError:
-        return False
-    return re.search(rb'"format"\s*:\s*"routetool-trace-index"', head) is not None
-
-
-DUMP_SUFFIXES = (".csv", ".jsonl", ".ndjson", ".json", ".pt", ".pth", ".npy", ".npz", ".safetensors")
-"""The file names a folder of routing dumps is read by (:func:`detect_format`)."""
-
-
-def detect_format(path: Path) -> str:
-    """The reader for ``path`` (file or folder) by extension, then by content.
-
-    Raises:
-        RouteToolError: missing path, a FIFO, device or socket (also as a dump file of a
-            folder), or nothing recognisable.
-    """
-    require_input(path, what="file or folder")
-    _refuse_special_files(path)
-    if path_kind(path) == "folder":
-        from routetool.io.run import is_run_folder
-
-        if is_run_folder(path):
-            return "trace"  # a run folder of rank-<r>/ traces (routetool.io.run)
-        try:
-            kinds = {p.suffix.lower() for p in path.iterdir() if not p.name.startswith(".") and path_kind(p) == "file"}
-        except OSError as exc:
-            raise RouteToolError(f"cannot list the folder ({exc.strerror or exc})", path=path,
-                                 fix="check permissions") from None
-        dump_kinds = {".csv", ".pt", ".pth", ".jsonl", ".ndjson", ".npy", ".npz"}
-
-        def first(suffixes: tuple[str, ...]) -> Path:  # the folder's first file of a kind, in natural order
-            return min((p for p in path.iterdir() if p.suffix.lower() in suffixes and not p.name.startswith(".")),
-                       key=_natural_key)
-
-        for suffixes, fmt in (((".csv",), "csv"), ((".pt", ".pth"), "sglang"), ((".jsonl", ".ndjson"), "jsonl"),
-                              ((".npy",), "vllm"), ((".npz",), "megatron-ep-load")):
-            if kinds & set(suffixes):
-                if len(kinds & dump_kinds) > 1:
-                    raise RouteToolError("the folder mixes dump formats", path=path,
-                                         fix="put one kind of file (CSV, .pt, JSONL, .npy or .npz) in a folder")
-                if fmt in ("sglang", "jsonl"):  # the engines' .pt and JSON lines: by the first file's content
-                    fmt = sniff(first(suffixes)) or fmt
-                return fmt
-        if ".safetensors" in kinds:  # FlashInfer-Trace workload blobs, or traces
-            if sniff(first((".safetensors",))) == "flashinfer-trace":
-                return "flashinfer-trace"
-        if ".json" in kinds:  # the engines' JSON responses (vLLM, SGLang), by the first file's content
-            if (engine := sniff(first((".json",)))) is not None:
-                return engine
-        if kinds & {".json", ".safetensors"}:  # a trace (or a rank's) in a folder: name it
-            from routetool.io.run import folder_error
-
-            raise folder_error(path)
-        raise RouteToolError(f"the folder holds no routing dump: no {', '.join(DUMP_SUFFIXES)} file", path=path,
-                             fix="point at a routing dump or a folder of them; folders inside it are not read")
-    suffix = path.suffix.lower()
-    engine = sniff(path)  # the engines' own outputs (.npy, .npz, FlashInfer-Trace .safetensors, ...)
-    if engine is not None:
-        return engine
-    if suffix == ".safetensors":
-        return "trace"
-    if suffix == ".json" and _is_trace_index(path):
-        return "trace"  # a sharded trace's index (routetool.io.sharded)
-    if suffix in (".jsonl", ".ndjson"):
-        return "jsonl"
-    if suffix in (".csv", ".tsv"):
-        return "csv"
-    if suffix in (".pt", ".pth"):
-        return "sglang"
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(4096)
-    except OSError as exc:
-        raise RouteToolError(f"cannot read ({exc.strerror or exc})", path=path, fix="check permissions") from None
-    text = head.lstrip()
-    if text.startswith(b"{") and _is_trace_index(path):
-        return "trace"
-    if text.startswith(b"{"):
-        first_line = text.split(b"\n", 1)[0].strip()
-        try:
-            loads(first_line.decode("utf-8"))
-            return "jsonl" if b"\n" in text.strip() else "counts-json"
-        except (JSONProblem, UnicodeDecodeError):  # the reader says where
-            return "counts-json"
-    if len(head) >= 8 and head[:8] != b"\x00" * 8 and b"__metadata__" in head[:4096]:
-        return "trace"
-    if head[:2] == b"PK":
-        return "sglang"
-    raise RouteToolError("cannot tell the format from the name or content", path=path,
-                         fix=f"pass --format {'|'.join(f for f in FORMATS if f not in ('auto', 'trace'))}")
-
-
-_DUMP_KINDS = {  # format: (a file, a folder)
-    "jsonl": ("a JSON-lines routing dump", "a folder of JSON-lines routing dumps"),
-    "csv": ("a CSV routing dump", "a folder of CSV routing dumps"),
-    "sglang": ("an SGLang routing dump (.pt)", "a folder of SGLang routing dumps (.pt)"),
-    "vllm": ("vLLM routed experts", "a folder of vLLM routed experts (.npy)"),
-    "sglang-routed": ("SGLang routed experts (/generate responses)", "a folder of SGLang /generate responses"),
-    "megatron": ("a Megatron RouterReplay recording (.pt)", "a folder of Megatron RouterReplay recordings (.pt)"),
-    "flashinfer-trace": ("a FlashInfer-Trace MoE workload (.safetensors)",
-                         "a folder of FlashInfer-Trace MoE workloads (.safetensors)"),
-}
-"""The dumps of token rows a trace command recognises and names (:func:`refuse_dump_as_trace`)."""
-
-_COUNTS_KINDS = {  # format: (a file, a folder)
-    "counts-json": ("a JSON file of per-expert counts", "a folder of per-expert counts"),
-    "megatron-ep-load": ("a Megatron expert-load dump of per-expert counts (.npz)",
-                         "a folder of Megatron expert-load dumps of per-expert counts (.npz)"),
-    "sglang": ("an SGLang expert-distribution dump of per-expert counts (stat or per-pass .pt)",
-               "a folder of SGLang expert-distribution dumps of per-expert counts (.pt)"),
-}
-"""The dumps of per-expert counts a trace command recognises and names: balance reads them,
-import cannot make a trace of them (:func:`refuse_dump_as_trace`)."""
-
-_IMPORT_NEEDS = {"sglang-routed": " --topk K"}
-"""The options ``routetool import`` needs for a format whose file does not record them."""
-
-
-def _holds_counts(path: Path, fmt: str | None) -> bool:
-    """Whether the dump ``path`` (a file, or a folder's first file) that :func:`detect_format`
-    read as ``fmt`` holds per-expert counts rather than token rows: a counts JSON (a JSON
-    object without the ``format`` key every routetool trace index has), a Megatron expert-load
-    ``.npz``, an SGLang stat (``logical_count``) or per-pass (``global_physical_count`` without
-    ``topk_ids_of_layer``) ``.pt``."""
-    if fmt == "megatron-ep-load":
-        return True
-    if fmt not in ("counts-json", "sglang"):
-        return False
-    if path_kind(path) == "folder":
-        suffixes = (".json",) if fmt == "counts-json" else (".pt", ".pth")
-        files = [p for p in path.iterdir() if p.suffix.lower() in suffixes and not p.name.startswith(".")]
-        if not files:
-            return False
-        path = min(files, key=_natural_key)
-    if fmt == "counts-json":
-        try:
-            if path.stat().st_size > MAX_COUNTS_JSON_BYTES:
-                return False
-            doc = loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, JSONProblem):
-            return False
-        return isinstance(doc, dict) and "format" not in doc and _counts_tables(doc)
-    from routetool.io.engine_dumps import _torch_pickle_head
-
-    head = _torch_pickle_head(path)
-    # (per_token records hold their topk_ids_of_layer beside the counts every record has)
-    return b"logical_count" in head or (b"global_physical_count" in head and b"topk_ids_of_layer" not in head)
-
-
-MAX_COUNTS_JSON_BYTES = 64 << 20
-"""A JSON file larger than this is not parsed to tell whether it holds counts (the trace-index
-reader, which reads only small files, names it)."""
-
-
-def _counts_tables(doc) -> bool:
-    """Whether a parsed JSON value nests objects down to tables of counts: ``{"<expert>":
-    <count>}`` (keys decimal numbers) or ``[<count>, ...]``, counts whole numbers >= 0, at every
-    leaf (a report or a config holds text somewhere)."""
-    if isinstance(doc, list):
-        return bool(doc) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in doc)
-    if not isinstance(doc, dict) or not doc:
-        return False
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in doc.values()):
-        return all(parse_int(k) is not None for k in doc) and all(v >= 0 for v in doc.values())
-    return all(_counts_tables(v) for v in doc.values())
-
-
-def refuse_dump_as_trace(path: str | Path, display_path: object = None) -> None:
-    """Refuse, for a command that reads traces, a path that :func:`detect_format` takes for a
-    routing dump, naming what it is and the command that reads it: a dump of token rows (JSON
-    lines, CSV, the engines' outputs, or a folder of them) -> ``routetool import PATH -o
-    trace.safetensors`` (with the options the format needs) or ``routetool balance PATH``; a
-    dump of per-expert counts (counts JSON, Megatron expert-load ``.npz``, SGLang stat or
-    per-pass ``.pt``) -> ``routetool balance PATH``. A trace reader would only say that it is
-    no safetensors file or no JSON trace index.
-
-    A ``.json`` file with a ``format`` key is left to the trace-index reader, which says what
-    is wrong with it. Anything :func:`detect_format` refuses (a missing path, a FIFO) is left
-    to the trace reader, which names it.
-
-    Raises:
-        RouteToolError: naming ``display_path`` (default ``path``), what it looks like, and
-            the command that reads it.
-    """
-    path = Path(path)
-    found = path_kind(path, shown=display_path)
-    fmt = _detected(path) if found in ("file", "folder") else None
-    shown = display_path if display_path is not None else path
-    quoted = shlex.quote(str(shown))
-    if _holds_counts(path, fmt):
-        kind = _COUNTS_KINDS[fmt][found == "folder"]
-        raise RouteToolError(f"looks like {kind}, not a routetool trace", path=shown,
-                             fix=f"analyse its load with `routetool balance {quoted}`; counts have no per-token "
-                                 "expert ids, so no trace can be made of them")
-    kinds = _DUMP_KINDS.get(fmt)
-    if kinds is None:
-        return
-    kind = kinds[found == "folder"]
-    needs = _IMPORT_NEEDS.get(fmt, "")
-    raise RouteToolError(f"looks like {kind}, not a routetool trace", path=shown,
-                         fix=f"convert it with `routetool import {quoted} -o trace.safetensors{needs}`"
-                             + (" (K: the model's experts per token)" if needs else "")
-                             + f", or analyse its load with `routetool balance {quoted}{needs}`")
-
-
 # ---------------------------------------------------------------------------------------
 # shared row handling
 @dataclass
@@ -578,10 +182,6 @@ class _Row:
     step_key: object
     where: str  # "line 17" for messages
     position: int | None = None  # the token's position in its sequence, where the dump records it
-
-
-def _natural_key(p: Path):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
 
 def _filter_rows(rows: list[_Row], options: ImportOptions) -> tuple[list[_Row], int, int, int]:
@@ -1027,37 +627,6 @@ def read_csv(path: Path, options: ImportOptions) -> ImportedRouting:
 
 # ---------------------------------------------------------------------------------------
 # SGLang expert-distribution dumps
-def _torch_load(path: Path, fix: str = "pass an SGLang expert-distribution dump (.pt)"):
-    """``torch.load(weights_only=True)`` of an SGLang dump, within the budget of its size
-    (:mod:`routetool.io.limits`): what its zip records declare is checked before loading, what the
-    loaded tensors hold materialised (expanded views, shared references) before anything reads it."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(4)
-    except FileNotFoundError:
-        raise RouteToolError("no such file", path=path, fix="check the path") from None
-    except OSError as exc:
-        raise RouteToolError(f"cannot read ({exc.strerror or exc})", path=path, fix="check permissions") from None
-    if not head:
-        raise RouteToolError("is empty", path=path, fix=fix)
-    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
-        raise RouteToolError("is not a torch.save file (neither a zip archive nor a pickle)",
-                             path=path, fix=f"{fix}, or the file's --format")
-    size = input_bytes([path])
-    check_torch_archive(path, size)
-    try:
-        with warnings.catch_warnings():
-            # torch warns (on stderr, naming its own source file) about a pickle protocol other
-            # than 2 before it loads or refuses the file; the outcome is reported in one line
-            warnings.filterwarnings("ignore", message=r"Detected pickle protocol", category=UserWarning)
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - pickle errors of any kind are bad input
-        raise RouteToolError(f"cannot load with torch.load(weights_only=True) ({type(exc).__name__}: "
-                             f"{one_line(exc, 100)})", path=path, fix=fix) from None
-    check_materialised(obj, path, size)
-    return obj
-
-
 def _where(name: str, index) -> str:
     return f"{name}[{', '.join(str(int(i)) for i in index)}]"
 
@@ -1466,13 +1035,6 @@ def read_counts_json(path: Path, options: ImportOptions) -> ImportedCounts:
 
 # ---------------------------------------------------------------------------------------
 # entry points
-def _detected(path: Path) -> str | None:
-    try:
-        return detect_format(path)
-    except RouteToolError:
-        return None
-
-
 def resolve_format(path: str | Path, fmt: str = "auto") -> str:
     """The reader for ``path``: ``detect_format`` for ``auto``; an explicit ``fmt`` is checked
     against what the file clearly is (a routetool trace or not).

@@ -61,7 +61,9 @@ import torch
 from routetool.errors import RouteToolError, first_line
 from routetool.io.jsonstrict import JSONProblem, load_file, loads
 from routetool.io.limits import MAX_EXPERTS, MAX_LAYERS, check_expert_tables, input_bytes
-from routetool.io.trace import RouterConfig
+from routetool.io.imported import ImportedCounts, ImportedLayer, ImportedRouting, _refuse_counts, _torch_load
+from routetool.io.paths import natural_key as _natural_key
+from routetool.io.tracefile import RouterConfig
 
 ENGINE_SUFFIXES = (".npy", ".npz", ".safetensors")
 """File suffixes only the engine readers read (besides ``.pt``, ``.json`` and ``.jsonl``)."""
@@ -237,7 +239,6 @@ def _assemble_parts(path: Path, fmt: str, parts: list[_Part], options, model: st
 
     A layer that is zero in every row of every part was never written by a router (vLLM and SGLang
     keep a row for every hidden layer, dense ones included) and is left out, with a note."""
-    from routetool.io.dumps import ImportedLayer, ImportedRouting
 
     parts = [p for p in parts if p.ids.shape[0] > 0]
     if not parts:
@@ -346,7 +347,6 @@ def _json_documents(path: Path, files: list[Path]) -> list[tuple[str, object]]:
 
 
 def _files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    from routetool.io.dumps import _natural_key
 
     if path.is_dir():
         files = sorted((p for p in path.iterdir() if p.suffix.lower() in suffixes and not p.name.startswith(".")),
@@ -466,7 +466,6 @@ def read_sglang_routed(path: Path, options):
 # Megatron RouterReplay
 def read_megatron(path: Path, options):
     """Megatron-Core ``RouterReplay`` recordings (``.pt``; see the module docstring)."""
-    from routetool.io.dumps import _torch_load
 
     files = _files(path, (".pt", ".pth"))
     parts: list[_Part] = []
@@ -535,7 +534,6 @@ def _npz(f: Path, where: str, path: Path) -> dict[str, np.ndarray]:
 
 def read_megatron_ep_load(path: Path, options):
     """Megatron-Core ``mcore_ep_load_dump_v1`` ``.npz`` dumps of per-expert loads (see the module docstring)."""
-    from routetool.io.dumps import ImportedCounts, _refuse_counts
 
     files = _files(path, (".npz",))
     dumps = []
@@ -659,7 +657,6 @@ def read_flashinfer(path: Path, options):
     from safetensors import safe_open
     from safetensors import SafetensorError
 
-    from routetool.io.dumps import ImportedLayer, ImportedRouting
 
     files = _files(path, (".safetensors",))
     logits, biases, names = [], [], set()

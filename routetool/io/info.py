@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from routetool.io.files import refuse_special_file
-from routetool.io.trace import FORMAT_VERSION, RouterConfig, read_header
+from routetool.io.paths import refuse_special_file
+from routetool.io.tracefile import FORMAT_VERSION, RouterConfig, read_header
 
 _ST_DTYPE_NAMES = {
     "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
@@ -146,7 +146,7 @@ def check_trace_file(path: str | Path) -> None:
     """Refuse a trace path that exists but is not a regular file or a folder (a FIFO, a
     device, a socket), before anything opens it: reading one could block forever.
 
-    A missing path or a directory is left to :func:`routetool.io.trace.open_trace`, which names
+    A missing path or a directory is left to :func:`routetool.io.inputs.open_trace`, which names
     them (a sharded trace's shards are checked by :class:`routetool.io.sharded.ShardedTrace`).
 
     Raises:
@@ -189,7 +189,7 @@ def step_token_quantiles(step_tokens: list[int]) -> tuple[int, float, int] | Non
 
 
 def trace_info(trace, *, scan: bool = False, progress: Callable[[int], None] | None = None) -> TraceInfo:
-    """Summarise an open trace (:func:`routetool.io.trace.open_trace`).
+    """Summarise an open trace (:func:`routetool.io.inputs.open_trace`).
 
     Args:
         trace: a :class:`~routetool.io.trace.Trace` or :class:`~routetool.io.sharded.ShardedTrace`.

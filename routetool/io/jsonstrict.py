@@ -31,7 +31,7 @@ import os
 import re
 
 from routetool.errors import RouteToolError
-from routetool.io.files import path_kind
+from routetool.io.paths import path_kind
 
 MAX_DEPTH = 64
 """Deepest nesting of arrays and objects accepted (routetool's own files nest at most 5 deep)."""
@@ -169,14 +169,14 @@ def load_file(path: str | os.PathLike, *, fix: str, shown: object = None, tensor
     """Read a whole JSON file with :func:`loads`.
 
     Args:
-        path: the file (checked with :func:`routetool.io.files.path_kind` first).
+        path: the file (checked with :func:`routetool.io.paths.path_kind` first).
         fix: what to do about a file that is no JSON routetool reads.
         shown: the name the messages give the file (default ``path``).
         tensor: what the messages name after the file (``index``), or None.
 
     Raises:
         RouteToolError: a missing file, a folder, a FIFO, device or socket (or a path that
-            cannot be examined: :func:`~routetool.io.files.path_kind`), a file that cannot be
+            cannot be examined: :func:`~routetool.io.paths.path_kind`), a file that cannot be
             read, text that is not UTF-8, or a :class:`JSONProblem`; one line naming the file.
     """
     shown = path if shown is None else shown

@@ -7,10 +7,11 @@ in its output path) is a *run folder* (docs/trace-format.md, "Run folders")::
     RUN/rank-1/trace.json                      or one .safetensors file
     ...
 
-:func:`open_input` opens what every trace-reading command takes, a trace file, an index or a
-run folder, as a :class:`RunInput` of one or more :class:`RankTrace`; a plain trace is a run
-of one rank whose ``rank`` is None. Each rank's trace is read as a trace by itself
-(:func:`routetool.io.trace.open_trace`); the ranks must agree on the router (every field of
+:func:`routetool.io.inputs.open_input` opens what every trace-reading command takes, a trace
+file, an index or a run folder, as a :class:`RunInput` of one or more :class:`RankTrace`; a
+plain trace is a run of one rank whose ``rank`` is None. Each rank's trace is read as a trace
+by itself (the ``open_trace`` it is given: :func:`routetool.io.inputs.open_trace`, which this
+module does not import, so that it stays below the readers of dumps); the ranks must agree on the router (every field of
 :class:`routetool_kernels.spec.RouterSpec`) and on ``weights_semantics``.
 
 Which ranks routed the same tokens (:meth:`RunInput.token_groups`): the ranks of one
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from routetool.errors import RouteToolError
-from routetool.io.files import path_kind
+from routetool.io.paths import path_kind
 
 RANK_FOLDER = re.compile(r"rank-(0|[1-9][0-9]{0,5})")
 """A rank folder's name: ``rank-<r>``, ``r`` in plain decimal digits."""
@@ -216,7 +217,9 @@ class RunInput:
         layers: every layer any rank holds, ascending.
         notes: facts worth reporting (ranks missing from the recorded world size).
 
-    Use as a context manager; :meth:`close` closes every rank's trace.
+    Use as a context manager; :meth:`close` closes every rank's trace. Opened by
+    :func:`routetool.io.inputs.open_input`, which refuses a folder of routing dumps first and
+    gives ``open_trace`` (how each rank's trace, or the one trace, is opened).
 
     Raises:
         RouteToolError: on open: a folder without ``rank-<r>`` folders, a rank folder without
@@ -224,9 +227,7 @@ class RunInput:
             disagree on the router, or any error of reading a rank's trace.
     """
 
-    def __init__(self, path: str | os.PathLike, *, display_path: str | os.PathLike | None = None):
-        from routetool.io.trace import open_trace
-
+    def __init__(self, path: str | os.PathLike, *, open_trace, display_path: str | os.PathLike | None = None):
         self.path = Path(path)
         self.display_path = Path(display_path) if display_path is not None else self.path
         self.ranks: list[RankTrace] = []
@@ -237,9 +238,6 @@ class RunInput:
                 t = open_trace(self.path, display_path=self.display_path)
                 self.ranks.append(RankTrace(rank=None, trace=t, layout=trace_layout(t)))
             else:
-                from routetool.io.dumps import refuse_dump_as_trace
-
-                refuse_dump_as_trace(self.path, self.display_path)  # a folder of CSV dumps, named as such
                 self._open_ranks(open_trace)
             self._check_agree()
         except BaseException:
@@ -406,12 +404,3 @@ def trace_partial(trace, rank: int | None = None) -> PartialTrace | None:
                      index_complete=index.get("complete") if sharded else None,
                      stopped_by=index.get("stopped_by") if sharded else None, steps=steps)
     return p if p.unfinished or p.unequal_steps else None
-
-
-def open_input(path: str | os.PathLike, *, display_path: str | os.PathLike | None = None) -> RunInput:
-    """Open a trace file, a sharded trace's index or a run folder as a :class:`RunInput`.
-
-    Raises:
-        RouteToolError: as :class:`RunInput` and :func:`routetool.io.trace.open_trace` do.
-    """
-    return RunInput(path, display_path=display_path)

@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 from routetool.errors import RouteToolError
-from routetool.io.files import atomic_write, path_kind, same_file
+from routetool.io.paths import atomic_write, path_kind, same_file
 from routetool.io.jsonstrict import JSONProblem, load_file, loads
-from routetool.io.trace import LayerInfo, Step, Trace, TraceMeta
+from routetool.io.tracefile import LayerInfo, Step, Trace, TraceMeta
 
 INDEX_FORMAT = "routetool-trace-index"
 INDEX_VERSION = "1"

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from routetool.io.files import atomic_write
+from routetool.io.paths import atomic_write
 
 if TYPE_CHECKING:  # the types of the results rendered here; importing them would import torch
     from routetool.engine.load import LoadStats

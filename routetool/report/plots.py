@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from routetool.errors import RouteToolError, install_extra
-from routetool.io.files import atomic_write, claim_outputs, missing_folders, path_kind
+from routetool.io.paths import atomic_write, claim_outputs, missing_folders, path_kind
 
 if TYPE_CHECKING:  # importing it would import torch, and --plot's checks run before any work
     from routetool.analysis.balance import BalanceResult
