@@ -3,10 +3,11 @@
 Python's ``int()`` and ``float()`` accept more than a plain decimal number: underscores
 (``"2_5"`` is 25), digits of any script (Arabic-Indic ``"٣"``, fullwidth ``"３"``), surrounding
 whitespace. A file or an option that relies on that is almost always wrong, and two spellings of
-one number (``layers.0`` and ``layers.00``) would silently become one. Everything routetool reads
-as a number from text goes through this module: ASCII digits ``0-9``, an optional sign, for floats
-a decimal point and an exponent, nothing else. Numeric command-line options go through it by the
-click types of :mod:`routetool.cli.numbers`.
+one number (``layers.0`` and ``layers.00``) would silently become one. What routetool reads as a
+number from a file, and the items of the command line's lists and mini-languages (``--layers``,
+``--ep-size``, ``--skew``), go through this module: ASCII digits ``0-9``, an optional sign, for
+floats a decimal point and an exponent, nothing else. (An option of one number is click's own
+type, read as click reads it.)
 """
 
 from __future__ import annotations

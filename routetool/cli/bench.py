@@ -1,19 +1,27 @@
-"""``routetool bench``: check the options (on any machine), time the kernels on the GPU, render."""
+"""``routetool bench``: its options and its analysis step (check the options on any machine, time
+the kernels on the GPU); the command base (routetool.cli.command) checks the paths, renders and
+exits."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
-from routetool.cli.common import _finite, _int_list, _progress
-from routetool.cli.numbers import FloatRange
-from routetool.cli.paths import PATH, PATH_TEXT
-from routetool.engine.execution import kernel_source, kernel_stdout
-from routetool.errors import EXIT_FINDINGS, EXIT_OK, RouteToolError
-from routetool.numtext import list_items, refuse_repeats
-from routetool.report.tables import Console
+from routetool.cli.command import Run, finite, force_option, json_option, output_option, progress_option, run_command
+from routetool.cli.paths import PATH
+from routetool.errors import RouteToolError
+from routetool.numtext import list_items, parse_int, refuse_repeats
+from routetool.report.sinks import CsvSink, JsonSink, Sinks
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    values = [parse_int(v) for v in list_items(name, text, "1,64,4096")]
+    if any(v is None for v in values):
+        raise RouteToolError(f"{name} {text!r} is not a comma-separated list of integers", fix="e.g. 1,64,4096")
+    if any(v < 1 for v in values):
+        raise RouteToolError(f"{name} {text!r} needs positive integers", fix="e.g. 1,64,4096")
+    return refuse_repeats(name, text, values)
 
 
 @click.command()
@@ -30,12 +38,12 @@ from routetool.report.tables import Console
 @click.option("--pdl", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
               help="Programmatic dependent launch for the project's variants.")
 @click.option("--graph/--no-graph", default=True, show_default=True, help="Time under CUDA-graph replay.")
-@click.option("--rep-ms", type=FloatRange(min=1, max=60_000), default=20.0, show_default=True, callback=_finite,
+@click.option("--rep-ms", type=click.FloatRange(min=1, max=60_000), default=20.0, show_default=True, callback=finite,
               help="Timing budget per point and kernel, in milliseconds (1-60000).")
-@click.option("--csv", "csv_path", type=PATH_TEXT, default=None, metavar="PATH", help="Write the long-format CSV ('-' = stdout).")
-@click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH", help="Write the results as JSON ('-' = stdout).")
-@click.option("--force", is_flag=True, help="Replace existing output files.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@output_option("--csv", "csv_path", "Write the long-format CSV ('-' = stdout).")
+@json_option("Write the results as JSON ('-' = stdout).")
+@force_option("Replace existing output files.")
+@progress_option()
 def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str | None, dtypes: str,
           kernels: tuple[str, ...], baseline: str, pdl: str, graph: bool, rep_ms: float, csv_path: str | None,
           json_path: str | None, force: bool, progress: bool) -> None:
@@ -47,59 +55,57 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
     the host cost per eager call against an empty Triton launch, achieved bandwidth and its
     fraction of the measured copy bandwidth, and the speedup over --baseline.
     """
-    import torch
 
-    from routetool.analysis.bench import (
-        DTYPES,
-        MAX_TOKENS,
-        check_fits,
-        resolve_kernels,
-        run_bench,
-        trace_step_shapes,
-    )
-    from routetool.engine.execution import select_execution
-    from routetool.io.inputs import check_output_paths
-    from routetool.report.bench import bench_csv, bench_json, render_bench
-    from routetool.report.formats import write_json, write_text
+    def analyse(run: Run):
+        import torch
 
-    if csv_path == "-" and json_path == "-":
-        raise RouteToolError("--csv - and --json - both want stdout", fix="write one of them to a file")
-    check_output_paths([csv_path, json_path], force=force, inputs=[trace_path, *map(kernel_source, kernels)])
-    token_list = _int_list(tokens, "--tokens")
-    if max(token_list) > MAX_TOKENS:
-        raise RouteToolError(f"--tokens {tokens!r}: {max(token_list)} tokens per point is above bench's limit of "
-                             f"{MAX_TOKENS} (2^24)",
-                             fix="choose at most 16777216 tokens; 2^24 tokens of fp32 logits at 512 experts are 32 GiB")
-    expert_list = _int_list(experts, "--experts") if experts else None
-    topk_list = _int_list(topks, "--topk") if topks else None
-    if trace_path is not None:
-        shapes, router = trace_step_shapes(trace_path)
-        token_list = sorted(set(token_list) | set(shapes))
-        expert_list = expert_list or [router.num_experts]
-        topk_list = topk_list or [router.topk]
-    expert_list = expert_list or [128, 256, 384, 512]
-    topk_list = topk_list or [8]
-    dtype_list = list_items("--dtype", dtypes, "fp32,bf16")  # "fp32,,bf16" ran as fp32,bf16
-    unknown = [d for d in dtype_list if d not in DTYPES]
-    if unknown:
-        raise RouteToolError(f"--dtype {dtypes!r}", fix=f"use a comma-separated subset of {', '.join(DTYPES)}")
-    refuse_repeats("--dtype", dtypes, dtype_list)
-    points = sum(1 for e in expert_list for k in topk_list if k <= e)
-    if not points:
-        raise RouteToolError(f"every --topk ({', '.join(map(str, topk_list))}) exceeds every expert count "
-                             f"({', '.join(map(str, expert_list))}): nothing to time",
-                             fix="choose topk <= num_experts")
-    # kernels resolved (names checked, modules imported) before the GPU check, so that a
-    # mistake in the options shows on any machine
-    has_cuda = torch.cuda.is_available()
-    select_execution("cuda" if has_cuda else "cpu")
-    repeated = next((k for i, k in enumerate(kernels) if k in kernels[:i]), None)
-    if repeated is not None:  # it would be timed twice
-        raise RouteToolError(f"--kernel {repeated} is given twice", fix="give each kernel once")
-    specs = list(kernels) or ["tiled", "seed", "torch"]
-    with kernel_stdout("-" in (csv_path, json_path)):  # a kernel's print() must not mix into the document
+        from routetool.analysis.bench import (
+            DTYPES,
+            MAX_TOKENS,
+            check_fits,
+            resolve_kernels,
+            run_bench,
+            trace_step_shapes,
+        )
+        from routetool.engine.execution import select_execution
+        from routetool.report.bench import BenchReport
+
+        token_list = _int_list(tokens, "--tokens")
+        if max(token_list) > MAX_TOKENS:
+            raise RouteToolError(f"--tokens {tokens!r}: {max(token_list)} tokens per point is above bench's limit of "
+                                 f"{MAX_TOKENS} (2^24)",
+                                 fix="choose at most 16777216 tokens; 2^24 tokens of fp32 logits at 512 experts "
+                                     "are 32 GiB")
+        expert_list = _int_list(experts, "--experts") if experts else None
+        topk_list = _int_list(topks, "--topk") if topks else None
+        if trace_path is not None:
+            shapes, router = trace_step_shapes(trace_path)
+            token_list = sorted(set(token_list) | set(shapes))
+            expert_list = expert_list or [router.num_experts]
+            topk_list = topk_list or [router.topk]
+        expert_list = expert_list or [128, 256, 384, 512]
+        topk_list = topk_list or [8]
+        dtype_list = list_items("--dtype", dtypes, "fp32,bf16")  # "fp32,,bf16" ran as fp32,bf16
+        unknown = [d for d in dtype_list if d not in DTYPES]
+        if unknown:
+            raise RouteToolError(f"--dtype {dtypes!r}", fix=f"use a comma-separated subset of {', '.join(DTYPES)}")
+        refuse_repeats("--dtype", dtypes, dtype_list)
+        points = sum(1 for e in expert_list for k in topk_list if k <= e)
+        if not points:
+            raise RouteToolError(f"every --topk ({', '.join(map(str, topk_list))}) exceeds every expert count "
+                                 f"({', '.join(map(str, expert_list))}): nothing to time",
+                                 fix="choose topk <= num_experts")
+        # kernels resolved (names checked, modules imported) before the GPU check, so that a
+        # mistake in the options shows on any machine
+        has_cuda = torch.cuda.is_available()
+        select_execution("cuda" if has_cuda else "cpu")
+        repeated = next((k for i, k in enumerate(kernels) if k in kernels[:i]), None)
+        if repeated is not None:  # it would be timed twice
+            raise RouteToolError(f"--kernel {repeated} is given twice", fix="give each kernel once")
+        specs = list(kernels) or ["tiled", "seed", "torch"]
         bench_kernels = resolve_kernels(specs, pdl)
-        explicit = click.get_current_context().get_parameter_source("baseline") != click.core.ParameterSource.DEFAULT
+        explicit = (click.get_current_context().get_parameter_source("baseline")
+                    != click.core.ParameterSource.DEFAULT)
         if explicit and baseline not in {k.name for k in bench_kernels}:
             raise RouteToolError(f"--baseline {baseline!r} is not among the timed kernels ({', '.join(specs)})",
                                  fix="name one of the --kernel values, or add it with --kernel")
@@ -109,16 +115,11 @@ def bench(tokens: str, trace_path: Path | None, experts: str | None, topks: str 
         check_fits(token_list, expert_list, topk_list, dtype_list, torch.cuda.mem_get_info()[0],
                    f"the GPU ({torch.cuda.get_device_name()})")
         total = len(bench_kernels) * len(token_list) * len(dtype_list) * points
-        with _progress(progress) as bar:
+        with run.progress() as bar:
             task = bar.add_task("bench", total=total)
             result = run_bench(bench_kernels, token_list, expert_list, topk_list, dtype_list, baseline=baseline,
                                use_graph=graph, rep_ms=rep_ms, progress=lambda _: bar.advance(task))
-    render_bench(result, Console(stderr="-" in (csv_path, json_path)))
-    if csv_path is not None:
-        write_text(bench_csv(result), csv_path, sys.stdout)
-    if json_path is not None:
-        write_json(bench_json(result), json_path, sys.stdout)
-    broken = [r for r in result.rows if r.status.startswith("failed")]
-    click.get_current_context().exit(EXIT_FINDINGS if broken else EXIT_OK)
+        return BenchReport(result)
 
-
+    run_command(analyse, sinks=Sinks(CsvSink(csv_path), JsonSink(json_path)), reads=[trace_path], kernels=kernels,
+                force=force, progress=progress)

@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import click
 
-from routetool.cli.common import _progress
-from routetool.cli.numbers import FLOAT, IntRange
-from routetool.cli.paths import PATH, PATH_TEXT
+from routetool.cli.command import (
+    Run,
+    check_output_paths,
+    force_option,
+    json_option,
+    progress_bar,
+    progress_option,
+    run_command,
+)
+from routetool.cli.paths import PATH
 from routetool.errors import RouteToolError, printable
 from routetool.io.jsonstrict import JSONProblem, loads
 from routetool.numtext import list_items, number_problem, parse_int
+from routetool.report.sinks import JsonSink, Sinks
 from routetool.report.tables import Console, markup_safe
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
@@ -126,19 +133,14 @@ def _router_options(command):
 
     from routetool_kernels.spec import FIELD_INFO, MUSESPARK1X, NORMALIZATIONS, RouterSpec
 
+    types = {"str": click.Choice(NORMALIZATIONS), "int": click.IntRange(min=1), "float": float, "float?": float}
     for f in reversed(fields(RouterSpec)):
         if f.name in RouterSpec.GROUPING:
             continue
         info, default = FIELD_INFO[f.name], getattr(MUSESPARK1X, f.name)
-        kind, help_text = info["kind"], info["help"]
-        if kind == "str":
-            kind = click.Choice(NORMALIZATIONS)
-        elif kind == "int":
-            top = _SYNTH_EXPERTS if f.name == "num_experts" else None
-            kind = IntRange(1, top)
-            help_text += f" 1-{top:,}." if top else ""
-        else:
-            kind = FLOAT
+        kind, help_text = types[info["kind"]], info["help"]
+        if f.name == "num_experts":
+            kind, help_text = click.IntRange(1, _SYNTH_EXPERTS), f"{help_text} 1-{_SYNTH_EXPERTS:,}."
         command = click.option(info["option"], f.name, type=kind, default=default, show_default=default is not None,
                                help=help_text)(command)
     return command
@@ -147,15 +149,15 @@ def _router_options(command):
 @click.command()
 @click.option("-o", "--output", "--out", "out", type=PATH, required=True,
               help="Trace file to write (.safetensors). --out is an alias.")
-@click.option("--layers", "num_layers", type=IntRange(1, 1024), default=4, show_default=True,
+@click.option("--layers", "num_layers", type=click.IntRange(1, 1024), default=4, show_default=True,
               help="MoE layers (1-1024).")
 @_router_options
 @click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bfloat16", show_default=True,
               help="dtype of the stored logits.")
 @click.option("--prefill", default="384,128", show_default=True, help="Prefill chunk sizes in tokens (none or 0: no prefill).")
-@click.option("--decode-steps", type=IntRange(0, 1_000_000), default=16, show_default=True,
+@click.option("--decode-steps", type=click.IntRange(0, 1_000_000), default=16, show_default=True,
               help="Decode steps (0-1,000,000).")
-@click.option("--max-decode-batch", type=IntRange(1, 1 << 20), default=48, show_default=True,
+@click.option("--max-decode-batch", type=click.IntRange(1, 1 << 20), default=48, show_default=True,
               help="Decode batches are drawn uniformly from 1..this.")
 @click.option("--padding", default="graph", show_default=True,
               help="graph (pad decode batches to CUDA-graph sizes), none, or fraction:F (F of all rows padded).")
@@ -168,21 +170,21 @@ def _router_options(command):
                    "below the level 1.5 gives.")
 @click.option("--bias", type=click.Choice(["zero", "fitted"]), default="zero", show_default=True,
               help="zero, or fitted by DeepSeek-V3's auxiliary-loss-free update rule.")
-@click.option("--bias-rate", type=FLOAT, default=1e-3, show_default=True, help="Update rate u of the bias fit (0-1).")
-@click.option("--fit-steps", type=IntRange(0, 10_000), default=50, show_default=True,
+@click.option("--bias-rate", type=float, default=1e-3, show_default=True, help="Update rate u of the bias fit (0-1).")
+@click.option("--fit-steps", type=click.IntRange(0, 10_000), default=50, show_default=True,
               help="Bias updates (batches of 1024 tokens).")
-@click.option("--ties", type=IntRange(0, 100_000), default=4, show_default=True,
+@click.option("--ties", type=click.IntRange(0, 100_000), default=4, show_default=True,
               help="Rows per layer given an exact tie at the k-th boundary (at most the unpadded rows; "
                    "the default is lowered to them).")
-@click.option("--nonfinite", type=IntRange(0, 100_000), default=0, show_default=True,
+@click.option("--nonfinite", type=click.IntRange(0, 100_000), default=0, show_default=True,
               help="Rows per layer given a NaN and a +inf logit (at most the unpadded rows not taken by --ties).")
-@click.option("--seed", type=IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed (0 to 2**63-1).")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed (0 to 2**63-1).")
 @click.option("--model", "model_name", default="synthetic", show_default=True, help="Model name in the metadata.")
-@click.option("--ranks", "num_ranks", type=IntRange(1, 1024), default=1, show_default=True,
+@click.option("--ranks", "num_ranks", type=click.IntRange(1, 1024), default=1, show_default=True,
               help="Data-parallel ranks: above 1, OUT is a run folder of rank-<r>/trace.safetensors, one "
                    "model (--seed) for all, rank r's tokens drawn with seed + r.")
-@click.option("--force", is_flag=True, help="Replace an existing output file.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@force_option("Replace an existing output file.")
+@progress_option()
 def synth(out: Path, num_layers: int, dtype: str, prefill: str, decode_steps: int,
           max_decode_batch: int, padding: str, order: str, skew: str, affinity: float | None, bias: str,
           bias_rate: float, fit_steps: int, ties: int, nonfinite: int, seed: int, model_name: str, num_ranks: int,
@@ -202,7 +204,6 @@ def synth(out: Path, num_layers: int, dtype: str, prefill: str, decode_steps: in
     import shutil
 
     from routetool.capture.synth import SynthSpec, synth_warnings, synth_work, with_default_ties
-    from routetool.io.inputs import check_output_paths
     from routetool.io.paths import publish_folder, staged_folder
     from routetool.io.trace import RouterConfig
     from routetool.report.capture import render_synth
@@ -273,7 +274,7 @@ def _check_run_folder_output(out: Path, force: bool) -> None:
     if others:
         raise RouteToolError(f"holds {others[0]!r}, which is no rank-<r> folder; --force replaces a run folder whole "
                              "and would remove it", path=out, fix="choose another folder, or move that file away")
-    from routetool.io.inputs import _is_trace_index
+    from routetool.io.dumps import _is_trace_index
 
     for rank in entries:  # each rank folder holds its trace only: a file beside it would go with the folder
         if path_kind(out / rank) != "folder":
@@ -296,7 +297,7 @@ def _synth_write(spec, outs: list[Path], num_ranks: int, seed: int, force: bool,
     from routetool.io.trace import write_trace
 
     total = synth_work(spec)
-    with _progress(progress, percent=True) as bar:
+    with progress_bar(progress, percent=True) as bar:
         task = bar.add_task(markup_safe(f"synth {out.name}"), total=total * num_ranks)
         for r, target in enumerate(outs):
             rank_spec = spec if num_ranks == 1 else dataclasses.replace(spec, token_seed=(seed + r) % (MAX_SEED + 1))
@@ -320,10 +321,9 @@ def _synth_write(spec, outs: list[Path], num_ranks: int, seed: int, force: bool,
 @click.argument("trace", type=PATH)
 @click.option("--scan", is_flag=True,
               help="Also read the data (one step at a time) to count padded rows and rows with non-finite logits.")
-@click.option("--json", "json_path", type=PATH_TEXT, default=None, metavar="PATH",
-              help="Also write the facts as JSON to PATH ('-' = stdout; the tables then go to stderr).")
-@click.option("--force", is_flag=True, help="Replace an existing --json file.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr (--scan).")
+@json_option("Also write the facts as JSON to PATH ('-' = stdout; the tables then go to stderr).")
+@force_option("Replace an existing --json file.")
+@progress_option("Progress bar on stderr (--scan).")
 def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: bool) -> None:
     """Show what TRACE holds: metadata, provenance, layers, steps, shapes, dtypes, sizes.
 
@@ -331,32 +331,22 @@ def info(trace: Path, scan: bool, json_path: str | None, force: bool, progress: 
     rank-<r>/ traces (one row per rank). Reads headers only (fast on any size) unless --scan
     is given.
     """
-    from routetool.io.inputs import check_output_paths, require_input
 
-    require_input(trace)  # usage errors before torch is imported
-    check_output_paths([json_path], force=force, inputs=[trace])
-    from routetool.io.info import check_trace_file, trace_info
-    from routetool.report.formats import write_json
-    from routetool.io.inputs import open_input
-    from routetool.report.capture import info_json, render_info, render_run_info, run_info_json
+    def analyse(run: Run):
+        from routetool.io.info import check_trace_file, trace_info
+        from routetool.io.inputs import open_input
+        from routetool.report.capture import InfoReport
 
-    check_trace_file(trace)
-    with open_input(trace) as run:
-        with _progress(progress and scan) as bar:
-            task = bar.add_task(markup_safe(f"scan {trace.name}"), total=sum(r.trace.total_tokens for r in run.ranks))
-            infos = [trace_info(r.trace, scan=scan, progress=lambda n: bar.advance(task, n)) for r in run.ranks]
-        partial = run.partial  # said first, as every command that reads a trace says it (report/partial.py)
-    from routetool.report.partial import partial_json, render_partial
+        check_trace_file(trace)
+        with open_input(trace) as opened:
+            with run.progress(shown=scan) as bar:
+                task = bar.add_task(markup_safe(f"scan {trace.name}"),
+                                    total=sum(r.trace.total_tokens for r in opened.ranks))
+                infos = [trace_info(r.trace, scan=scan, progress=lambda n: bar.advance(task, n)) for r in opened.ranks]
+            partial = opened.partial  # said first, as every command that reads a trace says it (report/partial.py)
+        return InfoReport(opened, infos, partial)
 
-    console = Console(stderr=json_path == "-")
-    render_partial(partial, console)
-    if run.is_run:
-        render_run_info(run, infos, console)
-    else:
-        render_info(infos[0], console)
-    if json_path is not None:
-        doc = run_info_json(run, infos) if run.is_run else info_json(infos[0])
-        write_json({"schema": doc.pop("schema"), **partial_json(partial), **doc}, json_path, sys.stdout)
+    run_command(analyse, sinks=Sinks(JsonSink(json_path)), inputs=[trace], force=force, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,11 +370,11 @@ MAX_CAPTURE_LOGITS = 2**30
               default=None, help="A small built-in config of this architecture: seeded random weights.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config field (--config/--arch), VALUE as JSON; repeatable.")
-@click.option("--seed", type=IntRange(0, MAX_SEED), default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
               help="Seed of the random weights (0 to 2**63-1).")
-@click.option("--router-std", type=FLOAT, default=None, callback=_std,
+@click.option("--router-std", type=float, default=None, callback=_std,
               help="Redraw router weights from N(0, std^2) (random-weight models; 0-10, default 0.25, 0 = HF init).")
-@click.option("--bias-std", type=FLOAT, default=None, callback=_std,
+@click.option("--bias-std", type=float, default=None, callback=_std,
               help="Draw e_score_correction_bias from N(0, std^2) (random-weight models; 0-10, default 0.02).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="Model dtype (auto: the checkpoint's; float32 for random-weight models).")
@@ -392,16 +382,16 @@ MAX_CAPTURE_LOGITS = 2**30
 @click.option("--tokenizer", "tokenizer_mode", type=click.Choice(["auto", "checkpoint", "bytes"]), default="auto",
               show_default=True,
               help="auto: the checkpoint's tokenizer when it has one, else UTF-8 bytes; checkpoint: must load; bytes.")
-@click.option("--batch", type=IntRange(1, 1 << 16), default=4, show_default=True, help="Prompts per batch.")
-@click.option("--prompt-tokens", type=IntRange(1, 1 << 20), default=64, show_default=True,
+@click.option("--batch", type=click.IntRange(1, 1 << 16), default=4, show_default=True, help="Prompts per batch.")
+@click.option("--prompt-tokens", type=click.IntRange(1, 1 << 20), default=64, show_default=True,
               help="Tokens per prompt (consecutive slices of the text).")
-@click.option("--max-new-tokens", type=IntRange(0, 1 << 16), default=8, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(0, 1 << 16), default=8, show_default=True,
               help="Greedy tokens to generate: 1 prefill step + (N - 1) decode steps (0: one forward pass).")
 @click.option("-o", "--output", "--out", "out", type=PATH, required=True,
               help="Trace file to write (.safetensors). --out is an alias.")
 @click.option("--model-name", default=None, help="Model name in the trace metadata.")
-@click.option("--force", is_flag=True, help="Replace an existing output file.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@force_option("Replace an existing output file.")
+@progress_option()
 def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: str | None, overrides: tuple[str, ...],
                        seed: int, router_std: float | None, bias_std: float | None, dtype: str, text_path: str,
                        tokenizer_mode: str, batch: int, prompt_tokens: int, max_new_tokens: int, out: Path,
@@ -413,7 +403,6 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
     DeepSeek-V3 / Kimi-K2 / GLM-4.5 (sigmoid + bias), Qwen3-MoE / Mixtral (softmax).
     """
     from routetool.capture import hf
-    from routetool.io.inputs import check_output_paths
     from routetool.report.capture import render_hf_capture
     from routetool.io.trace import write_trace
 
@@ -462,7 +451,7 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
                   f"prompts x {prompt_tokens} tokens ({tok}) of {source_name}; 1 prefill step + "
                   f"{max(max_new_tokens - 1, 0)} greedy decode steps; router logits, bias and the model's own "
                   "top-k ids/weights recorded by forward hooks")
-    with _progress(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task(f"capture {type(model).__name__} (forward passes)", total=max(1, max_new_tokens))
         meta, layers = hf.capture_hf(model, input_ids, max_new_tokens=max_new_tokens, model_name=name,
                                      provenance=provenance, source=source, progress=lambda n: bar.advance(task, n))

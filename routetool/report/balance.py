@@ -13,6 +13,7 @@ from rich.text import Text
 
 from routetool.analysis.balance import BalanceResult, LayerBalance, Quantiles
 from routetool.analysis.eplb import placement_document
+from routetool.errors import EXIT_OK
 from routetool.io.dumps import ImportedCounts, ImportedRouting
 from routetool.report.formats import idle_layer_expert_pairs, load_json
 from routetool.report.partial import partial_json, render_partial
@@ -633,3 +634,36 @@ def render_import(imported: ImportedRouting | ImportedCounts, out: str | None, c
     if out:
         kind = "trace with logits" if isinstance(imported, ImportedRouting) and imported.has_logits else "ids-only trace"
         console.print(user_text(f"wrote {out} ({kind})", style="green"))
+
+
+class BalanceReport:
+    """balance's report (:class:`routetool.report.protocol.Report`): ``focus_layer`` shown in
+    detail; its other faces are the EPLB placement (``--eplb-out``) and the PNG figures
+    (``--plot``). Exit code 0: balance measures, it does not judge."""
+
+    exit_code = EXIT_OK
+
+    def __init__(self, result: BalanceResult, focus_layer: int | None = None) -> None:
+        self.result = result
+        self.focus_layer = focus_layer
+
+    def terminal(self, console: Console, details: bool = False) -> None:
+        render_balance(self.result, console, self.focus_layer, details=details)
+
+    def document(self) -> dict:
+        return balance_json(self.result)
+
+    def placement(self) -> dict | None:
+        """The EPLB placement as its JSON document (None without the EPLB what-if)."""
+        result = self.result
+        if result.eplb is None:
+            return None
+        return placement_document(result.eplb.placement, source=result.source, model=result.model,
+                                  routing=result.routing, fitted_on_assignments=[x.assignments for x in result.layers])
+
+    def plots(self, folder: str, force: bool = False) -> list:
+        """Write the PNG figures into ``folder`` (:func:`routetool.report.plots.write_balance_plots`);
+        returns their paths."""
+        from routetool.report.plots import write_balance_plots
+
+        return write_balance_plots(self.result, folder, force=force)

@@ -96,3 +96,26 @@ def render_bench(result, console: Console) -> None:
     console.print(t)
 
 
+
+
+class BenchReport:
+    """bench's report (:class:`routetool.report.protocol.Report`), with its long-format CSV face;
+    exit code 1 when a kernel failed on a point."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+    @property
+    def exit_code(self) -> int:
+        from routetool.errors import EXIT_FINDINGS, EXIT_OK
+
+        return EXIT_FINDINGS if any(r.status.startswith("failed") for r in self.result.rows) else EXIT_OK
+
+    def terminal(self, console: Console, details: bool = False) -> None:
+        render_bench(self.result, console)
+
+    def document(self) -> dict:
+        return bench_json(self.result)
+
+    def csv(self) -> str:
+        return bench_csv(self.result)

@@ -210,6 +210,35 @@ def info_json(info: TraceInfo) -> dict:
     }
 
 
+
+class InfoReport:
+    """info's report (:class:`routetool.report.protocol.Report`) of a trace or a run folder
+    (``run``, from :func:`routetool.io.run.open_input`), ``infos`` one per rank; ``partial`` the
+    run's partial steps, said first. Exit code 0."""
+
+    exit_code = 0
+
+    def __init__(self, run, infos: list[TraceInfo], partial) -> None:
+        self.run = run
+        self.infos = infos
+        self.partial = partial
+
+    def terminal(self, console: Console, details: bool = False) -> None:
+        from routetool.report.partial import render_partial
+
+        render_partial(self.partial, console)
+        if self.run.is_run:
+            render_run_info(self.run, self.infos, console)
+        else:
+            render_info(self.infos[0], console)
+
+    def document(self) -> dict:
+        from routetool.report.partial import partial_json
+
+        doc = run_info_json(self.run, self.infos) if self.run.is_run else info_json(self.infos[0])
+        return {"schema": doc.pop("schema"), **partial_json(self.partial), **doc}
+
+
 # ---------------------------------------------------------------------------------------
 # routetool synth
 def render_synth(path: str, stats: list, console: Console) -> None:

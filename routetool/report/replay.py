@@ -558,3 +558,22 @@ def replay_json(result: ReplayResult) -> dict:
     }
 
 
+
+
+class ReplayReport:
+    """replay's report (:class:`routetool.report.protocol.Report`): ``histogram_layer`` charted,
+    exit code from the result's verdict."""
+
+    def __init__(self, result: ReplayResult, histogram_layer: int | None = None) -> None:
+        self.result = result
+        self.histogram_layer = histogram_layer
+
+    @property
+    def exit_code(self) -> int:
+        return self.result.verdict.exit_code
+
+    def terminal(self, console: Console, details: bool = False) -> None:
+        render_replay(self.result, console, self.histogram_layer, details=details)
+
+    def document(self) -> dict:
+        return replay_json(self.result)

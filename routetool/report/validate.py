@@ -248,3 +248,23 @@ def validate_junit(result) -> str:
     return xml_safe(ET.tostring(root, encoding="unicode", xml_declaration=True)) + "\n"
 
 
+
+
+class ValidateReport:
+    """validate's report (:class:`routetool.report.protocol.Report`), with its JUnit XML face."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+    @property
+    def exit_code(self) -> int:
+        return self.result.exit_code
+
+    def terminal(self, console: Console, details: bool = False) -> None:
+        render_validate(self.result, console, details=details)
+
+    def document(self) -> dict:
+        return validate_json(self.result)
+
+    def junit(self) -> str:
+        return validate_junit(self.result)
