@@ -44,14 +44,16 @@ def _breakdown(result) -> str:
             + ("" if result.ties_judged else " (no logits: ties not judged)"))
 
 
-def _layer_table(result, layers) -> object:
-    t = table("Agreement by layer", ["layer", "rows", "same", "set agree", "overlap@k", "order flips",
-                                     "tie", "real", "max|Δw|", "max Δw ulps", "first div"])
+def _layer_table(result, layers, title: str = "Agreement by layer", weights: bool = True) -> object:
+    columns = ["layer", "rows", "same", "set agree", "overlap@k", "order flips", "tie", "real"]
+    t = table(title, columns + (["max|Δw|", "max Δw ulps"] if weights else []) + ["first div"])
     for x in layers:
-        t.add_row(str(x.layer), f"{x.rows:,}", _pct(x.agreement), _pct(x.set_agreement),
-                  _pct(x.overlap(result.topk)), f"{x.classes['order']:,}", f"{x.classes['tie']:,}",
-                  f"{x.classes['real']:,}", fmt_float(x.weight_max) if x.weight_rows else "-",
-                  f"{x.weight_max_ulps:.0f}" if x.weight_rows else "-", f"{x.first_divergence:,}")
+        cells = [str(x.layer), f"{x.rows:,}", _pct(x.agreement), _pct(x.set_agreement), _pct(x.overlap(result.topk)),
+                 f"{x.classes['order']:,}", f"{x.classes['tie']:,}", f"{x.classes['real']:,}"]
+        if weights:
+            cells += [fmt_float(x.weight_max) if x.weight_rows else "-",
+                      f"{x.weight_max_ulps:.0f}" if x.weight_rows else "-"]
+        t.add_row(*cells, f"{x.first_divergence:,}")
     return t
 
 
@@ -88,14 +90,9 @@ def render_diff(result, console, *, details: bool = False) -> None:
     else:
         worst = result.worst_layers()
         if worst:
-            console.print(_worst_table(result, worst))
+            console.print(_layer_table(result, worst, f"Worst layers ({len(worst)} of {len(result.layers)}, by "
+                                       "share of token-layers differing)", weights=False))
         console.print(Text("--details: every layer and the first differing rows; --json for all numbers"))
-
-
-def _worst_table(result, worst):
-    t = _layer_table(result, worst)
-    t.title = "Worst layers"
-    return t
 
 
 def _ratio(a: int | None, b: int | None) -> float | None:
