@@ -13,9 +13,9 @@ and every aligned piece of rows is measured at once, on the device:
   ``order`` (the same set of experts in other slots: a slot-order flip), ``tie`` (another set,
   every expert that differs inside a near-tie at the k-th pick), ``real`` (another set, outside
   a near-tie, or a row padded on one side only); rows padded on both sides are not compared;
-* a near-tie is judged by the biased selection keys of every side that holds logits: each
-  expert picked by one side only has a key within ``tie_ulps`` float32 ulps of that side's k-th
-  largest key (:func:`routetool.engine.compare.float32_ulp`; 0 = exact ties). Without logits on
+* a near-tie is judged by the biased selection keys of each side that holds logits: by the keys
+  of one side at least, each expert picked by one side only has a key within ``tie_ulps``
+  float32 ulps of that side's k-th largest key (:func:`routetool.engine.compare.float32_ulp`; 0 = exact ties). Without logits on
   either side no difference can be judged a tie (``ties_judged`` False);
 * overlap@k: ``|A ∩ B| / k`` averaged over the rows; weight deltas: matched by expert id on rows
   holding the same set, ``|wA - wB|`` (max, mean) and in float32 ulps of the larger weight;
@@ -424,10 +424,8 @@ def measure(a: Rows, b: Rows, topk: int, *, tie_ulps: float, weight_ulps: float)
         weights_differ = (dw_ulps > weight_ulps).any(-1) & wrows
     tie = torch.zeros_like(same_order)
     judged = [x.biased for x in (a, b) if x.biased is not None]
-    if judged:
-        tie = ~one_pad
-        for biased in judged:
-            tie = tie & _near_tie(biased, ia, ib, in_b, in_a, topk, tie_ulps)
+    for biased in judged:  # inside a near-tie of either routing
+        tie = tie | (~one_pad & _near_tie(biased, ia, ib, in_b, in_a, topk, tie_ulps))
     cls = torch.full(ia.shape[:1], 4, dtype=torch.int8, device=ia.device)  # real
     cls = torch.where(tie, 3, cls)
     cls = torch.where(same_set, 2, cls)
