@@ -206,3 +206,36 @@ def test_a_vllm_output_against_an_ids_only_trace(tmp_path):
     doc = json.loads(js.read_text())
     assert doc["overall"]["classes"]["order"] == 1 and doc["overall"]["ties_judged"] is False
     assert doc["first_differing_rows"][0]["row"] == 5
+
+
+def test_a_near_tie_of_either_routing_counts(tmp_path):
+    # A's keys: expert 3 (logit 1.5) well above expert 2 (logit 1); B's keys: 2 and 3 tied exactly (as
+    # bf16 rounding makes them). B picked 2, A picked 3: a difference at B's knife edge
+    a = make_trace(tmp_path / "a.safetensors", {0: _layer([[0, 3]], [[0.6, 0.4]], [[4, -1, 1, 1.5]])}, router=ROUTER)
+    b = make_trace(tmp_path / "b.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], [[4, -1, 1, 1]])}, router=ROUTER)
+    js = tmp_path / "d.json"
+    assert run(a, b, "--json", js).exit_code == 1
+    assert json.loads(js.read_text())["overall"]["classes"]["tie"] == 1
+    c = make_trace(tmp_path / "c.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], [[4, -1, 1, 1.25]])}, router=ROUTER)
+    assert run(a, c, "--json", js, "--force").exit_code == 1  # neither routing is at a tie there
+    assert json.loads(js.read_text())["overall"]["classes"]["real"] == 1
+
+
+def test_run_folders_are_aligned_rank_by_rank(tmp_path):
+    def run_folder(name, bias1):
+        for r in (0, 1):
+            (tmp_path / name / f"rank-{r}").mkdir(parents=True)
+            _logits_trace(tmp_path / name / f"rank-{r}" / "trace.safetensors", bias1 if r else torch.zeros(16), seed=r)
+        return tmp_path / name
+
+    a = run_folder("a", torch.zeros(16))
+    b = run_folder("b", torch.linspace(-0.3, 0.3, 16))
+    js = tmp_path / "d.json"
+    assert run(a, a).exit_code == 0
+    res = run(a, b, "--json", js)
+    assert res.exit_code == 1
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["token_layers"] == 2 * 3 * 40
+    assert {e["rank"] for e in doc["first_differing_rows"]} == {1}  # rank 0 routes alike in both
+    one = CliRunner().invoke(main, ["diff", str(a), str(a / "rank-0" / "trace.safetensors"), "--no-progress"])
+    assert one.exit_code == 2 and "A holds ranks 0,1, B one trace" in one.stderr
