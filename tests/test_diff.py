@@ -239,3 +239,15 @@ def test_run_folders_are_aligned_rank_by_rank(tmp_path):
     assert {e["rank"] for e in doc["first_differing_rows"]} == {1}  # rank 0 routes alike in both
     one = CliRunner().invoke(main, ["diff", str(a), str(a / "rank-0" / "trace.safetensors"), "--no-progress"])
     assert one.exit_code == 2 and "A holds ranks 0,1, B one trace" in one.stderr
+
+
+def test_two_engine_outputs_are_aligned_by_request(tmp_path):
+    arrs = [routed_experts(tokens=5, layers=2, topk=2, experts=8, seed=s) for s in (1, 2)]
+    for folder, names in (("x", ("req-a", "req-b")), ("y", ("req-a", "req-b")), ("z", ("req-a", "req-c"))):
+        (tmp_path / folder).mkdir()
+        for name, arr in zip(names, arrs):
+            write_vllm_npy(tmp_path / folder / f"{name}.npy", arr)
+    assert run(tmp_path / "x", tmp_path / "y").exit_code == 0
+    res = CliRunner().invoke(main, ["diff", str(tmp_path / "x"), str(tmp_path / "z"), "--no-progress"])
+    assert res.exit_code == 2
+    assert "step 1 is request 'req-b' in A, 'req-c' in B" in res.stderr and len(res.stderr.strip().splitlines()) == 1

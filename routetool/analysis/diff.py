@@ -5,7 +5,8 @@ outputs); each gives, per layer, the routing of every token row: its recorded ``
 ``topk_weights`` where it holds them, else its logits routed by the reference (or a kernel
 under test) with its own router spec. The sources are aligned layer by layer (and rank by rank
 for run folders), by step and row: the same layers, the same number of tokens in every step
-(``align="rows"``: the same number of tokens in the layer). Both are streamed, chunk by chunk,
+(``align="rows"``: the same number of tokens in the layer), and where both sources carry them
+(engine dumps), the same request per step and the same token position per row. Both are streamed, chunk by chunk,
 and every aligned piece of rows is measured at once, on the device:
 
 * each token row (a *token-layer*) falls in one class: ``same`` (same ids in the same slots,
@@ -137,6 +138,14 @@ class Source:
             info = self._traces[rank].info(layer)
             return "recorded" if info.has_recorded_ids else "logits"
         return "recorded" if self._imported.layers[layer].topk_ids is not None else "logits"
+
+    def step_labels(self) -> list[str] | None:
+        """Each step's name (a dump's request ids), or None."""
+        return None if self._imported is None else self._imported.step_labels
+
+    def positions(self, layer: int):
+        """``[T]`` token positions in their requests (a dump that records them), or None."""
+        return None if self._imported is None else self._imported.layers[layer].positions
 
     def has_logits(self, rank, layer: int) -> bool:
         if self._input is not None:
@@ -424,8 +433,12 @@ def measure(a: Rows, b: Rows, topk: int, *, tie_ulps: float, weight_ulps: float)
         weights_differ = (dw_ulps > weight_ulps).any(-1) & wrows
     tie = torch.zeros_like(same_order)
     judged = [x.biased for x in (a, b) if x.biased is not None]
-    for biased in judged:  # inside a near-tie of either routing
-        tie = tie | (~one_pad & _near_tie(biased, ia, ib, in_b, in_a, topk, tie_ulps))
+    other = (~same_set & ~one_pad & ~both_pad).nonzero().flatten()  # judged on these rows only
+    if judged and other.numel():
+        near = torch.zeros(other.shape, dtype=torch.bool, device=ia.device)
+        for biased in judged:  # inside a near-tie of either routing
+            near |= _near_tie(biased[other], ia[other], ib[other], in_b[other], in_a[other], topk, tie_ulps)
+        tie[other] = near
     cls = torch.full(ia.shape[:1], 4, dtype=torch.int8, device=ia.device)  # real
     cls = torch.where(tie, 3, cls)
     cls = torch.where(same_set, 2, cls)
@@ -481,7 +494,17 @@ def check_aligned(a: Source, b: Source, layers: list[int] | None, align: str) ->
                         else f"A holds {len(sa)} steps, B {len(sb)}")
                 raise RouteToolError(f"cannot be aligned: different token counts per step: {where}: {what}",
                                      path=shown, fix="diff the same steps, or align by row alone with --align rows")
+            pa, pb = a.positions(layer), b.positions(layer)
+            if pa is not None and pb is not None and not torch.equal(pa, pb):
+                row = int((pa != pb).nonzero()[0]) if pa.shape == pb.shape else 0
+                raise RouteToolError(f"cannot be aligned: {where}: row {row} is token position {int(pa[row])} in A, "
+                                     f"{int(pb[row])} in B", path=shown, fix=fix)
             units.append((rank, layer))
+    la, lb = a.step_labels(), b.step_labels()
+    if align == "steps" and la is not None and lb is not None and la != lb:
+        i = next((i for i, (x, y) in enumerate(zip(la, lb)) if x != y), 0)
+        raise RouteToolError(f"cannot be aligned: step {i} is request {la[i]!r} in A, {lb[i]!r} in B", path=shown,
+                             fix="diff the same requests in the same order")
     return units
 
 
