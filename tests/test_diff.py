@@ -251,3 +251,42 @@ def test_two_engine_outputs_are_aligned_by_request(tmp_path):
     res = CliRunner().invoke(main, ["diff", str(tmp_path / "x"), str(tmp_path / "z"), "--no-progress"])
     assert res.exit_code == 2
     assert "step 1 is request 'req-b' in A, 'req-c' in B" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+KERNEL = '''
+from routetool_kernels.reference import musespark1x_routing_reference
+
+
+def swapped(gating_output, bias, topk, route_scale, router_output_multiplier=None, router_score_normalization="sigmoid",
+            router_score_division_eps=None, topk_weights=None, topk_ids=None, *, is_padding=None):
+    """The reference with its first two slots swapped (float32 logits)."""
+    w, ids = musespark1x_routing_reference(gating_output, bias, topk=topk, route_scale=route_scale,
+                                           router_output_multiplier=router_output_multiplier,
+                                           router_score_normalization=router_score_normalization,
+                                           router_score_division_eps=router_score_division_eps, is_padding=is_padding)
+    return w[:, [1, 0, 2, 3]].contiguous(), ids[:, [1, 0, 2, 3]].contiguous()
+'''
+
+
+def test_a_kernel_routes_the_logits_only_side(tmp_path):
+    logits = _logits_trace(tmp_path / "logits.safetensors", torch.zeros(16))
+    from routetool.io.trace import open_trace
+    from routetool_kernels import reference
+
+    with open_trace(logits) as t:  # the reference's ids and weights, recorded
+        layers = {}
+        for layer in t.layers:
+            rows = t.read_rows(layer, 0, 40)
+            w, ids, _, _ = reference.route(rows.gating_output, t.bias(layer), t.meta.router)
+            layers[layer] = LayerArrays(topk_ids=ids, topk_weights=w, step_offsets=torch.tensor([0, 16, 40]))
+        recorded = make_trace(tmp_path / "recorded.safetensors", layers, router=t.meta.router)
+    assert run(recorded, logits).exit_code == 0
+    kfile = tmp_path / "k.py"
+    kfile.write_text(KERNEL)
+    js = tmp_path / "d.json"
+    res = run(recorded, logits, "--kernel", f"{kfile}:swapped", "--json", js)
+    assert res.exit_code == 1, res.output
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"]["order"] == 120 and doc["kernel"] == f"{kfile}:swapped"
+    assert "logits routed by" in doc["b"]["holds"] and doc["a"]["holds"] == "trace: recorded ids"
+    assert run(recorded, logits, "--kernel", f"{kfile}:swapped", "--ignore-order").exit_code == 0

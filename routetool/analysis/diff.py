@@ -152,8 +152,14 @@ class Source:
             return self._traces[rank].info(layer).has_logits
         return self._imported.layers[layer].gating_output is not None
 
-    def rows(self, rank, layer: int, device: torch.device, router=None) -> Iterator[Rows]:
-        """The layer's rows in order, in chunks (a trace streamed from disk by the engine)."""
+    def rows(self, rank, layer: int, device: torch.device, kernel=None) -> Iterator[Rows]:
+        """The layer's rows in order, in chunks (a trace streamed from disk by the engine);
+        ``kernel``: ``(name, fn)`` routing logits with this source's spec (None: the reference)."""
+        router = None
+        if kernel is not None and self.spec is not None:
+            from routetool.engine.router import Router
+
+            router = Router(self.spec, kernel[1], kernel[0])
         if self._input is not None:
             yield from self._trace_rows(self._traces[rank], layer, device, router)
         else:
@@ -304,6 +310,7 @@ class DiffResult:
     num_experts: int
     topk: int
     align: str
+    kernel: str | None
     tie_ulps: float
     weight_ulps: float
     ignore_ties: bool
@@ -519,7 +526,7 @@ def _span(layers: list[int]) -> str:
 def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align: str = "steps",
                  tie_ulps: float = 16.0, weight_ulps: float = 0.0, ignore_ties: bool = False,
                  ignore_order: bool = False, max_flip_rate: float | None = None,
-                 device: torch.device | None = None, router=None, progress=None) -> DiffResult:
+                 device: torch.device | None = None, kernel=None, progress=None) -> DiffResult:
     """Diff the routing of two aligned sources (see the module docstring).
 
     Args:
@@ -527,8 +534,8 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
         align: ``steps`` (same tokens per step) or ``rows`` (same tokens per layer).
         tie_ulps / weight_ulps: tolerances in float32 ulps. ignore_ties / ignore_order /
             max_flip_rate: the thresholds of the verdict. device: where to measure (CPU).
-        router: a :class:`~routetool.engine.router.Router` routing logits-only sides (None: the
-            reference). progress: called with the rows of each aligned piece.
+        kernel: ``(name, fn)``, the kernel under test that routes logits-only sides, each with its
+            own router spec (None: the reference). progress: called with the rows of each aligned piece.
 
     Raises:
         RouteToolError: the sources cannot be aligned (:func:`check_aligned`) or read.
@@ -553,7 +560,7 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
             ld = per_layer.setdefault(layer, LayerDiff(layer))
             ties_judged |= a.has_logits(rank, layer) or b.has_logits(rank, layer)
             start = 0
-            for ra, rb in _aligned(a.rows(rank, layer, device, router), b.rows(rank, layer, device, router)):
+            for ra, rb in _aligned(a.rows(rank, layer, device, kernel), b.rows(rank, layer, device, kernel)):
                 n = len(ra)
                 p = measure(ra, rb, K, tie_ulps=tie_ulps, weight_ulps=weight_ulps)
                 compared = p.cls >= 0
@@ -603,8 +610,9 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
     if not token_measures:
         notes.append("layers hold different steps: per-token measures (share differing, first layer) not given")
     result = DiffResult(
-        source_a=str(a.path), source_b=str(b.path), holds_a=_holds(a, units), holds_b=_holds(b, units),
-        num_experts=max(a.num_experts, b.num_experts), topk=K, align=align, tie_ulps=tie_ulps, weight_ulps=weight_ulps,
+        source_a=str(a.path), source_b=str(b.path), holds_a=_holds(a, units, kernel and kernel[0]),
+        holds_b=_holds(b, units, kernel and kernel[0]),
+        num_experts=max(a.num_experts, b.num_experts), topk=K, align=align, kernel=None if kernel is None else kernel[0], tie_ulps=tie_ulps, weight_ulps=weight_ulps,
         ignore_ties=ignore_ties, ignore_order=ignore_order, max_flip_rate=max_flip_rate,
         layers=[per_layer[k] for k in sorted(per_layer)], ties_judged=ties_judged,
         weights_compared=weights_compared, tokens=tokens if token_measures else None,
@@ -612,7 +620,7 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
     return result
 
 
-def _holds(s: Source, units) -> str:
+def _holds(s: Source, units, kernel: str | None) -> str:
     kinds = sorted({s.holds(r, layer) for r, layer in units})
-    what = {"recorded": "recorded ids", "logits": "logits routed"}
+    what = {"recorded": "recorded ids", "logits": f"logits routed by {kernel or 'the reference'}"}
     return f"{s.kind}: " + " and ".join(what[k] for k in kinds)

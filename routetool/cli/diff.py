@@ -66,25 +66,22 @@ def diff(source_a: Path, source_b: Path, layers_spec: str, align: str, kernel_sp
 
     execution = select_execution(device)
     with kernel_stdout(json_path == "-"):
-        router = None
+        kernel = None
+        if kernel_spec != "reference":
+            from routetool.engine.execution import load_kernel
+
+            kernel = load_kernel(kernel_spec)
         a = Source(source_a, "A")
         try:
             b = Source(source_b, "B")
             try:
-                if kernel_spec != "reference":
-                    from routetool.engine.execution import load_kernel
-                    from routetool.engine.router import Router
-
-                    spec = a.spec or b.spec
-                    name, fn = load_kernel(kernel_spec)
-                    router = Router(spec, fn, name)
                 held = sorted({layer for s in (a, b) for _, layer in s.units})
                 layers = None if layers_spec == "all" else parse_layers(layers_spec, held, f"{source_a} and {source_b}")
                 with _progress(progress) as bar:
                     task = bar.add_task(markup_safe(f"diff {source_a.name} {source_b.name}"), total=None)
                     result = diff_sources(a, b, layers=layers, align=align, tie_ulps=tie_ulps, weight_ulps=weight_ulps,
                                           ignore_ties=ignore_ties, ignore_order=ignore_order,
-                                          max_flip_rate=max_flip_rate, device=execution.device, router=router,
+                                          max_flip_rate=max_flip_rate, device=execution.device, kernel=kernel,
                                           progress=lambda n: bar.advance(task, n))
             finally:
                 b.close()
