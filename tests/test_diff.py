@@ -290,3 +290,19 @@ def test_a_kernel_routes_the_logits_only_side(tmp_path):
     assert doc["overall"]["classes"]["order"] == 120 and doc["kernel"] == f"{kfile}:swapped"
     assert "logits routed by" in doc["b"]["holds"] and doc["a"]["holds"] == "trace: recorded ids"
     assert run(recorded, logits, "--kernel", f"{kfile}:swapped", "--ignore-order").exit_code == 0
+
+
+def test_a_partial_trace_is_named_before_the_answer(tmp_path):
+    g = torch.randn(40, 16)
+    router = RouterConfig(num_experts=16, topk=4, route_scale=2.5)
+    t = make_trace(tmp_path / "t.safetensors", {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 40])),
+                                                1: LayerArrays(gating_output=g[:16], step_offsets=torch.tensor([0, 16]))},
+                   router=router)
+    js = tmp_path / "d.json"
+    res = run(t, t, "--json", js)
+    assert res.exit_code == 0
+    lines = res.output.splitlines()
+    assert lines[0].startswith("INCOMPLETE TRACE: ") and lines[2] == "IDENTICAL (56 token-layers, 2 layers)"
+    doc = json.loads(js.read_text())
+    assert doc["complete"] is False and len(doc["partial"]) == 2
+    assert doc["overall"]["tokens"] is None  # layers of other steps: no per-token measures

@@ -139,6 +139,11 @@ class Source:
             return "recorded" if info.has_recorded_ids else "logits"
         return "recorded" if self._imported.layers[layer].topk_ids is not None else "logits"
 
+    def partial(self) -> list:
+        """The traces of this source that hold less than a whole recording
+        (:meth:`routetool.io.run.RunInput.partial`); empty for a dump."""
+        return [] if self._input is None else list(self._input.partial)
+
     def step_labels(self) -> list[str] | None:
         """Each step's name (a dump's request ids), or None."""
         return None if self._imported is None else self._imported.step_labels
@@ -323,6 +328,7 @@ class DiffResult:
     tokens_differing: int | None
     examples: list[DiffExample]
     notes: list[str] = field(default_factory=list)
+    partial: list = field(default_factory=list)
 
     def total(self, name: str) -> int:
         return sum(getattr(x, name) for x in self.layers)
@@ -616,7 +622,8 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
         ignore_ties=ignore_ties, ignore_order=ignore_order, max_flip_rate=max_flip_rate,
         layers=[per_layer[k] for k in sorted(per_layer)], ties_judged=ties_judged,
         weights_compared=weights_compared, tokens=tokens if token_measures else None,
-        tokens_differing=tokens_differing if token_measures else None, examples=examples, notes=notes)
+        tokens_differing=tokens_differing if token_measures else None, examples=examples, notes=notes,
+        partial=a.partial() + b.partial())
     return result
 
 

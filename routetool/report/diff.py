@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.text import Text
 
+from routetool.report.partial import partial_json, render_partial
 from routetool.report.tables import _values, _weights, fmt_float, table, user_text
 
 
@@ -60,6 +61,7 @@ def _layer_table(result, layers, title: str = "Agreement by layer", weights: boo
 def render_diff(result, console, *, details: bool = False) -> None:
     """Print ``result``: the verdict line first, then the measures and the worst layers
     (``details``: every layer and the first differing rows)."""
+    render_partial(result.partial, console)  # (before anything: a verdict on part of a recording)
     console.print(Text(headline(result)), soft_wrap=True)
     console.print(user_text(f"A {result.source_a} ({result.holds_a})"), soft_wrap=True)
     console.print(user_text(f"B {result.source_b} ({result.holds_b})"), soft_wrap=True)
@@ -144,6 +146,7 @@ def diff_json(result) -> dict:
              "ids_a": e.ids_a, "ids_b": e.ids_b, "weights_a": e.weights_a, "weights_b": e.weights_b}
             for e in result.examples],
         "notes": list(result.notes),
+        **partial_json(result.partial),
     }
 
 
