@@ -193,10 +193,11 @@ def _register() -> None:
     from routetool.cli.balance import balance, import_
     from routetool.cli.bench import bench
     from routetool.cli.capture import capture, info, synth
+    from routetool.cli.diff import diff
     from routetool.cli.replay import replay
     from routetool.cli.validate import validate
 
-    for command in (replay, validate, bench, synth, info, capture, balance, import_):
+    for command in (replay, validate, bench, synth, info, capture, balance, import_, diff):
         main.add_command(command)
 
 

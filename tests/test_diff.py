@@ -1,0 +1,308 @@
+"""`routetool diff A B`: every measure against a hand-computed case, the verdict and exit codes,
+sources that cannot be aligned, and an engine's output against a trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from routetool.cli import main
+from routetool.io.trace import LayerArrays, RouterConfig
+from tests.dump_writers import routed_experts, write_vllm_npy
+from tests.helpers import make_trace
+
+ROUTER = RouterConfig(num_experts=4, topk=2, route_scale=1.0)
+ULP_04 = 2.0 ** -25  # the float32 ulp at 0.4 (0.25 <= 0.4 < 0.5)
+
+
+def run(*args):
+    return CliRunner().invoke(main, ["diff", *map(str, args), "--no-progress"], catch_exceptions=False)
+
+
+def _layer(ids, weights, logits, pad=None):
+    n = len(ids)
+    return LayerArrays(gating_output=torch.tensor(logits, dtype=torch.float32),
+                       topk_ids=torch.tensor(ids, dtype=torch.int32),
+                       topk_weights=torch.tensor(weights, dtype=torch.float32),
+                       is_padding=torch.tensor(pad or [False] * n),
+                       step_offsets=torch.tensor([0, n], dtype=torch.int64))
+
+
+# Six tokens of E=4, K=2; both sides record ids and weights, and hold the same logits (for ties).
+LOGITS = [[4, 3, 0, -1], [4, 3, 0, -1], [4, 3, 0, -1], [4, -1, 1, 1], [4, 3, 0, -1], [0, 0, 0, 0]]
+PAD = [False] * 5 + [True]
+IDS_A = [[0, 1], [0, 1], [0, 1], [0, 2], [0, 1], [-1, -1]]
+W_A = [[0.6, 0.4]] * 5 + [[0.0, 0.0]]
+IDS_B = [[0, 1],  # same
+         [1, 0],  # slot-order flip (weights swapped with the ids: no weight delta)
+         [0, 1],  # weights only: 1 ulp at 0.4
+         [0, 3],  # other experts inside a near-tie: logits of experts 2 and 3 equal
+         [2, 3],  # other experts outside a near-tie: overlap 0
+         [-1, -1]]  # padded on both sides: not compared
+W_B = [[0.6, 0.4], [0.4, 0.6], [0.6, 0.4 + ULP_04], [0.6, 0.4], [0.6, 0.4], [0.0, 0.0]]
+
+
+@pytest.fixture
+def hand(tmp_path):
+    a = make_trace(tmp_path / "a.safetensors", {0: _layer(IDS_A, W_A, LOGITS, PAD), 1: _layer(IDS_A, W_A, LOGITS, PAD)},
+                   router=ROUTER)
+    b = make_trace(tmp_path / "b.safetensors", {0: _layer(IDS_B, W_B, LOGITS, PAD), 1: _layer(IDS_A, W_A, LOGITS, PAD)},
+                   router=ROUTER)
+    return a, b
+
+
+def test_each_measure_matches_the_hand_computed_case(hand, tmp_path):
+    a, b = hand
+    js = tmp_path / "d.json"
+    res = run(a, b, "--json", js)
+    assert res.exit_code == 1, res.output
+    assert res.output.splitlines()[0] == "DIFFERENT (4 of 10 token-layers; 1 outside near-ties)"
+    doc = json.loads(js.read_text())
+    l0, l1 = doc["layers"]
+    assert l0["classes"] == {"same": 1, "weights": 1, "order": 1, "tie": 1, "real": 1}
+    assert (l0["rows"], l0["padded_rows"]) == (5, 1)
+    assert l0["set_agreement"] == pytest.approx(3 / 5)  # rows 0, 1, 2 hold the same set
+    assert l0["agreement"] == pytest.approx(1 / 5)
+    assert l0["overlap_at_k"] == pytest.approx((2 + 2 + 2 + 1 + 0) / 10)
+    assert l0["slot_order_flips"] == 1 and l0["near_tie_differences"] == 1 and l0["real_differences"] == 1
+    assert l0["weight_rows"] == 3
+    assert l0["weight_max_abs_delta"] == pytest.approx(ULP_04, rel=1e-6)
+    assert l0["weight_max_delta_ulps"] == pytest.approx(1.0)
+    assert l0["weight_mean_abs_delta"] == pytest.approx(ULP_04 / 6, rel=1e-6)  # one of 3 rows x 2 weights
+    assert l0["first_divergence_tokens"] == 4
+    assert l1["classes"] == {"same": 5, "weights": 0, "order": 0, "tie": 0, "real": 0}
+    assert l1["agreement"] == 1.0 and l1["first_divergence_tokens"] == 0
+    o = doc["overall"]
+    assert (o["token_layers"], o["differing"], o["outside_near_ties"]) == (10, 4, 1)
+    assert (o["tokens"], o["tokens_differing"]) == (5, 4)
+    assert o["ties_judged"] is True
+    assert doc["verdict"] == "different" and doc["exit_code"] == 1
+    first = doc["first_differing_rows"][0]
+    assert (first["layer"], first["step"], first["row"], first["class"]) == (0, 0, 1, "order")
+    assert first["ids_a"] == [0, 1] and first["ids_b"] == [1, 0]
+
+
+def test_tie_ulps_zero_takes_exact_ties_only(tmp_path):
+    # experts 2 and 3: logits 1 and 1 + 2^-20, keys 2 float32 ulps apart in float32
+    # (ulp 2^-24 at sigmoid(1) ~ 0.73): inside the default 16, outside 1 and 0 (exact ties only)
+    logits = [[4, -1, 1, 1 + 2 ** -20]]
+    a = make_trace(tmp_path / "a.safetensors", {0: _layer([[0, 3]], [[0.6, 0.4]], logits)}, router=ROUTER)
+    b = make_trace(tmp_path / "b.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], logits)}, router=ROUTER)
+    doc_path = tmp_path / "d.json"
+    assert run(a, b, "--json", doc_path, "--tie-ulps", 0).exit_code == 1
+    assert json.loads(doc_path.read_text())["overall"]["classes"]["real"] == 1
+    assert run(a, b, "--json", doc_path, "--tie-ulps", 1, "--force").exit_code == 1
+    assert json.loads(doc_path.read_text())["overall"]["classes"]["real"] == 1
+    res = run(a, b, "--json", doc_path, "--force")
+    assert res.output.splitlines()[0] == "DIFFERENT (1 of 1 token-layers; 0 outside near-ties)"
+    assert json.loads(doc_path.read_text())["overall"]["classes"]["tie"] == 1
+    assert run(a, b, "--ignore-ties").exit_code == 0
+
+
+def test_thresholds_turn_tolerated_differences_into_exit_0(hand, tmp_path):
+    a, b = hand
+    assert run(a, b, "--ignore-ties", "--ignore-order").exit_code == 1  # weights + real left
+    assert run(a, b, "--ignore-ties", "--ignore-order", "--weight-ulps", 1).exit_code == 1  # real left
+    res = run(a, b, "--ignore-ties", "--ignore-order", "--weight-ulps", 1, "--max-flip-rate", 0.1)
+    assert res.exit_code == 0, res.output  # 1 counted of 10 token-layers
+    assert res.output.startswith("DIFFERENT (3 of 10 token-layers; 1 outside near-ties): within the thresholds")
+    assert run(a, b, "--max-flip-rate", 0.39).exit_code == 1  # 4 of 10
+    assert run(a, b, "--max-flip-rate", 0.4).exit_code == 0
+
+
+def test_details_prints_every_layer_and_the_first_differing_rows(hand):
+    res = CliRunner().invoke(main, ["diff", str(hand[0]), str(hand[1]), "--details", "--no-progress"],
+                             terminal_width=200)
+    assert "Agreement by layer" in res.output and "First differing rows" in res.output
+    assert "order" in res.output and "real" in res.output
+
+
+def _logits_trace(path, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    router = RouterConfig(num_experts=16, topk=4, route_scale=2.5)
+    layers = {i: LayerArrays(gating_output=torch.randn(40, 16, generator=g), bias=bias,
+                             step_offsets=torch.tensor([0, 16, 40])) for i in range(3)}
+    return make_trace(path, layers, router=router)
+
+
+def test_a_trace_against_itself_is_identical(tmp_path):
+    t = _logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    res = run(t, t)
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[0] == "IDENTICAL (120 token-layers, 3 layers)"
+
+
+def test_the_same_logits_under_another_bias_differ_per_layer(tmp_path):
+    a = _logits_trace(tmp_path / "a.safetensors", torch.zeros(16))
+    b = _logits_trace(tmp_path / "b.safetensors", torch.linspace(-0.3, 0.3, 16))
+    js = tmp_path / "d.json"
+    res = run(a, b, "--json", js)
+    assert res.exit_code == 1, res.output
+    assert res.output.startswith("DIFFERENT (")
+    doc = json.loads(js.read_text())
+    assert [x["layer"] for x in doc["layers"]] == [0, 1, 2]
+    assert all(0 <= x["agreement"] < 1 for x in doc["layers"])
+    assert doc["overall"]["outside_near_ties"] > 0  # a bias moves picks far beyond a near-tie
+    assert doc["overall"]["tokens_differing"] > 0
+
+
+def test_json_to_stdout_and_a_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    t = _logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    png = tmp_path / "agree.png"
+    res = CliRunner().invoke(main, ["diff", str(t), str(t), "--json", "-", "--plot", str(png), "--no-progress"])
+    assert res.exit_code == 0
+    assert json.loads(res.stdout)["verdict"] == "identical"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("case", ["steps", "layers", "topk"])
+def test_sources_that_cannot_be_aligned_are_refused_in_one_line(tmp_path, case):
+    a = _logits_trace(tmp_path / "a.safetensors", torch.zeros(16))
+    g = torch.randn(40, 16)
+    if case == "steps":  # the same 40 tokens, cut into other steps
+        layers = {i: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 20, 40])) for i in range(3)}
+        router, why = RouterConfig(num_experts=16, topk=4, route_scale=2.5), "step 0 holds 16 tokens in A, 20 in B"
+    elif case == "layers":
+        layers = {i: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 40])) for i in range(2)}
+        router, why = RouterConfig(num_experts=16, topk=4, route_scale=2.5), "different layers"
+    else:
+        layers = {i: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 40])) for i in range(3)}
+        router, why = RouterConfig(num_experts=16, topk=2, route_scale=2.5), "A routes top-4, B top-2"
+    b = make_trace(tmp_path / "b.safetensors", layers, router=router)
+    res = CliRunner().invoke(main, ["diff", str(a), str(b), "--no-progress"])
+    assert res.exit_code == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("routetool: error: ") and why in lines[0]
+    if case == "steps":  # the same tokens per layer: aligned by row alone
+        assert run(a, b, "--align", "rows").exit_code == 1
+    if case == "layers":
+        assert run(a, b, "--layers", "0,1").exit_code == 1
+
+
+def test_a_vllm_output_against_an_ids_only_trace(tmp_path):
+    arr = routed_experts(tokens=12, layers=2, topk=2, experts=8, seed=3)
+    npy = write_vllm_npy(tmp_path / "req.npy", arr)
+    ids = torch.from_numpy(arr.astype("int64")).to(torch.int32)
+    router = RouterConfig(num_experts=8, topk=2, route_scale=1.0)
+
+    def trace(name, layer0):
+        layers = {0: LayerArrays(topk_ids=layer0, step_offsets=torch.tensor([0, 12])),
+                  1: LayerArrays(topk_ids=ids[:, 1].contiguous(), step_offsets=torch.tensor([0, 12]))}
+        return make_trace(tmp_path / name, layers, router=router)
+
+    same = trace("same.safetensors", ids[:, 0].contiguous())
+    res = run(npy, same)
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("IDENTICAL (24 token-layers, 2 layers)")
+    other = ids[:, 0].clone()
+    other[5] = other[5].flip(0)  # one slot-order flip at token 5 of layer 0
+    js = tmp_path / "d.json"
+    res = run(npy, trace("other.safetensors", other), "--json", js)
+    assert res.exit_code == 1
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"]["order"] == 1 and doc["overall"]["ties_judged"] is False
+    assert doc["first_differing_rows"][0]["row"] == 5
+
+
+def test_a_near_tie_of_either_routing_counts(tmp_path):
+    # A's keys: expert 3 (logit 1.5) well above expert 2 (logit 1); B's keys: 2 and 3 tied exactly (as
+    # bf16 rounding makes them). B picked 2, A picked 3: a difference at B's knife edge
+    a = make_trace(tmp_path / "a.safetensors", {0: _layer([[0, 3]], [[0.6, 0.4]], [[4, -1, 1, 1.5]])}, router=ROUTER)
+    b = make_trace(tmp_path / "b.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], [[4, -1, 1, 1]])}, router=ROUTER)
+    js = tmp_path / "d.json"
+    assert run(a, b, "--json", js).exit_code == 1
+    assert json.loads(js.read_text())["overall"]["classes"]["tie"] == 1
+    c = make_trace(tmp_path / "c.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], [[4, -1, 1, 1.25]])}, router=ROUTER)
+    assert run(a, c, "--json", js, "--force").exit_code == 1  # neither routing is at a tie there
+    assert json.loads(js.read_text())["overall"]["classes"]["real"] == 1
+
+
+def test_run_folders_are_aligned_rank_by_rank(tmp_path):
+    def run_folder(name, bias1):
+        for r in (0, 1):
+            (tmp_path / name / f"rank-{r}").mkdir(parents=True)
+            _logits_trace(tmp_path / name / f"rank-{r}" / "trace.safetensors", bias1 if r else torch.zeros(16), seed=r)
+        return tmp_path / name
+
+    a = run_folder("a", torch.zeros(16))
+    b = run_folder("b", torch.linspace(-0.3, 0.3, 16))
+    js = tmp_path / "d.json"
+    assert run(a, a).exit_code == 0
+    res = run(a, b, "--json", js)
+    assert res.exit_code == 1
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["token_layers"] == 2 * 3 * 40
+    assert {e["rank"] for e in doc["first_differing_rows"]} == {1}  # rank 0 routes alike in both
+    one = CliRunner().invoke(main, ["diff", str(a), str(a / "rank-0" / "trace.safetensors"), "--no-progress"])
+    assert one.exit_code == 2 and "A holds ranks 0,1, B one trace" in one.stderr
+
+
+def test_two_engine_outputs_are_aligned_by_request(tmp_path):
+    arrs = [routed_experts(tokens=5, layers=2, topk=2, experts=8, seed=s) for s in (1, 2)]
+    for folder, names in (("x", ("req-a", "req-b")), ("y", ("req-a", "req-b")), ("z", ("req-a", "req-c"))):
+        (tmp_path / folder).mkdir()
+        for name, arr in zip(names, arrs):
+            write_vllm_npy(tmp_path / folder / f"{name}.npy", arr)
+    assert run(tmp_path / "x", tmp_path / "y").exit_code == 0
+    res = CliRunner().invoke(main, ["diff", str(tmp_path / "x"), str(tmp_path / "z"), "--no-progress"])
+    assert res.exit_code == 2
+    assert "step 1 is request 'req-b' in A, 'req-c' in B" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+KERNEL = '''
+from routetool_kernels.reference import musespark1x_routing_reference
+
+
+def swapped(gating_output, bias, topk, route_scale, router_output_multiplier=None, router_score_normalization="sigmoid",
+            router_score_division_eps=None, topk_weights=None, topk_ids=None, *, is_padding=None):
+    """The reference with its first two slots swapped (float32 logits)."""
+    w, ids = musespark1x_routing_reference(gating_output, bias, topk=topk, route_scale=route_scale,
+                                           router_output_multiplier=router_output_multiplier,
+                                           router_score_normalization=router_score_normalization,
+                                           router_score_division_eps=router_score_division_eps, is_padding=is_padding)
+    return w[:, [1, 0, 2, 3]].contiguous(), ids[:, [1, 0, 2, 3]].contiguous()
+'''
+
+
+def test_a_kernel_routes_the_logits_only_side(tmp_path):
+    logits = _logits_trace(tmp_path / "logits.safetensors", torch.zeros(16))
+    from routetool.io.trace import open_trace
+    from routetool_kernels import reference
+
+    with open_trace(logits) as t:  # the reference's ids and weights, recorded
+        layers = {}
+        for layer in t.layers:
+            rows = t.read_rows(layer, 0, 40)
+            w, ids, _, _ = reference.route(rows.gating_output, t.bias(layer), t.meta.router)
+            layers[layer] = LayerArrays(topk_ids=ids, topk_weights=w, step_offsets=torch.tensor([0, 16, 40]))
+        recorded = make_trace(tmp_path / "recorded.safetensors", layers, router=t.meta.router)
+    assert run(recorded, logits).exit_code == 0
+    kfile = tmp_path / "k.py"
+    kfile.write_text(KERNEL)
+    js = tmp_path / "d.json"
+    res = run(recorded, logits, "--kernel", f"{kfile}:swapped", "--json", js)
+    assert res.exit_code == 1, res.output
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"]["order"] == 120 and doc["kernel"] == f"{kfile}:swapped"
+    assert "logits routed by" in doc["b"]["holds"] and doc["a"]["holds"] == "trace: recorded ids"
+    assert run(recorded, logits, "--kernel", f"{kfile}:swapped", "--ignore-order").exit_code == 0
+
+
+def test_a_partial_trace_is_named_before_the_answer(tmp_path):
+    g = torch.randn(40, 16)
+    router = RouterConfig(num_experts=16, topk=4, route_scale=2.5)
+    t = make_trace(tmp_path / "t.safetensors", {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 40])),
+                                                1: LayerArrays(gating_output=g[:16], step_offsets=torch.tensor([0, 16]))},
+                   router=router)
+    js = tmp_path / "d.json"
+    res = run(t, t, "--json", js)
+    assert res.exit_code == 0
+    lines = res.output.splitlines()
+    assert lines[0].startswith("INCOMPLETE TRACE: ") and lines[2] == "IDENTICAL (56 token-layers, 2 layers)"
+    doc = json.loads(js.read_text())
+    assert doc["complete"] is False and len(doc["partial"]) == 2
+    assert doc["overall"]["tokens"] is None  # layers of other steps: no per-token measures
