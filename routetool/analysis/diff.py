@@ -98,13 +98,13 @@ class Source:
     """
 
     def __init__(self, path: Path, label: str):
-        from routetool.io.dumps import detect_format
+        from routetool.io.inputs import detect_format
 
         self.path, self.label = Path(path), label
         self.kind = detect_format(self.path)
         self._input = self._imported = None
         if self.kind == "trace":
-            from routetool.io.run import open_input
+            from routetool.io.inputs import open_input
 
             self._input = open_input(self.path)
             self.spec = self._input.meta.router

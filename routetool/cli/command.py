@@ -61,9 +61,9 @@ def device_option(help: str):
     return click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True, help=help)
 
 
-def kernel_option(help: str, show_default: bool | str = True):
+def kernel_option(help: str, show_default: bool | str = True, default: str = "tiled"):
     """``--kernel`` (``kernel_spec``, default tiled): ``help`` then the signature a module:function takes."""
-    return click.option("--kernel", "kernel_spec", default="tiled", show_default=show_default,
+    return click.option("--kernel", "kernel_spec", default=default, show_default=show_default,
                         help=f"{help} {KERNEL_SIGNATURE_HELP}")
 
 

@@ -171,3 +171,24 @@ def write_diff_plot(result, path: str | os.PathLike) -> Path:
     path = Path(path)
     _save(fig, path, plt)
     return path
+
+
+class DiffReport:
+    """diff's report (:class:`routetool.report.protocol.Report`): exit code from the result (0
+    identical or within the thresholds, 1 different); ``figure()`` for ``--plot``."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+    @property
+    def exit_code(self) -> int:
+        return self.result.exit_code
+
+    def terminal(self, console, details: bool = False) -> None:
+        render_diff(self.result, console, details=details)
+
+    def document(self) -> dict:
+        return diff_json(self.result)
+
+    def figure(self, path: str | os.PathLike) -> Path:
+        return write_diff_plot(self.result, path)

@@ -3,7 +3,8 @@
 A sink knows its option (``--json``), its path (``'-'`` = stdout, None = not asked for) and
 which face of the report it writes: :class:`JsonSink` (``document()``, or another dict such as
 balance's placement), :class:`JUnitSink` (``junit()``), :class:`CsvSink` (``csv()``) and
-:class:`PlotSink` (``plots()``, a folder of PNG figures). :class:`Sinks` holds a command's
+:class:`PlotSink` (``plots()``, a folder of PNG figures) and :class:`FigureSink`
+(``figure()``, one PNG file). :class:`Sinks` holds a command's
 sinks and the stdout rule, computed here once: at most one sink writes stdout, and when one
 does, the tables go to stderr and a kernel's ``print()`` too (the document on stdout holds the
 document only)::
@@ -119,6 +120,23 @@ class PlotSink(Sink):
 
     def write(self, report) -> list[str]:
         return [str(p) for p in report.plots(self.path, force=self.force)]
+
+
+class FigureSink(Sink):
+    """``--plot FILE.png``: ``report.figure(FILE)``, one PNG figure in a file (never stdout)."""
+
+    flag = "--plot"
+
+    @property
+    def to_stdout(self) -> bool:
+        return False
+
+    @property
+    def output_path(self) -> str | None:
+        return self.path
+
+    def write(self, report) -> list[str]:
+        return [str(report.figure(self.path))]
 
 
 class Sinks:
