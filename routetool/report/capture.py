@@ -15,7 +15,7 @@ from rich.text import Text
 from routetool.io.info import TraceInfo, step_token_quantiles
 from routetool.io.limits import fmt_bytes
 from routetool.numtext import parse_int
-from routetool.report.tables import fmt_float, router_line, table, user_text
+from routetool.report.tables import fmt_float, layer_list, router_line, table, user_text
 
 INFO_SCHEMA = "routetool.info/1"
 
@@ -25,19 +25,6 @@ def _number_text(value: str) -> str:
     (``16384`` -> ``16,384``); any other text as it is."""
     n = parse_int(value)
     return f"{n:,}" if n is not None and str(n) == value else value
-
-
-def _layer_list(layers: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    parts, start, prev = [], None, None
-    for x in layers + [None]:
-        if start is not None and (x is None or x != prev + 1):
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if x is not None and start is None:
-            start = x
-        prev = x
-    return ", ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------
@@ -100,7 +87,7 @@ def render_info(info: TraceInfo, console: Console, max_shapes: int = 12) -> None
         groups.setdefault(sig, []).append(layer.layer)
     tt = table("Tensors per layer", ["layers", "tensor", "dtype", "shape"], left=("layers", "tensor", "dtype"))
     for sig, members in groups.items():
-        label = "all" if len(groups) == 1 else _layer_list(members)
+        label = "all" if len(groups) == 1 else layer_list(members)
         for i, (name, dtype, shape) in enumerate(sig):
             tt.add_row(label if i == 0 else "", name, dtype, f"[{', '.join(f'{d:,}' for d in shape)}]")
     console.print(tt)

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from routetool.report.capture import _layer_list
-from routetool.report.tables import user_text
+from routetool.report.tables import layer_list, user_text
 
 MAX_LINES = 8
 """Partial traces named one a line; the rest are counted."""
@@ -43,7 +42,7 @@ def steps_text(steps: dict[int, int]) -> str:
         by_count.setdefault(n, []).append(layer)
     parts = []
     for i, (n, layers) in enumerate(sorted(by_count.items(), key=lambda kv: -kv[0])):
-        where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {_layer_list(layers)}"
+        where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layer_list(layers)}"
         parts.append(f"{n:,}{' steps' if i == 0 else ''} ({where})")
     return ", ".join(parts)
 

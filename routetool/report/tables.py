@@ -204,3 +204,16 @@ def _weights(values: list[float] | None) -> str:
     return _values(values, lambda w: fmt_float(w, 3))
 
 
+
+
+def layer_list(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts, start, prev = [], None, None
+    for x in [*layers, None]:
+        if start is not None and (x is None or x != prev + 1):
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if x is not None and start is None:
+            start = x
+        prev = x
+    return ", ".join(parts)
