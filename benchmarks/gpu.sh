@@ -28,9 +28,11 @@ OUT=${OUT:-out}
 R="$OUT/r"
 S="$OUT/summary.txt"
 mkdir -p "$R"
-export PYTHONUNBUFFERED=1
-# the folder kernel/ imports as routetool_kernels only once installed (no registry needed: no dependencies)
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.txt" 2>&1 || { echo "install failed" >> "$S"; cat "$R/install.txt"; }
+# the checkout on the path as installed: the folder kernel/ imports as routetool_kernels (a link
+# to it in a folder of its own, so that nothing needs pip or a registry)
+KPATH=$(mktemp -d)
+ln -s "$PWD/kernel" "$KPATH/routetool_kernels"
+export PYTHONPATH=$PWD:$KPATH${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 DEADLINE=$((SECONDS + ${BUDGET_S:-570}))
 MODES=${*:-tests validate replays bench host engine}
 RESULTS="$OUT/results.csv"
