@@ -127,10 +127,10 @@ def test_a_pickle_dump_is_refused_in_one_line_without_torch_warnings(tmp_path):
 _AFTER_CHECK_BARRIER = """
 import sys, time
 from pathlib import Path
-import routetool.io.files as files
+import routetool.io.inputs as inputs
 
 folder, me = Path(sys.argv[1]), sys.argv[2]
-real_check = files.check_output_paths
+real_check = inputs.check_output_paths
 
 def check_then_wait(*args, **kwargs):
     real_check(*args, **kwargs)
@@ -139,7 +139,7 @@ def check_then_wait(*args, **kwargs):
     while len(list(folder.glob("ready-*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
 
-files.check_output_paths = check_then_wait
+inputs.check_output_paths = check_then_wait
 from routetool.cli import main
 main(sys.argv[3:], prog_name="routetool")
 """

@@ -1,6 +1,6 @@
 """The hostile-input promise (docs/cli-contract.md), kept under a seeded campaign of mutated
 traces, headers, indexes, dumps and paths (tests/hostile.py), and the seven holes an earlier
-campaign found, each at its mechanism: the one path check (routetool.io.files.path_kind), the
+campaign found, each at its mechanism: the one path check (routetool.io.paths.path_kind), the
 strict JSON reader (routetool.io.jsonstrict, safetensors headers included), the budget on what an
 input may make routetool allocate (routetool.io.limits)."""
 
@@ -20,7 +20,8 @@ from click.testing import CliRunner
 import routetool
 from routetool.cli import main
 from routetool.errors import RouteToolError
-from routetool.io.files import check_output_paths, path_kind
+from routetool.io.inputs import check_output_paths
+from routetool.io.paths import path_kind
 from routetool.io.jsonstrict import MAX_DEPTH, DuplicateKey, JSONProblem, NumberTooLong, TooDeep, loads
 from routetool.io.limits import check_materialised, materialised_bytes
 from tests import hostile
