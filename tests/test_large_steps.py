@@ -165,6 +165,7 @@ def test_replay_and_validate_route_whole_steps_and_check_them_in_pieces(tmp_path
     assert res.exit_code == 0, res.output
     shapes = []
     import routetool.engine.contract as contract
+    import routetool.engine.router as router_mod
 
     call_kernel = contract.call_kernel
 
@@ -172,7 +173,7 @@ def test_replay_and_validate_route_whole_steps_and_check_them_in_pieces(tmp_path
         shapes.append(gating_output.shape[0])
         return call_kernel(fn, gating_output, *args, **kw)
 
-    monkeypatch.setattr(stream, "call_kernel", spy)
+    monkeypatch.setattr(router_mod, "call_kernel", spy)
     whole, _ = _run(["replay", str(path), "--no-latency"], monkeypatch, DEFAULT_CHUNK_BYTES)
     calls, shapes[:] = list(shapes), []
     pieces, _ = _run(["replay", str(path), "--no-latency"], monkeypatch, 24 * 4 * 16)
