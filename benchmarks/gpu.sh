@@ -12,9 +12,9 @@
 #   table     routetool bench: the tiled kernel's table (1 to 65536 tokens, 128 to 512 experts, fp32 and bf16)
 #   host      benchmarks/bench_host_cost.py: host cost per call against an empty Triton launch
 #   engine    benchmarks/bench_engine.py --set gpu: replay, balance and validate against a raw read
-#   recorder  the recorder under CUDA graphs: tests/test_capture_gpu.py and the record kernel's parity
-#             (tests/test_ring.py), then benchmarks/bench_recorder.py (overhead per routing call)
-#   ranks     run folders and torchrun on the GPU: tests/test_run_folder.py (2 processes: NCCL with a GPU
+#   recorder  the recorder under CUDA graphs: tests/capture/test_capture_gpu.py and the record kernel's parity
+#             (tests/capture/test_ring.py), then benchmarks/bench_recorder.py (overhead per routing call)
+#   ranks     run folders and torchrun on the GPU: tests/io/test_run_folder.py (2 processes: NCCL with a GPU
 #             each, gloo sharing one GPU otherwise), then benchmarks/bench_torchrun.py (one process against
 #             torchrun on a 4-rank synth run folder: wall time, speed-up, equal outputs)
 #
@@ -54,7 +54,7 @@ has() { case " $MODES " in *" $1 "*) return 0 ;; esac; return 1; }
   echo "commit ${ROUTETOOL_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}"; } >> "$S"
 
 if has tests || has gpu-tests; then
-  { has tests && python3 -m pytest -q -p no:cacheprovider --co tests/test_kernel.py tests/test_bench.py 2>/dev/null
+  { has tests && python3 -m pytest -q -p no:cacheprovider --co tests/kernel/test_kernel.py tests/analysis/test_bench.py 2>/dev/null
     python3 -m pytest -q -p no:cacheprovider --co -m gpu tests 2>/dev/null; } | grep '::' | sort -u > "$R/pytest-ids.txt"
   for i in 1 2 3 4 5 6; do
     # spread by a hash of the test id, so that neighbouring (similarly heavy) parametrizations part
@@ -101,11 +101,11 @@ if has engine; then
   run engine 300 python3 benchmarks/bench_engine.py --set gpu --workdir /tmp/routetool-engine --csv "$RESULTS"
 fi
 if has recorder; then
-  run recorder-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py tests/test_ring.py
+  run recorder-tests 240 python3 -m pytest -q -p no:cacheprovider tests/capture/test_capture_gpu.py tests/capture/test_ring.py
   run recorder-bench 150 python3 benchmarks/bench_recorder.py --csv "$RESULTS" --json "$R/recorder.json"
 fi
 if has ranks; then
-  run ranks 300 python3 -m pytest -q -p no:cacheprovider tests/test_run_folder.py
+  run ranks 300 python3 -m pytest -q -p no:cacheprovider tests/io/test_run_folder.py
   run torchrun 300 python3 benchmarks/bench_torchrun.py --nproc ${NPROC:-2} --ranks 4 --layers 4 --decode-steps 1500 \
     --workdir /tmp/routetool-torchrun --csv "$RESULTS"
 fi

@@ -3,7 +3,7 @@
 Each case is one command line over the bundled traces or small deterministic synth traces (ties,
 padding, non-finite rows, an ids-only import) with a known kernel; its exit code and its ``--json``
 document, with timings and paths taken out (:func:`normalized`), are stored in
-``tests/data/golden/<case>.json``. ``tests/test_golden.py`` runs every case and compares.
+``tests/data/golden/<case>.json``. ``tests/report/test_golden.py`` runs every case and compares.
 
 Record (only when a change of output is intended, and say why in the commit)::
 

@@ -22,7 +22,7 @@ docs/cli-contract.md:
 How fast the campaign runs is a benchmark's question, not a test's: the JSON report gives the
 seconds of the whole run and of the slowest cases.
 
-Run by tests/test_hostile_inputs.py; by hand::
+Run by tests/cli/test_hostile_inputs.py; by hand::
 
     python tests/hostile.py --seed 18 --cases 300           # the campaign, a JSON report on stdout
     python tests/hostile.py --seed 18 --case 41 --keep /tmp/c41   # one case, its files kept

@@ -1,6 +1,6 @@
 """A small MoE decoder whose router calls the MuseSpark1x routing function, for proving that the
 recorder captures exactly what a model routed: eagerly, under torch.compile and as CUDA-graph
-replays (tests/test_capture_model.py on the CPU, tests/test_capture_gpu.py on the GPU).
+replays (tests/capture/test_capture_model.py on the CPU, tests/capture/test_capture_gpu.py on the GPU).
 
 The routing function is the project's ``tiled`` kernel (:mod:`kernel`) behind a custom op
 (``routetool_test::tiled_routing``), so that torch.compile traces the model without a graph

@@ -2,7 +2,7 @@
 GPU where there is one).
 
 The trace holds exactly the rows the model routed, compared with the model's own outputs, and
-replays with exit 0. The same model is recorded under CUDA graphs in tests/test_capture_gpu.py.
+replays with exit 0. The same model is recorded under CUDA graphs in tests/capture/test_capture_gpu.py.
 """
 
 import json

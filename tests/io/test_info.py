@@ -11,7 +11,7 @@ from routetool.report.capture import info_json
 from routetool.io.sharded import shard_path, write_index
 from routetool.io.trace import LayerArrays, RouterConfig, Trace, open_trace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SYNTH = ROOT / "traces" / "musespark1x-synth-bf16.safetensors"
 HF = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
 

@@ -23,7 +23,7 @@ from routetool.io.dumps import (
 )
 from routetool.io.trace import Trace
 
-REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
+REALDATA = Path(__file__).resolve().parents[3] / "shared" / "realdata"
 needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason="../shared/realdata not present")
 
 

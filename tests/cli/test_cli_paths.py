@@ -63,7 +63,7 @@ def test_an_empty_name_is_a_one_line_usage_error(args, tmp_path, monkeypatch):
 ])
 def test_an_output_under_a_file_is_named_as_a_file(args, tmp_path):
     # was "notes.txt: folder does not exist (create it first)", for a folder that is a file
-    trace = Path(__file__).resolve().parents[1] / "traces" / "deepseek-v3-hf-tiny.safetensors"
+    trace = Path(__file__).resolve().parents[2] / "traces" / "deepseek-v3-hf-tiny.safetensors"
     dump = tmp_path / "d.jsonl"
     dump.write_text('{"topk_ids": [1, 2]}\n')
     blocker = tmp_path / "notes.txt"

@@ -20,7 +20,7 @@ from routetool.analysis.eplb import (
 )
 from routetool.errors import RouteToolError
 
-REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
+REALDATA = Path(__file__).resolve().parents[3] / "shared" / "realdata"
 
 
 def _loads(placement, weights, layer=0):

@@ -17,7 +17,7 @@ from routetool.cli import _Group
 from routetool.cli.capture import capture, info, synth
 from routetool.io.trace import open_trace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT / "traces" / "text" / "public-domain-openings.txt"
 
 

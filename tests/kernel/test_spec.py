@@ -16,8 +16,8 @@ from routetool.engine.execution import SEED_SIGNATURE
 from routetool.errors import RouteToolError
 from routetool.io.trace import RouterConfig, TraceMeta, metadata_dict, parse_metadata
 
-ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
 
 
 def _golden_routers() -> dict[str, dict]:
@@ -256,7 +256,7 @@ def test_the_router_parameters_are_spelled_out_in_at_most_eight_modules():
     # engines'), the validate suite's parameter cases and the Hugging Face config reader.
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     spelled = sorted(str(p.relative_to(root)) for folder in ("routetool", "kernel") for p in (root / folder).rglob("*.py")
                      if len(_router_names_in(p)) >= 2)
     assert spelled == ["kernel/_launch.py", "kernel/reference.py", "kernel/routing.py", "kernel/routing_jit.py",

@@ -267,7 +267,7 @@ def test_histogram_total_equals_unpadded_tokens_times_topk(tmp_path):
     # invariant on the bundled synthetic trace (reference routing, CPU)
     from pathlib import Path
 
-    trace = Path(__file__).resolve().parents[1] / "traces" / "musespark1x-synth-bf16.safetensors"
+    trace = Path(__file__).resolve().parents[2] / "traces" / "musespark1x-synth-bf16.safetensors"
     with Trace(trace) as t:
         ref = route_fn_from(_reference(), t.meta.router)
         src = TraceSource(t, [0], routing="reference", route_fn=ref, route_name="reference", nobias_fn=ref)

@@ -14,7 +14,7 @@ from helpers import assert_routing_invariants
 from routetool.engine.compare import RowClass, compare_step, weight_tolerance
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _classes(w, ids, logits, bias, topk, route_scale, pad=None, **kw):

@@ -18,7 +18,7 @@ from routetool.errors import RouteToolError
 from routetool.numtext import list_items, number_problem
 from tests.helpers import command_params
 
-TINY = Path(__file__).resolve().parents[1] / "traces" / "deepseek-v3-hf-tiny.safetensors"
+TINY = Path(__file__).resolve().parents[2] / "traces" / "deepseek-v3-hf-tiny.safetensors"
 
 ARABIC_ONE = "\u0661"  # ١
 

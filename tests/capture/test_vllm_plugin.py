@@ -27,7 +27,7 @@ from routetool.capture.vllm_plugin import MAX_LAYERS, config_from_env, parse_lay
 from routetool.errors import RouteToolError
 from routetool.io.trace import open_trace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENTRY_POINT = "routetool_capture = routetool.capture.vllm_plugin:register"
 ROUTING = "vllm.models.muse_spark.common.ops.fused_routing"
 BOTH_CALL_SITES = {f"{module}.fused_musespark1x_routing" for module in (

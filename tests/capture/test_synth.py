@@ -19,7 +19,7 @@ from routetool.capture.synth import (
 )
 from routetool.io.trace import RouterConfig, Trace, metadata_dict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def small(**kw):

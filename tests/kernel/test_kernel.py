@@ -460,7 +460,7 @@ def test_a_token_gets_the_same_bits_in_every_batch_and_launch(E, K, norm, dtype,
     # policy picks across its switches gives the same ids and weight bits (the interpreter is exact IEEE, so
     # any difference in the order of operations would show; routetool_kernels.routing_jit sums in fixed point).
     if device.type == "cuda":
-        pytest.skip("on a GPU tests/test_gpu.py routes real batches across the switches")
+        pytest.skip("on a GPU tests/kernel/test_gpu.py routes real batches across the switches")
     T = 6
     logits, bias = _inputs(T, E, dtype, "cpu", seed=E * 3 + K + extras)
     pad = torch.tensor([False, True, False, False, True, False]) if extras else None

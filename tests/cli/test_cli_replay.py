@@ -16,9 +16,9 @@ from conftest import HAS_CUDA
 from helpers import make_trace
 from routetool.cli import main
 from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, metadata_dict
-from test_imports import write_deepseek_like, write_mixtral_like, write_sglang_per_token
+from tests.io.test_imports import write_deepseek_like, write_mixtral_like, write_sglang_per_token
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = sorted((ROOT / "traces").glob("*.safetensors"))
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 

@@ -18,7 +18,7 @@ from routetool.analysis.suite import BATCH_SIZES, FAMILIES, GPU_BATCH_SIZES, bui
 from routetool.io.trace import LayerArrays
 from routetool.analysis.validate import rejection_documented, validate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICK = build_suite("quick")
 
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from routetool.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _commands(command=main, path=()):

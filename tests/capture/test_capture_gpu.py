@@ -5,7 +5,7 @@ rows the model routed, compared with the model's own outputs, and ``routetool re
 exits 0.
 
 Marked ``gpu``: skipped on machines without CUDA. (The record kernel's parity with the CPU
-implementation runs on the GPU in tests/test_ring.py, which uses the CUDA device when there is one.)
+implementation runs on the GPU in tests/capture/test_ring.py, which uses the CUDA device when there is one.)
 """
 
 import json
@@ -21,7 +21,7 @@ from routetool.capture.recorder import RoutingRecorder
 from routetool.errors import RouteToolError
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 64
 LAYERS = 4
 GRAPH_STEPS = [(8, 3), (16, 5), (8, 0), (16, 1), (8, 7), (16, 0), (8, 2), (16, 9), (8, 1), (16, 4)]

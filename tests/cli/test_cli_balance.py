@@ -15,7 +15,7 @@ from routetool.cli import _Group
 from routetool.cli.balance import balance, import_
 from routetool.io.trace import LayerArrays, RouterConfig, Trace
 from tests.helpers import make_trace
-from tests.test_imports import (
+from tests.io.test_imports import (
     write_deepseek_like,
     write_mixtral_like,
     write_qwen_like,
@@ -23,7 +23,7 @@ from tests.test_imports import (
     write_sglang_stat,
 )
 
-REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
+REALDATA = Path(__file__).resolve().parents[3] / "shared" / "realdata"
 
 
 @click.group(cls=_Group)
@@ -269,7 +269,7 @@ def test_import_refuses_counts(tmp_path):
 
 def test_import_refusing_counts_suggests_the_options_it_was_given(tmp_path):
     # the hint said `routetool balance FILE`, which fails on a file of several models: --select was lost
-    from tests.test_imports import _counts_doc
+    from tests.io.test_imports import _counts_doc
 
     path = tmp_path / "two models.json"  # a name the shell must have quoted
     path.write_text(json.dumps(_counts_doc()))
@@ -287,7 +287,7 @@ def test_import_refuses_a_counts_file_of_several_models_as_counts_first(tmp_path
     # import asked for --select first ("the tables have different expert counts ([8, 64]): several
     # models in one file"), and only then said that counts cannot become a trace; an option only
     # token-row dumps read (--skip-rows) was named first, and then suggested to balance, which refuses it
-    from tests.test_imports import _counts_doc
+    from tests.io.test_imports import _counts_doc
 
     path = tmp_path / "counts.json"
     path.write_text(json.dumps(_counts_doc()))
@@ -758,7 +758,7 @@ def _sglang_per_pass(path):
 
 
 def _counts_json(path):
-    from tests.test_imports import _counts_doc
+    from tests.io.test_imports import _counts_doc
 
     path.write_text(json.dumps(_counts_doc()["mixtral"]))
 

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from routetool.cli import main
 
-TINY = Path(__file__).resolve().parents[1] / "traces" / "deepseek-v3-hf-tiny.safetensors"
+TINY = Path(__file__).resolve().parents[2] / "traces" / "deepseek-v3-hf-tiny.safetensors"
 
 
 def _run(args):

@@ -20,8 +20,8 @@ from helpers import make_trace
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-ROOT = Path(__file__).resolve().parent.parent
-MUTANTS = str(Path(__file__).resolve().parent / "mutants.py")
+ROOT = Path(__file__).resolve().parents[2]
+MUTANTS = str(Path(__file__).resolve().parents[1] / "mutants.py")
 
 
 def _run(*args):

@@ -268,7 +268,7 @@ def _assert_recorded_as_routed(t, engine, steps, layers=None):
 def test_calls_during_graph_capture_are_recorded(fake_module, tmp_path, monkeypatch):
     # the record op is device work: a call inside CUDA-graph capture is recorded like any other
     # call, where the recorder used to refuse it (on the GPU the capture records the op's kernel
-    # and every replay repeats it: tests/test_capture_gpu.py); a CPU ring is never captured
+    # and every replay repeats it: tests/capture/test_capture_gpu.py); a CPU ring is never captured
     out = tmp_path / "run.json"
     engine = FakeEngine(fake_module)
     with RoutingRecorder(out, target=TARGET, num_layers=3, drain_interval_s=0):
@@ -638,9 +638,10 @@ def test_a_killed_recording_keeps_every_flushed_step(fake_module, tmp_path, mode
     import subprocess
     from pathlib import Path
 
-    here = Path(__file__).parent
+    here = Path(__file__).resolve().parents[1]  # tests/
     out = tmp_path / "run.json"
-    script = _KILLED_RECORDING.format(paths=[str(here), str(here.parent)], out=str(out), mode=mode)
+    paths = [str(here), str(here / "capture"), str(here.parent)]
+    script = _KILLED_RECORDING.format(paths=paths, out=str(out), mode=mode)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if mode != "in-close":

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from routetool.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CORRECT = str(ROOT / "tests" / "mutants.py") + ":correct"  # the reference as a kernel: fast on the CPU
 
 
