@@ -88,7 +88,9 @@ def test_multi_layer_multi_step_round_trip(fake_module, tmp_path, background):
     out = tmp_path / "run.json"
     engine = FakeEngine(fake_module)
     layer_ids = [3, 4, 7]  # e.g. a model whose first 3 layers are dense, and a gap
-    with RoutingRecorder(out, target=TARGET, num_layers=3, layer_ids=layer_ids, background=background) as rec:
+    # (shard_s: no shard written by age, however slow a loaded machine runs the five steps)
+    with RoutingRecorder(out, target=TARGET, num_layers=3, layer_ids=layer_ids, background=background,
+                         shard_s=3600) as rec:
         assert fake_module.fused_musespark1x_routing.__routetool_recorder__ is rec  # (this module's own binding too)
         _run(engine)
     assert fake_module.fused_musespark1x_routing is fused_musespark1x_routing  # original restored
