@@ -180,7 +180,7 @@ def test_a_changed_bias_stops_recording_and_keeps_the_steps_before(fake_module, 
 def test_paused_calls_are_not_stored_and_steps_count_from_resume(fake_module, tmp_path):
     out = tmp_path / "run.json"
     engine = FakeEngine(fake_module)
-    with RoutingRecorder(out, target=TARGET, num_layers=3, paused=True, every_n_steps=2) as rec:
+    with RoutingRecorder(out, target=TARGET, num_layers=3, paused=True, every_n_steps=2, shard_s=3600) as rec:
         engine.forward(0, 16)  # warm-up / profile runs of an engine
         engine.forward(1, 16)
         rec.resume()
