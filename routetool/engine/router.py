@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -49,6 +50,15 @@ class Router:
     name: str = "kernel"
     per_row: bool = False
 
+    @cached_property
+    def _keywords(self) -> tuple[dict[str, object], str | None]:
+        """The spec's keywords for ``fn`` (made once: a kernel is called once per captured step),
+        and the first option beyond the seed's signature (``n_group``), which a kernel that
+        rejects the call must name in its docstring, or None."""
+        params = self.spec.kernel_kwargs()
+        beyond = [name for name in params if name not in RouterSpec.KERNEL_KEYWORDS]
+        return params, beyond[0] if beyond else None
+
     @classmethod
     def reference(cls, spec: RouterSpec) -> Router:
         """The PyTorch reference (:mod:`routetool_kernels.reference`) as a router of ``spec``."""
@@ -72,12 +82,11 @@ class Router:
         Returns:
             A :class:`~routetool.engine.contract.KernelOutcome` (never raises for what ``fn`` does).
         """
-        params = self.spec.kernel_kwargs()
-        beyond = [name for name in params if name not in RouterSpec.KERNEL_KEYWORDS]
-        if feature is None and beyond:  # an option beyond the seed's signature (n_group): what a
-            feature = beyond[0]         # kernel that rejects the call must name in its docstring
+        params, beyond = self._keywords
+        if feature is None:
+            feature = beyond
         if extra:
-            params.update(extra)
+            params = {**params, **extra}
         return call_kernel(self.fn, gating_output, bias, params=params, is_padding=is_padding,
                            topk_weights=topk_weights, topk_ids=topk_ids, feature=feature, check_inputs=check_inputs)
 
