@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=8, help="routing calls (MoE layers) per graph")
     ap.add_argument("--replays", type=int, default=20, help="replays per timed repetition")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--eager-blocks", type=int, default=30, help="interleaved blocks of eager calls of each kind")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--csv", default=str(results.RESULTS), help="results file to append to ('' for none)")
     args = ap.parse_args()
@@ -153,18 +154,56 @@ def main() -> int:
         rec.pause()
         times["paused"].append(_time_graph(graphs[variants[0]], args.replays))
         rec.resume()
-    # the host side of a routing call run eagerly (Python, checks, launch), for comparison
+    # the host side of a routing call run eagerly (Python, checks, launches): blocks of ``--calls`` x 10
+    # calls of each kind, interleaved, ``--eager-blocks`` times, so that a change of the host's speed
+    # during the run hits every kind alike; medians per call. "record launch only" is the recorded
+    # call's record-kernel launch alone (its plan launched directly), "wrapper, no launch" the
+    # recorded call with that launch replaced by nothing: together they split the recorder's cost.
     unwrapped = mod.fused_musespark1x_routing.__wrapped__
-    eager = {}
-    for name, fn in (("eager plain", unwrapped), ("eager recorded", mod.fused_musespark1x_routing)):
+    torch.cuda.synchronize()
+    site_launches = [plan for plan in ring.plans.values()]
+    record_launch = site_launches[0][1] if site_launches else None
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def eager_plain(layer):
+        unwrapped(logits[layer], bias[layer], K, 2.5, None, "sigmoid", 1e-20, weights[layer], ids[layer],
+                  is_padding=pad)
+
+    def eager_recorded(layer):
+        mod.fused_musespark1x_routing(logits[layer], bias[layer], K, 2.5, None, "sigmoid", 1e-20, weights[layer],
+                                      ids[layer], is_padding=pad)
+
+    def launch_only(layer):
+        record_launch.direct(stream, logits[layer].data_ptr(), bias[layer].data_ptr(), pad.data_ptr(),
+                             weights[layer].data_ptr(), ids[layer].data_ptr(), -1, 0)
+
+    kinds = {"eager plain": eager_plain, "eager recorded": eager_recorded}
+    if record_launch is not None:
+        kinds["record launch only"] = launch_only
+    eager_blocks: dict[str, list[float]] = {name: [] for name in kinds}
+    if record_launch is not None:
+        eager_blocks["wrapper, no launch"] = []
+    for _ in range(args.eager_blocks):
+        for name, fn in kinds.items():
+            t0 = time.perf_counter()
+            for _ in range(10):
+                for layer in range(L):
+                    fn(layer)
+            eager_blocks[name].append((time.perf_counter() - t0) * 1e6 / (10 * L))
+        if record_launch is not None:
+            record_launch.direct = lambda *a: None
+            try:
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    for layer in range(L):
+                        eager_recorded(layer)
+                eager_blocks["wrapper, no launch"].append((time.perf_counter() - t0) * 1e6 / (10 * L))
+            finally:
+                del record_launch.direct  # (the class's method again)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            for layer in range(L):
-                fn(logits[layer], bias[layer], K, 2.5, None, "sigmoid", 1e-20, weights[layer], ids[layer],
-                   is_padding=pad)
-        torch.cuda.synchronize()
-        eager[name] = (time.perf_counter() - t0) * 1e6 / (50 * L)
+        rec.flush()  # (untimed: the ring never fills)
+    eager = {name: statistics.median(v) for name, v in eager_blocks.items()}
+    eager_q = {name: _quantiles(v) for name, v in eager_blocks.items()}
     rec.close()
     stats = rec.stats
 
@@ -177,6 +216,8 @@ def main() -> int:
         "replays": args.replays, "repeats": args.repeats,
         "graphs_latency_us_per_replay": {k: _quantiles(v) for k, v in times.items()},
         "eager_host_latency_us_per_call": eager,
+        "eager_host_latency_us_per_call_quantiles": eager_q,
+        "eager_ratio_recorded_to_plain": eager["eager recorded"] / eager["eager plain"],
         "overhead_latency_us_per_call": {},
         "recorder": {"steps_written": stats.steps_written, "steps_dropped": stats.steps_dropped,
                      "steps_too_large": stats.steps_too_large, "calls_seen": stats.calls_seen},
@@ -200,7 +241,12 @@ def main() -> int:
     for name, q in rows:
         label = name if name != "record-only" else "record-only (the record kernel alone, per call)"
         print(f"{label:58s} {q['p50']:7.2f} {q['p10']:7.2f} {q['p90']:7.2f}")
-    print(f"eager host time per call: {eager['eager plain']:.1f} us plain, {eager['eager recorded']:.1f} us recorded")
+    print(f"eager host time per call (median of {args.eager_blocks} interleaved blocks): "
+          f"{eager['eager plain']:.1f} us plain, {eager['eager recorded']:.1f} us recorded "
+          f"({result['eager_ratio_recorded_to_plain']:.2f}x)")
+    for name in eager:
+        if name not in ("eager plain", "eager recorded"):
+            print(f"  {name}: {eager[name]:.1f} us (p10 {eager_q[name]['p10']:.1f}, p90 {eager_q[name]['p90']:.1f})")
     print(f"recorder: {stats.steps_written} steps written, {stats.steps_dropped} dropped (ring full), "
           f"{stats.steps_too_large} too large; {stats.calls_seen} calls seen")
     ok = stats.steps_dropped == 0 and stats.steps_written >= steps_replayed
@@ -222,7 +268,9 @@ def _rows(result: dict) -> list[list]:
         for q in ("p50", "p10", "p90"):
             out.append([machine, "recorder", f"overhead {name} {shape}", f"latency_us_{q}", f"{qs[q]:.4g}", "us"])
     for name, value in result["eager_host_latency_us_per_call"].items():
-        out.append([machine, "recorder", f"{name} {shape}", "host_us_mean", f"{value:.4g}", "us"])
+        out.append([machine, "recorder", f"{name} {shape}", "host_us_median", f"{value:.4g}", "us"])
+    out.append([machine, "recorder", f"eager recorded / plain {shape}", "ratio",
+                f"{result['eager_ratio_recorded_to_plain']:.3g}", "x"])
     return out
 
 

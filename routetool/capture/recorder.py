@@ -675,15 +675,20 @@ class RoutingRecorder:
         try:
             w, ids = out
             gp, bp, wp, ip = g.data_ptr(), bias.data_ptr(), w.data_ptr(), ids.data_ptr()
-            pp = None if pad is None else pad.data_ptr()
             device = _Driver.current_device()
-            key = (device, *args[2:7], g.is_cuda,  # (the device of a CUDA tensor: its index; of the CPU: -1)
-                   g.dtype, g.shape, g.stride(), g.get_device(), gp & 15,
-                   bias.dtype, bias.shape, bias.stride(), bias.get_device(), bp & 15,
-                   w.dtype, w.shape, w.stride(), w.get_device(), wp & 15,
-                   ids.dtype, ids.shape, ids.stride(), ids.get_device(), ip & 15,
-                   None if pad is None else (pad.dtype, pad.shape, pad.stride(), pad.get_device(), pp & 15),
-                   ring.rows_per_program, ring.num_warps, ring.use_pdl)
+            # one flat tuple (cheaper to build and hash than one per tensor); the CPU's device is -1
+            if pad is None:
+                pp = None
+                pad_key = None
+            else:
+                pp = pad.data_ptr()
+                pad_key = (pad.dtype, pad.shape, pad.stride(), pad.get_device())
+            key = (device, args[2:7], ring.rows_per_program, ring.num_warps, ring.use_pdl,
+                   g.dtype, g.shape, g.stride(), g.get_device(),
+                   bias.dtype, bias.shape, bias.stride(), bias.get_device(),
+                   w.dtype, w.shape, w.stride(), w.get_device(),
+                   ids.dtype, ids.shape, ids.stride(), ids.get_device(), pad_key,
+                   (gp & 15) | (bp & 15) << 4 | (wp & 15) << 8 | (ip & 15) << 12 | ((pp or 0) & 15) << 16)
             plan = ring.plans.get(key)
         except Exception:  # noqa: BLE001 - no key: the checked path names what is wrong
             return None
