@@ -194,6 +194,11 @@ class KernelLaunch:
         if run is None or function is None or metadata is None:
             return
         self._compiled, self._run, self._function, self._metadata = compiled, run, function, metadata
+        # the fixed tensor arguments by address for direct launches: Triton's launcher resolves a
+        # tensor argument through its data_ptr() and a driver query on every launch, an int at once
+        # (the tensors stay referenced by ``_values``, so the addresses stay valid)
+        self._direct_values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in self._values]
+        self._direct_tail = tuple(self._direct_values[self._head:])
 
     def jit(self, *tensors) -> None:
         """The JIT call with these tensors (in ``per_call`` order)."""
@@ -203,9 +208,14 @@ class KernelLaunch:
         """Launch the compiled kernel on ``stream`` with these data pointers (ints, ``None`` for ``None``).
 
         The call Triton's JIT makes once it has found the compiled kernel (launch hooks
-        included). Only where :attr:`can_direct`.
+        included), with the launch's fixed tensors passed by address. Only where :attr:`can_direct`.
         """
-        values = self._fill(pointers)
+        if self._head == len(pointers):
+            values = (*pointers, *self._direct_tail)
+        else:
+            values = list(self._direct_values)
+            for s, v in zip(self._slots, pointers):
+                values[s] = v
         knobs = _Driver.runtime_knobs
         enter = knobs.launch_enter_hook
         # (metadata only for a hook to read: none is None, or, in newer Triton, an empty chain of hooks)
