@@ -160,6 +160,16 @@ def _stream_capturing(device: torch.device | None = None) -> bool:
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)  # (torch < 2.3: never)
 
 
+def _current_device_function() -> Callable[[], int]:
+    """The current device's index as Triton's launches see it, for a process where CUDA is
+    initialized: torch's C function itself where Triton asks torch (``torch.cuda.current_device``
+    checks the lazy initialization first, on every call)."""
+    if _Driver.current_device is None:
+        _Driver.load()
+    fast = getattr(torch._C, "_cuda_getDevice", None)
+    return fast if _Driver.current_device is torch.cuda.current_device and fast is not None else _Driver.current_device
+
+
 def resolve_target(spec: str) -> tuple[object, str, Callable]:
     """Import ``module:function`` and return ``(module, attribute, current value)``.
 
@@ -392,6 +402,7 @@ class RoutingRecorder:
         self.stopped_by: str | None = None
         self._lock = threading.RLock()
         self._local = threading.local()
+        self._current_device: Callable[[], int] | None = None  # the planned path's, found at its first call
         self._bindings: Bindings | None = None
         self._active = False
         self._closed = False
@@ -675,7 +686,7 @@ class RoutingRecorder:
         try:
             w, ids = out
             gp, bp, wp, ip = g.data_ptr(), bias.data_ptr(), w.data_ptr(), ids.data_ptr()
-            device = _Driver.current_device()
+            device = (self._current_device or self._find_current_device())()
             # one flat tuple (cheaper to build and hash than one per tensor); the CPU's device is -1
             if pad is None:
                 pp = None
@@ -712,6 +723,10 @@ class RoutingRecorder:
             if time.monotonic() - self._last_drain >= self.drain_interval_s and not self._capturing():
                 self._drain()
         return True
+
+    def _find_current_device(self) -> Callable[[], int]:
+        self._current_device = _current_device_function()  # (a plan exists: CUDA is initialized)
+        return self._current_device
 
     def _record_traced(self, args: tuple, kwargs: dict, out) -> None:
         """The wrapper's recording as torch.compile traces it: only the op (layers by call order)."""
