@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -70,6 +71,27 @@ class RecordedInvalidRow:
 
 
 @dataclass
+class RoutedLayer:
+    """The kernel's outputs of one layer of one rank's trace, as replay routed it.
+
+    Attributes:
+        rank_index: the rank's index in the run (:attr:`routetool.io.run.RunInput.ranks`; 0 for a trace).
+        layer: the layer index.
+        topk_ids: ``[T, K]`` int32 or int64, on the CPU, in the trace's row order (-1 on padded rows).
+        topk_weights: ``[T, K]`` float32, on the CPU.
+        is_padding: ``[T]`` bool, the trace's own, or None when it has none.
+        step_offsets: the trace's captured steps, ``(0, ..., T)``.
+    """
+
+    rank_index: int
+    layer: int
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    is_padding: torch.Tensor | None = None
+    step_offsets: tuple[int, ...] = ()
+
+
+@dataclass
 class LayerReplay:
     """Replay results of one MoE layer.
 
@@ -119,6 +141,7 @@ class LayerReplay:
     recorded_invalid_rows: int = 0
     recorded_invalid_first: list[RecordedInvalidRow] = field(default_factory=list)
     recorded_weight_factor: WeightFactor | None = None
+    routed: RoutedLayer | None = field(default=None, repr=False, compare=False)  # (keep_routing, until gathered)
 
     @property
     def ok(self) -> bool:
@@ -293,6 +316,8 @@ class ReplayResult:
     notes: list[str] = field(default_factory=list)
     partial: list = field(default_factory=list)
     """The traces read that hold less than a whole recording (:class:`routetool.io.run.PartialTrace`)."""
+    routing: list[RoutedLayer] | None = field(default=None, repr=False)
+    """The kernel's outputs of every layer with logits, when asked for (``keep_routing``); not in the JSON."""
 
     @property
     def ok(self) -> bool:
@@ -402,6 +427,7 @@ def replay_trace(
     progress: Callable[[int], None] | None = None,
     budget_bytes: int | None = None,
     workers: Workers | None = None,
+    keep_routing: bool = False,
 ) -> ReplayResult:
     """Replay ``trace`` (or every rank of a run) through ``kernel_fn`` and the reference; compare, count, time.
 
@@ -419,6 +445,8 @@ def replay_trace(
         budget_bytes: bytes of logits per chunk and per piece of per-row work (:mod:`routetool.engine.stream`;
             default its ``DEFAULT_CHUNK_BYTES``).
         workers: the processes to share the units among (default: this one alone).
+        keep_routing: keep the kernel's outputs of every layer with logits, on the CPU, in
+            :attr:`ReplayResult.routing` (for :func:`write_routing`).
 
     Returns:
         A :class:`ReplayResult` (the same on every process).
@@ -452,8 +480,21 @@ def replay_trace(
         if not info.has_logits:
             _ids_only_layer(rank.trace, res, E, device, progress, budget_bytes)
         else:
+            kept: list[tuple] = []
+
+            def keep(chunk, routed):
+                pad = None if chunk.is_padding is None else chunk.is_padding.cpu()
+                kept.append((routed.ids.cpu(), routed.weights.cpu(), pad))
+
             _replay_layer(rank.trace, res, kernel_name, kernel_fn, device, tie_ulps=tie_ulps,
-                          unnormalized=semantics == "unnormalized", progress=progress, budget_bytes=budget_bytes)
+                          unnormalized=semantics == "unnormalized", progress=progress, budget_bytes=budget_bytes,
+                          on_routed=keep if keep_routing else None)
+            if keep_routing:
+                pads = [p for _, _, p in kept]
+                res.routed = RoutedLayer(i, layer, torch.cat([ids for ids, _, _ in kept]),
+                                         torch.cat([w for _, w, _ in kept]),
+                                         None if any(p is None for p in pads) else torch.cat(pads),
+                                         tuple(info.step_offsets))
         if rank.rank is not None:
             for failure in [f for c in res.comparisons().values() for f in c.failures] + res.recorded_invalid_first:
                 failure.rank = rank.rank
@@ -461,6 +502,11 @@ def replay_trace(
 
     parts = workers.run(units, replay_unit)
     synchronize(device)
+    routing = None
+    if keep_routing:
+        routing = [res.routed for res in parts if res.routed is not None]
+        for res in parts:
+            res.routed = None
     by_layer: dict[int, list[LayerReplay]] = {}
     for (_, layer), res in zip(units, parts):
         by_layer.setdefault(layer, []).append(res)
@@ -510,7 +556,61 @@ def replay_trace(
         world_size=workers.world_size,
         notes=list(run.notes),
         partial=run.partial,
+        routing=routing,
     )
+
+
+ROUTING_FILE = "routing.safetensors"
+"""The file name of each rank's routing in a run folder written by :func:`write_routing`."""
+
+
+def write_routing(result: ReplayResult, path: str | Path, *, force: bool = False) -> list[Path]:
+    """Write the kernel's outputs that replay kept (``keep_routing``) as ids-only traces
+    (docs/trace-format.md): ``topk_ids``, ``topk_weights``, the input's ``is_padding`` and
+    ``step_offsets`` per layer, the input's model and router spec, and in the metadata the kernel
+    (``routed_by``) and the input (``source``). For a trace or an index, one trace at ``path``;
+    for a run folder, a run folder at ``path`` (``rank-<r>/routing.safetensors``, each naming
+    its rank), so that ``routetool diff`` can compare the routing of two kernels or machines.
+
+    Returns:
+        The files written.
+
+    Raises:
+        RouteToolError: nothing was routed (no layer with logits); ``path`` exists (a run
+            folder's output is always a new folder; a file needs ``force``); the folder is not
+            writable or the disk is full.
+    """
+    from routetool.io.paths import check_output_folder, path_kind
+    from routetool.io.trace import LayerArrays, TraceMeta, write_trace
+
+    path = Path(path)
+    if not result.routing:
+        raise RouteToolError("no layer with logits was replayed: there is no kernel routing to save", path=path,
+                             fix="replay a trace with gating_output (an ids-only trace is already a routing)")
+    by_rank: dict[int, dict[int, LayerArrays]] = {}
+    for r in result.routing:
+        by_rank.setdefault(r.rank_index, {})[r.layer] = LayerArrays(
+            topk_ids=r.topk_ids, topk_weights=r.topk_weights, is_padding=r.is_padding,
+            step_offsets=torch.tensor(r.step_offsets, dtype=torch.int64))
+    extra = {"weights_semantics": "renormalized", "routed_by": result.kernel, "source": result.trace}
+    provenance = (f"the routing of kernel {result.kernel} on {result.execution.device_name}, "
+                  f"from routetool replay of {result.trace}")
+    if result.ranks is None:
+        meta = TraceMeta(model=result.model, router=result.router, provenance=provenance, extra=extra)
+        return [write_trace(path, meta, by_rank[0], force=force)]
+    if path_kind(path) != "missing":
+        raise RouteToolError("already exists", path=path,
+                             fix="name a new folder: the routing of a run folder is a run folder of its own")
+    check_output_folder(path.parent)
+    written = []
+    for i, layers in sorted(by_rank.items()):
+        rank = result.ranks[i].rank
+        folder = path / f"rank-{rank}"
+        folder.mkdir(parents=True)
+        meta = TraceMeta(model=result.model, router=result.router, provenance=provenance,
+                         extra={**extra, "rank": str(rank)})
+        written.append(write_trace(folder / ROUTING_FILE, meta, layers))
+    return written
 
 
 def merge_layers(parts: Sequence[LayerReplay]) -> LayerReplay:
@@ -548,8 +648,9 @@ def merge_layers(parts: Sequence[LayerReplay]) -> LayerReplay:
 
 def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: RoutingFn, device: torch.device, *,
                   tie_ulps: float, unnormalized: bool, progress: Callable[[int], None] | None,
-                  budget_bytes: int | None) -> LayerReplay:
-    """One layer with logits: the kernel once per captured step, everything else per chunk of steps."""
+                  budget_bytes: int | None, on_routed: Callable | None = None) -> LayerReplay:
+    """One layer with logits: the kernel once per captured step, everything else per chunk of steps
+    (``on_routed``: the router's capture hook, :class:`~routetool.engine.router.Router`)."""
     from routetool_kernels import reference
 
     layer = res.layer
@@ -565,8 +666,8 @@ def _replay_layer(trace: Trace, res: LayerReplay, kernel_name: str, kernel_fn: R
     padded, padded_ok, nonfinite, nonfinite_padded, ties = (torch.zeros((), **z) for _ in range(5))
     margin_min = None
     bias = trace.bias(layer).to(device)
-    for piece, w, ids in _routed_pieces(trace, layer, device, Router(router, kernel_fn, kernel_name), bias,
-                                        budget_bytes):
+    for piece, w, ids in _routed_pieces(trace, layer, device, Router(router, kernel_fn, kernel_name,
+                                                                     on_routed=on_routed), bias, budget_bytes):
         chunk = piece  # (the per-row work runs over pieces of at most the budget)
         gating, pad = chunk.gating_output, chunk.is_padding
         ref_w, ref_ids, scores, biased = reference.route(gating, bias, router, is_padding=pad)

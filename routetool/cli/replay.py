@@ -12,7 +12,7 @@ from routetool.cli.command import (
 )
 from routetool.cli.paths import PATH
 from routetool.errors import RouteToolError
-from routetool.report.sinks import JsonSink, Sinks
+from routetool.report.sinks import JsonSink, Sink, Sinks
 from routetool.report.tables import markup_safe
 
 
@@ -28,12 +28,16 @@ from routetool.report.tables import markup_safe
               help="Near-tie tolerance in float32 ulps for the tie-equivalent class (0 = exact ties only).")
 @click.option("--latency/--no-latency", default=True, show_default=True,
               help="Time each distinct step shape under CUDA graphs (GPU only).")
+@click.option("--save-routing", "routing_path", type=PATH, default=None,
+              help="Also write the kernel's routing (topk_ids, topk_weights per layer) as an ids-only trace to PATH "
+                   "(a new folder of rank-<r>/ traces for a run folder), for routetool diff.")
 @json_option("Also write the results as JSON to PATH ('-' = stdout; the tables then go to stderr).")
 @details_option("Every table: per layer, every step shape, the expert-load chart (default: a one-screen summary).")
-@force_option("Replace an existing --json file.")
+@force_option("Replace an existing --json or --save-routing file.")
 @progress_option()
 def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogram_layer: int | None,
-           tie_ulps: float, latency: bool, json_path: str | None, details: bool, force: bool, progress: bool) -> None:
+           tie_ulps: float, latency: bool, routing_path: Path | None, json_path: str | None, details: bool,
+           force: bool, progress: bool) -> None:
     """Replay TRACE (a trace file, an index, or a run folder of rank-<r>/ traces) through the
     routing kernel and the reference, and report.
 
@@ -42,6 +46,9 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
     histograms, and on a GPU times each distinct step shape. Exit 1 on a real mismatch,
     invalid output or weight outside tolerance, or a kernel that fails (crashes, rejects the
     trace without documenting it); exit 2 when it rejects the trace as its docstring documents.
+
+    With --save-routing, the kernel's outputs are written as a trace (a run folder for a run folder),
+    which `routetool diff` compares with another kernel's, machine's or engine's routing.
 
     A run folder is replayed rank by rank and summed, each rank's totals shown too. Under
     `torchrun --nproc-per-node N -m routetool replay ...` the ranks' layers are shared among
@@ -66,9 +73,57 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
                 task = bar.add_task(markup_safe(f"replay {trace.name} ({name})"), total=t.num_tokens(layers))
                 result = replay_trace(
                     t, name, fn, execution, layers=layers, tie_ulps=tie_ulps, measure_latency=latency,
-                    progress=lambda n: bar.advance(task, n), workers=run.workers,
+                    progress=lambda n: bar.advance(task, n), workers=run.workers, keep_routing=routing_path is not None,
                 )
         return ReplayReport(result, histogram_layer)
 
-    run_command(analyse, sinks=Sinks(JsonSink(json_path)), device=device, inputs=[trace], kernels=[kernel_spec],
-                force=force, progress=progress, details=details)
+    from routetool.io.run import is_run_folder
+
+    routing = RoutingSink(None if routing_path is None else str(routing_path), force=force,
+                          run_folder=routing_path is not None and is_run_folder(trace))
+    run_command(analyse, sinks=Sinks(JsonSink(json_path), routing), device=device, inputs=[trace],
+                kernels=[kernel_spec], force=force, progress=progress, details=details, usage=routing.check)
+
+
+class RoutingSink(Sink):
+    """``--save-routing PATH``: the kernel's routing that replay kept, as ids-only traces
+    (:func:`routetool.analysis.replay.write_routing`): a file for a trace or an index (checked as
+    every output file is), a new folder for a run folder."""
+
+    flag = "--save-routing"
+
+    def __init__(self, path: str | None, *, force: bool, run_folder: bool) -> None:
+        super().__init__(path, announce=True)
+        self.force = force
+        self.run_folder = run_folder
+
+    @property
+    def to_stdout(self) -> bool:
+        return False
+
+    @property
+    def output_path(self) -> str | None:
+        return None if self.run_folder else self.path
+
+    def check(self) -> None:
+        """A run folder's routing goes to a new folder (never into or over existing files).
+
+        Raises:
+            RouteToolError: ``-``; the folder exists; the folder above is missing or not writable.
+        """
+        if self.path is None:
+            return
+        if self.path == "-":
+            raise RouteToolError("'-' (stdout) cannot take this output", path="-", fix="name a file")
+        if self.run_folder:
+            from routetool.io.paths import check_output_folder, path_kind
+
+            if path_kind(self.path) != "missing":
+                raise RouteToolError("already exists", path=self.path,
+                                     fix="name a new folder: the routing of a run folder is a run folder of its own")
+            check_output_folder(Path(self.path).parent)
+
+    def write(self, report) -> list[str]:
+        from routetool.analysis.replay import write_routing
+
+        return [str(p) for p in write_routing(report.result, self.path, force=self.force)]

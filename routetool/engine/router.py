@@ -9,8 +9,8 @@ as its check.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -43,12 +43,16 @@ class Router:
         per_row: ``fn`` routes each row independently of the others in its batch (the reference),
             so :meth:`route` calls it once per chunk; a kernel runs once per captured step, on that
             step's own rows, as the engine called it.
+        on_routed: the capture hook, or None: called with each chunk and its routing after every
+            successful :meth:`route` (as vLLM's ``BaseRouter`` hands its routed experts to a
+            capturer), e.g. to keep a kernel's outputs (``routetool replay --save-routing``).
     """
 
     spec: RouterSpec
     fn: RoutingFn
     name: str = "kernel"
     per_row: bool = False
+    on_routed: Callable[[Chunk, ChunkRouting], None] | None = field(default=None, compare=False)
 
     @cached_property
     def _keywords(self) -> tuple[dict[str, object], str | None]:
@@ -94,7 +98,8 @@ class Router:
               feature: str | None = None) -> ChunkRouting:
         """The chunk's rows routed: a kernel once per captured step (the chunk must hold whole
         steps), a per-row router once for the chunk; the inputs are guarded once for the chunk
-        (a call that changed them fails as ``modified_input``).
+        (a call that changed them fails as ``modified_input``). A successful routing is handed to
+        the capture hook (:attr:`on_routed`).
 
         Args:
             chunk: from :func:`~routetool.engine.stream.stream_layer`. bias: ``[E]`` float32 on its device.
@@ -124,7 +129,10 @@ class Router:
             return ChunkRouting(None, None, modified_outcome(changed), step, len(calls))
         if len({t.dtype for t in ids}) > 1:  # int32 from some calls, int64 from others
             ids = [t.long() for t in ids]
-        return ChunkRouting(torch.cat(weights), torch.cat(ids), calls=len(calls))
+        routed = ChunkRouting(torch.cat(weights), torch.cat(ids), calls=len(calls))
+        if self.on_routed is not None:
+            self.on_routed(chunk, routed)
+        return routed
 
     def route_or_raise(self, chunk: Chunk, bias: torch.Tensor, path: str, *, context: str = "",
                        whole_chunk: bool = False) -> ChunkRouting:
