@@ -277,7 +277,7 @@ def _verdict(document: dict, exit_code: int) -> tuple[str, str]:
     """The banner's words and class: the document's verdict (``PASS``, ``DIFFERENT``) with the exit
     code, or the exit code alone where the document has no verdict (balance measures, bench times)."""
     verdict = document.get("verdict")
-    words = f"{str(verdict).upper()} · exit code {exit_code}" if verdict else f"exit code {exit_code}"
+    words = f"{str(verdict).replace('_', ' ').upper()} · exit code {exit_code}" if verdict else f"exit code {exit_code}"
     kind = "bad" if exit_code else "good" if str(verdict).lower() in ("pass", "identical") else "neutral"
     return words, kind
 

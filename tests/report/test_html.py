@@ -158,6 +158,15 @@ def test_html_follows_the_output_rules_of_json(tmp_path):
     assert res.stderr.strip().splitlines()[-1] == f"wrote {page}"
 
 
+def test_html_may_not_be_a_figure_of_balances_plot(tmp_path):
+    res = CliRunner().invoke(main, ["balance", str(TRACE), "--no-progress", "--plot", str(tmp_path), "--html",
+                                    str(tmp_path / "rank_load.png")])
+    assert res.exit_code == 2 and res.output.strip() == (f"routetool: error: {tmp_path / 'rank_load.png'}: is named "
+                                                         "by --html and is a --plot figure (give each output its own "
+                                                         "file)"), res.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_html_to_stdout_sends_the_tables_to_stderr():
     res = _replay("--html", "-")
     assert res.exit_code == 0, res.output
