@@ -224,9 +224,9 @@ def _align(column) -> str:
 
 
 def report_figures(report) -> tuple[list[tuple[str, bytes]], str | None]:
-    """The PNG figures ``report`` draws for ``--plot`` (``plots(folder, force)``: a folder of them;
-    ``figure(path)``: one), drawn into a temporary folder and read back, as ``(caption, png)``
-    pairs; and a note when there are none to show although the report draws some (matplotlib
+    """The PNG figures ``report`` draws for ``--plot`` (``plots(folder, force)``: a folder of them,
+    captioned by their file names; ``figure(path)``: one), drawn into a temporary folder and read
+    back, as ``(caption, png)`` pairs; and a note when there are none to show although the report draws some (matplotlib
     missing, a drawing that failed).
 
     Raises:
@@ -240,10 +240,11 @@ def report_figures(report) -> tuple[list[tuple[str, bytes]], str | None]:
     try:
         with tempfile.TemporaryDirectory(prefix="routetool-html-") as folder:
             try:
-                paths = plots(folder, force=True) if plots is not None else [figure(Path(folder) / "figure.png")]
+                paths = plots(folder, force=True) if plots is not None else [figure(Path(folder) / "plot.png")]
             except RouteToolError as exc:
                 return [], f"The figures could not be drawn: {exc}"
-            return [(Path(p).stem.replace("_", " "), Path(p).read_bytes()) for p in paths], None
+            return [("the --plot figure" if plots is None else Path(p).stem.replace("_", " "), Path(p).read_bytes())
+                    for p in paths], None
     except OSError as exc:
         raise RouteToolError(f"cannot create a temporary folder for the figures ({exc.strerror or exc})",
                              fix="set TMPDIR to a writable folder") from None

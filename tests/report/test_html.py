@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import platform
 import re
 import shlex
 import shutil
@@ -120,6 +121,17 @@ def test_without_matplotlib_the_page_is_written_and_says_the_figures_need_the_pl
     page = html_report(_Plotted(), name="test")
     assert "<img" not in page
     assert "The figures need matplotlib, which is not installed: pip install &#x27;routetool[plot]&#x27;" in page
+
+
+def test_the_run_names_the_commit_of_this_checkout_and_no_host_name():
+    from routetool.report.provenance import machine, source_commit
+
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not run from a git checkout")
+    assert source_commit().split()[0] == head.stdout.strip()
+    node = platform.node()
+    assert not node or all(node not in value for value in machine().values())
 
 
 def test_the_five_report_commands_take_html_from_the_command_base():
