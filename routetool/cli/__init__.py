@@ -91,10 +91,15 @@ class _Group(click.Group):
     """
 
     def make_context(self, info_name, args, parent=None, **extra):
+        from routetool.cli.command import ARGV
+
+        argv = list(args)
         try:
-            return super().make_context(info_name, args, parent, **extra)
+            ctx = super().make_context(info_name, args, parent, **extra)
         except BrokenPipeError:  # `routetool --help | head -1` (click would make it exit 1)
             raise click.exceptions.Exit(_stdout_closed()) from None
+        ctx.meta[ARGV] = argv  # (the command line as run, for --html's page)
+        return ctx
 
     def invoke(self, ctx: click.Context):
         from routetool.io.inputs import forget_claims
@@ -193,10 +198,13 @@ def _register() -> None:
     from routetool.cli.balance import balance, import_
     from routetool.cli.bench import bench
     from routetool.cli.capture import capture, info, synth
+    from routetool.cli.command import add_html_option
     from routetool.cli.diff import diff
     from routetool.cli.replay import replay
     from routetool.cli.validate import validate
 
+    for command in (replay, validate, bench, balance, diff):  # the reports worth attaching to an issue
+        add_html_option(command)
     for command in (replay, validate, bench, synth, info, capture, balance, import_, diff):
         main.add_command(command)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from routetool.cli.command import (
+    HTML_PATH,
     Run,
     check_output_paths,
     details_option,
@@ -224,7 +225,8 @@ def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, 
 
             refuse_rank_folder(plot_dir, rank_folders(source))
             check_plot_dir(plot_dir, force)
-            _check_figures_apart(figure_paths(plot_dir), {"--json": json_path, "--eplb-out": eplb_out},
+            _check_figures_apart(figure_paths(plot_dir), {"--json": json_path, "--eplb-out": eplb_out,
+                                                          "--html": click.get_current_context().meta.get(HTML_PATH)},
                                  [source, placement_path])
         capacity = _float_list("--capacity-factor", capacity_spec)
         ep_sizes = _int_list("--ep-size", ep_spec)

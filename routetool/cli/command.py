@@ -28,10 +28,15 @@ A command reads like::
 
 The paths are checked through :func:`require_input` and :func:`check_output_paths` here, the
 command line's one door to them.
+
+``--html PATH`` is the base's own: :func:`add_html_option` gives it to a command (the group does,
+for replay, validate, bench, balance and diff), and :func:`run_command` adds its sink, so that a
+command declares nothing for it.
 """
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable, Iterable
 
 import click
@@ -46,7 +51,7 @@ from rich.progress import (
 
 from routetool.cli.paths import PATH_TEXT
 from routetool.engine.execution import DEVICE_CHOICES, SEED_SIGNATURE, kernel_source, kernel_stdout
-from routetool.report.sinks import Sinks
+from routetool.report.sinks import HtmlSink, Sinks
 from routetool.report.tables import Console
 
 KERNEL_SIGNATURE_HELP = (f"A module:function kernel takes the seed's signature, {SEED_SIGNATURE}: the logits and "
@@ -70,6 +75,39 @@ def kernel_option(help: str, show_default: bool | str = True, default: str = "ti
 def output_option(flag: str, name: str, help: str):
     """A document's path (``'-'`` = stdout), e.g. ``--junit`` into ``junit_path``."""
     return click.option(flag, name, type=PATH_TEXT, default=None, metavar="PATH", help=help)
+
+
+ARGV = "routetool.argv"
+"""``click.Context.meta`` key: the arguments the command group was given (set by the group)."""
+
+HTML_PATH = "routetool.html_path"
+"""``click.Context.meta`` key: the ``--html`` path (None: not asked for)."""
+
+HTML_HELP = ("Also write the report as one self-contained HTML page to PATH ('-' = stdout): the verdict, every table, "
+             "the figures (with the plot extra), the exact command, versions, machine and commit; it loads nothing "
+             "from the network. An existing file is replaced only with --force.")
+
+
+def _keep_html_path(ctx: click.Context, param, value):
+    ctx.meta[HTML_PATH] = value
+    return value
+
+
+def add_html_option(command: click.Command) -> click.Command:
+    """Give ``command`` the ``--html PATH`` option (after its ``--json``): its value is kept for
+    :func:`run_command`, which writes the page, so the command's function takes no argument for it."""
+    option = click.Option(["--html", "html_path"], type=PATH_TEXT, default=None, metavar="PATH", expose_value=False,
+                          callback=_keep_html_path, help=HTML_HELP)
+    names = [p.name for p in command.params]
+    command.params.insert(names.index("json_path") + 1 if "json_path" in names else len(names), option)
+    return command
+
+
+def command_line(ctx: click.Context) -> str | None:
+    """The command line as run, ``routetool ARGS`` quoted for a shell (None where the group did not
+    record its arguments)."""
+    argv = ctx.meta.get(ARGV)
+    return None if argv is None else shlex.join(["routetool", *argv])
 
 
 def json_option(help: str):
@@ -162,7 +200,8 @@ def run_command(analyse: Callable[[Run], object], *, sinks: Sinks | None = None,
         analyse: the command's own step: takes a :class:`Run`, returns a report
             (:class:`routetool.report.protocol.Report`); it parses and checks what is left, loads
             its kernel, opens its inputs and runs.
-        sinks: the documents to write (:mod:`routetool.report.sinks`).
+        sinks: the documents to write (:mod:`routetool.report.sinks`); ``--html``'s page is added
+            to them here (:func:`add_html_option`).
         device: the ``--device`` choice: the process joins the torchrun group with it first, so
             that every process ends with the group; None: a command without one.
         inputs: paths that must exist (``input_what``: ``file`` or ``file or folder``).
@@ -176,6 +215,9 @@ def run_command(analyse: Callable[[Run], object], *, sinks: Sinks | None = None,
         RouteToolError: bad usage or input (exit 2), a failing kernel (exit 1).
     """
     sinks = sinks or Sinks()
+    ctx = click.get_current_context()
+    if ctx.meta.get(HTML_PATH) is not None:
+        sinks = sinks.adding(HtmlSink(ctx.meta[HTML_PATH], name=ctx.info_name, command=command_line(ctx)))
     workers = None
     if device is not None:
         from routetool.engine.distributed import join
@@ -194,4 +236,4 @@ def run_command(analyse: Callable[[Run], object], *, sinks: Sinks | None = None,
     if run.is_first:
         report.terminal(Console(stderr=sinks.to_stdout), details=details)
         sinks.write(report)
-    click.get_current_context().exit(report.exit_code)
+    ctx.exit(report.exit_code)

@@ -3,8 +3,9 @@
 A sink knows its option (``--json``), its path (``'-'`` = stdout, None = not asked for) and
 which face of the report it writes: :class:`JsonSink` (``document()``, or another dict such as
 balance's placement), :class:`JUnitSink` (``junit()``), :class:`CsvSink` (``csv()``) and
-:class:`PlotSink` (``plots()``, a folder of PNG figures) and :class:`FigureSink`
-(``figure()``, one PNG file). :class:`Sinks` holds a command's
+:class:`PlotSink` (``plots()``, a folder of PNG figures), :class:`FigureSink`
+(``figure()``, one PNG file) and :class:`HtmlSink` (one self-contained page of all of them,
+:mod:`routetool.report.html`). :class:`Sinks` holds a command's
 sinks and the stdout rule, computed here once: at most one sink writes stdout, and when one
 does, the tables go to stderr and a kernel's ``print()`` too (the document on stdout holds the
 document only)::
@@ -139,11 +140,34 @@ class FigureSink(Sink):
         return [str(report.figure(self.path))]
 
 
+class HtmlSink(Sink):
+    """``--html PATH``: the report as one self-contained HTML page (:func:`routetool.report.html.html_report`):
+    the verdict, every table, the figures, and ``command`` (the command line as run) with the
+    versions, the machine and the commit; ``name``: the command's name, for the title."""
+
+    flag = "--html"
+
+    def __init__(self, path: str | None, *, name: str, command: str | None = None, announce: bool = True) -> None:
+        super().__init__(path, announce=announce)
+        self.name = name
+        self.command = command
+
+    def write(self, report) -> list[str]:
+        from routetool.report.html import html_report
+
+        write_text(html_report(report, name=self.name, command=self.command), self.path, sys.stdout)
+        return [self.path]
+
+
 class Sinks:
     """A command's sinks, in the order they write; those not asked for (path None) left out."""
 
     def __init__(self, *sinks: Sink) -> None:
         self.sinks = [s for s in sinks if s.path is not None]
+
+    def adding(self, sink: Sink) -> Sinks:
+        """These sinks and ``sink`` after them (the command base's ``--html``)."""
+        return Sinks(*self.sinks, sink)
 
     def check(self) -> None:
         """The stdout rule: at most one sink writes stdout.

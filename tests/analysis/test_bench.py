@@ -122,10 +122,11 @@ def test_point_bytes_and_the_gpu_memory_check():
 
 @pytest.mark.gpu
 def test_bench_small_sweep(tmp_path):
-    out, js = tmp_path / "b.csv", tmp_path / "b.json"
+    out, js, page = tmp_path / "b.csv", tmp_path / "b.json", tmp_path / "b.html"
     args = ["bench", "--tokens", "1,4096", "--experts", "256", "--dtype", "fp32,bf16", "--kernel", "tiled",
             "--kernel", "seed", "--kernel", "torch", "--kernel", f"{mutants.__file__}:biased_weights",
-            "--pdl", "both", "--rep-ms", "5", "--csv", str(out), "--json", str(js), "--no-progress"]
+            "--pdl", "both", "--rep-ms", "5", "--csv", str(out), "--json", str(js), "--html", str(page),
+            "--no-progress"]
     res = CliRunner().invoke(main, args, env={"COLUMNS": "250"})
     assert res.exit_code == 1, res.output  # the biased-weights mutant fails its correctness check
     rows = list(csv.DictReader(io.StringIO(out.read_text())))
@@ -143,6 +144,8 @@ def test_bench_small_sweep(tmp_path):
     doc = json.loads(js.read_text())
     assert doc["schema"] == "routetool.bench/1" and doc["copy_bandwidth_gbps"] > 1000
     assert "host" in res.output and "x launch" in res.output and "an empty Triton launch took" in res.output
+    html = page.read_text(encoding="utf-8")  # the same table as one page, the GPU in its run
+    assert "<strong>exit code 1</strong>" in html and "biased_weights" in html and doc["gpu_name"] in html
 
 
 @pytest.mark.gpu
