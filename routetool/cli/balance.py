@@ -183,7 +183,7 @@ def _check_figures_apart(figures: list[Path], outputs: dict[str, str | None], in
 @json_option("Also write the results as JSON to PATH ('-' = stdout; the tables then go to stderr).")
 @click.option("--plot", "plot_dir", default=None, metavar="DIR", help="Write PNG figures into DIR (needs matplotlib).")
 @details_option("Every layer's tables and the charts (default: a one-screen summary with the worst layers).")
-@force_option("Replace existing --json/--eplb-out/--plot outputs.")
+@force_option("Replace existing --json/--eplb-out/--plot/--html outputs.")
 @progress_option()
 @_dump_options
 def balance(source: Path, fmt: str, num_experts, topk, skip_rows, drop_repeats, select, device: str, kernel_spec: str,

@@ -33,7 +33,7 @@ from routetool.report.tables import markup_safe
                    "(a new folder of rank-<r>/ traces for a run folder), for routetool diff.")
 @json_option("Also write the results as JSON to PATH ('-' = stdout; the tables then go to stderr).")
 @details_option("Every table: per layer, every step shape, the expert-load chart (default: a one-screen summary).")
-@force_option("Replace an existing --json or --save-routing file.")
+@force_option("Replace an existing --json, --html or --save-routing file.")
 @progress_option()
 def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogram_layer: int | None,
            tie_ulps: float, latency: bool, routing_path: Path | None, json_path: str | None, details: bool,
