@@ -32,7 +32,7 @@ from routetool.report.tables import markup_safe
 @json_option("Write verdicts as JSON ('-' = stdout).")
 @output_option("--junit", "junit_path", "Write verdicts as JUnit XML ('-' = stdout).")
 @details_option("Also every case with its verdict and message, and every failing case in full.")
-@force_option("Replace existing --json/--junit files.")
+@force_option("Replace existing --json/--junit/--html files.")
 @progress_option()
 def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: tuple[str, ...], device: str,
              tie_ulps: float, json_path: str | None, junit_path: str | None, details: bool, force: bool,
