@@ -13,7 +13,10 @@
 #   host      benchmarks/bench_host_cost.py: host cost per call against an empty Triton launch
 #   engine    benchmarks/bench_engine.py --set gpu: replay, balance and validate against a raw read
 #   recorder  the recorder under CUDA graphs: tests/capture/test_capture_gpu.py and the record kernel's parity
-#             (tests/capture/test_ring.py), then benchmarks/bench_recorder.py (overhead per routing call)
+#             (tests/capture/test_ring.py), then benchmarks/bench_recorder.py (overhead per routing call;
+#             RECORDER_RUNS=N runs it N times)
+#   routing   replay --save-routing of every bundled trace on the GPU, then diff of each trace (the reference)
+#             against the kernel's saved routing, and of the saved routing against itself
 #   ranks     run folders and torchrun on the GPU: tests/io/test_run_folder.py (2 processes: NCCL with a GPU
 #             each, gloo sharing one GPU otherwise), then benchmarks/bench_torchrun.py (one process against
 #             torchrun on a 4-rank synth run folder: wall time, speed-up, equal outputs)
@@ -102,7 +105,18 @@ if has engine; then
 fi
 if has recorder; then
   run recorder-tests 240 python3 -m pytest -q -p no:cacheprovider tests/capture/test_capture_gpu.py tests/capture/test_ring.py
-  run recorder-bench 150 python3 benchmarks/bench_recorder.py --csv "$RESULTS" --json "$R/recorder.json"
+  for i in $(seq "${RECORDER_RUNS:-1}"); do  # the eager ratio moves with the host: several runs in one start
+    run "recorder-bench${i#1}" 150 python3 benchmarks/bench_recorder.py --csv "$RESULTS" --json "$R/recorder$i.json"
+  done
+fi
+if has routing; then
+  for t in traces/*.safetensors; do
+    n=$(basename "$t" .safetensors)
+    COLUMNS=100 run "routing-$n" 120 python3 -m routetool replay "$t" --device cuda --no-progress --no-latency \
+      --save-routing "$R/routing-$n.safetensors"
+    COLUMNS=100 run "diff-$n" 60 python3 -m routetool diff "$t" "$R/routing-$n.safetensors" --json "$R/diff-$n.json"
+    COLUMNS=100 run "diff-self-$n" 60 python3 -m routetool diff "$R/routing-$n.safetensors" "$R/routing-$n.safetensors"
+  done
 fi
 if has ranks; then
   run ranks 300 python3 -m pytest -q -p no:cacheprovider tests/io/test_run_folder.py
@@ -113,5 +127,5 @@ tar czf "$OUT/results.tgz" -C "$R" .
 cat "$S"
 for f in "$R"/pytest-?.txt; do [ -f "$f" ] && tail -n 1 "$f"; done
 grep -h -A8 "^FAILED\|^E  " "$R"/pytest-?.txt 2>/dev/null | head -40
-for f in "$R"/validate-*.txt "$R"/replay-*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(PASS|FAIL|NOTHING)" "$f"; }; done
-for f in bench table host engine recorder-tests recorder-bench ranks torchrun; do [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 20 "$R/$f.txt"; }; done
+for f in "$R"/validate-*.txt "$R"/replay-*.txt "$R"/routing-*.txt "$R"/diff-*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(PASS|FAIL|NOTHING|IDENTICAL|DIFFERENT)" "$f"; }; done
+for f in bench table host engine recorder-tests recorder-bench recorder-bench2 recorder-bench3 ranks torchrun; do [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 20 "$R/$f.txt"; }; done
