@@ -17,7 +17,7 @@ if not HAS_CUDA:
 
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 
-# (no kernel module is imported by these: routetool.io reads and writes files only)
+# the trace fixtures' imports, after TRITON_INTERPRET is set (routetool.io loads no Triton code today)
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -50,7 +50,8 @@ TEST_ROUTER = RouterConfig(num_experts=8, topk=2, route_scale=1.0)
 @pytest.fixture
 def make_trace(tmp_path):
     """``make_trace(path, layers, router=None, **meta) -> Path``: a trace v1 file written by routetool's
-    writer (``write_trace``, replacing an existing file), ``layers`` a dict layer -> ``LayerArrays``,
+    writer (``write_trace``, replacing an existing file) at ``path`` (under ``tmp_path`` when relative;
+    its folder must exist), ``layers`` a dict layer -> ``LayerArrays``,
     ``router`` :data:`TEST_ROUTER` unless given; ``model`` and ``provenance`` default to "test" and
     "made by a test", other keywords go to the metadata as they are (e.g. ``rank="1"``).
 

@@ -81,8 +81,8 @@ def test_scan_counts_padded_and_nonfinite_rows(make_trace):
 
 
 def test_sharded_trace_info(tmp_path, make_sharded):
-    shards = [{2: LayerArrays(gating_output=torch.randn(sum(sizes), 6), step_offsets=torch.tensor([0, *sizes]).cumsum(0))}
-              for sizes in ([3, 4], [5])]
+    shards = [{2: LayerArrays(gating_output=torch.randn(sum(sizes), 6),
+                              step_offsets=torch.tensor([0, *sizes]).cumsum(0))} for sizes in ([3, 4], [5])]
     index = make_sharded("run.json", shards, RouterConfig(num_experts=6, topk=2), complete=False,
                          stopped_by="error: KeyboardInterrupt: ")
     with open_trace(index) as t:
