@@ -1,10 +1,9 @@
-"""Shared test helpers: invariant checks and small trace builders (no second reference)."""
+"""Shared test helpers: routing invariant checks and the CLI's parameters (no second reference); the
+trace builders are fixtures, in conftest.py."""
 
 from __future__ import annotations
 
 import torch
-
-from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, write_trace
 
 
 def assert_routing_invariants(weights, ids, num_experts, topk, route_scale, is_padding=None, eps=None):
@@ -25,13 +24,6 @@ def assert_routing_invariants(weights, ids, num_experts, topk, route_scale, is_p
         sums = weights[real].sum(-1)
         ok = torch.isclose(sums, torch.full_like(sums, route_scale), rtol=1e-5, atol=1e-6) | (sums == 0)
         assert ok.all(), f"weight sums {sums[~ok][:5].tolist()} != route_scale {route_scale}"
-
-
-def make_trace(path, layers: dict[int, LayerArrays], router: RouterConfig | None = None, **meta_kw):
-    router = router or RouterConfig(num_experts=8, topk=2, route_scale=1.0)
-    meta = TraceMeta(model=meta_kw.pop("model", "test"), router=router,
-                     provenance=meta_kw.pop("provenance", "made by a test"), extra=meta_kw)
-    return write_trace(path, meta, layers, force=True)
 
 
 def command_params(command, keep, path="routetool"):

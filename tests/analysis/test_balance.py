@@ -21,7 +21,6 @@ from routetool.errors import EXIT_FINDINGS, EXIT_USAGE, KernelError, RouteToolEr
 from routetool.io.dumps import ImportedCounts, ImportedLayer, ImportedRouting
 from routetool.engine.load import load_stats
 from routetool.io.trace import LayerArrays, RouterConfig, Trace
-from tests.helpers import make_trace
 
 
 # -- primitives -------------------------------------------------------------------------------
@@ -194,7 +193,9 @@ def test_a_layer_without_traffic_among_others(device):
     assert any(n.startswith("layer(s) 0 hold no traffic (0 assignments)") for n in r.notes)
 
 # -- traces: routing sources, padding, bias effect ---------------------------------------------
-def _bias_trace(path):
+@pytest.fixture
+def bias_trace(make_trace):
+    """``t.safetensors``: one layer of 4 rows in 2 steps whose bias changes every pick."""
     # E=4, K=1, sigmoid. Logits [2,1,0,0]: without bias expert 0 wins; bias -1 on expert 0 makes
     # sigmoid(2)-1 = -0.12 < sigmoid(1) = 0.73, so expert 1 wins. Row 3 is padding.
     logits = torch.tensor([[2.0, 1.0, 0.0, 0.0]] * 4)
@@ -202,9 +203,9 @@ def _bias_trace(path):
     bias = torch.tensor([-1.0, 0.0, 0.0, 0.0])
     # production picked 2 once; the padded row holds garbage (3), which must not count anywhere
     recorded = torch.tensor([[1], [1], [2], [3]], dtype=torch.int32)
-    make_trace(path, {0: LayerArrays(gating_output=logits, bias=bias, is_padding=pad, topk_ids=recorded,
-                                     step_offsets=torch.tensor([0, 2, 4]))},
-               router=RouterConfig(num_experts=4, topk=1, route_scale=1.0))
+    layer = LayerArrays(gating_output=logits, bias=bias, is_padding=pad, topk_ids=recorded,
+                        step_offsets=torch.tensor([0, 2, 4]))
+    return make_trace("t.safetensors", {0: layer}, router=RouterConfig(num_experts=4, topk=1, route_scale=1.0))
 
 
 def _reference():
@@ -213,9 +214,8 @@ def _reference():
     return musespark1x_routing_reference
 
 
-def test_trace_reference_routing_with_bias_effect(tmp_path, device):
-    path = tmp_path / "t.safetensors"
-    _bias_trace(path)
+def test_trace_reference_routing_with_bias_effect(device, bias_trace):
+    path = bias_trace
     with Trace(path) as t:
         ref = route_fn_from(_reference(), t.meta.router)
         src = TraceSource(t, t.layers, routing="reference", route_fn=ref, route_name="reference", nobias_fn=ref)
@@ -228,9 +228,8 @@ def test_trace_reference_routing_with_bias_effect(tmp_path, device):
     assert x.phases[0].phase == "decode" and x.phases[0].steps == 2  # small steps, one padded
 
 
-def test_trace_recorded_routing_keeps_bias_pair_consistent(tmp_path):
-    path = tmp_path / "t.safetensors"
-    _bias_trace(path)
+def test_trace_recorded_routing_keeps_bias_pair_consistent(bias_trace):
+    path = bias_trace
     with Trace(path) as t:
         ref = route_fn_from(_reference(), t.meta.router)
         src = TraceSource(t, t.layers, routing="recorded", nobias_fn=ref, nobias_name="reference")
@@ -243,7 +242,7 @@ def test_trace_recorded_routing_keeps_bias_pair_consistent(tmp_path):
     assert "recorded" in r.routing
 
 
-def test_ids_only_trace_says_bias_effect_needs_logits(tmp_path):
+def test_ids_only_trace_says_bias_effect_needs_logits(tmp_path, make_trace):
     path = tmp_path / "ids.safetensors"
     make_trace(path, {2: LayerArrays(topk_ids=torch.tensor([[0, 1], [2, 3], [0, 3]], dtype=torch.int32))},
                router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
@@ -256,7 +255,7 @@ def test_ids_only_trace_says_bias_effect_needs_logits(tmp_path):
         TraceSource(t, t.layers, routing="reference", route_fn=route_fn_from(_reference(), t.meta.router))
 
 
-def test_recorded_routing_needs_recorded_ids(tmp_path):
+def test_recorded_routing_needs_recorded_ids(tmp_path, make_trace):
     path = tmp_path / "t.safetensors"
     make_trace(path, {0: LayerArrays(gating_output=torch.zeros(3, 8))})
     with Trace(path) as t, pytest.raises(RouteToolError, match="holds no recorded topk_ids"):
@@ -296,11 +295,10 @@ def test_tokens_per_rank_paths_agree(device, num_ranks):
 
 
 # -- windows, duplicates, routing functions that misbehave ---------------------------------------
-def test_window_tokens_exclude_padded_rows_and_sum_to_the_layer(tmp_path):
-    # _bias_trace: step 0 has 2 rows, step 1 has 2 rows of which 1 is padding. Windows are cut
+def test_window_tokens_exclude_padded_rows_and_sum_to_the_layer(bias_trace):
+    # bias_trace: step 0 has 2 rows, step 1 has 2 rows of which 1 is padding. Windows are cut
     # by rows (2 + 2), but their tokens are unpadded tokens: 2 and 1, summing to the layer's 3.
-    path = tmp_path / "t.safetensors"
-    _bias_trace(path)
+    path = bias_trace
     with Trace(path) as t:
         src = TraceSource(t, t.layers, routing="recorded", bias_effect=False)
         r = analyze_balance(src, BalanceOptions(ep_sizes=[2], windows=2, eplb=None, capacity_factors=[]))
@@ -318,7 +316,7 @@ def test_window_tokens_of_counts_with_topk_sum_to_the_layer():
     assert sum(w.tokens for w in x.windows) == x.tokens == 4 + 4 + 1
 
 
-def test_duplicate_recorded_ids_are_rejected_like_dumps(tmp_path):
+def test_duplicate_recorded_ids_are_rejected_like_dumps(tmp_path, make_trace):
     # a row [0, 0] used to count expert 0 twice without a word; `import` rejects such rows
     path = tmp_path / "dup.safetensors"
     ids = torch.tensor([[0, 1], [2, 3], [0, 1], [3, 3], [0, 3]], dtype=torch.int32)
@@ -338,7 +336,7 @@ def test_duplicate_recorded_ids_are_rejected_like_dumps(tmp_path):
     ([-1, -1], "the recorded ids [-1, -1] hold -1 on an unpadded row"),
     ([-5, 1], "the recorded ids [-5, 1] hold an id outside [0, 4)"),
 ])
-def test_invalid_recorded_ids_are_bad_input(tmp_path, bad_row, words):
+def test_invalid_recorded_ids_are_bad_input(tmp_path, bad_row, words, make_trace):
     path = tmp_path / "bad.safetensors"
     ids = torch.tensor([[0, 1], [2, 3], [0, 1], bad_row, [0, 3], bad_row], dtype=torch.int32)
     make_trace(path, {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 2, 6]))},
@@ -351,7 +349,7 @@ def test_invalid_recorded_ids_are_bad_input(tmp_path, bad_row, words):
     assert "\n" not in text
 
 
-def test_invalid_ids_on_padded_rows_do_not_count(tmp_path):
+def test_invalid_ids_on_padded_rows_do_not_count(tmp_path, make_trace):
     # padded rows hold anything (-1, ids >= E): they are masked before the check and never counted
     path = tmp_path / "pad.safetensors"
     ids = torch.tensor([[0, 1], [9, -1], [-1, -1], [2, 3]], dtype=torch.int32)
@@ -372,7 +370,7 @@ def test_invalid_imported_ids_are_refused():
         analyze_balance(ImportedSource(imported), BalanceOptions(ep_sizes=[2], eplb=None))
 
 
-def test_duplicates_on_padded_rows_do_not_count(tmp_path):
+def test_duplicates_on_padded_rows_do_not_count(tmp_path, make_trace):
     # padded rows hold anything (here [1, 1]); they are masked before the check
     path = tmp_path / "pad.safetensors"
     ids = torch.tensor([[0, 1], [1, 1]], dtype=torch.int32)
@@ -383,9 +381,7 @@ def test_duplicates_on_padded_rows_do_not_count(tmp_path):
     assert r.layers[0].counts == [1, 1, 0, 0]
 
 
-def _route_with(tmp_path, fn, **kw):
-    path = tmp_path / "t.safetensors"
-    _bias_trace(path)
+def _route_with(path, fn, **kw):
     with Trace(path) as t:
         route = route_fn_from(fn, t.meta.router, kernel=True, name="kernel bad")
         src = TraceSource(t, t.layers, routing="kernel", route_fn=route, nobias_fn=route,
@@ -427,11 +423,11 @@ def _scribble(gating, *a, **k):
     (_ids_kernel(lambda g, b, p: None), r"returned \(NoneType, NoneType\)"),
     (_scribble, r"kernel bad wrote into its input gating_output on layer 0, step 0 \(a routing kernel may write only"),
 ])
-def test_misbehaving_routing_function_is_one_line(tmp_path, fn, words):
+def test_misbehaving_routing_function_is_one_line(fn, words, bias_trace):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load; these are faults of the
     # kernel, exit 1 as in replay and validate (they were exit 2, bad input)
     with pytest.raises(KernelError, match=words) as info:
-        _route_with(tmp_path, fn)
+        _route_with(bias_trace, fn)
     assert "\n" not in str(info.value) and "t.safetensors" in str(info.value)
     assert info.value.exit_code == EXIT_FINDINGS
 
@@ -455,16 +451,16 @@ def _ids_plus(offset):
                                             dtype=torch.int32)),
      "returned invalid topk_ids on layer 0, step 1, row 2: [7] hold an id outside [0, 4); 1 of the layer's rows is"),
 ])
-def test_invalid_ids_from_a_routing_function_are_a_kernel_fault(tmp_path, fn, words):
+def test_invalid_ids_from_a_routing_function_are_a_kernel_fault(fn, words, bias_trace):
     with pytest.raises(KernelError) as info:
-        _route_with(tmp_path, fn)
+        _route_with(bias_trace, fn)
     assert words in str(info.value) and info.value.exit_code == EXIT_FINDINGS
     assert info.value.failure_class.startswith("invalid:")
 
 
-def test_bias_effect_routing_is_checked_too(tmp_path):
+def test_bias_effect_routing_is_checked_too(bias_trace):
     # ids counted for the bias effect (routed again with the bias zeroed) are checked as well
     fn = _ids_kernel(lambda g, b, p: torch.full((g.shape[0], 1), 1 if bool(b.any()) else 4, dtype=torch.int32))
     with pytest.raises(KernelError, match=r"kernel bad returned invalid topk_ids on layer 0, step 0, row 0 "
                                           r"\(bias effect\): \[4\]"):
-        _route_with(tmp_path, fn, bias_effect=True)
+        _route_with(bias_trace, fn, bias_effect=True)

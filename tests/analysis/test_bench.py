@@ -12,7 +12,6 @@ from click.testing import CliRunner
 
 import mutants
 from conftest import HAS_CUDA
-from helpers import make_trace
 from routetool_kernels import VARIANT_NAMES
 from routetool.analysis.bench import (TORCH_KERNELS, BenchKernel, BenchResult, BenchRow, _call_args, check_fits,
                              host_latencies, point_bytes, trace_step_shapes)
@@ -89,7 +88,7 @@ def test_bench_at_the_token_limit_goes_on_to_the_gpu_check():
     assert res.exit_code == 2 and "needs a CUDA GPU" in res.output, res.output
 
 
-def test_bench_refuses_an_ids_only_trace(tmp_path):
+def test_bench_refuses_an_ids_only_trace(tmp_path, make_trace):
     # its step shapes and router settings come from an import, not from a router call
     path = tmp_path / "ids.safetensors"
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
@@ -101,7 +100,7 @@ def test_bench_refuses_an_ids_only_trace(tmp_path):
                                   "shapes with --tokens/--experts/--topk)")
 
 
-def test_bench_takes_step_shapes_from_layers_with_logits(tmp_path):
+def test_bench_takes_step_shapes_from_layers_with_logits(tmp_path, make_trace):
     path = tmp_path / "mixed.safetensors"
     g = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
     ids = torch.tensor([[0, 1]] * 7, dtype=torch.int32)

@@ -12,7 +12,6 @@ from click.testing import CliRunner
 from routetool.cli import main
 from routetool.io.trace import LayerArrays, RouterConfig
 from tests.dump_writers import routed_experts, write_vllm_npy
-from tests.helpers import make_trace
 
 ROUTER = RouterConfig(num_experts=4, topk=2, route_scale=1.0)
 ULP_04 = 2.0 ** -25  # the float32 ulp at 0.4 (0.25 <= 0.4 < 0.5)
@@ -46,10 +45,10 @@ W_B = [[0.6, 0.4], [0.4, 0.6], [0.6, 0.4 + ULP_04], [0.6, 0.4], [0.6, 0.4], [0.0
 
 
 @pytest.fixture
-def hand(tmp_path):
-    a = make_trace(tmp_path / "a.safetensors", {0: _layer(IDS_A, W_A, LOGITS, PAD), 1: _layer(IDS_A, W_A, LOGITS, PAD)},
+def hand(make_trace):
+    a = make_trace("a.safetensors", {0: _layer(IDS_A, W_A, LOGITS, PAD), 1: _layer(IDS_A, W_A, LOGITS, PAD)},
                    router=ROUTER)
-    b = make_trace(tmp_path / "b.safetensors", {0: _layer(IDS_B, W_B, LOGITS, PAD), 1: _layer(IDS_A, W_A, LOGITS, PAD)},
+    b = make_trace("b.safetensors", {0: _layer(IDS_B, W_B, LOGITS, PAD), 1: _layer(IDS_A, W_A, LOGITS, PAD)},
                    router=ROUTER)
     return a, b
 
@@ -85,12 +84,12 @@ def test_each_measure_matches_the_hand_computed_case(hand, tmp_path):
     assert first["ids_a"] == [0, 1] and first["ids_b"] == [1, 0]
 
 
-def test_tie_ulps_zero_takes_exact_ties_only(tmp_path):
+def test_tie_ulps_zero_takes_exact_ties_only(tmp_path, make_trace):
     # experts 2 and 3: logits 1 and 1 + 2^-20, keys 2 float32 ulps apart in float32
     # (ulp 2^-24 at sigmoid(1) ~ 0.73): inside the default 16, outside 1 and 0 (exact ties only)
     logits = [[4, -1, 1, 1 + 2 ** -20]]
-    a = make_trace(tmp_path / "a.safetensors", {0: _layer([[0, 3]], [[0.6, 0.4]], logits)}, router=ROUTER)
-    b = make_trace(tmp_path / "b.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], logits)}, router=ROUTER)
+    a = make_trace("a.safetensors", {0: _layer([[0, 3]], [[0.6, 0.4]], logits)}, router=ROUTER)
+    b = make_trace("b.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], logits)}, router=ROUTER)
     doc_path = tmp_path / "d.json"
     assert run(a, b, "--json", doc_path, "--tie-ulps", 0).exit_code == 1
     assert json.loads(doc_path.read_text())["overall"]["classes"]["real"] == 1
@@ -120,24 +119,29 @@ def test_details_prints_every_layer_and_the_first_differing_rows(hand):
     assert "order" in res.output and "real" in res.output
 
 
-def _logits_trace(path, bias, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    router = RouterConfig(num_experts=16, topk=4, route_scale=2.5)
-    layers = {i: LayerArrays(gating_output=torch.randn(40, 16, generator=g), bias=bias,
-                             step_offsets=torch.tensor([0, 16, 40])) for i in range(3)}
-    return make_trace(path, layers, router=router)
+@pytest.fixture
+def logits_trace(make_trace):
+    """``logits_trace(path, bias, seed=0) -> Path``: 3 layers of random logits (40 tokens in steps of 16
+    and 24, E=16, K=4, route_scale 2.5) under the ``[16]`` ``bias``, no recorded outputs."""
+    def make(path, bias, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        router = RouterConfig(num_experts=16, topk=4, route_scale=2.5)
+        layers = {i: LayerArrays(gating_output=torch.randn(40, 16, generator=g), bias=bias,
+                                 step_offsets=torch.tensor([0, 16, 40])) for i in range(3)}
+        return make_trace(path, layers, router=router)
+    return make
 
 
-def test_a_trace_against_itself_is_identical(tmp_path):
-    t = _logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+def test_a_trace_against_itself_is_identical(logits_trace):
+    t = logits_trace("t.safetensors", torch.zeros(16))
     res = run(t, t)
     assert res.exit_code == 0, res.output
     assert res.output.splitlines()[0] == "IDENTICAL (120 token-layers, 3 layers)"
 
 
-def test_the_same_logits_under_another_bias_differ_per_layer(tmp_path):
-    a = _logits_trace(tmp_path / "a.safetensors", torch.zeros(16))
-    b = _logits_trace(tmp_path / "b.safetensors", torch.linspace(-0.3, 0.3, 16))
+def test_the_same_logits_under_another_bias_differ_per_layer(tmp_path, logits_trace):
+    a = logits_trace("a.safetensors", torch.zeros(16))
+    b = logits_trace("b.safetensors", torch.linspace(-0.3, 0.3, 16))
     js = tmp_path / "d.json"
     res = run(a, b, "--json", js)
     assert res.exit_code == 1, res.output
@@ -149,9 +153,9 @@ def test_the_same_logits_under_another_bias_differ_per_layer(tmp_path):
     assert doc["overall"]["tokens_differing"] > 0
 
 
-def test_json_to_stdout_and_a_plot(tmp_path):
+def test_json_to_stdout_and_a_plot(tmp_path, logits_trace):
     pytest.importorskip("matplotlib")
-    t = _logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    t = logits_trace("t.safetensors", torch.zeros(16))
     png = tmp_path / "agree.png"
     res = CliRunner().invoke(main, ["diff", str(t), str(t), "--json", "-", "--plot", str(png), "--no-progress"])
     assert res.exit_code == 0
@@ -160,8 +164,8 @@ def test_json_to_stdout_and_a_plot(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["steps", "layers", "topk"])
-def test_sources_that_cannot_be_aligned_are_refused_in_one_line(tmp_path, case):
-    a = _logits_trace(tmp_path / "a.safetensors", torch.zeros(16))
+def test_sources_that_cannot_be_aligned_are_refused_in_one_line(case, logits_trace, make_trace):
+    a = logits_trace("a.safetensors", torch.zeros(16))
     g = torch.randn(40, 16)
     if case == "steps":  # the same 40 tokens, cut into other steps
         layers = {i: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 20, 40])) for i in range(3)}
@@ -172,7 +176,7 @@ def test_sources_that_cannot_be_aligned_are_refused_in_one_line(tmp_path, case):
     else:
         layers = {i: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 40])) for i in range(3)}
         router, why = RouterConfig(num_experts=16, topk=2, route_scale=2.5), "A routes top-4, B top-2"
-    b = make_trace(tmp_path / "b.safetensors", layers, router=router)
+    b = make_trace("b.safetensors", layers, router=router)
     res = CliRunner().invoke(main, ["diff", str(a), str(b), "--no-progress"])
     assert res.exit_code == 2
     lines = res.stderr.strip().splitlines()
@@ -183,7 +187,7 @@ def test_sources_that_cannot_be_aligned_are_refused_in_one_line(tmp_path, case):
         assert run(a, b, "--layers", "0,1").exit_code == 1
 
 
-def test_a_vllm_output_against_an_ids_only_trace(tmp_path):
+def test_a_vllm_output_against_an_ids_only_trace(tmp_path, make_trace):
     arr = routed_experts(tokens=12, layers=2, topk=2, experts=8, seed=3)
     npy = write_vllm_npy(tmp_path / "req.npy", arr)
     ids = torch.from_numpy(arr.astype("int64")).to(torch.int32)
@@ -192,7 +196,7 @@ def test_a_vllm_output_against_an_ids_only_trace(tmp_path):
     def trace(name, layer0):
         layers = {0: LayerArrays(topk_ids=layer0, step_offsets=torch.tensor([0, 12])),
                   1: LayerArrays(topk_ids=ids[:, 1].contiguous(), step_offsets=torch.tensor([0, 12]))}
-        return make_trace(tmp_path / name, layers, router=router)
+        return make_trace(name, layers, router=router)
 
     same = trace("same.safetensors", ids[:, 0].contiguous())
     res = run(npy, same)
@@ -208,24 +212,24 @@ def test_a_vllm_output_against_an_ids_only_trace(tmp_path):
     assert doc["first_differing_rows"][0]["row"] == 5
 
 
-def test_a_near_tie_of_either_routing_counts(tmp_path):
+def test_a_near_tie_of_either_routing_counts(tmp_path, make_trace):
     # A's keys: expert 3 (logit 1.5) well above expert 2 (logit 1); B's keys: 2 and 3 tied exactly (as
     # bf16 rounding makes them). B picked 2, A picked 3: a difference at B's knife edge
-    a = make_trace(tmp_path / "a.safetensors", {0: _layer([[0, 3]], [[0.6, 0.4]], [[4, -1, 1, 1.5]])}, router=ROUTER)
-    b = make_trace(tmp_path / "b.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], [[4, -1, 1, 1]])}, router=ROUTER)
+    a = make_trace("a.safetensors", {0: _layer([[0, 3]], [[0.6, 0.4]], [[4, -1, 1, 1.5]])}, router=ROUTER)
+    b = make_trace("b.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], [[4, -1, 1, 1]])}, router=ROUTER)
     js = tmp_path / "d.json"
     assert run(a, b, "--json", js).exit_code == 1
     assert json.loads(js.read_text())["overall"]["classes"]["tie"] == 1
-    c = make_trace(tmp_path / "c.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], [[4, -1, 1, 1.25]])}, router=ROUTER)
+    c = make_trace("c.safetensors", {0: _layer([[0, 2]], [[0.6, 0.4]], [[4, -1, 1, 1.25]])}, router=ROUTER)
     assert run(a, c, "--json", js, "--force").exit_code == 1  # neither routing is at a tie there
     assert json.loads(js.read_text())["overall"]["classes"]["real"] == 1
 
 
-def test_run_folders_are_aligned_rank_by_rank(tmp_path):
+def test_run_folders_are_aligned_rank_by_rank(tmp_path, logits_trace):
     def run_folder(name, bias1):
         for r in (0, 1):
             (tmp_path / name / f"rank-{r}").mkdir(parents=True)
-            _logits_trace(tmp_path / name / f"rank-{r}" / "trace.safetensors", bias1 if r else torch.zeros(16), seed=r)
+            logits_trace(tmp_path / name / f"rank-{r}" / "trace.safetensors", bias1 if r else torch.zeros(16), seed=r)
         return tmp_path / name
 
     a = run_folder("a", torch.zeros(16))
@@ -268,8 +272,8 @@ def swapped(gating_output, bias, topk, route_scale, router_output_multiplier=Non
 '''
 
 
-def test_a_kernel_routes_the_logits_only_side(tmp_path):
-    logits = _logits_trace(tmp_path / "logits.safetensors", torch.zeros(16))
+def test_a_kernel_routes_the_logits_only_side(tmp_path, logits_trace, make_trace):
+    logits = logits_trace("logits.safetensors", torch.zeros(16))
     from routetool.io.trace import open_trace
     from routetool_kernels import reference
 
@@ -279,7 +283,7 @@ def test_a_kernel_routes_the_logits_only_side(tmp_path):
             rows = t.read_rows(layer, 0, 40)
             w, ids, _, _ = reference.route(rows.gating_output, t.bias(layer), t.meta.router)
             layers[layer] = LayerArrays(topk_ids=ids, topk_weights=w, step_offsets=torch.tensor([0, 16, 40]))
-        recorded = make_trace(tmp_path / "recorded.safetensors", layers, router=t.meta.router)
+        recorded = make_trace("recorded.safetensors", layers, router=t.meta.router)
     assert run(recorded, logits).exit_code == 0
     kfile = tmp_path / "k.py"
     kfile.write_text(KERNEL)
@@ -292,10 +296,10 @@ def test_a_kernel_routes_the_logits_only_side(tmp_path):
     assert run(recorded, logits, "--kernel", f"{kfile}:swapped", "--ignore-order").exit_code == 0
 
 
-def test_a_partial_trace_is_named_before_the_answer(tmp_path):
+def test_a_partial_trace_is_named_before_the_answer(tmp_path, make_trace):
     g = torch.randn(40, 16)
     router = RouterConfig(num_experts=16, topk=4, route_scale=2.5)
-    t = make_trace(tmp_path / "t.safetensors", {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 40])),
+    t = make_trace("t.safetensors", {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 16, 40])),
                                                 1: LayerArrays(gating_output=g[:16], step_offsets=torch.tensor([0, 16]))},
                    router=router)
     js = tmp_path / "d.json"

@@ -11,7 +11,6 @@ from click.testing import CliRunner
 
 import mutants
 from conftest import DEVICE, HAS_CUDA
-from helpers import make_trace
 from routetool.cli import main
 from routetool.engine.execution import select_execution
 from routetool.analysis.suite import BATCH_SIZES, FAMILIES, GPU_BATCH_SIZES, build_suite
@@ -308,7 +307,7 @@ def test_traces_are_validated_layer_by_layer(execution):
     assert {(c.verdict, tuple(c.failure_classes)) for c in rej.cases} == {("fail", ("rejected_documented",))}
 
 
-def test_trace_cases_check_the_weights_of_tie_rows_and_report_rows_as_suite_cases_do(execution, tmp_path):
+def test_trace_cases_check_the_weights_of_tie_rows_and_report_rows_as_suite_cases_do(execution, make_trace):
     # a trace was judged by replay's summary alone: weights of tie-equivalent rows went unchecked (a
     # kernel breaking ties toward the highest expert with wrong weights on those rows passed), and
     # its offending rows had is_padding False, no top_inputs and a row class as failure class
@@ -319,8 +318,8 @@ def test_trace_cases_check_the_weights_of_tie_rows_and_report_rows_as_suite_case
     g[:, 5] = g[:, 6] = 1.0  # experts 5 and 6 tie for the second place
     pad = torch.zeros(12, dtype=torch.bool)
     pad[10:] = True
-    path = make_trace(tmp_path / "ties.safetensors", {0: LayerArrays(gating_output=g, is_padding=pad,
-                                                                      step_offsets=torch.tensor([0, 6, 12]))})
+    path = make_trace("ties.safetensors", {0: LayerArrays(gating_output=g, is_padding=pad,
+                                                          step_offsets=torch.tensor([0, 6, 12]))})
 
     def tie_high_bad_weights(gating_output, bias, topk, route_scale, *args, is_padding=None, **kwargs):
         w, ids = ref(gating_output, bias, topk, route_scale, is_padding=is_padding)
@@ -355,20 +354,22 @@ def _rejecting_kernels(tmp_path):
     return src
 
 
-def _two_dtype_traces(tmp_path):
+@pytest.fixture
+def two_dtype_traces(make_trace):
+    """The same 12 rows of logits, as float32 (``t_fp32.safetensors``) and bfloat16 (``t_bf16``)."""
     g = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
-    return (make_trace(tmp_path / "t_fp32.safetensors", {0: LayerArrays(gating_output=g)}),
-            make_trace(tmp_path / "t_bf16.safetensors", {0: LayerArrays(gating_output=g.bfloat16())}))
+    return (make_trace("t_fp32.safetensors", {0: LayerArrays(gating_output=g)}),
+            make_trace("t_bf16.safetensors", {0: LayerArrays(gating_output=g.bfloat16())}))
 
 
-def test_a_kernel_that_rejects_a_trace_fails_documented_or_not(execution, tmp_path):
+def test_a_kernel_that_rejects_a_trace_fails_documented_or_not(execution, tmp_path, two_dtype_traces):
     # a trace case whose kernel rejected every step passed ("rejected"), and the run said PASS,
     # whenever the trace's dtype name stood anywhere in the docstring: "float32" in one that
     # claims to support it, and the seed's documented bf16 restriction. A trace is production
     # input: a kernel that cannot route it fails
     import routetool_kernels
 
-    fp32, bf16 = _two_dtype_traces(tmp_path)
+    fp32, bf16 = two_dtype_traces
     rej = validate(routetool_kernels.variant("seed"), "seed", execution, cases=[], traces=[bf16])
     assert not rej.ok and [(c.verdict, c.failure_classes) for c in rej.cases] == [("fail", ["rejected_documented"])]
     assert "kernel 'seed' rejected layer 0 step 0 (ValueError: gating_output dtype bfloat16" in rej.cases[0].message
@@ -431,9 +432,9 @@ def test_the_verdict_comes_first_with_its_skips_and_details_shows_every_case(exe
     assert "Every case" in text and all(c.name in text for c in result.cases)
 
 
-def test_a_layer_of_zero_rows_is_skipped_not_passed(execution, tmp_path):
+def test_a_layer_of_zero_rows_is_skipped_not_passed(execution, tmp_path, make_trace):
     # a layer of zero token rows was "pass" though the kernel was never called: "PASS: 1 cases"
-    empty = make_trace(tmp_path / "t_empty.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8))})
+    empty = make_trace("t_empty.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8))})
     src = _rejecting_kernels(tmp_path)
     res = CliRunner().invoke(main, ["validate", str(empty), "--suite", "none", "--kernel", f"{src}:must_not_be_called",
                                     "--device", DEVICE.type, "--no-progress", "--json", "-"])
@@ -445,8 +446,8 @@ def test_a_layer_of_zero_rows_is_skipped_not_passed(execution, tmp_path):
     assert "suite none;" in res.stderr  # (it said "all 1 cases were skipped" and "suite -")
     # beside a layer with rows, the empty one is skipped and the other validated
     g = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
-    mixed = make_trace(tmp_path / "mixed.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8)),
-                                                        1: LayerArrays(gating_output=g)})
+    mixed = make_trace("mixed.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8)),
+                                             1: LayerArrays(gating_output=g)})
     result = validate(mutants.correct, "reference", execution, cases=[], traces=[mixed])
     assert [c.verdict for c in result.cases] == ["skipped", "pass"] and result.ok
 
@@ -516,14 +517,13 @@ def test_junit_holds_characters_xml_cannot(tmp_path):
     assert validate_junit(result).encode("utf-8")  # nothing left that UTF-8 cannot encode
 
 
-def test_cli_junit_of_a_trace_whose_name_holds_control_characters(tmp_path):
+def test_cli_junit_of_a_trace_whose_name_holds_control_characters(tmp_path, make_trace):
     import torch
-    from helpers import make_trace
 
     from routetool.io.trace import LayerArrays
 
     g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
-    trace = make_trace(tmp_path / "t\x1b[31m\x01.safetensors", {0: LayerArrays(gating_output=g)})
+    trace = make_trace("t\x1b[31m\x01.safetensors", {0: LayerArrays(gating_output=g)})
     xml = tmp_path / "v.xml"
     res = CliRunner().invoke(main, ["validate", str(trace), "--suite", "none", "--device", DEVICE.type,
                                     "--junit", str(xml), "--no-progress"])
@@ -541,19 +541,18 @@ def test_cli_junit_of_a_trace_whose_name_holds_control_characters(tmp_path):
     assert failure.get("type") == "crash" and r"(RuntimeError: bad \x00 \x1b[31mred \udc80 end)" in failure.get("message")
 
 
-def test_cli_one_trace_twice_is_refused_and_same_names_stay_apart(tmp_path):
+def test_cli_one_trace_twice_is_refused_and_same_names_stay_apart(tmp_path, make_trace):
     # the same trace twice ran (and reported) every case twice under one name; two traces with
     # one file name in different folders shared their case names
     import torch
-    from helpers import make_trace
 
     from routetool.io.trace import LayerArrays
 
     g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    a = make_trace(tmp_path / "a" / "t.safetensors", {0: LayerArrays(gating_output=g)})
-    b = make_trace(tmp_path / "b" / "t.safetensors", {0: LayerArrays(gating_output=g)})
+    a = make_trace("a/t.safetensors", {0: LayerArrays(gating_output=g)})
+    b = make_trace("b/t.safetensors", {0: LayerArrays(gating_output=g)})
     res = CliRunner().invoke(main, ["validate", str(a), str(tmp_path / "b" / ".." / "a" / "t.safetensors"),
                                     "--suite", "none", "--device", DEVICE.type, "--no-progress"])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
@@ -567,7 +566,7 @@ def test_cli_one_trace_twice_is_refused_and_same_names_stay_apart(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["validate", "replay", "balance"])
-def test_a_kernel_without_the_seeds_signature_is_told_once(tmp_path, command):
+def test_a_kernel_without_the_seeds_signature_is_told_once(tmp_path, command, make_trace):
     # a kernel written without topk_weights=/topk_ids= was called and got 104 x rejected_undocumented
     # ("name bfloat16 in its docstring"): the signature is checked when the kernel is loaded, and the
     # error says so once, with the signature it must have

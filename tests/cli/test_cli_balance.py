@@ -14,7 +14,6 @@ from conftest import DEVICE
 from routetool.cli import _Group
 from routetool.cli.balance import balance, import_
 from routetool.io.trace import LayerArrays, RouterConfig, Trace
-from tests.helpers import make_trace
 from tests.io.test_imports import (
     write_deepseek_like,
     write_mixtral_like,
@@ -39,16 +38,17 @@ def run(*args):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
-def _ids_trace(path):
+@pytest.fixture
+def ids_trace(make_trace):
+    """``ids.safetensors``: an ids-only trace of one layer, 2 steps, E=4, K=2."""
     # layer 0: step 0 [[0,1],[0,2]], step 1 [[0,1],[2,3],[0,3]] -> counts [4,2,2,2] (see test_balance)
     ids = torch.tensor([[0, 1], [0, 2], [0, 1], [2, 3], [0, 3]], dtype=torch.int32)
-    make_trace(path, {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 2, 5]))},
-               router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
+    return make_trace("ids.safetensors", {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 2, 5]))},
+                      router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
 
 
-def test_balance_json_numbers(tmp_path):
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+def test_balance_json_numbers(tmp_path, ids_trace):
+    trace = ids_trace
     out = tmp_path / "b.json"
     res = run("balance", "--details", trace, "--ep-size", "2", "--redundant", "2", "--json", out, "--no-progress")
     assert res.exit_code == 0, res.output
@@ -67,9 +67,8 @@ def test_balance_json_numbers(tmp_path):
     assert "0.833" in res.output and "0.938" in res.output and "EPLB what-if (global)" in res.output
 
 
-def test_balance_json_to_stdout_keeps_tables_off_stdout(tmp_path):
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+def test_balance_json_to_stdout_keeps_tables_off_stdout(ids_trace):
+    trace = ids_trace
     try:  # click < 8.2 mixes stderr into stdout unless told not to; 8.2+ keeps them apart
         runner = CliRunner(mix_stderr=False)
     except TypeError:
@@ -80,9 +79,8 @@ def test_balance_json_to_stdout_keeps_tables_off_stdout(tmp_path):
     assert d["layers"][0]["load"]["imbalance_max_over_mean"] == pytest.approx(1.6)
 
 
-def test_eplb_out_then_placement_reproduces_after(tmp_path):
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+def test_eplb_out_then_placement_reproduces_after(tmp_path, ids_trace):
+    trace = ids_trace
     placement = tmp_path / "placement.json"
     out = tmp_path / "b.json"
     assert run("balance", trace, "--ep-size", "2", "--redundant", "2", "--eplb-out", placement,
@@ -97,9 +95,8 @@ def test_eplb_out_then_placement_reproduces_after(tmp_path):
     assert ranks[1]["rank_tokens_received"] is None  # replicas: distinct tokens per rank undefined
 
 
-def test_outputs_are_not_overwritten_without_force(tmp_path):
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+def test_outputs_are_not_overwritten_without_force(tmp_path, ids_trace):
+    trace = ids_trace
     out = tmp_path / "b.json"
     out.write_text("keep")
     res = run("balance", trace, "--ep-size", "2", "--json", out, "--no-progress")
@@ -148,9 +145,8 @@ def test_outputs_are_not_overwritten_without_force(tmp_path):
     # an empty --layers analysed every layer
     (["--layers", ""], "--layers '' is empty (name layers, e.g. 0,2,5-7, or all)"),
 ])
-def test_bad_usage_is_one_line_exit_2(tmp_path, args, words):
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+def test_bad_usage_is_one_line_exit_2(args, words, ids_trace):
+    trace = ids_trace
     res = run("balance", trace, *args, "--no-progress")
     assert res.exit_code == 2, res.output
     assert res.output.startswith("routetool: error:") and words in res.output
@@ -183,7 +179,7 @@ def test_balance_on_dumps_directly(tmp_path):
     assert d["layers"][0]["expert_counts_assignments"] == [5, 1, 2, 2, 3, 3, 4, 4]
 
 
-def test_kernel_routing_default_on_a_trace_with_logits(tmp_path):
+def test_kernel_routing_default_on_a_trace_with_logits(tmp_path, make_trace):
     # the default routes logits with the project's kernel on a GPU, with the reference on the CPU
     # (a load question; the kernel under the Triton interpreter costs about 100x more)
     g = torch.Generator().manual_seed(1)
@@ -210,10 +206,9 @@ def test_kernel_routing_default_on_a_trace_with_logits(tmp_path):
     assert b["load_bias_zeroed"]["imbalance_max_over_mean"] < b["load_with_bias"]["imbalance_max_over_mean"]
 
 
-def test_plots_written_and_protected(tmp_path):
+def test_plots_written_and_protected(tmp_path, ids_trace):
     pytest.importorskip("matplotlib")
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     plots = tmp_path / "figs"
     res = run("balance", trace, "--ep-size", "2", "--plot", plots, "--no-progress")
     assert res.exit_code == 0, res.output
@@ -229,9 +224,8 @@ def test_plots_written_and_protected(tmp_path):
     assert res.exit_code == 2 and "rank_load.png" in res.output and (other / "rank_load.png").is_symlink()
 
 
-def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, ids_trace):
+    trace = ids_trace
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     res = run("balance", trace, "--ep-size", "2", "--plot", tmp_path / "figs", "--no-progress")
     # a source checkout (the README's install) needs -e '.[plot]': a bare routetool[plot] sends pip to the index
@@ -356,12 +350,12 @@ def test_real_deepseek_folder_through_the_cli(tmp_path):
     assert 0.7 < before < 0.9 and after > 0.97
 
 
-def test_sharded_trace_index_is_read_as_one_trace(tmp_path):
+def test_sharded_trace_index_is_read_as_one_trace(tmp_path, make_trace):
     pytest.importorskip("routetool.io.sharded")
     router = RouterConfig(num_experts=4, topk=2, route_scale=1.0)
-    make_trace(tmp_path / "run-00000.safetensors",
+    make_trace("run-00000.safetensors",
                {0: LayerArrays(topk_ids=torch.tensor([[0, 1], [0, 2]], dtype=torch.int32))}, router=router)
-    make_trace(tmp_path / "run-00001.safetensors",
+    make_trace("run-00001.safetensors",
                {0: LayerArrays(topk_ids=torch.tensor([[0, 1], [2, 3], [0, 3]], dtype=torch.int32))}, router=router)
     index = tmp_path / "run.json"
     index.write_text(json.dumps({"format": "routetool-trace-index", "version": "1", "complete": True,
@@ -374,11 +368,10 @@ def test_sharded_trace_index_is_read_as_one_trace(tmp_path):
     assert layer["ranks"][0]["balancedness_mean_over_max"] == pytest.approx(5 / 6)
 
 
-def test_layer_detail_shows_the_eplb_placement(tmp_path):
+def test_layer_detail_shows_the_eplb_placement(ids_trace):
     # counts [4,2,2,2], 2 GPUs, 2 redundant: e0 gets 3 replicas; packing (see test_balance) puts
     # slots {e1, e3, e0} on GPU 0 (5.33) and {e2, e0, e0} on GPU 1 (4.67)
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     res = CliRunner().invoke(cli, ["balance", "--details", str(trace), "--ep-size", "2", "--redundant", "2", "--layer", "0",
                                    "--no-progress"], terminal_width=200)
     assert res.exit_code == 0, res.output
@@ -389,13 +382,15 @@ def test_layer_detail_shows_the_eplb_placement(tmp_path):
     assert "Windows of layer 0" in res.output
 
 
-def _two_layer_trace(path):
-    # layer 0 as _ids_trace (counts [4,2,2,2]); layer 1: [[1,2],[1,3]], [[2,3],[1,0],[1,2]] -> [1,4,3,2]
+@pytest.fixture
+def two_layer_trace(make_trace):
+    """``two.safetensors``: ``ids_trace``'s layer 0 and a second layer of other ids."""
+    # layer 0 as ids_trace (counts [4,2,2,2]); layer 1: [[1,2],[1,3]], [[2,3],[1,0],[1,2]] -> [1,4,3,2]
     ids1 = torch.tensor([[1, 2], [1, 3], [2, 3], [1, 0], [1, 2]], dtype=torch.int32)
     ids0 = torch.tensor([[0, 1], [0, 2], [0, 1], [2, 3], [0, 3]], dtype=torch.int32)
-    make_trace(path, {x: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 2, 5]))
-                      for x, ids in ((0, ids0), (1, ids1))},
-               router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
+    return make_trace("two.safetensors", {x: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 2, 5]))
+                                          for x, ids in ((0, ids0), (1, ids1))},
+                      router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
 
 
 def _table_rows(output, title):
@@ -417,12 +412,11 @@ PER_LAYER_TABLES = {  # title -> the summary row it has with several layers
 }
 
 
-def test_layer_detail_keeps_every_layer_in_the_tables(tmp_path, monkeypatch):
+def test_layer_detail_keeps_every_layer_in_the_tables(monkeypatch, two_layer_trace):
     # --layer 1 showed only layer 1 in every per-layer table and dropped the 'all'/'layers'/'mean'
     # rows (the 'layers' footnote stayed); the tables cover --layers, --layer adds layer 1's detail
     monkeypatch.setenv("COLUMNS", "200")  # no cell wraps onto a second line
-    trace = tmp_path / "two.safetensors"
-    _two_layer_trace(trace)
+    trace = two_layer_trace
     plain = run("balance", "--details", trace, "--ep-size", "2", "--no-progress")
     res = run("balance", "--details", trace, "--ep-size", "2", "--layer", "1", "--no-progress")
     assert plain.exit_code == 0 and res.exit_code == 0, res.output
@@ -441,10 +435,9 @@ def test_layer_detail_keeps_every_layer_in_the_tables(tmp_path, monkeypatch):
     assert "(layer 0" not in res.output and "layer 0 (" not in res.output
 
 
-def test_one_layer_has_no_summary_rows_and_no_footnote_for_them(tmp_path, monkeypatch):
+def test_one_layer_has_no_summary_rows_and_no_footnote_for_them(monkeypatch, ids_trace):
     monkeypatch.setenv("COLUMNS", "200")
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     res = run("balance", "--details", trace, "--ep-size", "2", "--layer", "0", "--no-progress")
     assert res.exit_code == 0, res.output
     for title in PER_LAYER_TABLES:
@@ -554,15 +547,14 @@ def test_huge_num_experts_is_a_clear_error(tmp_path):
      "layer ([[...], ...], as vLLM and SGLang write it) (write one row per layer, or [[...]] for one row that "
      "applies to every layer)"),
 ])
-def test_bad_placement_file_is_one_line(tmp_path, doc, words):
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+def test_bad_placement_file_is_one_line(tmp_path, doc, words, ids_trace):
+    trace = ids_trace
     placement = tmp_path / "p.json"
     placement.write_text(json.dumps(doc))
     _one_line_error(run("balance", trace, "--ep-size", "2", "--placement", placement, "--no-progress"), words)
 
 
-def test_recorded_duplicates_are_one_line(tmp_path):
+def test_recorded_duplicates_are_one_line(tmp_path, make_trace):
     trace = tmp_path / "dup.safetensors"
     ids = torch.tensor([[0, 1], [0, 0]], dtype=torch.int32)
     make_trace(trace, {0: LayerArrays(topk_ids=ids)}, router=RouterConfig(num_experts=4, topk=2, route_scale=1.0))
@@ -575,7 +567,7 @@ def test_recorded_duplicates_are_one_line(tmp_path):
     ([-1, -1], "the recorded ids [-1, -1] hold -1 on an unpadded row"),
 ])
 @pytest.mark.parametrize("flags", [[], ["--recorded"]])
-def test_invalid_recorded_ids_are_bad_input(tmp_path, bad_row, words, flags):
+def test_invalid_recorded_ids_are_bad_input(tmp_path, bad_row, words, flags, make_trace):
     # ids >= E or -1 on unpadded rows were left out of the counts: exit 0, wrong statistics
     trace = tmp_path / "rec.safetensors"
     ids = torch.tensor([[0, 1]] * 3 + [bad_row] * 3, dtype=torch.int32)
@@ -591,22 +583,20 @@ def test_invalid_recorded_ids_are_bad_input(tmp_path, bad_row, words, flags):
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (a folder nothing can be created in)")
-def test_unwritable_plot_folder_fails_before_the_analysis(tmp_path):
+def test_unwritable_plot_folder_fails_before_the_analysis(tmp_path, ids_trace):
     pytest.importorskip("matplotlib")
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     out = tmp_path / "b.json"
     res = run("balance", trace, "--ep-size", "2", "--plot", "/proc/routetool-figs", "--json", out, "--no-progress")
     _one_line_error(res, "/proc/routetool-figs: cannot create the folder")
     assert not out.exists()  # stopped before any work
 
 
-def test_plot_creates_missing_parent_folders(tmp_path):
+def test_plot_creates_missing_parent_folders(tmp_path, ids_trace):
     # docs/balance.md: the folder "must exist or be creatable"; new/sub/deep was refused with
     # "new/sub: folder does not exist (create it first)"
     pytest.importorskip("matplotlib")
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     figs = tmp_path / "new" / "sub" / "deep"
     res = run("balance", trace, "--ep-size", "2", "--plot", figs, "--no-progress")
     assert res.exit_code == 0, res.output
@@ -615,10 +605,9 @@ def test_plot_creates_missing_parent_folders(tmp_path):
 
 
 @pytest.mark.parametrize("under", ["file", "dangling link"])
-def test_plot_folder_under_a_file_is_refused_before_the_analysis(tmp_path, under):
+def test_plot_folder_under_a_file_is_refused_before_the_analysis(tmp_path, under, ids_trace):
     pytest.importorskip("matplotlib")
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     blocker = tmp_path / "new"
     if under == "file":
         blocker.write_text("not a folder")
@@ -631,15 +620,14 @@ def test_plot_folder_under_a_file_is_refused_before_the_analysis(tmp_path, under
     assert not out.exists() and not (tmp_path / "gone").exists()
 
 
-def test_plot_probe_leaves_no_folder_behind(tmp_path, monkeypatch):
+def test_plot_probe_leaves_no_folder_behind(tmp_path, monkeypatch, ids_trace):
     pytest.importorskip("matplotlib")
     from routetool.report import plots
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     monkeypatch.setattr(plots.tempfile, "mkstemp", full)  # the probe finds the disk full
     (tmp_path / "new").mkdir()
     figs = tmp_path / "new" / "sub" / "deep"
@@ -649,30 +637,27 @@ def test_plot_probe_leaves_no_folder_behind(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (a folder nothing can be created in)")
-def test_late_plot_write_error_is_one_line(tmp_path, monkeypatch):
+def test_late_plot_write_error_is_one_line(monkeypatch, ids_trace):
     pytest.importorskip("matplotlib")
     from routetool.report import plots
 
     monkeypatch.setattr(plots, "check_plot_dir", lambda folder, force: Path(folder))  # let it through early
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     res = run("balance", trace, "--ep-size", "2", "--plot", "/proc/routetool-figs", "--no-progress")
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "routetool: error: /proc/routetool-figs: cannot create the folder" in res.output
 
 
-def test_plot_dash_is_refused(tmp_path):
+def test_plot_dash_is_refused(ids_trace):
     pytest.importorskip("matplotlib")
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     _one_line_error(run("balance", trace, "--plot", "-", "--no-progress"), "--plot needs a folder")
 
 
-def test_plot_empty_path_is_refused(tmp_path, monkeypatch):
+def test_plot_empty_path_is_refused(tmp_path, monkeypatch, ids_trace):
     # --plot '' wrote the figures into the current folder
     pytest.importorskip("matplotlib")
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
@@ -683,20 +668,18 @@ def test_plot_empty_path_is_refused(tmp_path, monkeypatch):
     assert list(cwd.iterdir()) == []
 
 
-def test_plot_figure_cannot_be_another_output(tmp_path):
+def test_plot_figure_cannot_be_another_output(tmp_path, ids_trace):
     pytest.importorskip("matplotlib")
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     figs = tmp_path / "figs"
     figs.mkdir()
     _one_line_error(run("balance", trace, "--ep-size", "2", "--plot", figs, "--json", figs / "rank_load.png",
                         "--no-progress"), "is named by --json and is a --plot figure")
 
 
-def test_one_file_for_two_outputs_is_refused(tmp_path):
+def test_one_file_for_two_outputs_is_refused(tmp_path, ids_trace):
     # --json same.json --eplb-out same.json used to write both into one file (exit 0)
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     same = tmp_path / "same.json"
     _one_line_error(run("balance", trace, "--ep-size", "2", "--json", same, "--eplb-out", same, "--no-progress"),
                     "is named for two outputs of one run")
@@ -745,10 +728,9 @@ def test_balance_format_trace_on_a_dump(tmp_path):
     (["--skip-rows", "0"], "--skip-rows applies"),          # given, even at its default value
     (["--drop-repeats", "64"], "--drop-repeats applies"),
 ])
-def test_dump_options_on_a_trace_are_refused(tmp_path, args, flags):
+def test_dump_options_on_a_trace_are_refused(args, flags, ids_trace):
     # they used to be ignored silently
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     _one_line_error(run("balance", trace, *args, "--no-progress"), flags, "to routing dumps, not to a trace")
 
 
@@ -855,9 +837,8 @@ def test_a_fifo_dump_is_refused_at_once(tmp_path, name, args):
     assert fifo.is_fifo() and not out.exists()
 
 
-def test_a_fifo_placement_is_refused_at_once(tmp_path):
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+def test_a_fifo_placement_is_refused_at_once(tmp_path, ids_trace):
+    trace = ids_trace
     fifo = tmp_path / "p.json"
     os.mkfifo(fifo)
     _one_line_error(run("balance", trace, "--ep-size", "2", "--placement", fifo, "--no-progress"),
@@ -956,7 +937,7 @@ def on_meta(gating_output, bias, *args, topk_weights=None, topk_ids=None, **kwar
     ("on_meta", [f"returned topk_weights and topk_ids on device meta on layer 0, step 0; its inputs are on device "
                  f"{DEVICE.type}"]),
 ])
-def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words):
+def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words, make_trace):
     # a kernel returning n-1 rows used to exit 0 with an undercounted load
     mod = tmp_path / "kernels.py"
     mod.write_text(KERNELS)
@@ -971,7 +952,7 @@ def test_kernel_that_fails_or_returns_wrong_rows_is_one_line(tmp_path, fn, words
     _one_line_error(res, f"kernel {mod}:{fn}", *words, exit_code=1)
 
 
-def test_kernel_is_called_as_replay_calls_it(tmp_path):
+def test_kernel_is_called_as_replay_calls_it(tmp_path, make_trace):
     # topk_weights/topk_ids were not passed, so a kernel without defaults for them failed
     mod = tmp_path / "kernels.py"
     mod.write_text(KERNELS)
@@ -996,7 +977,7 @@ def test_kernel_is_called_as_replay_calls_it(tmp_path):
      ("--kernel and --recorded exclude each other: --recorded takes the trace's topk_ids, and the reference routes "
       "its bias effect (pass one of them)")),
 ])
-def test_kernel_excludes_reference_and_recorded(tmp_path, args, line):
+def test_kernel_excludes_reference_and_recorded(tmp_path, args, line, make_trace):
     # --kernel was ignored silently: the reference (or the recorded ids) routed, exit 0
     trace = tmp_path / "t.safetensors"
     g = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
@@ -1016,7 +997,7 @@ def test_kernel_on_a_dump_is_refused(tmp_path):
     assert res.output.strip() == f"routetool: error: {q}: --kernel applies to traces; a dump holds ids already (drop --kernel)"
 
 
-def test_window_tokens_exclude_padding_through_the_cli(tmp_path):
+def test_window_tokens_exclude_padding_through_the_cli(tmp_path, make_trace):
     trace = tmp_path / "pad.safetensors"
     ids = torch.tensor([[0, 1], [0, 2], [2, 3], [-1, -1]], dtype=torch.int32)
     make_trace(trace, {0: LayerArrays(topk_ids=ids, is_padding=torch.tensor([False, False, False, True]),
@@ -1028,7 +1009,7 @@ def test_window_tokens_exclude_padding_through_the_cli(tmp_path):
     assert [w["tokens"] for w in layer["windows"]] == [2, 1] and layer["tokens"] == 3
 
 
-def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
+def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path, make_trace):
     # its print() (on import and on every call) went to stdout, mixed into the JSON document
     mod = tmp_path / "chatty.py"
     mod.write_text("from routetool_kernels.reference import musespark1x_routing_reference as ref\n"
@@ -1047,11 +1028,10 @@ def test_a_kernel_that_prints_does_not_corrupt_json_on_stdout(tmp_path):
         assert "chatty: imported" in res.stderr and "chatty: called" in res.stderr
 
 
-def test_expert_load_footer_counts_assignments(tmp_path):
+def test_expert_load_footer_counts_assignments(ids_trace):
     # the panel is titled "(assignments)" but its footer said "mean 2.5 tokens/expert": counts
     # [4,2,2,2] are 10 assignments of 5 tokens (top-2)
-    trace = tmp_path / "ids.safetensors"
-    _ids_trace(trace)
+    trace = ids_trace
     res = run("balance", "--details", trace, "--ep-size", "2", "--layer", "0", "--no-progress")
     assert res.exit_code == 0, res.output
     assert "Expert load, layer 0 (assignments)" in res.output
@@ -1112,7 +1092,7 @@ def test_eplb_summary_statistic_is_one_mean_over_layers(tmp_path):
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's default routing")
-def test_kernel_given_on_the_cpu_still_routes_through_the_kernel(tmp_path):
+def test_kernel_given_on_the_cpu_still_routes_through_the_kernel(tmp_path, make_trace):
     # --kernel forces the kernel; a Triton kernel is said to run under the Triton interpreter, a plain
     # torch function is not
     trace = tmp_path / "t.safetensors"

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from routetool.cli import _Group
 from routetool.cli.capture import capture, info, synth
-from routetool.io.trace import open_trace
+from routetool.io.trace import LayerArrays, RouterConfig, open_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT / "traces" / "text" / "public-domain-openings.txt"
@@ -221,31 +221,13 @@ def test_info_bad_input_exit_2(tmp_path, make, fragments):
     _one_line_error(_run("info", make(tmp_path)), *fragments)
 
 
-def test_info_refuses_an_index_whose_complete_is_not_a_boolean(tmp_path):
+def test_info_refuses_an_index_whose_complete_is_not_a_boolean(make_sharded):
     # "complete": "yes" used to be shown as a complete recording
-    from helpers import make_trace
-    from routetool.io.sharded import shard_path, write_index
-    from routetool.io.trace import LayerArrays, RouterConfig
-
-    index = tmp_path / "run.json"
-    shard = make_trace(shard_path(index, 0), {0: LayerArrays(gating_output=torch.zeros(3, 4))},
-                       router=RouterConfig(num_experts=4, topk=2))
-    write_index(index, [{"path": shard.name}], complete=True, stopped_by="exit")
+    index = make_sharded("run.json", [{0: LayerArrays(gating_output=torch.zeros(3, 4))}],
+                         RouterConfig(num_experts=4, topk=2))
     index.write_text(index.read_text().replace('"complete": true', '"complete": "yes"'))
     _one_line_error(_run("info", index), f'{index}: index.complete: "complete" is "yes", not a JSON boolean',
                     'write "complete": true')
-
-
-def _raw_trace(path, tensors, **meta_overrides):
-    """A trace file written around routetool's writer (names and metadata exactly as given)."""
-    from safetensors.torch import save_file
-
-    from routetool.io.trace import RouterConfig, TraceMeta, metadata_dict
-
-    meta = metadata_dict(TraceMeta(model="m", router=RouterConfig(num_experts=4, topk=2), provenance="p"), 1)
-    meta.update(meta_overrides)
-    save_file(tensors, str(path), metadata=meta)
-    return path
 
 
 @pytest.mark.parametrize("tensors, meta, fragments", [
@@ -259,8 +241,8 @@ def _raw_trace(path, tensors, **meta_overrides):
     ({"layers.0.gating_output": torch.zeros(3, 4)}, {"route_scale": "2_5"},
      ["t.safetensors: __metadata__: metadata route_scale='2_5' is not a plain decimal number"]),
 ])
-def test_info_refuses_loose_layer_names_and_numbers(tmp_path, tensors, meta, fragments):
-    trace = _raw_trace(tmp_path / "t.safetensors", tensors, **meta)
+def test_info_refuses_loose_layer_names_and_numbers(raw_trace, tensors, meta, fragments):
+    trace = raw_trace("t.safetensors", tensors, RouterConfig(num_experts=4, topk=2), **meta)
     _one_line_error(_run("info", trace), *fragments)
 
 

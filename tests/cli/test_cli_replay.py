@@ -10,12 +10,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from conftest import HAS_CUDA
-from helpers import make_trace
 from routetool.cli import main
-from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, metadata_dict
+from routetool.io.trace import LayerArrays, RouterConfig
 from tests.io.test_imports import write_deepseek_like, write_mixtral_like, write_sglang_per_token
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,11 +113,11 @@ def test_wrong_kernel_exits_1_and_names_rows(tmp_path):
     assert k["mismatch"] + k["invalid"] > 0 and doc["verdict"] == "fail"
 
 
-def test_nonfinite_rows_are_a_finding(tmp_path):
+def test_nonfinite_rows_are_a_finding(make_trace):
     g = torch.randn(10, 8)
     g[2, 3] = float("nan")
     g[5] = float("-inf")
-    path = make_trace(tmp_path / "nan.safetensors", {0: LayerArrays(gating_output=g)})
+    path = make_trace("nan.safetensors", {0: LayerArrays(gating_output=g)})
     res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
     assert res.exit_code == 0
     doc = json.loads(res.stdout)
@@ -145,7 +143,7 @@ def test_seed_variant_rejects_bf16_trace_with_exit_2():
                                  "the kernel, or name bfloat16 in its docstring as unsupported)"),
     ("type_error", torch.float32, 1, "(TypeError: bad), a rejection its docstring does not document"),
 ])
-def test_a_rejection_is_bad_input_only_when_the_kernel_documents_it(tmp_path, fn, dtype, code, words):
+def test_a_rejection_is_bad_input_only_when_the_kernel_documents_it(tmp_path, fn, dtype, code, words, make_trace):
     # any ValueError was "rejected ... (choose another --kernel ...)", exit 2, while validate
     # failed the same thing as rejected_undocumented: a finding about the kernel, exit 1
     src = tmp_path / "rejecting.py"
@@ -162,7 +160,7 @@ def test_a_rejection_is_bad_input_only_when_the_kernel_documents_it(tmp_path, fn
         "    raise TypeError('bad')\n"
     )
     g = torch.randn(12, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
-    trace = make_trace(tmp_path / "t.safetensors", {0: LayerArrays(gating_output=g)})
+    trace = make_trace("t.safetensors", {0: LayerArrays(gating_output=g)})
     res = _run("replay", trace, "--device", DEVICE, "--kernel", f"{src}:{fn}", "--no-progress", "--no-latency")
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == code and len(lines) == 1 and words in lines[0], res.output
@@ -176,26 +174,22 @@ def test_seed_variant_replays_fp32_trace():
     assert res.exit_code == 0, res.output
 
 
-def _raw_trace(path, tensors):
-    meta = metadata_dict(TraceMeta(model="m", router=RouterConfig(num_experts=8, topk=2), provenance=""), 1)
-    save_file(tensors, str(path), metadata=meta)
-
-
 BAD_INPUT = [
-    # (how to make the input, expected fragment of the one-line error)
-    (lambda p: p.write_bytes(b"not a safetensors file"), "not a readable safetensors file"),
-    (lambda p: p.write_bytes((ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors").read_bytes()[:5000]),
+    # (how to make the input (a path, the raw_trace fixture), expected fragment of the one-line error)
+    (lambda p, raw: p.write_bytes(b"not a safetensors file"), "not a readable safetensors file"),
+    (lambda p, raw: p.write_bytes((ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors").read_bytes()[:5000]),
      "not a readable safetensors file"),
-    (lambda p: _raw_trace(p, {"layers.0.gating_output": torch.zeros(4, 9)}), "layers.0.gating_output: has 9"),
-    (lambda p: _raw_trace(p, {"layers.0.gating_output": torch.zeros(4, 8), "layers.0.bias": torch.full((8,), float("nan"))}),
+    (lambda p, raw: raw(p, {"layers.0.gating_output": torch.zeros(4, 9)}), "layers.0.gating_output: has 9"),
+    (lambda p, raw: raw(p, {"layers.0.gating_output": torch.zeros(4, 8),
+                            "layers.0.bias": torch.full((8,), float("nan"))}),
      "layers.0.bias: has 8 non-finite values"),
 ]
 
 
 @pytest.mark.parametrize("make,message", BAD_INPUT)
-def test_bad_input_is_one_line_exit_2(tmp_path, make, message):
+def test_bad_input_is_one_line_exit_2(tmp_path, raw_trace, make, message):
     path = tmp_path / "bad.safetensors"
-    make(path)
+    make(path, raw_trace)
     res = _run("replay", path, "--device", DEVICE, "--no-progress")
     assert res.exit_code == 2, res.output
     lines = [line for line in res.output.splitlines() if line.strip()]
@@ -203,10 +197,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path, make, message):
     assert message in lines[0]
 
 
-def test_ids_only_trace_counts_load_and_says_what_is_skipped(tmp_path):
+def test_ids_only_trace_counts_load_and_says_what_is_skipped(make_trace):
     ids = torch.tensor([[0, 1], [1, 2], [-1, -1], [1, 7]], dtype=torch.int32)
     pad = torch.tensor([False, False, True, False])
-    path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids, is_padding=pad)})
+    path = make_trace("ids.safetensors", {0: LayerArrays(topk_ids=ids, is_padding=pad)})
     res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
@@ -218,18 +212,18 @@ def test_ids_only_trace_counts_load_and_says_what_is_skipped(tmp_path):
     assert "(recorded ids)" in res.stderr
 
 
-def test_a_layer_of_zero_rows_is_said_to_hold_no_rows_not_no_logits(tmp_path):
-    path = make_trace(tmp_path / "empty.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8))})
+def test_a_layer_of_zero_rows_is_said_to_hold_no_rows_not_no_logits(make_trace):
+    path = make_trace("empty.safetensors", {0: LayerArrays(gating_output=torch.zeros(0, 8))})
     res = _run("replay", path, "--device", DEVICE, "--no-progress")
     assert res.exit_code == 0, res.output
     assert "NOTHING CHECKED: the replayed layers hold no rows" in res.output, res.output
 
 
-def test_ids_only_trace_with_invalid_recorded_outputs_fails(tmp_path):
+def test_ids_only_trace_with_invalid_recorded_outputs_fails(make_trace):
     # recorded weights NaN or negative and a repeated id: found without logits or a reference
     ids = torch.tensor([[0, 1], [1, 1], [2, 3], [1, 7]], dtype=torch.int32)
     weights = torch.tensor([[0.5, 0.5], [0.5, 0.5], [float("nan"), 1.0], [-0.1, 1.1]])
-    path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids, topk_weights=weights)})
+    path = make_trace("ids.safetensors", {0: LayerArrays(topk_ids=ids, topk_weights=weights)})
     res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
     assert res.exit_code == 1, res.output
     layer = json.loads(res.stdout)["layers"][0]
@@ -494,9 +488,9 @@ def test_a_file_name_over_the_system_limit_is_one_line_exit_2(tmp_path):
     assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("routetool: error: "), res.output
 
 
-def test_validate_of_an_ids_only_trace_says_nothing_was_validated(tmp_path):
+def test_validate_of_an_ids_only_trace_says_nothing_was_validated(make_trace):
     ids = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
-    path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids)})
+    path = make_trace("ids.safetensors", {0: LayerArrays(topk_ids=ids)})
     res = _run("validate", path, "--suite", "none", "--device", DEVICE, "--no-progress")
     assert res.exit_code == 0 and "NOTHING CHECKED" in res.output and "PASS" not in res.output, res.output
 
@@ -699,11 +693,11 @@ def test_kernel_stdout_gives_stand_ins_that_forward_and_ignore_close(monkeypatch
     assert err.getvalue() == "a\nb\nc\nc\n" and out.getvalue() == "a\n" and real_out.getvalue() == "b\n"
 
 
-def test_ids_only_trace_names_its_first_invalid_recorded_rows(tmp_path):
+def test_ids_only_trace_names_its_first_invalid_recorded_rows(make_trace):
     # the invalid recorded rows were only counted: neither the terminal nor the JSON said which
     ids = torch.tensor([[0, 1], [1, 1], [2, 3], [1, 7], [2, 9], [4, 5]], dtype=torch.int32)
     weights = torch.tensor([[0.5, 0.5], [0.5, 0.5], [float("nan"), 1.0], [-0.5, 1.5], [0.25, 0.75], [0.5, 0.5]])
-    path = make_trace(tmp_path / "ids.safetensors",
+    path = make_trace("ids.safetensors",
                       {0: LayerArrays(topk_ids=ids, topk_weights=weights, step_offsets=torch.tensor([0, 2, 6]))})
     res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
     assert res.exit_code == 1, res.output
@@ -725,9 +719,9 @@ def test_ids_only_trace_names_its_first_invalid_recorded_rows(tmp_path):
                     "layer 0 step 1 row 3 (negative_weight): ids 1 7; w -0.500 1.500"]
 
 
-def test_at_most_five_invalid_recorded_rows_are_kept_per_layer(tmp_path):
+def test_at_most_five_invalid_recorded_rows_are_kept_per_layer(make_trace):
     ids = torch.tensor([[1, 1]] * 8, dtype=torch.int32)
-    path = make_trace(tmp_path / "ids.safetensors", {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 3, 8]))})
+    path = make_trace("ids.safetensors", {0: LayerArrays(topk_ids=ids, step_offsets=torch.tensor([0, 3, 8]))})
     res = _run("replay", path, "--device", DEVICE, "--no-progress", "--json", "-")
     layer = json.loads(res.stdout)["layers"][0]
     assert res.exit_code == 1 and layer["recorded_invalid_rows"] == 8
@@ -761,30 +755,35 @@ def test_the_replay_header_of_an_imported_ids_only_trace_says_the_router_paramet
     assert "route_scale" not in header and "sigmoid" not in header, res.output
 
 
-def _tie_row_trace(path, recorded_scale=1.0, unnormalized=False):
-    """A trace whose recorded row 1 breaks an exact tie at the k-th place the other way (tie-equivalent),
-    its weights times ``recorded_scale``; row 0 is recorded exactly."""
-    router = RouterConfig(num_experts=8, topk=3, route_scale=2.5)
-    g = torch.full((2, 8), -4.0)
-    g[:, 0], g[:, 1] = 3.0, 2.0
-    g[:, 5] = g[:, 6] = 0.5  # experts 5 and 6 tie for the 3rd place; the rule picks 5
-    s = torch.sigmoid(g)
-    ids = torch.tensor([[0, 1, 5], [0, 1, 6]], dtype=torch.int32)
-    picked = s.gather(1, ids.long())
-    w = picked * 2.5 if unnormalized else picked * 2.5 / picked.sum(-1, keepdim=True)
-    w[1] *= recorded_scale
-    extra = {"weights_semantics": "unnormalized"} if unnormalized else {}
-    return make_trace(path, {0: LayerArrays(gating_output=g, topk_ids=ids, topk_weights=w)}, router=router, **extra)
+@pytest.fixture
+def tie_row_trace(make_trace):
+    """``tie_row_trace(path, recorded_scale=1.0, unnormalized=False) -> Path``: a trace whose recorded
+    row 1 breaks an exact tie at the k-th place the other way (tie-equivalent), its weights times
+    ``recorded_scale``; row 0 is recorded exactly."""
+    def make(path, recorded_scale=1.0, unnormalized=False):
+        router = RouterConfig(num_experts=8, topk=3, route_scale=2.5)
+        g = torch.full((2, 8), -4.0)
+        g[:, 0], g[:, 1] = 3.0, 2.0
+        g[:, 5] = g[:, 6] = 0.5  # experts 5 and 6 tie for the 3rd place; the rule picks 5
+        s = torch.sigmoid(g)
+        ids = torch.tensor([[0, 1, 5], [0, 1, 6]], dtype=torch.int32)
+        picked = s.gather(1, ids.long())
+        w = picked * 2.5 if unnormalized else picked * 2.5 / picked.sum(-1, keepdim=True)
+        w[1] *= recorded_scale
+        extra = {"weights_semantics": "unnormalized"} if unnormalized else {}
+        return make_trace(path, {0: LayerArrays(gating_output=g, topk_ids=ids, topk_weights=w)}, router=router,
+                          **extra)
+    return make
 
 
 @pytest.mark.parametrize("unnormalized", [False, True])
-def test_recorded_tie_equivalent_rows_have_their_weights_checked_against_their_own_picks(tmp_path, unnormalized):
-    ok = _run("replay", _tie_row_trace(tmp_path / "ok.safetensors", unnormalized=unnormalized), "--device", DEVICE,
+def test_recorded_tie_equivalent_rows_have_their_weights_checked_against_their_own_picks(unnormalized, tie_row_trace):
+    ok = _run("replay", tie_row_trace("ok.safetensors", unnormalized=unnormalized), "--device", DEVICE,
               "--no-progress", "--no-latency", "--json", "-")
     assert ok.exit_code == 0, ok.output
     totals = json.loads(ok.stdout)["totals"]["reference_vs_recorded"]
     assert totals["tie_equivalent"] == 1 and totals["weight_rows_over_tolerance"] == 0
-    bad = _run("replay", _tie_row_trace(tmp_path / "bad.safetensors", 2.0, unnormalized), "--device", DEVICE,
+    bad = _run("replay", tie_row_trace("bad.safetensors", 2.0, unnormalized), "--device", DEVICE,
                "--no-progress", "--no-latency", "--json", "-")
     assert bad.exit_code == 1, bad.output
     totals = json.loads(bad.stdout)["totals"]["reference_vs_recorded"]
@@ -813,21 +812,25 @@ def test_trace_commands_name_a_routing_dump_and_the_commands_that_read_it(tmp_pa
         f"-o trace.safetensors`, or analyse its load with `routetool balance {dump}`)"], res.output
 
 
-def _recorded_trace(path, factor=None, per_row=False, wrong_ids=False):
-    """A trace whose recorded outputs are the reference's, with weights times ``factor`` (one for
-    every row, or with ``per_row`` another one per row), or with one id changed on row 0."""
+@pytest.fixture
+def recorded_trace(make_trace):
+    """``recorded_trace(path, factor=None, per_row=False, wrong_ids=False) -> Path``: a trace whose
+    recorded outputs are the reference's, with weights times ``factor`` (one for every row, or with
+    ``per_row`` another one per row), or with one id changed on row 0."""
     from routetool_kernels.reference import musespark1x_routing_reference as ref
 
-    g = torch.randn(24, 8, generator=torch.Generator().manual_seed(5))
-    router = RouterConfig(num_experts=8, topk=2, route_scale=2.5)
-    w, ids = ref(g, torch.zeros(8), 2, 2.5)
-    if factor is not None:
-        w = w * (factor * (1 + torch.arange(24.0)[:, None] / 24) if per_row else factor)
-    if wrong_ids:
-        ids = ids.clone()
-        ids[0] = torch.tensor([i for i in range(8) if i not in ids[0].tolist()][:2], dtype=ids.dtype)
-    make_trace(path, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 24]), topk_ids=ids,
-                                     topk_weights=w)}, router)
+    def make(path, factor=None, per_row=False, wrong_ids=False):
+        g = torch.randn(24, 8, generator=torch.Generator().manual_seed(5))
+        router = RouterConfig(num_experts=8, topk=2, route_scale=2.5)
+        w, ids = ref(g, torch.zeros(8), 2, 2.5)
+        if factor is not None:
+            w = w * (factor * (1 + torch.arange(24.0)[:, None] / 24) if per_row else factor)
+        if wrong_ids:
+            ids = ids.clone()
+            ids[0] = torch.tensor([i for i in range(8) if i not in ids[0].tolist()][:2], dtype=ids.dtype)
+        return make_trace(path, {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 24]), topk_ids=ids,
+                                                topk_weights=w)}, router)
+    return make
 
 
 @pytest.mark.parametrize("how, pattern", [
@@ -840,10 +843,10 @@ def _recorded_trace(path, factor=None, per_row=False, wrong_ids=False):
     # a mismatch: no pattern to name
     (dict(wrong_ids=True), None),
 ])
-def test_fail_line_quotes_the_failing_comparison(tmp_path, how, pattern):
+def test_fail_line_quotes_the_failing_comparison(tmp_path, how, pattern, recorded_trace):
     # the FAIL line used to quote kernel/ref ("0 mismatch, 0 invalid") when recorded/ref failed
     trace = tmp_path / "t.safetensors"
-    _recorded_trace(trace, **how)
+    recorded_trace(trace, **how)
     js = tmp_path / "r.json"
     res = CliRunner().invoke(main, ["replay", str(trace), "--no-latency", "--no-progress", "--json", str(js)],
                              terminal_width=80)
@@ -859,7 +862,7 @@ def test_fail_line_quotes_the_failing_comparison(tmp_path, how, pattern):
         assert pattern in text and d["recorded_pattern"].startswith(pattern)
 
 
-def test_pass_line_counts_what_weakens_a_pass(tmp_path):
+def test_pass_line_counts_what_weakens_a_pass(tmp_path, make_trace):
     # reordered recorded rows are counted in the verdict line, not only in the table
     trace = tmp_path / "t.safetensors"
     from routetool_kernels.reference import musespark1x_routing_reference as ref
@@ -874,9 +877,9 @@ def test_pass_line_counts_what_weakens_a_pass(tmp_path):
     assert "0 weights out of tolerance; recorded/ref passes: 10 reordered; kernel/recorded passes: 10 reordered)" in text
 
 
-def test_pass_line_says_when_a_comparison_is_ids_only(tmp_path):
+def test_pass_line_says_when_a_comparison_is_ids_only(tie_row_trace):
     # unnormalized recorded weights: kernel/recorded compares ids alone, and the verdict line says so
-    trace = _tie_row_trace(tmp_path / "t.safetensors", unnormalized=True)
+    trace = tie_row_trace("t.safetensors", unnormalized=True)
     res = CliRunner().invoke(main, ["replay", str(trace), "--no-latency", "--no-progress"], terminal_width=80)
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())

@@ -143,14 +143,13 @@ def test_a_key_twice_in_a_safetensors_header_is_refused(tmp_path, where):
 
 
 # -- the allocation budget -----------------------------------------------------------------------
-def _ids_only_trace(path: Path, num_experts: str) -> Path:
-    from safetensors.torch import save_file
-
-    meta = {"format": "routetool-trace", "format_version": "1", "num_experts": num_experts, "topk": "2",
-            "route_scale": "1"}
-    save_file({"layers.0.topk_ids": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
-               "layers.0.step_offsets": torch.tensor([0, 1, 2])}, str(path), metadata=meta)
-    return path
+@pytest.fixture
+def ids_only_trace(raw_trace):
+    """``ids_only_trace(num_experts) -> Path``: ``t.safetensors``, 2 steps of ids (top-2), its metadata
+    saying ``num_experts`` (a string, unchecked)."""
+    return lambda num_experts: raw_trace("t.safetensors", {
+        "layers.0.topk_ids": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        "layers.0.step_offsets": torch.tensor([0, 1, 2])}, num_experts=num_experts)
 
 
 @pytest.mark.parametrize("num_experts, words", [
@@ -158,16 +157,16 @@ def _ids_only_trace(path: Path, num_experts: str) -> Path:
     (str(2**31), "num_experts=2,147,483,648 must be in [1, 1,048,576]"),  # was 8 GB for one tensor
     (str(2**20), "num_experts=1,048,576 over 2 steps in 1 layers would need 2.0 GiB of per-expert tables"),
 ])
-def test_a_huge_num_experts_is_refused_before_anything_is_allocated(tmp_path, num_experts, words):
+def test_a_huge_num_experts_is_refused_before_anything_is_allocated(num_experts, words, ids_only_trace):
     # hole 5: info allocated [E] zeros for an ids-only trace; dumps were capped, traces not
-    path = _ids_only_trace(tmp_path / "t.safetensors", num_experts)
+    path = ids_only_trace(num_experts)
     for command in (["info"], ["balance", "--no-progress"]):
         line = _one_line_error(_run(command[0], path, *command[1:]))
         assert f"{path}: __metadata__: {words}" in line, line
 
 
-def test_a_plausible_ids_only_trace_still_opens(tmp_path):
-    path = _ids_only_trace(tmp_path / "t.safetensors", "512")
+def test_a_plausible_ids_only_trace_still_opens(ids_only_trace):
+    path = ids_only_trace("512")
     assert _run("info", path).exit_code == 0
 
 

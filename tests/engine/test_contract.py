@@ -12,7 +12,6 @@ from click.testing import CliRunner
 from routetool.cli import main
 from routetool.engine.contract import CONTRACT_CLASSES, call_kernel
 from routetool.io.trace import LayerArrays, RouterConfig
-from tests.helpers import make_trace
 
 KERNELS = '''
 import sys
@@ -83,14 +82,14 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("contract")
-    (tmp / "kernels.py").write_text(KERNELS)
+@pytest.fixture
+def setup(tmp_path, make_trace):
+    """A folder of ``kernels.py`` (the kernels above) and ``t.safetensors`` (12 rows of bf16 logits, 2 steps)."""
+    (tmp_path / "kernels.py").write_text(KERNELS)
     g = torch.randn(12, 8, generator=torch.Generator().manual_seed(0)).bfloat16()
-    make_trace(tmp / "t.safetensors", {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 5, 12]))},
+    make_trace("t.safetensors", {0: LayerArrays(gating_output=g, step_offsets=torch.tensor([0, 5, 12]))},
                router=RouterConfig(num_experts=8, topk=2, route_scale=1.0))
-    return tmp
+    return tmp_path
 
 
 def _run(*args):

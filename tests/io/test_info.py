@@ -5,10 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import make_trace
 from routetool.io.info import trace_info
 from routetool.report.capture import info_json
-from routetool.io.sharded import shard_path, write_index
+from routetool.io.sharded import write_index
 from routetool.io.trace import LayerArrays, RouterConfig, Trace, open_trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +51,7 @@ def test_header_only_reads_no_rows(monkeypatch):
             trace_info(t, scan=True)
 
 
-def test_scan_counts_padded_and_nonfinite_rows(tmp_path):
+def test_scan_counts_padded_and_nonfinite_rows(make_trace):
     E, K = 8, 2
     g = torch.randn(10, E)
     g[2, 3] = float("nan")
@@ -60,7 +59,7 @@ def test_scan_counts_padded_and_nonfinite_rows(tmp_path):
     g[8, 1] = float("-inf")
     pad = torch.zeros(10, dtype=torch.bool)
     pad[6:8] = True
-    path = make_trace(tmp_path / "t.safetensors", {
+    path = make_trace("t.safetensors", {
         0: LayerArrays(gating_output=g, is_padding=pad, step_offsets=torch.tensor([0, 6, 8, 10])),
         5: LayerArrays(gating_output=torch.randn(4, E).bfloat16()),
     }, router=RouterConfig(num_experts=E, topk=K))
@@ -81,17 +80,11 @@ def test_scan_counts_padded_and_nonfinite_rows(tmp_path):
     assert doc["layers"][0]["step_tokens"] == [6, 2, 2] and doc["nonfinite_rows"] == 3
 
 
-def test_sharded_trace_info(tmp_path):
-    index = tmp_path / "run.json"
-    entries = []
-    router = RouterConfig(num_experts=6, topk=2)
-    for i, sizes in enumerate(([3, 4], [5])):
-        T = sum(sizes)
-        p = make_trace(shard_path(index, i), {2: LayerArrays(gating_output=torch.randn(T, 6),
-                                                             step_offsets=torch.tensor([0, *sizes]).cumsum(0))},
-                       router=router)
-        entries.append({"path": p.name, "size_bytes": p.stat().st_size})
-    write_index(index, entries, complete=False, stopped_by="error: KeyboardInterrupt: ")
+def test_sharded_trace_info(tmp_path, make_sharded):
+    shards = [{2: LayerArrays(gating_output=torch.randn(sum(sizes), 6),
+                              step_offsets=torch.tensor([0, *sizes]).cumsum(0))} for sizes in ([3, 4], [5])]
+    index = make_sharded("run.json", shards, RouterConfig(num_experts=6, topk=2), complete=False,
+                         stopped_by="error: KeyboardInterrupt: ")
     with open_trace(index) as t:
         info = trace_info(t, scan=True)
     assert info.sharded and info.index == {"complete": False, "stopped_by": "error: KeyboardInterrupt: ",
@@ -118,11 +111,11 @@ def test_check_trace_file_refuses_non_regular_files(tmp_path):
     check_trace_file(tmp_path)  # a directory too
 
 
-def test_sharded_trace_with_a_shard_listed_twice_is_refused(tmp_path):
+def test_sharded_trace_with_a_shard_listed_twice_is_refused(tmp_path, make_trace):
     from routetool.errors import RouteToolError
 
-    shard = make_trace(tmp_path / "run-00000.safetensors",
-                       {0: LayerArrays(gating_output=torch.randn(5, 8))}, router=RouterConfig(num_experts=8, topk=2))
+    shard = make_trace("run-00000.safetensors", {0: LayerArrays(gating_output=torch.randn(5, 8))},
+                       router=RouterConfig(num_experts=8, topk=2))
     index = tmp_path / "run.json"
     write_index(index, [{"path": shard.name}, {"path": shard.name}], complete=True, stopped_by="exit")
     with pytest.raises(RouteToolError, match="listed twice"):

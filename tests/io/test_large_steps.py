@@ -27,28 +27,33 @@ TRACE_SMALL = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
 E = 8
 
 
-def sparse_trace(path: Path, rows: int, steps: int = 1, num_experts: int = E) -> Path:
-    """A trace of one layer whose ``[rows, E]`` float32 logits are a hole in a sparse file (a few
-    KB on disk however many gigabytes it declares), cut into ``steps`` equal steps."""
-    offsets = struct.pack(f"<{steps + 1}q", *[rows * i // steps for i in range(steps + 1)])
-    bias = struct.pack(f"<{num_experts}f", *([0.0] * num_experts))
-    header = {
-        "__metadata__": {"format": "routetool-trace", "format_version": "1", "num_layers": "1",
-                         "num_experts": str(num_experts), "topk": "2", "route_scale": "1.0",
-                         "router_score_normalization": "sigmoid", "model": "sparse", "provenance": "a test"},
-        "layers.0.step_offsets": {"dtype": "I64", "shape": [steps + 1], "data_offsets": [0, len(offsets)]},
-        "layers.0.bias": {"dtype": "F32", "shape": [num_experts],
-                          "data_offsets": [len(offsets), len(offsets) + len(bias)]},
-    }
-    start = len(offsets) + len(bias)
-    header["layers.0.gating_output"] = {"dtype": "F32", "shape": [rows, num_experts],
-                                        "data_offsets": [start, start + 4 * rows * num_experts]}
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw + offsets + bias)
-        fh.truncate(8 + len(raw) + start + 4 * rows * num_experts)  # the logits: a hole
-    return path
+@pytest.fixture
+def sparse_trace(tmp_path):
+    """``sparse_trace(rows, steps=1, num_experts=8) -> Path``: ``t.safetensors``, a trace of one layer
+    whose ``[rows, E]`` float32 logits are a hole in a sparse file (a few KB on disk however many
+    gigabytes it declares), cut into ``steps`` equal steps."""
+    def make(rows: int, steps: int = 1, num_experts: int = E) -> Path:
+        path = tmp_path / "t.safetensors"
+        offsets = struct.pack(f"<{steps + 1}q", *[rows * i // steps for i in range(steps + 1)])
+        bias = struct.pack(f"<{num_experts}f", *([0.0] * num_experts))
+        header = {
+            "__metadata__": {"format": "routetool-trace", "format_version": "1", "num_layers": "1",
+                             "num_experts": str(num_experts), "topk": "2", "route_scale": "1.0",
+                             "router_score_normalization": "sigmoid", "model": "sparse", "provenance": "a test"},
+            "layers.0.step_offsets": {"dtype": "I64", "shape": [steps + 1], "data_offsets": [0, len(offsets)]},
+            "layers.0.bias": {"dtype": "F32", "shape": [num_experts],
+                              "data_offsets": [len(offsets), len(offsets) + len(bias)]},
+        }
+        start = len(offsets) + len(bias)
+        header["layers.0.gating_output"] = {"dtype": "F32", "shape": [rows, num_experts],
+                                            "data_offsets": [start, start + 4 * rows * num_experts]}
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(path, "wb") as fh:
+            fh.write(struct.pack("<Q", len(raw)) + raw + offsets + bias)
+            fh.truncate(8 + len(raw) + start + 4 * rows * num_experts)  # the logits: a hole
+        return path
+    return make
 
 
 HUGE_ROWS = 64 * 2**20  # one step of 64M rows of 8 experts: 2 GiB declared, a few KB on disk
@@ -59,8 +64,8 @@ HUGE_ROWS = 64 * 2**20  # one step of 64M rows of 8 experts: 2 GiB declared, a f
     ["balance", "--no-progress", "--device", "cpu", "--kernel", "tiled"],  # (blamed the kernel: "crashed ...")
     ["validate", "--suite", "none", "--no-progress", "--device", "cpu"],
 ])
-def test_a_step_too_large_for_a_kernel_is_refused_before_it_is_read(tmp_path, command):
-    path = sparse_trace(tmp_path / "t.safetensors", HUGE_ROWS)
+def test_a_step_too_large_for_a_kernel_is_refused_before_it_is_read(command, sparse_trace):
+    path = sparse_trace(HUGE_ROWS)
     assert os.stat(path).st_blocks * 512 < 1 << 20  # (sparse: the test itself holds nothing)
     assert HUGE_ROWS * 4 * E > KERNEL_STEP_BYTES
     res = CliRunner().invoke(main, [command[0], str(path), *command[1:]])
@@ -73,9 +78,9 @@ def test_a_step_too_large_for_a_kernel_is_refused_before_it_is_read(tmp_path, co
                      "the layer's step_offsets)"], res.stderr
 
 
-def test_a_step_at_the_kernel_bound_is_read(tmp_path, monkeypatch):
+def test_a_step_at_the_kernel_bound_is_read(monkeypatch, sparse_trace):
     rows = 4096
-    path = sparse_trace(tmp_path / "t.safetensors", rows, steps=2)
+    path = sparse_trace(rows, steps=2)
     monkeypatch.setattr(stream, "KERNEL_STEP_BYTES", rows // 2 * 4 * E)
     res = CliRunner().invoke(main, ["replay", str(path), "--no-latency", "--no-progress", "--device", "cpu"])
     assert res.exit_code == 0, res.output
@@ -83,18 +88,6 @@ def test_a_step_at_the_kernel_bound_is_read(tmp_path, monkeypatch):
 
 # -- a step larger than the chunk, in pieces: the same outputs as the step read whole ---------
 TRACE_PADDED = ROOT / "traces" / "musespark1x-synth-bf16.safetensors"  # 256 experts, padding, steps of 32-384 rows
-
-
-def ids_only(src: Path, out: Path) -> Path:
-    """``src`` without its logits: an ids-only trace of its recorded ids."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    with safe_open(str(src), "pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys() if not k.endswith("gating_output")}
-    save_file(tensors, str(out), metadata=meta)
-    return out
 
 
 def _run(args: list[str], monkeypatch, budget: int) -> tuple[dict, int]:
@@ -143,8 +136,9 @@ def test_balance_reads_a_step_larger_than_the_chunk_in_pieces(tmp_path, monkeypa
     _same_in_pieces(args, monkeypatch, 24, 4 * 256)
 
 
-def test_balance_of_an_ids_only_trace_reads_a_step_in_pieces(tmp_path, monkeypatch):
-    path = ids_only(TRACE_SMALL, tmp_path / "ids.safetensors")
+def test_balance_of_an_ids_only_trace_reads_a_step_in_pieces(copy_trace, monkeypatch):
+    # the small trace without its logits: an ids-only trace of its recorded ids
+    path = copy_trace(TRACE_SMALL, "ids.safetensors", keep=lambda name: not name.endswith("gating_output"))
     _same_in_pieces(["balance", str(path), "--ep-size", "8"], monkeypatch, 24, 8 * 8)
 
 
@@ -211,9 +205,9 @@ the pages of a memory-mapped trace are the file's, which the system takes back).
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc")
-def test_info_scan_reads_a_huge_step_in_bounded_pieces(tmp_path):
+def test_info_scan_reads_a_huge_step_in_bounded_pieces(sparse_trace):
     # info --scan of a 2 GiB sparse layer took 2.3 GB: it read each step whole
-    path = sparse_trace(tmp_path / "t.safetensors", 32 * 2**20)  # one step: 1 GiB of logits
+    path = sparse_trace(32 * 2**20)  # one step: 1 GiB of logits
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     base = subprocess.run([sys.executable, "-c", _PEAK, "info", str(TRACE_SMALL)], capture_output=True, text=True,
                           env=env, timeout=600)

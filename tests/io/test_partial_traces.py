@@ -11,9 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from routetool.cli import main
-from routetool.io.sharded import shard_path, write_index
 from routetool.io.trace import LayerArrays, RouterConfig
-from tests.helpers import make_trace
 
 E, K = 8, 2
 ROUTER = RouterConfig(num_experts=E, topk=K, route_scale=1.0)
@@ -25,23 +23,20 @@ def _layer(gen, sizes):
                        step_offsets=torch.tensor([0, *sizes]).cumsum(0))
 
 
-def _cut_short(folder, name="run.json"):
+@pytest.fixture
+def cut_short(make_sharded):
     """A sharded recording killed after two shards of 2 steps each: the recorder's index says
     ``"complete": false`` and names no reason (``stopped_by`` null), as after a SIGKILL."""
     gen = torch.Generator().manual_seed(0)
-    index = folder / name
-    entries = []
-    for i in range(2):
-        p = make_trace(shard_path(index, i), {0: _layer(gen, [5, 3]), 1: _layer(gen, [5, 3])}, router=ROUTER)
-        entries.append({"path": p.name, "size_bytes": p.stat().st_size})
-    write_index(index, entries, complete=False, stopped_by=None)
-    return index
+    shards = [{0: _layer(gen, [5, 3]), 1: _layer(gen, [5, 3])} for _ in range(2)]
+    return make_sharded("run.json", shards, ROUTER, complete=False, stopped_by=None)
 
 
-def _unequal(folder):
+@pytest.fixture
+def unequal(make_trace):
     """One file whose last step was cut short inside the model: layer 0 holds 3 steps, layer 1 two."""
     gen = torch.Generator().manual_seed(1)
-    return make_trace(folder / "t.safetensors", {0: _layer(gen, [4, 4, 4]), 1: _layer(gen, [4, 4])}, router=ROUTER)
+    return make_trace("t.safetensors", {0: _layer(gen, [4, 4, 4]), 1: _layer(gen, [4, 4])}, router=ROUTER)
 
 
 COMMANDS = {
@@ -61,9 +56,9 @@ def _run(command, trace, tmp_path):
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_a_recording_cut_short_is_said_first_and_in_the_json(tmp_path, command):
+def test_a_recording_cut_short_is_said_first_and_in_the_json(tmp_path, cut_short, command):
     # replay and balance passed on a killed recording without a word (only info said it)
-    index = _cut_short(tmp_path)
+    index = cut_short
     res, doc = _run(command, index, tmp_path)
     assert res.exit_code == 0, res.output
     first = res.stdout.splitlines()[0]
@@ -77,8 +72,8 @@ def test_a_recording_cut_short_is_said_first_and_in_the_json(tmp_path, command):
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_layers_with_unequal_steps_are_said_first_and_in_the_json(tmp_path, command):
-    trace = _unequal(tmp_path)
+def test_layers_with_unequal_steps_are_said_first_and_in_the_json(tmp_path, unequal, command):
+    trace = unequal
     res, doc = _run(command, trace, tmp_path)
     assert res.exit_code == 0, res.output
     assert res.stdout.splitlines()[0] == (
@@ -88,17 +83,13 @@ def test_layers_with_unequal_steps_are_said_first_and_in_the_json(tmp_path, comm
     assert doc["partial"][0]["unequal_steps"] is True and doc["partial"][0]["index_complete"] is None
 
 
-def test_a_run_folder_names_its_partial_rank(tmp_path):
+def test_a_run_folder_names_its_partial_rank(tmp_path, make_sharded, make_trace):
     gen = torch.Generator().manual_seed(2)
     for r in range(2):
         (tmp_path / "run" / f"rank-{r}").mkdir(parents=True)
-    make_trace(tmp_path / "run" / "rank-0" / "t.safetensors", {0: _layer(gen, [4, 4])}, router=ROUTER,
-               rank="0", world_size="2")
-    index = tmp_path / "run" / "rank-1" / "run.json"
-    entries = []
-    p = make_trace(shard_path(index, 0), {0: _layer(gen, [4])}, router=ROUTER, rank="1", world_size="2")
-    entries.append({"path": p.name, "size_bytes": p.stat().st_size})
-    write_index(index, entries, complete=False, stopped_by="error: out of disk space")
+    make_trace("run/rank-0/t.safetensors", {0: _layer(gen, [4, 4])}, router=ROUTER, rank="0", world_size="2")
+    index = make_sharded("run/rank-1/run.json", [{0: _layer(gen, [4])}], ROUTER, complete=False,
+                         stopped_by="error: out of disk space", rank="1", world_size="2")
     res, doc = _run("replay", tmp_path / "run", tmp_path)
     assert res.exit_code == 0, res.output
     assert res.stdout.splitlines()[0].startswith(f"INCOMPLETE TRACE: rank-1 {index}: the recording did not finish "
@@ -106,9 +97,9 @@ def test_a_run_folder_names_its_partial_rank(tmp_path):
     assert doc["complete"] is False and [p["rank"] for p in doc["partial"]] == [1]
 
 
-def test_a_whole_trace_says_nothing_of_the_kind(tmp_path):
+def test_a_whole_trace_says_nothing_of_the_kind(tmp_path, make_trace):
     gen = torch.Generator().manual_seed(3)
-    trace = make_trace(tmp_path / "t.safetensors", {0: _layer(gen, [4, 4]), 1: _layer(gen, [4, 4])}, router=ROUTER)
+    trace = make_trace("t.safetensors", {0: _layer(gen, [4, 4]), 1: _layer(gen, [4, 4])}, router=ROUTER)
     for command in COMMANDS:
         res, doc = _run(command, trace, tmp_path)
         assert "INCOMPLETE" not in res.output

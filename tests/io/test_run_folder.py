@@ -16,7 +16,6 @@ from click.testing import CliRunner
 
 from routetool.cli import main
 from routetool.io.trace import LayerArrays, RouterConfig
-from helpers import make_trace
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -113,26 +112,12 @@ def test_balance_adds_the_data_parallel_ranks_loads(run_dir):
     assert res.exit_code == 0 and "ranks (2 summed)" in res.output, res.output
 
 
-def _copy_run(run_dir: Path, tmp_path: Path, layouts: dict[int, dict[str, int]]) -> Path:
-    """The run's rank-0 trace written again as ranks with the given layout metadata."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    out = tmp_path / "TP"
-    with safe_open(str(_rank_trace(run_dir, 0)), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-        meta = {k: v for k, v in f.metadata().items() if k not in ("rank", "world_size", "dp_rank", "dp_size")}
-    for r, layout in layouts.items():
-        (out / f"rank-{r}").mkdir(parents=True)
-        save_file(tensors, str(out / f"rank-{r}" / "trace.safetensors"),
-                  metadata={**meta, **{k: str(v) for k, v in layout.items()}})
-    return out
-
-
-def test_tensor_parallel_peers_are_counted_once_and_dp_ranks_step_by_step(run_dir, tmp_path):
+def test_tensor_parallel_peers_are_counted_once_and_dp_ranks_step_by_step(run_dir, tmp_path, copy_trace):
     # ranks 0, 1: DP rank 0 (TP peers, the same tokens); ranks 2, 3: DP rank 1
-    layouts = {r: {"rank": r, "world_size": 4, "dp_rank": r // 2, "tp_rank": r % 2} for r in range(4)}
-    run = _copy_run(run_dir, tmp_path, layouts)
+    run = tmp_path / "TP"  # the run's rank-0 trace written again as each rank, with its layout metadata
+    for r in range(4):
+        copy_trace(_rank_trace(run_dir, 0), _rank_trace(run, r), drop=("rank", "world_size", "dp_rank", "dp_size"),
+                   rank=str(r), world_size="4", dp_rank=str(r // 2), tp_rank=str(r % 2))
     one = _balance(_rank_trace(run_dir, 0))
     whole = _balance(run)
     assert whole["all_layers"]["expert_counts_assignments"] == [2 * c for c in one["all_layers"]["expert_counts_assignments"]]
@@ -144,7 +129,7 @@ def test_tensor_parallel_peers_are_counted_once_and_dp_ranks_step_by_step(run_di
         assert a["ranks"][0]["step_balancedness"] == b["ranks"][0]["step_balancedness"]
 
 
-def test_run_folder_errors_are_one_line(run_dir, tmp_path):
+def test_run_folder_errors_are_one_line(run_dir, tmp_path, make_trace):
     empty = tmp_path / "empty"
     empty.mkdir()
     res = _run("replay", empty, "--no-progress")
@@ -166,7 +151,7 @@ def test_run_folder_errors_are_one_line(run_dir, tmp_path):
     mixed = tmp_path / "mixed"
     shutil.copytree(run_dir, mixed)
     layer = LayerArrays(gating_output=torch.zeros(3, 16), bias=torch.zeros(16), step_offsets=torch.tensor([0, 3]))
-    make_trace(mixed / "rank-1" / "trace.safetensors", {0: layer}, RouterConfig(num_experts=16, topk=2))
+    make_trace(_rank_trace(mixed, 1), {0: layer}, RouterConfig(num_experts=16, topk=2))
     for command in ("replay", "validate", "balance", "info"):
         res = _run(command, mixed, "--no-progress") if command != "validate" else \
             _run(command, mixed, "--suite", "none", "--no-progress")
@@ -289,33 +274,22 @@ def test_a_file_read_by_two_ranks_or_two_inputs_is_refused(run_dir, tmp_path):
     assert res.exit_code == 2 and "its steps would be counted twice" in res.output, res.output
 
 
-def _with_meta(src: Path, dst: Path, **meta) -> None:
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    with safe_open(str(src), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-        old = dict(f.metadata())
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(dst), metadata={**old, **meta})
-
-
 @pytest.mark.parametrize("meta, message", [
     ({"rank": "x1"}, "the metadata rank='x1' is not a plain non-negative integer"),
     ({"rank": "1", "world_size": "1"}, "says rank 1 of a world_size of 1"),
 ])
-def test_layout_metadata_that_contradicts_itself_is_refused(run_dir, tmp_path, meta, message):
+def test_layout_metadata_that_contradicts_itself_is_refused(run_dir, tmp_path, meta, message, copy_trace):
     bad = tmp_path / "bad"
     shutil.copytree(run_dir, bad)
-    _with_meta(_rank_trace(run_dir, 1), _rank_trace(bad, 1), **meta)
+    copy_trace(_rank_trace(run_dir, 1), _rank_trace(bad, 1), **meta)
     res = _run("info", bad)
     assert res.exit_code == 2 and message in res.output and res.output.count("\n") == 1, res.output
 
 
-def test_tensor_parallel_peers_holding_different_steps_are_refused(run_dir, tmp_path):
+def test_tensor_parallel_peers_holding_different_steps_are_refused(run_dir, tmp_path, copy_trace):
     peers = tmp_path / "peers"
-    _with_meta(_rank_trace(run_dir, 0), _rank_trace(peers, 0), dp_rank="0", rank="0")
-    _with_meta(_rank_trace(run_dir, 1), _rank_trace(peers, 1), dp_rank="0", rank="1")
+    copy_trace(_rank_trace(run_dir, 0), _rank_trace(peers, 0), dp_rank="0", rank="0")
+    copy_trace(_rank_trace(run_dir, 1), _rank_trace(peers, 1), dp_rank="0", rank="1")
     res = _run("balance", peers, "--no-progress", "--reference")
     assert res.exit_code == 2 and "share dp_rank 0" in res.output and "hold different steps" in res.output, res.output
 

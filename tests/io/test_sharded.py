@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from helpers import make_trace
 from routetool.errors import RouteToolError
 from routetool.io.sharded import ShardedTrace, looks_like_index, read_index, shard_path, write_index
 from routetool.io.trace import LayerArrays, RouterConfig, Trace, open_trace
@@ -30,24 +29,12 @@ def _layer(gen, sizes, *, padding=True, outputs=False, bias=None, dtype=torch.fl
     )
 
 
-def _sharded(tmp_path, shards, router=ROUTER, extra=None, name="run.json"):
-    """Write shard files (dicts layer -> LayerArrays) and an index over them."""
-    entries = []
-    index = tmp_path / name
-    for i, layers in enumerate(shards):
-        meta_extra = dict(extra[i]) if extra else {}
-        p = make_trace(shard_path(index, i), layers, router=router, **meta_extra)
-        entries.append({"path": p.name, "size_bytes": p.stat().st_size})
-    write_index(index, entries, complete=True, stopped_by="exit")
-    return index
-
-
-def test_steps_concatenate_in_shard_order(tmp_path):
+def test_steps_concatenate_in_shard_order(make_sharded):
     gen = torch.Generator().manual_seed(0)
     a = {0: _layer(gen, [5, 2]), 1: _layer(gen, [5, 2], padding=False)}
     b = {0: _layer(gen, [3]), 1: _layer(gen, [3], padding=True)}  # layer 1 padded only in shard 1
     c = {0: _layer(gen, [4, 1, 6])}  # layer 1 absent from the last shard
-    index = _sharded(tmp_path, [a, b, c])
+    index = make_sharded("run.json", [a, b, c], ROUTER)
     with open_trace(index) as t:
         assert isinstance(t, ShardedTrace) and t.display_path == index
         assert t.layers == (0, 1)
@@ -73,12 +60,12 @@ def test_steps_concatenate_in_shard_order(tmp_path):
         assert t.meta.extra["shards"] == "3"
 
 
-def test_open_trace_picks_the_reader(tmp_path):
+def test_open_trace_picks_the_reader(tmp_path, make_sharded, make_trace):
     gen = torch.Generator().manual_seed(1)
-    single = make_trace(tmp_path / "one.safetensors", {0: _layer(gen, [4])}, router=ROUTER)
+    single = make_trace("one.safetensors", {0: _layer(gen, [4])}, router=ROUTER)
     with open_trace(single) as t:
         assert isinstance(t, Trace) and t.total_tokens == 4
-    index = _sharded(tmp_path, [{0: _layer(gen, [4])}])
+    index = make_sharded("run.json", [{0: _layer(gen, [4])}], ROUTER)
     renamed = tmp_path / "index-without-suffix"
     renamed.write_text(index.read_text())
     assert looks_like_index(renamed) and not looks_like_index(single)
@@ -86,18 +73,18 @@ def test_open_trace_picks_the_reader(tmp_path):
         assert isinstance(t, ShardedTrace) and t.total_tokens == 4
 
 
-def test_replay_reads_a_sharded_trace_like_one_file(tmp_path):
+def test_replay_reads_a_sharded_trace_like_one_file(make_sharded, make_trace):
     from routetool.engine.execution import load_kernel, select_execution
     from routetool.analysis.replay import replay_trace
 
     gen = torch.Generator().manual_seed(2)
     parts = [{3: _layer(gen, [6, 2])}, {3: _layer(gen, [5])}]
-    index = _sharded(tmp_path, parts)
+    index = make_sharded("run.json", parts, ROUTER)
     whole = LayerArrays(
         gating_output=torch.cat([p[3].gating_output for p in parts]), bias=parts[0][3].bias,
         is_padding=torch.cat([p[3].is_padding for p in parts]), step_offsets=torch.tensor([0, 6, 8, 13]),
     )
-    single = make_trace(tmp_path / "whole.safetensors", {3: whole}, router=ROUTER)
+    single = make_trace("whole.safetensors", {3: whole}, router=ROUTER)
     execution = select_execution(DEVICE.type)
     name, fn = load_kernel("tiled")
     with open_trace(index) as a, open_trace(single) as b:
@@ -121,22 +108,18 @@ def test_replay_reads_a_sharded_trace_like_one_file(tmp_path):
     (lambda gen: ([{0: _layer(gen, [3], outputs=True)}, {0: _layer(gen, [3])}], None),
      "shard 1 disagrees with shard 0 on recorded topk_ids"),
 ])
-def test_shards_must_agree(tmp_path, break_it, message):
+def test_shards_must_agree(break_it, message, make_sharded):
     shards, routers = break_it(torch.Generator().manual_seed(3))
-    index = tmp_path / "run.json"
-    entries = []
-    for i, layers in enumerate(shards):
-        p = make_trace(shard_path(index, i), layers, router=routers[i] if routers else ROUTER)
-        entries.append({"path": p.name})
-    write_index(index, entries, complete=True, stopped_by="exit")
+    index = make_sharded("run.json", shards, routers or ROUTER)
     with pytest.raises(RouteToolError, match=message.replace("(", r"\(")):
         open_trace(index)
 
 
-def test_weights_semantics_must_agree(tmp_path):
+def test_weights_semantics_must_agree(make_sharded):
     gen = torch.Generator().manual_seed(4)
-    index = _sharded(tmp_path, [{0: _layer(gen, [2], outputs=True)}, {0: _layer(gen, [2], outputs=True)}],
-                     extra=[{"weights_semantics": "renormalized"}, {"weights_semantics": "unnormalized"}])
+    shards = [{0: _layer(gen, [2], outputs=True)}, {0: _layer(gen, [2], outputs=True)}]
+    index = make_sharded("run.json", shards, ROUTER,
+                         shard_meta=[{"weights_semantics": "renormalized"}, {"weights_semantics": "unnormalized"}])
     with pytest.raises(RouteToolError, match="weights_semantics"):
         open_trace(index)
 
@@ -168,9 +151,9 @@ def test_bad_index(tmp_path, doc, message):
         open_trace(index)
 
 
-def test_replaced_or_truncated_shard_is_caught(tmp_path):
+def test_replaced_or_truncated_shard_is_caught(make_sharded):
     gen = torch.Generator().manual_seed(5)
-    index = _sharded(tmp_path, [{0: _layer(gen, [4])}, {0: _layer(gen, [4])}])
+    index = make_sharded("run.json", [{0: _layer(gen, [4])}, {0: _layer(gen, [4])}], ROUTER)
     shard = shard_path(index, 1)
     shard.write_bytes(shard.read_bytes()[:-8])
     with pytest.raises(RouteToolError, match="shard 1 has .* bytes but the index run.json says"):
@@ -188,7 +171,9 @@ def test_missing_index_and_shard_path_naming(tmp_path):
     assert shard_path(tmp_path / "a.b.json", 12).name == "a.b-00012.safetensors"
 
 
-def _one_shard(tmp_path):
+@pytest.fixture
+def one_shard(tmp_path, make_trace):
+    """Shard 0 of ``run.json`` (2 steps of layer 0), with no index yet."""
     gen = torch.Generator().manual_seed(6)
     return make_trace(shard_path(tmp_path / "run.json", 0), {0: _layer(gen, [4, 2])}, router=ROUTER)
 
@@ -207,10 +192,9 @@ def _one_shard(tmp_path):
     (lambda s: [{"path": s.name, "size_bytes": True}], "size_bytes=true is not a byte count"),
     (lambda s: [{"path": "."}], r"shard 0 listed in the index run.json is a directory, not a shard file"),
 ])
-def test_bad_shard_entries_name_the_index_and_the_shard(tmp_path, entries, message):
-    shard = _one_shard(tmp_path)
+def test_bad_shard_entries_name_the_index_and_the_shard(tmp_path, one_shard, entries, message):
     index = tmp_path / "run.json"
-    write_index(index, entries(shard), complete=True, stopped_by="exit")
+    write_index(index, entries(one_shard), complete=True, stopped_by="exit")
     with pytest.raises(RouteToolError, match=message):
         open_trace(index)
 
@@ -225,21 +209,14 @@ def test_bad_shard_entries_name_the_index_and_the_shard(tmp_path, entries, messa
     ({"layers.0.gating_output": torch.zeros(2, E)}, {"route_scale": "2_5"},
      r"run-00001.safetensors: __metadata__: metadata route_scale='2_5' is not a plain decimal number"),
 ])
-def test_a_shard_with_loose_layer_names_or_numbers_is_refused(tmp_path, tensors, meta, message):
+def test_a_shard_with_loose_layer_names_or_numbers_is_refused(make_sharded, raw_trace, tensors, meta, message):
     from dataclasses import replace
-
-    from safetensors.torch import save_file
-
-    from routetool.io.trace import TraceMeta, metadata_dict
 
     gen = torch.Generator().manual_seed(8)
     router = replace(ROUTER, route_scale=25.0)
     shard0 = {0: _layer(gen, [2], padding=False, bias=torch.zeros(E))}
-    index = _sharded(tmp_path, [shard0, shard0], router=router)  # shard 1 is replaced below
-    raw = metadata_dict(TraceMeta(model="m", router=router, provenance="p"), 1)
-    raw.update(meta)
-    shard = shard_path(index, 1)
-    save_file(tensors, str(shard), metadata=raw)
+    index = make_sharded("run.json", [shard0, shard0], router)  # shard 1 is replaced below
+    raw_trace(shard_path(index, 1), tensors, router, **meta)
     doc = read_index(index)
     doc["shards"][1].pop("size_bytes")
     index.write_text(json.dumps(doc))
@@ -248,21 +225,24 @@ def test_a_shard_with_loose_layer_names_or_numbers_is_refused(tmp_path, tensors,
     assert "\n" not in str(info.value)
 
 
-def _index_with(tmp_path, key, value):
-    """A one-shard index written by the recorder, then ``key`` set to ``value``: (path, document)."""
-    shard = _one_shard(tmp_path)
-    index = tmp_path / "run.json"
-    write_index(index, [{"path": shard.name}], complete=True, stopped_by="exit")
-    doc = json.loads(index.read_text())
-    doc[key] = value
-    index.write_text(json.dumps(doc))
-    return index, doc
+@pytest.fixture
+def index_with(tmp_path, one_shard):
+    """``index_with(key, value)``: a one-shard index written by the recorder, then ``key`` set to
+    ``value``: (path, document)."""
+    def make(key, value):
+        index = tmp_path / "run.json"
+        write_index(index, [{"path": one_shard.name}], complete=True, stopped_by="exit")
+        doc = json.loads(index.read_text())
+        doc[key] = value
+        index.write_text(json.dumps(doc))
+        return index, doc
+    return make
 
 
 @pytest.mark.parametrize("value", ["yes", "false", 1, None])
-def test_complete_must_be_a_json_boolean(tmp_path, value):
+def test_complete_must_be_a_json_boolean(value, index_with):
     # "complete": "yes" (or "false", a truthy string) was shown by info as a complete recording
-    index, doc = _index_with(tmp_path, "complete", value)
+    index, doc = index_with("complete", value)
     with pytest.raises(RouteToolError) as info:
         open_trace(index)
     assert str(info.value) == (f"{index}: index.complete: \"complete\" is {json.dumps(value)}, not a JSON boolean "
@@ -274,9 +254,9 @@ def test_complete_must_be_a_json_boolean(tmp_path, value):
 
 
 @pytest.mark.parametrize("value", [1, True, ["exit"], {"why": "exit"}])
-def test_stopped_by_must_be_a_string_or_null(tmp_path, value):
+def test_stopped_by_must_be_a_string_or_null(value, index_with):
     # any JSON value was shown by info and capture as how the recording ended
-    index, doc = _index_with(tmp_path, "stopped_by", value)
+    index, doc = index_with("stopped_by", value)
     with pytest.raises(RouteToolError, match=r"run.json: index.stopped_by: \"stopped_by\" is .*, not a string or null"):
         open_trace(index)
     doc["stopped_by"] = None
@@ -319,13 +299,13 @@ def test_non_regular_index_and_shards_are_refused(tmp_path):
     ["balance", "{index}", "--eplb-out", "{shard}", "--force"],
     ["info", "{index}", "--json", "{shard}", "--force"],
 ])
-def test_outputs_never_replace_a_shard_of_the_input(tmp_path, args):
+def test_outputs_never_replace_a_shard_of_the_input(args, make_sharded):
     from click.testing import CliRunner
 
     from routetool.cli import main
 
     gen = torch.Generator().manual_seed(3)
-    index = _sharded(tmp_path, [{0: _layer(gen, [4])}, {0: _layer(gen, [2, 3])}])
+    index = make_sharded("run.json", [{0: _layer(gen, [4])}, {0: _layer(gen, [2, 3])}], ROUTER)
     shard = shard_path(index, 1)
     before = shard.read_bytes()
     res = CliRunner().invoke(main, [a.format(index=index, shard=shard) for a in args])

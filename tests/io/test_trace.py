@@ -4,11 +4,9 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from helpers import make_trace
 from routetool.errors import RouteToolError
-from routetool.io.trace import FORMAT_NAME, LayerArrays, RouterConfig, Trace, TraceMeta, metadata_dict, write_trace
+from routetool.io.trace import FORMAT_NAME, LayerArrays, RouterConfig, Trace, TraceMeta, write_trace
 
 E, K = 8, 2
 
@@ -25,8 +23,8 @@ def _layer(T=6, dtype=torch.float32, **kw):
     return LayerArrays(**{k: v for k, v in arrays.items() if v is not None})
 
 
-def test_round_trip_and_steps(tmp_path):
-    path = make_trace(tmp_path / "t.safetensors", {0: _layer(), 3: _layer(T=4, dtype=torch.bfloat16)})
+def test_round_trip_and_steps(make_trace):
+    path = make_trace("t.safetensors", {0: _layer(), 3: _layer(T=4, dtype=torch.bfloat16)})
     with Trace(path) as t:
         assert t.layers == (0, 3)
         assert t.meta.router == RouterConfig(num_experts=E, topk=K, route_scale=1.0)
@@ -39,15 +37,15 @@ def test_round_trip_and_steps(tmp_path):
     assert oct(os.stat(path).st_mode & 0o777) != "0o600"
 
 
-def test_optional_tensors_and_defaults(tmp_path):
-    path = make_trace(tmp_path / "t.safetensors", {0: _layer(bias=None, is_padding=None, step_offsets=None)})
+def test_optional_tensors_and_defaults(make_trace):
+    path = make_trace("t.safetensors", {0: _layer(bias=None, is_padding=None, step_offsets=None)})
     with Trace(path) as t:
         assert t.bias(0).tolist() == [0.0] * E
         assert t.info(0).step_offsets == (0, 6) and not t.info(0).has_padding
 
 
-def test_writer_refuses_to_overwrite(tmp_path):
-    path = make_trace(tmp_path / "t.safetensors", {0: _layer()})
+def test_writer_refuses_to_overwrite(tmp_path, make_trace):
+    path = make_trace("t.safetensors", {0: _layer()})
     before = path.read_bytes()
     meta = TraceMeta(model="x", router=RouterConfig(num_experts=E, topk=K), provenance="")
     with pytest.raises(RouteToolError, match="already exists.*--force"):
@@ -62,22 +60,13 @@ def test_writer_refuses_to_overwrite(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "x"
 
 
-def test_writer_validates_before_replacing(tmp_path):
-    path = make_trace(tmp_path / "t.safetensors", {0: _layer()})
+def test_writer_validates_before_replacing(tmp_path, make_trace):
+    path = make_trace("t.safetensors", {0: _layer()})
     before = path.read_bytes()
     with pytest.raises(RouteToolError, match="layers.0.gating_output: has 5 experts"):
         make_trace(path, {0: _layer(gating_output=torch.zeros((6, 5)))})
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"], "temporary file left behind"
-
-
-def _raw(tmp_path, tensors, **meta_overrides):
-    meta = metadata_dict(TraceMeta(model="m", router=RouterConfig(num_experts=E, topk=K), provenance="p"), 1)
-    meta.update(meta_overrides)
-    meta = {k: v for k, v in meta.items() if v is not None}
-    path = tmp_path / "bad.safetensors"
-    save_file(tensors, str(path), metadata=meta)
-    return path
 
 
 GOOD = {"layers.0.gating_output": torch.zeros((4, E)), "layers.0.bias": torch.zeros(E)}
@@ -196,8 +185,8 @@ BROKEN = [
 
 
 @pytest.mark.parametrize("tensors,meta,message", BROKEN)
-def test_broken_traces(tmp_path, tensors, meta, message):
-    path = _raw(tmp_path, tensors, **meta)
+def test_broken_traces(tensors, meta, message, raw_trace):
+    path = raw_trace("bad.safetensors", tensors, **meta)
     with pytest.raises(RouteToolError) as info:
         Trace(path)
     text = str(info.value)
@@ -205,8 +194,8 @@ def test_broken_traces(tmp_path, tensors, meta, message):
     assert "\n" not in text
 
 
-def test_not_safetensors_truncated_missing(tmp_path):
-    good = _raw(tmp_path, GOOD)
+def test_not_safetensors_truncated_missing(tmp_path, raw_trace):
+    good = raw_trace("bad.safetensors", GOOD)
     data = good.read_bytes()
     cases = {
         "junk.safetensors": b"this is not a trace at all",
@@ -224,9 +213,9 @@ def test_not_safetensors_truncated_missing(tmp_path):
         Trace(tmp_path)
 
 
-def test_a_path_that_is_not_utf8_is_named_as_such(tmp_path):
+def test_a_path_that_is_not_utf8_is_named_as_such(tmp_path, raw_trace):
     # safetensors opens UTF-8 paths only: a good trace under such a name was called corrupt
-    good = _raw(tmp_path, GOOD)
+    good = raw_trace("bad.safetensors", GOOD)
     odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9.safetensors")
     os.rename(good, odd)
     with pytest.raises(RouteToolError, match=r"path is not valid UTF-8, which safetensors cannot open \(rename") as info:
