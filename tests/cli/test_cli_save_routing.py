@@ -3,12 +3,13 @@ written as ids-only traces that `routetool diff` and `routetool replay` read."""
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 
 from conftest import HAS_CUDA
 from routetool.cli import main
-from routetool.io.trace import LayerArrays, RouterConfig, TraceMeta, open_trace, write_trace
+from routetool.io.trace import LayerArrays, RouterConfig, open_trace
 from routetool_kernels.reference import musespark1x_routing_reference
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -19,24 +20,28 @@ def _run(*args):
     return CliRunner().invoke(main, [*map(str, args)], catch_exceptions=False)
 
 
-def _write(path, seed=0, layers=(0, 3), rank=None):
-    gen = torch.Generator().manual_seed(seed)
-    arrays = {}
-    for layer in layers:
-        g = torch.randn(7, 8, generator=gen)
-        pad = torch.tensor([False, False, True, False, False, False, True])
-        arrays[layer] = LayerArrays(gating_output=g, bias=torch.randn(8, generator=gen) * 0.1, is_padding=pad,
-                                    step_offsets=torch.tensor([0, 3, 7]))
-    extra = {} if rank is None else {"rank": str(rank)}
-    return write_trace(path, TraceMeta(model="m", router=ROUTER, provenance="a test", extra=extra), arrays)
+@pytest.fixture
+def logits_trace(make_trace):
+    """``logits_trace(path, seed=0, rank=None) -> Path``: layers 0 and 3 of 7 rows (two steps, two padded
+    rows) of random logits and bias under :data:`ROUTER`, naming ``rank`` when given."""
+    def make(path, seed=0, rank=None):
+        gen = torch.Generator().manual_seed(seed)
+        arrays = {}
+        for layer in (0, 3):
+            g = torch.randn(7, 8, generator=gen)
+            pad = torch.tensor([False, False, True, False, False, False, True])
+            arrays[layer] = LayerArrays(gating_output=g, bias=torch.randn(8, generator=gen) * 0.1, is_padding=pad,
+                                        step_offsets=torch.tensor([0, 3, 7]))
+        return make_trace(path, arrays, ROUTER, **({} if rank is None else {"rank": str(rank)}))
+    return make
 
 
-def test_the_router_hands_each_routed_chunk_to_its_capture_hook(tmp_path):
+def test_the_router_hands_each_routed_chunk_to_its_capture_hook(tmp_path, logits_trace):
     from routetool.engine.router import Router
     from routetool.engine.stream import stream_layer
 
     seen = []
-    with open_trace(_write(tmp_path / "t.safetensors")) as t:
+    with open_trace(logits_trace("t.safetensors")) as t:
         reference = Router.reference(ROUTER)
         router = Router(reference.spec, reference.fn, reference.name, per_row=True,
                         on_routed=lambda chunk, routed: seen.append((chunk.layer, chunk.rows, routed.ids.clone())))
@@ -47,8 +52,8 @@ def test_the_router_hands_each_routed_chunk_to_its_capture_hook(tmp_path):
     assert [(layer, rows) for layer, rows, _ in seen] == [(0, 7), (3, 7)]
 
 
-def test_saved_routing_is_the_kernels_and_diff_reads_it(tmp_path):
-    src = _write(tmp_path / "trace.safetensors")
+def test_saved_routing_is_the_kernels_and_diff_reads_it(tmp_path, logits_trace):
+    src = logits_trace("trace.safetensors")
     out = tmp_path / "routing.safetensors"
     res = _run("replay", src, "--device", DEVICE, "--no-progress", "--no-latency", "--save-routing", out)
     assert res.exit_code == 0, res.output
@@ -74,11 +79,11 @@ def test_saved_routing_is_the_kernels_and_diff_reads_it(tmp_path):
     assert doc["overall"]["set_agreement"] == 1.0
 
 
-def test_a_run_folder_saves_a_run_folder_and_never_into_an_existing_one(tmp_path):
+def test_a_run_folder_saves_a_run_folder_and_never_into_an_existing_one(tmp_path, logits_trace):
     run = tmp_path / "run"
     for r in (0, 1):
         (run / f"rank-{r}").mkdir(parents=True)
-        _write(run / f"rank-{r}" / "trace.safetensors", seed=r, rank=r)
+        logits_trace(run / f"rank-{r}" / "trace.safetensors", seed=r, rank=r)
     (tmp_path / "taken").mkdir()
     refused = _run("replay", run, "--device", DEVICE, "--no-progress", "--save-routing", tmp_path / "taken")
     assert refused.exit_code == 2 and "already exists" in refused.output and "Traceback" not in refused.output
@@ -94,13 +99,14 @@ def test_a_run_folder_saves_a_run_folder_and_never_into_an_existing_one(tmp_path
     assert json.loads(again.stdout)["layers"][0]["ids_only"] is True
 
 
-def test_nothing_to_save_and_outputs_that_would_destroy_data_are_one_line_exit_2(tmp_path):
-    ids_only = write_trace(tmp_path / "ids.safetensors", TraceMeta(model="m", router=ROUTER, provenance="t"),
-                           {0: LayerArrays(topk_ids=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))})
+def test_nothing_to_save_and_outputs_that_would_destroy_data_are_one_line_exit_2(tmp_path, make_trace,
+                                                                                 logits_trace):
+    ids_only = make_trace("ids.safetensors", {0: LayerArrays(topk_ids=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))},
+                          ROUTER)
     res = _run("replay", ids_only, "--device", DEVICE, "--no-progress", "--save-routing", tmp_path / "r.safetensors")
     assert res.exit_code == 2 and "no kernel routing to save" in res.output, res.output
     assert not (tmp_path / "r.safetensors").exists()
-    src = _write(tmp_path / "trace.safetensors")
+    src = logits_trace("trace.safetensors")
     before = src.read_bytes()
     for args, words in (((src,), "input"), (("-",), "stdout")):
         res = _run("replay", src, "--device", DEVICE, "--no-progress", "--save-routing", *args)
