@@ -21,10 +21,12 @@ from routetool.report.tables import markup_safe
 @click.argument("source_b", metavar="B", type=PATH)
 @click.option("--layers", "layers_spec", default="all", show_default=True,
               help="Layers to compare, e.g. 0,2,5-7 (all: both sources must hold the same layers).")
-@click.option("--align", type=click.Choice(["steps", "rows"]), default="steps", show_default=True,
-              help="steps: the same tokens in every step; rows: the same tokens in every layer, steps ignored.")
+@click.option("--align", type=click.Choice(["auto", "requests", "steps", "rows"]), default="auto", show_default=True,
+              help="requests: by request and token position (engine outputs that record them, in any order); "
+                   "steps: the same tokens in every step; rows: the same tokens in every layer, steps ignored; "
+                   "auto: requests where both sources name them, else steps.")
 @kernel_option("How a source holding logits only is routed: the reference, a kernel variant (tiled, seed) or "
-               "module:function.", default="reference")
+               "module:function (refused when neither source holds logits alone).", default="reference")
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="cpu", show_default=True,
               help="Where the rows are routed and compared.")
 @click.option("--tie-ulps", type=click.FloatRange(min=0, max=1e6), default=16.0, show_default=True, callback=finite,

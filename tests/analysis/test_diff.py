@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from routetool.cli import main
 from routetool.io.trace import LayerArrays, RouterConfig
-from tests.dump_writers import routed_experts, write_vllm_npy
+from tests.dump_writers import routed_experts, vllm_completion, write_json, write_jsonl, write_vllm_npy
 from tests.helpers import make_trace
 
 ROUTER = RouterConfig(num_experts=4, topk=2, route_scale=1.0)
@@ -247,10 +247,100 @@ def test_two_engine_outputs_are_aligned_by_request(tmp_path):
         (tmp_path / folder).mkdir()
         for name, arr in zip(names, arrs):
             write_vllm_npy(tmp_path / folder / f"{name}.npy", arr)
-    assert run(tmp_path / "x", tmp_path / "y").exit_code == 0
+    js = tmp_path / "d.json"
+    assert run(tmp_path / "x", tmp_path / "y", "--json", js).exit_code == 0
+    assert json.loads(js.read_text())["align"] == "requests"
     res = CliRunner().invoke(main, ["diff", str(tmp_path / "x"), str(tmp_path / "z"), "--no-progress"])
-    assert res.exit_code == 2
-    assert "step 1 is request 'req-b' in A, 'req-c' in B" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    # req-a's 5 tokens are in both; req-b's 5 only in A, req-c's 5 only in B
+    assert ("the token sets differ: layer 0: 5 of A's 10 tokens are not in B (first: request 'req-b' position 0); "
+            "5 of B's 10 tokens are not in A (first: request 'req-c' position 0)") in res.stderr
+    # by step (explicitly), the labels must match step by step
+    res = CliRunner().invoke(main, ["diff", str(tmp_path / "x"), str(tmp_path / "z"), "--align", "steps",
+                                    "--no-progress"])
+    assert res.exit_code == 2 and "step 1 is request 'req-b' in A, 'req-c' in B" in res.stderr
+    assert run(tmp_path / "x", tmp_path / "z", "--align", "rows").exit_code == 0  # by row alone: the same arrays
+
+
+def _responses(path, order, arrays, flip=None):
+    """vLLM responses, one per line, of requests ``order`` (ids into ``arrays``); ``flip``: (request,
+    token, layer) whose two slots are swapped."""
+    docs = []
+    for r in order:
+        a = arrays[r].copy()
+        if flip is not None and flip[0] == r:
+            a[flip[1], flip[2]] = a[flip[1], flip[2]][::-1]
+        docs.append(vllm_completion([a], request_id=f"cmpl-{r}"))
+    return write_jsonl(path, docs)
+
+
+def test_requests_in_another_order_are_aligned_by_request_and_position(tmp_path):
+    # three requests of 3, 5 and 4 tokens; B returns them in another order: by step the sizes differ
+    arrays = [routed_experts(tokens=n, layers=2, topk=2, experts=8, seed=n) for n in (3, 5, 4)]
+    a = _responses(tmp_path / "a.jsonl", [0, 1, 2], arrays)
+    b = _responses(tmp_path / "b.jsonl", [2, 0, 1], arrays)
+    js = tmp_path / "d.json"
+    res = run(a, b, "--json", js)
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[0] == "IDENTICAL (24 token-layers, 2 layers)"
+    steps = CliRunner().invoke(main, ["diff", str(a), str(b), "--align", "steps", "--no-progress"])
+    assert steps.exit_code == 2 and "step 0 holds 3 tokens in A, 4 in B" in steps.stderr
+    # one slot-order flip in request 1 (A's step 1), token 2, layer 1: found at A's row 3 + 2 = 5
+    c = _responses(tmp_path / "c.jsonl", [2, 1, 0], arrays, flip=(1, 2, 1))
+    res = run(a, c, "--json", js, "--force")
+    assert res.exit_code == 1
+    assert res.output.splitlines()[0] == "DIFFERENT (1 of 24 token-layers; 0 outside near-ties)"
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"]["order"] == 1
+    e = doc["first_differing_rows"][0]
+    assert (e["layer"], e["step"], e["row"], e["request"], e["position"]) == (1, 1, 2, "cmpl-1/0", 2)
+    assert e["ids_b"] == e["ids_a"][::-1]
+    first = doc["first_divergence"]
+    assert first["tokens_differing"] == 1 and first["listed"] == [
+        {"rank": None, "token": 5, "step": 1, "row": 2, "request": "cmpl-1/0", "position": 2, "layer": 1}]
+
+
+def test_sources_that_share_no_token_or_name_no_requests(tmp_path):
+    arrays = [routed_experts(tokens=4, layers=2, topk=2, experts=8, seed=s) for s in (1, 2)]
+    a = write_jsonl(tmp_path / "a.jsonl", [vllm_completion([arrays[0]], request_id="one")])
+    b = write_jsonl(tmp_path / "b.jsonl", [vllm_completion([arrays[1]], request_id="two")])
+    res = CliRunner().invoke(main, ["diff", str(a), str(b), "--no-progress"])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "the sources share no token (layer 0: A holds requests 'one/0', B 'two/0')" in res.stderr
+    assert "--align rows" in res.stderr
+    assert run(a, b, "--align", "rows").exit_code == 1  # by order alone: 4 tokens each, other ids
+    ids = torch.from_numpy(arrays[0].astype("int64")).to(torch.int32)
+    router = RouterConfig(num_experts=8, topk=2, route_scale=1.0)
+    t = make_trace(tmp_path / "t.safetensors", {i: LayerArrays(topk_ids=ids[:, i].contiguous(),
+                                                               step_offsets=torch.tensor([0, 4])) for i in range(2)},
+                   router=router)
+    res = CliRunner().invoke(main, ["diff", str(a), str(t), "--align", "requests", "--no-progress"])
+    assert res.exit_code == 2 and "cannot be aligned by request: B (trace) names no requests" in res.stderr
+    assert run(a, t).exit_code == 0  # auto: by step where one side names no requests
+
+
+def test_a_counts_dump_is_refused_for_balance(tmp_path):
+    counts = write_json(tmp_path / "counts.json", {"0": {"0": 3, "1": 5}})
+    t = _logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    res = CliRunner().invoke(main, ["diff", str(counts), str(t), "--no-progress"])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "holds per-expert counts, not per-token routing" in res.stderr and "routetool balance" in res.stderr
+
+
+def test_each_path_is_classified_once(tmp_path, monkeypatch):
+    import routetool.io.inputs as inputs
+
+    calls = []
+    real = inputs.classify
+    monkeypatch.setattr(inputs, "classify", lambda p, **kw: calls.append(str(p)) or real(p, **kw))
+    arr = routed_experts(tokens=6, layers=2, topk=2, experts=8, seed=3)
+    npy = write_vllm_npy(tmp_path / "req.npy", arr)
+    t = _logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    from routetool.analysis.diff import Source
+
+    for path in (npy, t):
+        Source(path, "A").close()
+    assert calls == [str(npy), str(t)]
 
 
 KERNEL = '''
