@@ -136,7 +136,7 @@ def _bin(row: dict) -> str:
     lo, hi = row["low_ulps"], row["high_ulps"]
     if hi == 0:
         return "0 (exact tie)"
-    return f"> {lo:g}" if hi is None else f"({lo:g}, {hi:g}]"
+    return f"> {lo:,.0f}" if hi is None else f"({lo:,.0f}, {hi:,.0f}]"
 
 
 def _ratio(a: int | None, b: int | None) -> float | None:

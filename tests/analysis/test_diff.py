@@ -11,7 +11,9 @@ from click.testing import CliRunner
 
 from routetool.cli import main
 from routetool.io.trace import LayerArrays, RouterConfig
-from tests.dump_writers import routed_experts, vllm_completion, write_json, write_jsonl, write_vllm_npy
+from tests.dump_writers import (
+    routed_experts, vllm_completion, write_flashinfer_workload, write_json, write_jsonl, write_vllm_npy,
+)
 from tests.helpers import make_trace
 
 ROUTER = RouterConfig(num_experts=4, topk=2, route_scale=1.0)
@@ -83,6 +85,18 @@ def test_each_measure_matches_the_hand_computed_case(hand, tmp_path):
     first = doc["first_differing_rows"][0]
     assert (first["layer"], first["step"], first["row"], first["class"]) == (0, 0, 1, "order")
     assert first["ids_a"] == [0, 1] and first["ids_b"] == [1, 0]
+    # tokens 1-4 differ, each first (and only) in layer 0
+    fd = doc["first_divergence"]
+    assert fd["tokens_differing"] == 4
+    assert [(x["token"], x["step"], x["row"], x["layer"]) for x in fd["listed"]] == [(t, 0, t, 0) for t in (1, 2, 3, 4)]
+    # margins at the k-th pick (K=2), in ulps of the k-th key: row 3 picks 2 or 3, whose keys are equal
+    # (sigmoid(1), an exact tie: bin 0); row 4's exclusive experts reach down to expert 3, key sigmoid(-1),
+    # 0.68 below the k-th key sigmoid(3) ~ 0.95 whose ulp is 2^-24: ~1.1e7 ulps, the last bin
+    m = doc["margins"]
+    assert (m["near_tie"], m["real"], m["not_judged"]) == (1, 1, 0)
+    assert m["bins"][0] == {"low_ulps": 0.0, "high_ulps": 0.0, "tie": 1, "real": 0}
+    assert m["bins"][-1] == {"low_ulps": 2.0 ** 20, "high_ulps": None, "tie": 0, "real": 1}
+    assert sum(b["tie"] + b["real"] for b in m["bins"][1:-1]) == 0
 
 
 def test_tie_ulps_zero_takes_exact_ties_only(tmp_path):
@@ -96,9 +110,13 @@ def test_tie_ulps_zero_takes_exact_ties_only(tmp_path):
     assert json.loads(doc_path.read_text())["overall"]["classes"]["real"] == 1
     assert run(a, b, "--json", doc_path, "--tie-ulps", 1, "--force").exit_code == 1
     assert json.loads(doc_path.read_text())["overall"]["classes"]["real"] == 1
+    bins = json.loads(doc_path.read_text())["margins"]["bins"]
+    assert [(b["low_ulps"], b["high_ulps"], b["real"]) for b in bins if b["real"]] == [(1.0, 4.0, 1)]  # 2 ulps
     res = run(a, b, "--json", doc_path, "--force")
     assert res.output.splitlines()[0] == "DIFFERENT (1 of 1 token-layers; 0 outside near-ties)"
-    assert json.loads(doc_path.read_text())["overall"]["classes"]["tie"] == 1
+    doc = json.loads(doc_path.read_text())
+    assert doc["overall"]["classes"]["tie"] == 1
+    assert [(b["low_ulps"], b["high_ulps"], b["tie"]) for b in doc["margins"]["bins"] if b["tie"]] == [(1.0, 4.0, 1)]
     assert run(a, b, "--ignore-ties").exit_code == 0
 
 
@@ -118,6 +136,10 @@ def test_details_prints_every_layer_and_the_first_differing_rows(hand):
                              terminal_width=200)
     assert "Agreement by layer" in res.output and "First differing rows" in res.output
     assert "order" in res.output and "real" in res.output
+    assert "First divergence by token (first 4 of 4 tokens differing)" in res.output
+    lines = res.output.splitlines()
+    assert any(line.split() == ["0", "(exact", "tie)", "1", "0"] for line in lines)  # the margins, as in the JSON
+    assert any(line.split() == [">", "1,048,576", "0", "1"] for line in lines)
 
 
 def _logits_trace(path, bias, seed=0):
@@ -396,3 +418,73 @@ def test_a_partial_trace_is_named_before_the_answer(tmp_path):
     doc = json.loads(js.read_text())
     assert doc["complete"] is False and len(doc["partial"]) == 2
     assert doc["overall"]["tokens"] is None  # layers of other steps: no per-token measures
+
+
+def test_a_kernel_routes_an_engine_output_of_logits_once_per_step(tmp_path):
+    # a FlashInfer-Trace folder: two workloads (steps of 5 and 7 tokens) of 16 experts, top-4
+    from routetool_kernels import reference
+
+    g = torch.Generator().manual_seed(5)
+    logits = [torch.randn(5, 16, generator=g), torch.randn(7, 16, generator=g)]
+    bias = (torch.randn(16, generator=g) * 0.05).to(torch.bfloat16)
+    folder = tmp_path / "workloads"
+    folder.mkdir()
+    for i, lg in enumerate(logits):
+        write_flashinfer_workload(folder, "moe_ds_routing_topk4_e16", lg, bias, seed=i)
+    router = RouterConfig(num_experts=16, topk=4)
+    w, ids, _, _ = reference.route(torch.cat(logits), bias.float(), router)
+    recorded = make_trace(tmp_path / "recorded.safetensors",
+                          {0: LayerArrays(topk_ids=ids, topk_weights=w, step_offsets=torch.tensor([0, 5, 12]))},
+                          router=router)
+    assert run(recorded, folder).exit_code == 0
+    kfile = tmp_path / "k.py"
+    kfile.write_text(KERNEL + STEP_SIZES)
+    js = tmp_path / "d.json"
+    res = run(recorded, folder, "--kernel", f"{kfile}:by_step", "--json", js)
+    assert res.exit_code == 1, res.output
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"]["order"] == 12 and doc["b"]["holds"].endswith(f"logits routed by {kfile}:by_step")
+    assert (tmp_path / "sizes.txt").read_text().split() == ["5", "7"]  # once per captured step, whole
+
+
+STEP_SIZES = '''
+
+def by_step(gating_output, bias, topk, route_scale, **kwargs):
+    """The swapped reference, writing each call's rows beside itself."""
+    from pathlib import Path
+
+    with open(Path(__file__).parent / "sizes.txt", "a") as fh:
+        fh.write(f"{gating_output.shape[0]}\\n")
+    return swapped(gating_output, bias, topk, route_scale, **kwargs)
+'''
+
+
+def test_a_kernel_with_nothing_to_route_is_refused_in_one_line(tmp_path):
+    arr = routed_experts(tokens=6, layers=2, topk=2, experts=8, seed=3)
+    npy = write_vllm_npy(tmp_path / "req.npy", arr)
+    ids = torch.from_numpy(arr.astype("int64")).to(torch.int32)
+    t = make_trace(tmp_path / "t.safetensors", {i: LayerArrays(topk_ids=ids[:, i].contiguous(),
+                                                               step_offsets=torch.tensor([0, 6])) for i in range(2)},
+                   router=RouterConfig(num_experts=8, topk=2, route_scale=1.0))
+    res = CliRunner().invoke(main, ["diff", str(npy), str(t), "--kernel", "seed", "--no-progress"])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert ("--kernel seed routes logits, but neither source holds logits alone (A: vllm: recorded ids; B: trace: "
+            "recorded ids)") in res.stderr
+
+
+def test_a_kernel_beside_a_recorded_side_says_so(tmp_path):
+    logits = _logits_trace(tmp_path / "logits.safetensors", torch.zeros(16))
+    from routetool.io.trace import open_trace
+    from routetool_kernels import reference
+
+    with open_trace(logits) as t:
+        layers = {}
+        for layer in t.layers:
+            w, ids, _, _ = reference.route(t.read_rows(layer, 0, 40).gating_output, t.bias(layer), t.meta.router)
+            layers[layer] = LayerArrays(topk_ids=ids, topk_weights=w, step_offsets=torch.tensor([0, 16, 40]))
+        recorded = make_trace(tmp_path / "recorded.safetensors", layers, router=t.meta.router)
+    js = tmp_path / "d.json"
+    # (the seed kernel's weights are a few ulps from the reference's: its own arithmetic)
+    assert run(recorded, logits, "--kernel", "seed", "--json", js, "--weight-ulps", 8).exit_code == 0
+    assert "--kernel seed routes logits alone; A (trace) records its routing, compared as recorded" in \
+        json.loads(js.read_text())["notes"]
