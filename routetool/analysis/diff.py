@@ -567,21 +567,35 @@ def _margin(keys: torch.Tensor, ids_a: torch.Tensor, ids_b: torch.Tensor, in_b: 
 
 @dataclass
 class _Piece:
+    """What :func:`measure` finds in a piece of aligned rows."""
+
     cls: torch.Tensor  # [n] int8 index into CLASSES, -1 = padded on both sides
-    same_set: torch.Tensor
-    overlap: torch.Tensor
-    dw: torch.Tensor | None  # [n, K] |ΔW| on rows with the same set, else 0
-    dw_ulps: torch.Tensor | None
-    wrows: torch.Tensor | None
-    margin: torch.Tensor  # [n] float32 ulps on judged rows of another set (inf: undefined), NaN elsewhere
+    same_set: torch.Tensor  # [n] bool, rows padded on both sides excluded
+    overlap: torch.Tensor  # [n] |A ∩ B|
+    wrows: torch.Tensor | None  # [n] bool: weights compared (same set, both sides with weights), or None
+    dw_sum: torch.Tensor | None = None  # () float64 sum of |ΔW| over the compared weights
+    dw_max: torch.Tensor | None = None  # () largest |ΔW|
+    dw_max_ulps: torch.Tensor | None = None  # () largest |ΔW| in float32 ulps of the larger weight
+    margin: torch.Tensor | None = None  # [n] float32 ulps on judged rows of another set (inf: undefined), NaN
+    # elsewhere; None: no row judged
+
+
+def _identical(a: Rows, b: Rows) -> bool:
+    """Whether two pieces hold the same ids, padding and weights, bit for bit (one pass each)."""
+    if (a.weights is None) != (b.weights is None) or not torch.equal(a.ids, b.ids):
+        return False
+    return torch.equal(a.padded, b.padded) and (a.weights is None or torch.equal(a.weights, b.weights))
 
 
 def measure(a: Rows, b: Rows, topk: int, *, tie_ulps: float, weight_ulps: float) -> _Piece:
     """Classify aligned rows (see the module docstring).
 
-    Rows with the same ids in the same slots (most of them, in the usual diff) take the cheap
-    path; the ``[rows, K, K]`` set comparison and the id-sorted weight matching run on the others
-    only, and the selection keys are computed (or read) for the rows holding another set only.
+    Two pieces holding the same ids, padding and weights bit for bit (a source diffed with a
+    copy of itself, a replay that works) are ``same`` row for row at the cost of comparing them;
+    otherwise rows with the same ids in the same slots take the cheap path, and the ``[rows, K,
+    K]`` set comparison and the id-sorted weight matching run on the others only; weights are
+    put in ulps where they differ only, and the selection keys are computed (or read) for the
+    rows holding another set only.
 
     Args:
         a / b: rows of the two sides, the same ``n``. topk: K. tie_ulps: near-tie tolerance in
@@ -589,12 +603,20 @@ def measure(a: Rows, b: Rows, topk: int, *, tie_ulps: float, weight_ulps: float)
 
     Returns:
         the per-row class (``[n]`` int8 index into :data:`CLASSES`, -1 padded on both sides),
-        same-set flags, ``|A ∩ B|`` per row, the weight deltas ``[n, K]`` and the k-th-pick
-        margin of the rows of another set (:func:`_margin`, the smaller of the two routings').
+        same-set flags, ``|A ∩ B|`` per row, the weight deltas (sum, max, max in ulps) and the
+        k-th-pick margin of the rows of another set (:func:`_margin`, the smaller of the two
+        routings').
     """
     ia, ib = a.ids, b.ids
     n = ia.shape[0]
     both_pad = a.padded & b.padded
+    with_weights = a.weights is not None and b.weights is not None
+    if _identical(a, b):
+        valid = ia >= 0
+        same_set = valid.all(-1) & ~both_pad
+        zero = torch.zeros((), dtype=torch.float64, device=ia.device)
+        return _Piece(torch.where(both_pad, -1, 0).to(torch.int8), same_set, valid.sum(-1),
+                      same_set if with_weights else None, *((zero, zero, zero) if with_weights else (None,) * 3))
     one_pad = a.padded ^ b.padded
     same_order = (ia == ib).all(-1) & ~one_pad
     rest = (~same_order).nonzero().flatten()  # (one synchronisation per piece)
@@ -605,21 +627,24 @@ def measure(a: Rows, b: Rows, topk: int, *, tie_ulps: float, weight_ulps: float)
         in_a[rest] = (rb[:, :, None] == ra[:, None, :]).any(-1) & (rb >= 0)
     overlap = in_b.sum(-1)
     same_set = (in_b.all(-1) & in_a.all(-1)) & ~one_pad
-    dw = dw_ulps = wrows = None
+    wrows = dw_sum = dw_max = dw_max_ulps = None
     weights_differ = torch.zeros_like(same_order)
-    if a.weights is not None and b.weights is not None:
+    if with_weights:
         wa, wb = a.weights, b.weights  # paired slot by slot, by expert id on the other rows
         if rest.numel():
             wa, wb = wa.clone(), wb.clone()
             wa[rest] = _sorted_by_id(ia[rest], a.weights[rest])[1]
             wb[rest] = _sorted_by_id(ib[rest], b.weights[rest])[1]
         wrows = same_set & ~both_pad
-        dw = torch.where(wrows[:, None], (wa - wb).abs(), torch.zeros_like(wa))
-        dw = torch.nan_to_num(dw, nan=float("inf"))
-        dw_ulps = dw / float32_ulp(torch.maximum(wa.abs(), wb.abs()))
-        weights_differ = (dw_ulps > weight_ulps).any(-1) & wrows
+        dw = torch.where(wrows[:, None], (wa - wb).abs(), 0.0).nan_to_num_(nan=float("inf"))
+        dw_sum, dw_max = dw.double().sum(), dw.max().double() if n else torch.zeros((), dtype=torch.float64)
+        moved = (dw != 0).any(-1).nonzero().flatten()  # (the ulps of the weights that differ only)
+        dw_ulps = dw[moved] / float32_ulp(torch.maximum(wa[moved].abs(), wb[moved].abs()))
+        dw_max_ulps = dw_ulps.max().double() if moved.numel() else torch.zeros((), dtype=torch.float64,
+                                                                              device=ia.device)
+        weights_differ[moved] = (dw_ulps > weight_ulps).any(-1) & wrows[moved]
     tie = torch.zeros_like(same_order)
-    margin = torch.full((n,), float("nan"), device=ia.device)
+    margin = None
     judged = [x for x in (a, b) if x.has_keys]
     other = (~same_set & ~one_pad & ~both_pad).nonzero().flatten()  # judged on these rows only
     if judged and other.numel():
@@ -628,13 +653,14 @@ def measure(a: Rows, b: Rows, topk: int, *, tie_ulps: float, weight_ulps: float)
             mx = _margin(x.keys(other).float(), ia[other], ib[other], in_b[other], in_a[other], topk)
             m = mx if m is None else torch.fmin(m, mx)
         tie[other] = m <= tie_ulps
+        margin = torch.full((n,), float("nan"), device=ia.device)
         margin[other] = torch.nan_to_num(m, nan=float("inf"))
     cls = torch.full(ia.shape[:1], 4, dtype=torch.int8, device=ia.device)  # real
     cls = torch.where(tie, 3, cls)
     cls = torch.where(same_set, 2, cls)
     cls = torch.where(same_order, torch.where(weights_differ, 1, 0), cls).to(torch.int8)
     cls = torch.where(both_pad, -1, cls).to(torch.int8)
-    return _Piece(cls, same_set & ~both_pad, overlap, dw, dw_ulps, wrows, margin)
+    return _Piece(cls, same_set & ~both_pad, overlap, wrows, dw_sum, dw_max, dw_max_ulps, margin)
 
 
 # ---------------------------------------------------------------------------------------
@@ -803,7 +829,7 @@ class _LayerSums:
     def __init__(self, device: torch.device) -> None:
         nb = len(MARGIN_EDGES_ULPS) + 1
         self.classes = torch.zeros(len(CLASSES) + 1, dtype=torch.int64, device=device)  # [padded, *CLASSES]
-        self.ints = torch.zeros(5, dtype=torch.int64, device=device)  # same_set, overlap, weight_rows, first, judged0
+        self.ints = torch.zeros(4, dtype=torch.int64, device=device)  # same_set, overlap, weight_rows, first
         self.weight = torch.zeros(3, dtype=torch.float64, device=device)  # sum, max, max ulps
         self.margins = torch.zeros(2 * nb, dtype=torch.float64, device=device)  # tie bins, real bins
         self.edges = torch.tensor(MARGIN_EDGES_ULPS, dtype=torch.float32, device=device)
@@ -811,23 +837,21 @@ class _LayerSums:
 
     def add(self, p: _Piece, compared: torch.Tensor, fresh: torch.Tensor | None) -> None:
         self.classes += torch.bincount(p.cls.long() + 1, minlength=len(CLASSES) + 1)
-        cls = p.cls
-        judged = ~torch.isnan(p.margin)
-        bins = torch.bucketize(p.margin.nan_to_num(nan=0.0), self.edges)
-        nb = len(MARGIN_EDGES_ULPS) + 1
-        tie_or_real = (cls == 3) | (cls == 4)
-        self.margins += torch.bincount(bins + nb * (cls == 4).long(), weights=(judged & tie_or_real).double(),
-                                       minlength=2 * nb)
+        zero = compared.new_zeros((), dtype=torch.int64)
         parts = [p.same_set.sum(), torch.where(compared, p.overlap, 0).sum(),
-                 p.wrows.sum() if p.wrows is not None else compared.new_zeros((), dtype=torch.int64),
-                 fresh.sum() if fresh is not None else compared.new_zeros((), dtype=torch.int64),
-                 ((cls == 4) & ~judged).sum()]
+                 p.wrows.sum() if p.wrows is not None else zero, fresh.sum() if fresh is not None else zero]
         self.ints += torch.stack([x.long() for x in parts])
-        if p.dw is not None and p.dw.numel():
+        if p.margin is not None:
+            judged = ~torch.isnan(p.margin)
+            bins = torch.bucketize(p.margin.nan_to_num(nan=0.0), self.edges)
+            nb = len(MARGIN_EDGES_ULPS) + 1
+            self.margins += torch.bincount(bins + nb * (p.cls == 4).long(),
+                                           weights=(judged & ((p.cls == 3) | (p.cls == 4))).double(), minlength=2 * nb)
+        if p.dw_sum is not None:
             self.weights_seen = True
-            self.weight[0] += p.dw.double().sum()
-            self.weight[1] = torch.maximum(self.weight[1], p.dw.max().double())
-            self.weight[2] = torch.maximum(self.weight[2], p.dw_ulps.max().double())
+            self.weight[0] += p.dw_sum
+            self.weight[1] = torch.maximum(self.weight[1], p.dw_max)
+            self.weight[2] = torch.maximum(self.weight[2], p.dw_max_ulps)
 
     def into(self, ld: LayerDiff, margins: Margins, topk: int) -> None:
         counts = self.classes.tolist()
@@ -835,7 +859,7 @@ class _LayerSums:
         for name, c in zip(CLASSES, counts[1:]):
             ld.classes[name] += c
         ld.rows += sum(counts[1:])
-        same_set, overlap, wrows, first, unjudged = self.ints.tolist()
+        same_set, overlap, wrows, first = self.ints.tolist()
         ld.same_set += same_set
         ld.overlap_sum += overlap
         ld.first_divergence += first
@@ -849,7 +873,7 @@ class _LayerSums:
         nb = len(MARGIN_EDGES_ULPS) + 1
         margins.tie = [x + y for x, y in zip(margins.tie, m[:nb])]
         margins.real = [x + y for x, y in zip(margins.real, m[nb:])]
-        margins.not_judged += unjudged
+        margins.not_judged += counts[1 + CLASSES.index("real")] - sum(m[nb:])  # (real rows with no margin)
 
 
 def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align: str = "auto",

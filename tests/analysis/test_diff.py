@@ -488,3 +488,29 @@ def test_a_kernel_beside_a_recorded_side_says_so(tmp_path):
     assert run(recorded, logits, "--kernel", "seed", "--json", js, "--weight-ulps", 8).exit_code == 0
     assert "--kernel seed routes logits alone; A (trace) records its routing, compared as recorded" in \
         json.loads(js.read_text())["notes"]
+
+
+FLAKY = '''
+
+CALLS = [0]
+
+
+def every_other_pair(gating_output, bias, topk, route_scale, **kwargs):
+    """The reference, its slots swapped on calls 3-4, 7-8, ...: a kernel that answers the same input two ways."""
+    CALLS[0] += 1
+    w, ids = swapped(gating_output, bias, topk, route_scale, **kwargs)
+    if (CALLS[0] - 1) // 2 % 2:
+        return w, ids
+    return w[:, [1, 0, 2, 3]].contiguous(), ids[:, [1, 0, 2, 3]].contiguous()
+'''
+
+
+def test_a_kernel_is_called_on_each_side_even_for_the_same_logits(tmp_path):
+    # a trace against itself is routed once by the reference (RouteMemo), but a kernel under test
+    # is called for each side: two steps per layer, A's calls 1-2 as the reference, B's 3-4 swapped
+    t = _logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    kfile = tmp_path / "k.py"
+    kfile.write_text(KERNEL + FLAKY)
+    js = tmp_path / "d.json"
+    assert run(t, t, "--kernel", f"{kfile}:every_other_pair", "--json", js).exit_code == 1
+    assert json.loads(js.read_text())["overall"]["classes"]["order"] == 120
