@@ -157,12 +157,30 @@ class Source:
         RouteToolError: the path cannot be read, or holds per-expert counts (no per-token routing).
     """
 
-    def __init__(self, path: Path, label: str):
-        from routetool.io.inputs import classify, open_classified
+    def __init__(self, path: Path, label: str, *, topk: int | None = None, read: bool = True):
+        from routetool.io.inputs import classify
 
         self.path, self.label = Path(path), label
-        inp = classify(self.path)
+        self._inp = classify(self.path)
         self._input = self._imported = None
+        if read:
+            self.read(topk)
+
+    @property
+    def needs_topk(self) -> bool:
+        """Whether the source is an engine output that does not record its top-k (SGLang's routed
+        experts, a flat array), which :meth:`read` then needs."""
+        return self._inp.kind == "dump" and self._inp.format == "sglang-routed"
+
+    def read(self, topk: int | None = None) -> None:
+        """Open the trace, or read the dump (``topk``: K for a dump that does not record it).
+
+        Raises:
+            RouteToolError: the path cannot be read, or holds per-expert counts (no per-token routing).
+        """
+        from routetool.io.inputs import open_classified
+
+        inp = self._inp
         refuse = (f"diff compares per-token routing; analyse its load with `routetool balance "
                   f"{shlex.quote(str(self.path))}`")
         if inp.kind == "counts":
@@ -171,7 +189,8 @@ class Source:
             from routetool.io.dumps import ImportOptions, read_dump
 
             self.kind = inp.format
-            self._imported = read_dump(self.path, ImportOptions(refuse_counts=refuse), classified=inp.format)
+            options = ImportOptions(refuse_counts=refuse, topk=topk if self.needs_topk else None)
+            self._imported = read_dump(self.path, options, classified=inp.format)
             self.spec = self._imported.router
             self.num_experts, self.topk = self._imported.num_experts, self._imported.topk
             self.units = [(None, layer) for layer in sorted(self._imported.layers)]
@@ -336,6 +355,25 @@ class Source:
     def close(self) -> None:
         if self._input is not None:
             self._input.close()
+            self._input = None
+
+
+def open_sources(path_a: Path, path_b: Path, *, topk: int | None = None) -> tuple[Source, Source]:
+    """The two sides of a diff, each classified once and read; an engine output that does not
+    record its top-k (:attr:`Source.needs_topk`) takes ``topk``, else the other side's.
+
+    Raises:
+        RouteToolError: as :class:`Source` does (nothing is left open).
+    """
+    a, b = Source(path_a, "A", read=False), Source(path_b, "B", read=False)
+    first, second = (b, a) if a.needs_topk and not b.needs_topk else (a, b)
+    first.read(topk)
+    try:
+        second.read(topk if topk is not None or not second.needs_topk else first.topk)
+    except BaseException:
+        first.close()
+        raise
+    return a, b
 
 
 def _aligned(a: Iterator[Rows], b: Iterator[Rows], piece_rows: int = PIECE_ROWS) -> Iterator[tuple[Rows, Rows]]:

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from routetool.cli import main
 from routetool.io.trace import LayerArrays, RouterConfig
 from tests.dump_writers import (
-    routed_experts, vllm_completion, write_flashinfer_workload, write_json, write_jsonl, write_vllm_npy,
+    routed_experts, sglang_generate, vllm_completion, write_flashinfer_workload, write_json, write_jsonl,
+    write_vllm_npy,
 )
 from tests.helpers import make_trace
 
@@ -514,3 +515,20 @@ def test_a_kernel_is_called_on_each_side_even_for_the_same_logits(tmp_path):
     js = tmp_path / "d.json"
     assert run(t, t, "--kernel", f"{kfile}:every_other_pair", "--json", js).exit_code == 1
     assert json.loads(js.read_text())["overall"]["classes"]["order"] == 120
+
+
+def test_sglang_routed_experts_take_the_other_sides_topk(tmp_path):
+    # SGLang's routed experts do not record top-k: the other source's K, or --topk
+    arr = routed_experts(tokens=6, layers=2, topk=2, experts=8, seed=4)
+    gen = write_jsonl(tmp_path / "gen.jsonl", [sglang_generate(arr.astype("int32"), prompt_tokens=4, request_id="r1")])
+    npy = tmp_path / "vllm"
+    npy.mkdir()
+    write_vllm_npy(npy / "r1.npy", arr)
+    js = tmp_path / "d.json"
+    res = run(npy, gen, "--json", js)
+    assert res.exit_code == 0, res.output
+    assert json.loads(js.read_text())["b"]["holds"] == "sglang-routed: recorded ids"
+    assert run(gen, npy).exit_code == 0  # (either side)
+    res = CliRunner().invoke(main, ["diff", str(gen), str(gen), "--no-progress"])
+    assert res.exit_code == 2 and "pass the model's --topk" in res.stderr
+    assert run(gen, gen, "--topk", 2).exit_code == 0
