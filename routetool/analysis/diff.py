@@ -526,6 +526,7 @@ class DiffResult:
     partial: list = field(default_factory=list)
     margins: Margins = field(default_factory=Margins)
     first_tokens: list[TokenDivergence] = field(default_factory=list)
+    kernel_b: str | None = None
 
     def total(self, name: str) -> int:
         return sum(getattr(x, name) for x in self.layers)
@@ -917,7 +918,7 @@ class _LayerSums:
 def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align: str = "auto",
                  tie_ulps: float = 16.0, weight_ulps: float = 0.0, ignore_ties: bool = False,
                  ignore_order: bool = False, max_flip_rate: float | None = None,
-                 device: torch.device | None = None, kernel=None, progress=None) -> DiffResult:
+                 device: torch.device | None = None, kernel=None, kernel_b=None, progress=None) -> DiffResult:
     """Diff the routing of two aligned sources (see the module docstring).
 
     Args:
@@ -926,20 +927,28 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
         tie_ulps / weight_ulps: tolerances in float32 ulps. ignore_ties / ignore_order /
             max_flip_rate: the thresholds of the verdict. device: where to measure (CPU).
         kernel: ``(name, fn)``, the kernel under test that routes logits-only sides, each with its
-            own router spec (None: the reference). progress: called with the rows of each aligned piece.
+            own router spec (None: the reference). kernel_b: B's instead (``(name, fn)``, ``(name,
+            None)`` for the reference; None: ``kernel``): the reference against a kernel, or a kernel before and after a change, on
+            the same logits. progress: called with the rows of each aligned piece.
 
     Raises:
         RouteToolError: the sources cannot be aligned (:func:`check_aligned`) or read; a
-            ``kernel`` while neither source holds logits alone (nothing for it to route).
+            kernel while no source it routes holds logits alone (nothing for it to route).
     """
     device = device or torch.device("cpu")
     units, align, orders = check_aligned(a, b, layers, align)
-    name = None if kernel is None else kernel[0]
+    kernels = {"A": kernel, "B": kernel if kernel_b is None else None if kernel_b[1] is None else kernel_b}
+    names = {k: None if v is None else v[0] for k, v in kernels.items()}
     routed = {s.label: any(s.holds(r, layer) == "logits" for r, layer in units) for s in (a, b)}
-    if kernel is not None and not any(routed.values()):
-        raise RouteToolError(f"--kernel {name} routes logits, but neither source holds logits alone (A: "
-                             f"{_holds(a, units, name)}; B: {_holds(b, units, name)})", path=f"{a.path} and {b.path}",
-                             fix="drop --kernel to compare the routing they record, or diff a logits-only trace of "
+    asked = [k for k in ("A", "B") if kernels[k] is not None]
+    if asked and not any(routed[k] for k in asked):
+        flags = [f"{flag} {k[0]}" for flag, k in (("--kernel", kernel), ("--kernel-b", kernel_b))
+                 if k is not None and k[1] is not None]
+        raise RouteToolError(f"{' and '.join(flags)} route{'' if len(flags) > 1 else 's'} logits, but "
+                             f"{'neither source holds' if len(asked) == 2 else 'B does not hold'} logits alone (A: "
+                             f"{_holds(a, units, names['A'])}; B: {_holds(b, units, names['B'])})",
+                             path=f"{a.path} and {b.path}",
+                             fix="drop the kernel to compare the routing they record, or diff a logits-only trace of "
                                  "the same tokens")
     K = a.topk
     per_layer: dict[int, LayerDiff] = {}
@@ -965,8 +974,8 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
             sums = _LayerSums(device)
             start = 0
             req = requests(layer)
-            rows_a = a.rows(rank, layer, device, kernel, memo=memo)
-            rows_b = b.rows(rank, layer, device, kernel, order=orders.get(layer), memo=memo)
+            rows_a = a.rows(rank, layer, device, kernels["A"], memo=memo)
+            rows_b = b.rows(rank, layer, device, kernels["B"], order=orders.get(layer), memo=memo)
             for ra, rb in _aligned(rows_a, rows_b):
                 n = len(ra)
                 p = measure(ra, rb, K, tie_ulps=tie_ulps, weight_ulps=weight_ulps)
@@ -1005,14 +1014,15 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
         notes.append("a source holds no weights: weights not compared")
     if not token_measures:
         notes.append("layers hold different steps: per-token measures (share differing, first layer) not given")
-    if kernel is not None:
-        for s in (a, b):
-            if not routed[s.label]:
-                notes.append(f"--kernel {name} routes logits alone; {s.label} ({s.kind}) records its routing, "
-                             "compared as recorded")
+    for s in (a, b):
+        if kernels[s.label] is not None and not routed[s.label]:
+            flag = "--kernel-b" if s.label == "B" and kernel_b is not None else "--kernel"
+            notes.append(f"{flag} {names[s.label]} routes logits alone; {s.label} ({s.kind}) records its routing, "
+                         "compared as recorded")
     return DiffResult(
-        source_a=str(a.path), source_b=str(b.path), holds_a=_holds(a, units, name), holds_b=_holds(b, units, name),
-        num_experts=max(a.num_experts, b.num_experts), topk=K, align=align, kernel=name, tie_ulps=tie_ulps,
+        source_a=str(a.path), source_b=str(b.path), holds_a=_holds(a, units, names["A"]),
+        holds_b=_holds(b, units, names["B"]), num_experts=max(a.num_experts, b.num_experts), topk=K, align=align,
+        kernel=names["A"], kernel_b=None if kernel_b is None else kernel_b[0], tie_ulps=tie_ulps,
         weight_ulps=weight_ulps, ignore_ties=ignore_ties, ignore_order=ignore_order, max_flip_rate=max_flip_rate,
         layers=[per_layer[k] for k in sorted(per_layer)], ties_judged=ties_judged,
         weights_compared=weights_compared, tokens=tokens if token_measures else None,

@@ -27,6 +27,9 @@ from routetool.report.tables import markup_safe
                    "auto: requests where both sources name them, else steps.")
 @kernel_option("How a source holding logits only is routed: the reference, a kernel variant (tiled, seed) or "
                "module:function (refused when neither source holds logits alone).", default="reference")
+@click.option("--kernel-b", "kernel_b_spec", default=None,
+              help="Route B's logits by this kernel instead (reference, tiled, seed or module:function; default: "
+                   "--kernel): the reference against a kernel, or a kernel before and after a change, on one trace.")
 @click.option("--topk", type=click.IntRange(min=1), default=None,
               help="Experts per token of an engine output that does not record it (SGLang's routed experts); "
                    "default: the other source's.")
@@ -46,7 +49,8 @@ from routetool.report.tables import markup_safe
 @details_option("Every layer's measures and the first differing rows.")
 @force_option("Replace an existing --json or --plot file.")
 @progress_option()
-def diff(source_a: Path, source_b: Path, layers_spec: str, align: str, kernel_spec: str, topk: int | None,
+def diff(source_a: Path, source_b: Path, layers_spec: str, align: str, kernel_spec: str, kernel_b_spec: str | None,
+         topk: int | None,
          device: str, tie_ulps: float, weight_ulps: float, ignore_ties: bool, ignore_order: bool,
          max_flip_rate: float | None, json_path: str | None, plot_path: str | None, details: bool, force: bool, progress: bool) -> None:
     """Where and why two routings of the same tokens differ.
@@ -65,6 +69,8 @@ def diff(source_a: Path, source_b: Path, layers_spec: str, align: str, kernel_sp
 
         execution = select_execution(device)
         kernel = None if kernel_spec == "reference" else load_kernel(kernel_spec)
+        kernel_b = None if kernel_b_spec is None else (("reference", None) if kernel_b_spec == "reference"
+                                                       else load_kernel(kernel_b_spec))
         a, b = open_sources(source_a, source_b, topk=topk)
         try:
             held = sorted({layer for s in (a, b) for _, layer in s.units})
@@ -74,12 +80,13 @@ def diff(source_a: Path, source_b: Path, layers_spec: str, align: str, kernel_sp
                 result = diff_sources(a, b, layers=layers, align=align, tie_ulps=tie_ulps, weight_ulps=weight_ulps,
                                       ignore_ties=ignore_ties, ignore_order=ignore_order,
                                       max_flip_rate=max_flip_rate, device=execution.device, kernel=kernel,
-                                      progress=lambda n: bar.advance(task, n))
+                                      kernel_b=kernel_b, progress=lambda n: bar.advance(task, n))
         finally:
             b.close()
             a.close()
         return DiffReport(result)
 
     run_command(analyse, sinks=Sinks(JsonSink(json_path), FigureSink(plot_path)), inputs=[source_a, source_b],
-                input_what="file or folder", kernels=[] if kernel_spec == "reference" else [kernel_spec],
+                input_what="file or folder",
+                kernels=[k for k in (kernel_spec, kernel_b_spec) if k not in (None, "reference")],
                 force=force, progress=progress, details=details)

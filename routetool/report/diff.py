@@ -165,6 +165,7 @@ def diff_json(result) -> dict:
         "a": {"source": result.source_a, "holds": result.holds_a},
         "b": {"source": result.source_b, "holds": result.holds_b},
         "num_experts": result.num_experts, "topk": result.topk, "align": result.align, "kernel": result.kernel,
+        "kernel_b": result.kernel_b,
         "tie_ulps": result.tie_ulps, "weight_ulps": result.weight_ulps,
         "thresholds": {"ignore_ties": result.ignore_ties, "ignore_order": result.ignore_order,
                        "max_flip_rate": result.max_flip_rate},

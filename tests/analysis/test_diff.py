@@ -532,3 +532,24 @@ def test_sglang_routed_experts_take_the_other_sides_topk(tmp_path):
     res = CliRunner().invoke(main, ["diff", str(gen), str(gen), "--no-progress"])
     assert res.exit_code == 2 and "pass the model's --topk" in res.stderr
     assert run(gen, gen, "--topk", 2).exit_code == 0
+
+
+def test_kernel_b_routes_b_alone_the_reference_against_a_kernel_on_one_trace(tmp_path):
+    t = _logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    kfile = tmp_path / "k.py"
+    kfile.write_text(KERNEL)
+    js = tmp_path / "d.json"
+    res = run(t, t, "--kernel-b", f"{kfile}:swapped", "--json", js)  # A by the reference, B by the kernel
+    assert res.exit_code == 1, res.output
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"]["order"] == 120 and (doc["kernel"], doc["kernel_b"]) == (None, f"{kfile}:swapped")
+    assert doc["a"]["holds"] == "trace: logits routed by the reference"
+    assert doc["b"]["holds"] == f"trace: logits routed by {kfile}:swapped"
+    # before and after: the same kernel on both sides is no change; the reference against it is
+    assert run(t, t, "--kernel", f"{kfile}:swapped", "--kernel-b", f"{kfile}:swapped").exit_code == 0
+    assert run(t, t, "--kernel", f"{kfile}:swapped", "--kernel-b", "reference", "--json", js, "--force").exit_code == 1
+    assert json.loads(js.read_text())["kernel_b"] == "reference"
+    arr = routed_experts(tokens=6, layers=2, topk=2, experts=8, seed=3)
+    npy = write_vllm_npy(tmp_path / "req.npy", arr)
+    res = CliRunner().invoke(main, ["diff", str(npy), str(npy), "--kernel-b", "seed", "--no-progress"])
+    assert res.exit_code == 2 and "--kernel-b seed routes logits, but B does not hold logits alone" in res.stderr
