@@ -163,6 +163,7 @@ class Source:
         self.path, self.label = Path(path), label
         self._inp = classify(self.path)
         self._input = self._imported = None
+        self.layer_map: dict[int, int] = {}  # layer as the diff numbers it -> this source's (--pair-layers)
         if read:
             self.read(topk)
 
@@ -210,12 +211,14 @@ class Source:
         return sorted(layer for r, layer in self.units if r == rank)
 
     def step_offsets(self, rank, layer: int) -> list[int]:
+        layer = self.layer_map.get(layer, layer)
         if self._input is not None:
             return list(self._traces[rank].info(layer).step_offsets)
         return list(self._imported.layers[layer].step_offsets)
 
     def holds(self, rank, layer: int) -> str:
         """What the routing comes from: ``recorded`` ids or ``logits``."""
+        layer = self.layer_map.get(layer, layer)
         if self._input is not None:
             info = self._traces[rank].info(layer)
             return "recorded" if info.has_recorded_ids else "logits"
@@ -232,7 +235,7 @@ class Source:
 
     def positions(self, layer: int):
         """``[T]`` token positions in their requests (a dump that records them), or None."""
-        return None if self._imported is None else self._imported.layers[layer].positions
+        return None if self._imported is None else self._imported.layers[self.layer_map.get(layer, layer)].positions
 
     def requests(self, layer: int) -> tuple[list[str], list[int], torch.Tensor] | None:
         """``(step labels, step offsets, [T] int64 positions)`` where the source names every token
@@ -244,6 +247,7 @@ class Source:
         return labels, self.step_offsets(None, layer), positions
 
     def has_logits(self, rank, layer: int) -> bool:
+        layer = self.layer_map.get(layer, layer)
         if self._input is not None:
             return self._traces[rank].info(layer).has_logits
         return self._imported.layers[layer].gating_output is not None
@@ -262,6 +266,7 @@ class Source:
 
             router = Router(self.spec, kernel[1], kernel[0])
         memo = memo or RouteMemo()
+        layer = self.layer_map.get(layer, layer)
         if self._input is not None:
             yield from self._trace_rows(self._traces[rank], layer, device, router, memo)
         else:
@@ -763,12 +768,14 @@ def _request_order(a: Source, b: Source, layer: int, shown: str) -> torch.Tensor
     return perm[at]
 
 
-def check_aligned(a: Source, b: Source, layers: list[int] | None, align: str
+def check_aligned(a: Source, b: Source, layers: list[int] | None, align: str, *, pair_layers: bool = False
                   ) -> tuple[list[tuple], str, dict[int, torch.Tensor]]:
     """The ``(rank, layer)`` units both sources hold, checked to hold the same tokens; the
     alignment used (``align``, with ``auto`` resolved: ``requests`` where both sources name
     requests and token positions, else ``steps``); and, aligned by request, B's rows in A's
-    order per layer (:func:`_request_order`).
+    order per layer (:func:`_request_order`). ``pair_layers``: A's i-th layer is compared with B's
+    i-th (an engine numbering hidden layers against a trainer numbering MoE layers), under A's
+    numbers (``b.layer_map``); ``layers`` then names A's.
 
     Raises:
         RouteToolError: other experts or top-k, other ranks, other layers, other tokens per step
@@ -791,6 +798,16 @@ def check_aligned(a: Source, b: Source, layers: list[int] | None, align: str
     units = []
     for rank in a.ranks:
         la, lb = a.layers(rank), b.layers(rank)
+        if pair_layers:
+            if len(la) != len(lb):
+                raise RouteToolError(f"cannot be aligned: --pair-layers pairs layers by order, but A holds {len(la)} "
+                                     f"({_span(la)}), B {len(lb)} ({_span(lb)})", path=shown, fix=fix)
+            if rank == a.ranks[0]:
+                b.layer_map = dict(zip(la, lb))
+            elif b.layer_map != dict(zip(la, lb)):
+                raise RouteToolError(f"cannot be aligned: --pair-layers: rank {rank} holds other layers", path=shown,
+                                     fix="diff the ranks one by one")
+            lb = la
         want = layers
         if want is None:
             if la != lb:
@@ -918,7 +935,8 @@ class _LayerSums:
 def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align: str = "auto",
                  tie_ulps: float = 16.0, weight_ulps: float = 0.0, ignore_ties: bool = False,
                  ignore_order: bool = False, max_flip_rate: float | None = None,
-                 device: torch.device | None = None, kernel=None, kernel_b=None, progress=None) -> DiffResult:
+                 device: torch.device | None = None, kernel=None, kernel_b=None, pair_layers: bool = False,
+                 progress=None) -> DiffResult:
     """Diff the routing of two aligned sources (see the module docstring).
 
     Args:
@@ -929,14 +947,15 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
         kernel: ``(name, fn)``, the kernel under test that routes logits-only sides, each with its
             own router spec (None: the reference). kernel_b: B's instead (``(name, fn)``, ``(name,
             None)`` for the reference; None: ``kernel``): the reference against a kernel, or a kernel before and after a change, on
-            the same logits. progress: called with the rows of each aligned piece.
+            the same logits. pair_layers: A's i-th layer against B's i-th (:func:`check_aligned`).
+            progress: called with the rows of each aligned piece.
 
     Raises:
         RouteToolError: the sources cannot be aligned (:func:`check_aligned`) or read; a
             kernel while no source it routes holds logits alone (nothing for it to route).
     """
     device = device or torch.device("cpu")
-    units, align, orders = check_aligned(a, b, layers, align)
+    units, align, orders = check_aligned(a, b, layers, align, pair_layers=pair_layers)
     kernels = {"A": kernel, "B": kernel if kernel_b is None else None if kernel_b[1] is None else kernel_b}
     names = {k: None if v is None else v[0] for k, v in kernels.items()}
     routed = {s.label: any(s.holds(r, layer) == "logits" for r, layer in units) for s in (a, b)}
@@ -1014,6 +1033,10 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
         notes.append("a source holds no weights: weights not compared")
     if not token_measures:
         notes.append("layers hold different steps: per-token measures (share differing, first layer) not given")
+    if b.layer_map and any(x != y for x, y in b.layer_map.items()):
+        pairs = [f"{x}-{y}" for x, y in b.layer_map.items()]
+        notes.append(f"layers paired by order, A's-B's: {', '.join(pairs[:6])}{' ...' if len(pairs) > 6 else ''} "
+                     "(numbered as A's)")
     for s in (a, b):
         if kernels[s.label] is not None and not routed[s.label]:
             flag = "--kernel-b" if s.label == "B" and kernel_b is not None else "--kernel"

@@ -27,6 +27,9 @@ from routetool.report.tables import markup_safe
                    "auto: requests where both sources name them, else steps.")
 @kernel_option("How a source holding logits only is routed: the reference, a kernel variant (tiled, seed) or "
                "module:function (refused when neither source holds logits alone).", default="reference")
+@click.option("--pair-layers", is_flag=True,
+              help="Compare A's i-th layer with B's i-th, whatever their numbers (an engine's hidden-layer numbers "
+                   "against a trainer's MoE-layer numbers); --layers then names A's.")
 @click.option("--kernel-b", "kernel_b_spec", default=None,
               help="Route B's logits by this kernel instead (reference, tiled, seed or module:function; default: "
                    "--kernel): the reference against a kernel, or a kernel before and after a change, on one trace.")
@@ -49,8 +52,8 @@ from routetool.report.tables import markup_safe
 @details_option("Every layer's measures and the first differing rows.")
 @force_option("Replace an existing --json or --plot file.")
 @progress_option()
-def diff(source_a: Path, source_b: Path, layers_spec: str, align: str, kernel_spec: str, kernel_b_spec: str | None,
-         topk: int | None,
+def diff(source_a: Path, source_b: Path, layers_spec: str, align: str, pair_layers: bool, kernel_spec: str,
+         kernel_b_spec: str | None, topk: int | None,
          device: str, tie_ulps: float, weight_ulps: float, ignore_ties: bool, ignore_order: bool,
          max_flip_rate: float | None, json_path: str | None, plot_path: str | None, details: bool, force: bool, progress: bool) -> None:
     """Where and why two routings of the same tokens differ.
@@ -73,14 +76,15 @@ def diff(source_a: Path, source_b: Path, layers_spec: str, align: str, kernel_sp
                                                        else load_kernel(kernel_b_spec))
         a, b = open_sources(source_a, source_b, topk=topk)
         try:
-            held = sorted({layer for s in (a, b) for _, layer in s.units})
+            held = sorted({layer for s in ((a,) if pair_layers else (a, b)) for _, layer in s.units})
             layers = None if layers_spec == "all" else parse_layers(layers_spec, held, f"{source_a} and {source_b}")
             with run.progress() as bar:
                 task = bar.add_task(markup_safe(f"diff {source_a.name} {source_b.name}"), total=None)
                 result = diff_sources(a, b, layers=layers, align=align, tie_ulps=tie_ulps, weight_ulps=weight_ulps,
                                       ignore_ties=ignore_ties, ignore_order=ignore_order,
                                       max_flip_rate=max_flip_rate, device=execution.device, kernel=kernel,
-                                      kernel_b=kernel_b, progress=lambda n: bar.advance(task, n))
+                                      kernel_b=kernel_b, pair_layers=pair_layers,
+                                      progress=lambda n: bar.advance(task, n))
         finally:
             b.close()
             a.close()

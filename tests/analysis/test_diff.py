@@ -13,7 +13,7 @@ from routetool.cli import main
 from routetool.io.trace import LayerArrays, RouterConfig
 from tests.dump_writers import (
     routed_experts, sglang_generate, vllm_completion, write_flashinfer_workload, write_json, write_jsonl,
-    write_vllm_npy,
+    write_megatron_replay, write_vllm_npy,
 )
 from tests.helpers import make_trace
 
@@ -553,3 +553,32 @@ def test_kernel_b_routes_b_alone_the_reference_against_a_kernel_on_one_trace(tmp
     npy = write_vllm_npy(tmp_path / "req.npy", arr)
     res = CliRunner().invoke(main, ["diff", str(npy), str(npy), "--kernel-b", "seed", "--no-progress"])
     assert res.exit_code == 2 and "--kernel-b seed routes logits, but B does not hold logits alone" in res.stderr
+
+
+def test_engine_against_trainer_with_layers_paired_by_order(tmp_path):
+    # R3: vLLM numbers hidden layers (layer 0 dense, left out: MoE layers 1-3), Megatron's RouterReplay
+    # its MoE layers (0-2); one request per file, named alike on both sides
+    rollout, trainer = tmp_path / "rollout", tmp_path / "trainer"
+    rollout.mkdir()
+    trainer.mkdir()
+    arrays = {f"req-{i}": routed_experts(tokens=4 + i, layers=4, topk=2, experts=8, dense=(0,), seed=i) for i in range(2)}
+    for name, arr in arrays.items():
+        write_vllm_npy(rollout / f"{name}.npy", arr)
+        ids = torch.from_numpy(arr[:, 1:].astype("int64"))
+        if name == "req-1":
+            ids[3, 2] = ids[3, 2].flip(0)  # the trainer flips two slots of token 3, MoE layer 2 (hidden layer 3)
+        write_megatron_replay(trainer / f"{name}.pt", ids, "list")
+    res = CliRunner().invoke(main, ["diff", str(rollout), str(trainer), "--no-progress"])
+    assert res.exit_code == 2 and "different layers (A holds 1,2,3, B holds 0,1,2)" in res.stderr
+    js = tmp_path / "d.json"
+    res = run(rollout, trainer, "--pair-layers", "--json", js)
+    assert res.exit_code == 1, res.output
+    assert res.output.splitlines()[0] == "DIFFERENT (1 of 27 token-layers; 0 outside near-ties)"
+    doc = json.loads(js.read_text())
+    assert doc["align"] == "requests" and [x["layer"] for x in doc["layers"]] == [1, 2, 3]
+    assert [x["request"] for x in doc["first_differing_rows"]] == ["req-1"]
+    assert doc["first_divergence"]["listed"] == [
+        {"rank": None, "token": 7, "step": 1, "row": 3, "request": "req-1", "position": 3, "layer": 3}]
+    assert "layers paired by order, A's-B's: 1-0, 2-1, 3-2 (numbered as A's)" in doc["notes"]
+    assert run(rollout, trainer, "--pair-layers", "--layers", "1,2").exit_code == 0
+    assert run(rollout, trainer, "--pair-layers", "--ignore-order").exit_code == 0  # the flip: the same experts
