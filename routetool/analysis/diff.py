@@ -1,13 +1,15 @@
 """``routetool diff A B``: where and why two routings of the same tokens differ.
 
 Two sources hold the same tokens (traces, run folders, ids-only traces, the engines' routing
-outputs); each gives, per layer, the routing of every token row: its recorded ``topk_ids`` /
-``topk_weights`` where it holds them, else its logits routed by the reference (or a kernel
-under test) with its own router spec. The sources are aligned layer by layer (and rank by rank
-for run folders), by step and row: the same layers, the same number of tokens in every step
-(``align="rows"``: the same number of tokens in the layer), and where both sources carry them
-(engine dumps), the same request per step and the same token position per row. Both are streamed, chunk by chunk,
-and every aligned piece of rows is measured at once, on the device:
+outputs), each classified once (:func:`routetool.io.inputs.classify`); each gives, per layer,
+the routing of every token row: its recorded ``topk_ids`` / ``topk_weights`` where it holds
+them, else its logits routed by the reference with its own router spec; a kernel under test,
+where one is asked for a side, routes that side's logits wherever it holds them. The sources are
+aligned layer by layer (and rank by rank for run folders; or layer i with layer i,
+``pair_layers``), then by request and token position where both name them (the engines'
+outputs, in any order of requests), else by step and row (the same number of tokens in every
+step), or by row alone (``align="rows"``). Both are streamed, chunk by chunk, and every aligned
+piece of rows is measured at once, on the device:
 
 * each token row (a *token-layer*) falls in one class: ``same`` (same ids in the same slots,
   weights equal within ``weight_ulps``), ``weights`` (same ids and slots, a weight further apart),
@@ -16,8 +18,10 @@ and every aligned piece of rows is measured at once, on the device:
   a near-tie, or a row padded on one side only); rows padded on both sides are not compared;
 * a near-tie is judged by the biased selection keys of each side that holds logits: by the keys
   of one side at least, each expert picked by one side only has a key within ``tie_ulps``
-  float32 ulps of that side's k-th largest key (:func:`routetool.engine.compare.float32_ulp`; 0 = exact ties). Without logits on
-  either side no difference can be judged a tie (``ties_judged`` False);
+  float32 ulps of that side's k-th largest key (:func:`routetool.engine.compare.float32_ulp`;
+  0 = exact ties): the row's *margin*, the largest such distance in ulps (the smaller of the two
+  sides'), is at most ``tie_ulps``. Without logits on either side no difference can be judged a
+  tie (``ties_judged`` False);
 * overlap@k: ``|A ∩ B| / k`` averaged over the rows; weight deltas: matched by expert id on rows
   holding the same set, ``|wA - wB|`` (max, mean) and in float32 ulps of the larger weight;
 * per token (rows at one position of every layer of a rank, where the layers hold the same
@@ -216,8 +220,12 @@ class Source:
             return list(self._traces[rank].info(layer).step_offsets)
         return list(self._imported.layers[layer].step_offsets)
 
-    def holds(self, rank, layer: int) -> str:
-        """What the routing comes from: ``recorded`` ids or ``logits``."""
+    def holds(self, rank, layer: int, kernel: bool = False) -> str:
+        """What the routing comes from: ``recorded`` ids or ``logits``; ``kernel``: a kernel is
+        asked for this source, which routes its logits wherever it holds them (recorded ids
+        beside them are then left aside)."""
+        if kernel and self.has_logits(rank, layer):
+            return "logits"
         layer = self.layer_map.get(layer, layer)
         if self._input is not None:
             info = self._traces[rank].info(layer)
@@ -261,27 +269,29 @@ class Source:
         (request alignment; a dump only). ``memo``: shared by both sides (:class:`RouteMemo`).
         """
         router = None
-        if kernel is not None and self.spec is not None:
+        if kernel is not None and kernel[1] is not None and self.spec is not None:
             from routetool.engine.router import Router
 
             router = Router(self.spec, kernel[1], kernel[0])
+        force = kernel is not None  # (its logits routed wherever it holds them)
         memo = memo or RouteMemo()
         layer = self.layer_map.get(layer, layer)
         if self._input is not None:
-            yield from self._trace_rows(self._traces[rank], layer, device, router, memo)
+            yield from self._trace_rows(self._traces[rank], layer, device, router, memo, force)
         else:
-            yield from self._dump_rows(layer, device, router, order, memo)
+            yield from self._dump_rows(layer, device, router, order, memo, force)
 
     def _keyer(self, bias: torch.Tensor, path: str, layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def keys(gating: torch.Tensor) -> torch.Tensor:
             return _route_logits(None, self.spec, gating, bias, None, None, path, layer)[2]
         return keys
 
-    def _trace_rows(self, trace, layer: int, device: torch.device, router, memo: RouteMemo) -> Iterator[Rows]:
+    def _trace_rows(self, trace, layer: int, device: torch.device, router, memo: RouteMemo,
+                    force: bool) -> Iterator[Rows]:
         from routetool.engine.stream import stream_layer
 
         path = str(trace.display_path)
-        recorded = trace.info(layer).has_recorded_ids
+        recorded = trace.info(layer).has_recorded_ids and not (force and trace.info(layer).has_logits)
         bias = trace.bias(layer).to(device)
         keyer = self._keyer(bias, path, layer)
         for chunk in stream_layer(trace, layer, device, whole_steps=router is not None and not recorded):
@@ -322,7 +332,7 @@ class Source:
         return torch.cat(weights), torch.cat(ids)
 
     def _dump_rows(self, layer: int, device: torch.device, router, order: torch.Tensor | None,
-                   memo: RouteMemo) -> Iterator[Rows]:
+                   memo: RouteMemo, force: bool) -> Iterator[Rows]:
         x = self._imported.layers[layer]
         n = x.num_tokens
         ids_all, weights_all, gating, keyer, bias = x.topk_ids, x.topk_weights, x.gating_output, None, None
@@ -332,8 +342,10 @@ class Source:
                                      fix="import it with its router: `routetool import`")
             bias = (x.bias if x.bias is not None else torch.zeros(self.num_experts)).float().to(device)
             keyer = self._keyer(bias, str(self.path), layer)
-            if ids_all is None and router is not None:
+            if router is not None:  # (a kernel routes logits wherever they are)
                 weights_all, ids_all = self._kernel_routed(x, layer, bias, router, device)
+            elif force:  # (the reference, asked for: routed below)
+                weights_all = ids_all = None
         for a in range(0, n, PIECE_ROWS):
             b = min(n, a + PIECE_ROWS)
             sel = None if order is None else order[a:b]
@@ -944,10 +956,11 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
         align: one of :data:`ALIGNS`.
         tie_ulps / weight_ulps: tolerances in float32 ulps. ignore_ties / ignore_order /
             max_flip_rate: the thresholds of the verdict. device: where to measure (CPU).
-        kernel: ``(name, fn)``, the kernel under test that routes logits-only sides, each with its
-            own router spec (None: the reference). kernel_b: B's instead (``(name, fn)``, ``(name,
-            None)`` for the reference; None: ``kernel``): the reference against a kernel, or a kernel before and after a change, on
-            the same logits. pair_layers: A's i-th layer against B's i-th (:func:`check_aligned`).
+        kernel: ``(name, fn)``, the kernel under test that routes each side's logits (recorded ids
+            beside them left aside) with the side's own router spec (None: the reference).
+            kernel_b: B's instead (``(name, fn)``, ``(name, None)`` for the reference; None:
+            ``kernel``): the reference against a kernel, or a kernel before and after a change,
+            on the same logits. pair_layers: A's i-th layer against B's i-th (:func:`check_aligned`).
             progress: called with the rows of each aligned piece.
 
     Raises:
@@ -956,16 +969,16 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
     """
     device = device or torch.device("cpu")
     units, align, orders = check_aligned(a, b, layers, align, pair_layers=pair_layers)
-    kernels = {"A": kernel, "B": kernel if kernel_b is None else None if kernel_b[1] is None else kernel_b}
+    kernels = {"A": kernel, "B": kernel if kernel_b is None else kernel_b}
     names = {k: None if v is None else v[0] for k, v in kernels.items()}
-    routed = {s.label: any(s.holds(r, layer) == "logits" for r, layer in units) for s in (a, b)}
+    routed = {s.label: any(s.holds(r, layer, kernels[s.label] is not None) == "logits" for r, layer in units)
+              for s in (a, b)}
     asked = [k for k in ("A", "B") if kernels[k] is not None]
     if asked and not any(routed[k] for k in asked):
-        flags = [f"{flag} {k[0]}" for flag, k in (("--kernel", kernel), ("--kernel-b", kernel_b))
-                 if k is not None and k[1] is not None]
+        flags = [f"{flag} {k[0]}" for flag, k in (("--kernel", kernel), ("--kernel-b", kernel_b)) if k is not None]
         raise RouteToolError(f"{' and '.join(flags)} route{'' if len(flags) > 1 else 's'} logits, but "
                              f"{'neither source holds' if len(asked) == 2 else 'B does not hold'} logits alone (A: "
-                             f"{_holds(a, units, names['A'])}; B: {_holds(b, units, names['B'])})",
+                             f"{_holds(a, units, kernels['A'])}; B: {_holds(b, units, kernels['B'])})",
                              path=f"{a.path} and {b.path}",
                              fix="drop the kernel to compare the routing they record, or diff a logits-only trace of "
                                  "the same tokens")
@@ -1043,8 +1056,8 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
             notes.append(f"{flag} {names[s.label]} routes logits alone; {s.label} ({s.kind}) records its routing, "
                          "compared as recorded")
     return DiffResult(
-        source_a=str(a.path), source_b=str(b.path), holds_a=_holds(a, units, names["A"]),
-        holds_b=_holds(b, units, names["B"]), num_experts=max(a.num_experts, b.num_experts), topk=K, align=align,
+        source_a=str(a.path), source_b=str(b.path), holds_a=_holds(a, units, kernels["A"]),
+        holds_b=_holds(b, units, kernels["B"]), num_experts=max(a.num_experts, b.num_experts), topk=K, align=align,
         kernel=names["A"], kernel_b=None if kernel_b is None else kernel_b[0], tie_ulps=tie_ulps,
         weight_ulps=weight_ulps, ignore_ties=ignore_ties, ignore_order=ignore_order, max_flip_rate=max_flip_rate,
         layers=[per_layer[k] for k in sorted(per_layer)], ties_judged=ties_judged,
@@ -1063,7 +1076,8 @@ def _where(offsets: list[int], requests, row: int) -> tuple[int, int, str | None
     return step, row - offsets[step], labels[step], int(positions[row])
 
 
-def _holds(s: Source, units, kernel: str | None) -> str:
-    kinds = sorted({s.holds(r, layer) for r, layer in units})
-    what = {"recorded": "recorded ids", "logits": f"logits routed by {kernel or 'the reference'}"}
+def _holds(s: Source, units, kernel) -> str:
+    kinds = sorted({s.holds(r, layer, kernel is not None) for r, layer in units})
+    what = {"recorded": "recorded ids",
+            "logits": f"logits routed by {kernel[0] if kernel and kernel[1] is not None else 'the reference'}"}
     return f"{s.kind}: " + " and ".join(what[k] for k in kinds)

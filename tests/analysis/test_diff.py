@@ -582,3 +582,16 @@ def test_engine_against_trainer_with_layers_paired_by_order(tmp_path):
     assert "layers paired by order, A's-B's: 1-0, 2-1, 3-2 (numbered as A's)" in doc["notes"]
     assert run(rollout, trainer, "--pair-layers", "--layers", "1,2").exit_code == 0
     assert run(rollout, trainer, "--pair-layers", "--ignore-order").exit_code == 0  # the flip: the same experts
+
+
+def test_a_kernel_routes_the_logits_beside_recorded_ids(hand, tmp_path):
+    # A keeps its recorded ids; B's logits (the same file's) are routed by the reference: the same
+    # experts in the same slots as recorded on the 5 unpadded rows of both layers (the reference's picks,
+    # row 3's tie going to the lower expert 2), but the recorded weights 0.6/0.4 are not the
+    # reference's renormalised sigmoids
+    a, _ = hand
+    js = tmp_path / "d.json"
+    assert run(a, a, "--kernel-b", "reference", "--json", js).exit_code == 1
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"] == {"same": 0, "weights": 10, "order": 0, "tie": 0, "real": 0}
+    assert (doc["a"]["holds"], doc["b"]["holds"]) == ("trace: recorded ids", "trace: logits routed by the reference")
