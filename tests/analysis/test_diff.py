@@ -595,3 +595,83 @@ def test_a_kernel_routes_the_logits_beside_recorded_ids(hand, tmp_path):
     doc = json.loads(js.read_text())
     assert doc["overall"]["classes"] == {"same": 0, "weights": 10, "order": 0, "tie": 0, "real": 0}
     assert (doc["a"]["holds"], doc["b"]["holds"]) == ("trace: recorded ids", "trace: logits routed by the reference")
+
+
+def _recipes() -> list[str]:
+    """The commands of docs/diff.md's recipes, as written there."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "diff.md").read_text()
+    section = text[text.index("## Recipes"):text.index("## Speed")]
+    blocks = section.split("```")[1::2]
+    return [line.strip() for b in blocks for line in b.strip().splitlines()]
+
+
+ROUTE_FILE = '''
+from routetool_kernels.reference import musespark1x_routing_reference
+
+
+def route(gating_output, bias, topk, route_scale, router_output_multiplier=None, router_score_normalization="sigmoid",
+          router_score_division_eps=None, topk_weights=None, topk_ids=None, *, is_padding=None):
+    """The reference, as a kernel file."""
+    return musespark1x_routing_reference(gating_output, bias, topk=topk, route_scale=route_scale,
+                                         router_output_multiplier=router_output_multiplier,
+                                         router_score_normalization=router_score_normalization,
+                                         router_score_division_eps=router_score_division_eps, is_padding=is_padding)
+'''
+
+
+def test_the_recipes_in_the_docs_run_as_written(tmp_path, monkeypatch):
+    import shlex
+
+    from routetool.io.trace import open_trace
+    from routetool_kernels import reference
+
+    monkeypatch.chdir(tmp_path)
+    # R3: vLLM's routed experts (layer 0 dense) and Megatron's RouterReplay of the same requests
+    for folder in ("rollout", "trainer"):
+        (tmp_path / folder).mkdir()
+    for i in range(2):
+        arr = routed_experts(tokens=4 + i, layers=3, topk=2, experts=8, dense=(0,), seed=i)
+        write_vllm_npy(tmp_path / "rollout" / f"req-{i}.npy", arr)
+        write_megatron_replay(tmp_path / "trainer" / f"req-{i}.pt", torch.from_numpy(arr[:, 1:].astype("int64")), "list")
+    # batch-invariant on/off: the same three requests, returned in another order
+    arrays = [routed_experts(tokens=n, layers=2, topk=2, experts=8, seed=n) for n in (3, 5, 4)]
+    _responses(tmp_path / "invariant-on.jsonl", [0, 1, 2], arrays)
+    _responses(tmp_path / "invariant-off.jsonl", [2, 0, 1], arrays)
+    # bf16 against fp32: the default synthetic trace
+    for dtype in ("fp32", "bf16"):
+        res = CliRunner().invoke(main, ["synth", "--dtype", dtype, "-o", f"router-{dtype}.safetensors", "--no-progress"])
+        assert res.exit_code == 0, res.output
+    # a capture: logits and what the engine's kernel (here the reference) recorded
+    logits = _logits_trace(tmp_path / "logits.safetensors", torch.zeros(16))
+    with open_trace(logits) as t:
+        layers = {}
+        for layer in t.layers:
+            g = t.read_rows(layer, 0, 40).gating_output
+            w, ids, _, _ = reference.route(g, t.bias(layer), t.meta.router)
+            layers[layer] = LayerArrays(gating_output=g, topk_ids=ids, topk_weights=w,
+                                        step_offsets=torch.tensor([0, 16, 40]))
+        make_trace(tmp_path / "capture.safetensors", layers, router=t.meta.router)
+        for name in ("before", "after"):
+            (tmp_path / name / "rank-0").mkdir(parents=True)
+            make_trace(tmp_path / name / "rank-0" / "trace.safetensors", layers, router=t.meta.router)
+    for name in ("old_kernel.py", "new_kernel.py"):
+        (tmp_path / name).write_text(ROUTE_FILE)
+    commands = _recipes()
+    assert len(commands) == 6  # R3, batch-invariant, bf16/fp32, and three kernel comparisons
+    for line in commands + ["routetool diff before/ after/ --align rows --details"]:
+        argv = shlex.split(line)
+        assert argv[:2] == ["routetool", "diff"]
+        res = CliRunner().invoke(main, [*argv[1:], "--no-progress", *(["--force"] if "--json" in argv else [])],
+                                 terminal_width=200)
+        assert res.exit_code in (0, 1), (line, res.output)
+        first = res.output.splitlines()[0]
+        assert first.startswith(("IDENTICAL", "DIFFERENT")), (line, first)
+        if "--kernel-b tiled" not in line:  # (the reference's own arithmetic everywhere else: no difference)
+            assert res.exit_code == 0, (line, res.output)
+    bf16 = CliRunner().invoke(main, ["diff", "router-fp32.safetensors", "router-bf16.safetensors", "--no-progress",
+                                     "--weight-ulps", "65536", "--ignore-ties", "--ignore-order", "--max-flip-rate",
+                                     "0.01"])
+    assert bf16.output.splitlines()[0] == ("DIFFERENT (655 of 3,216 token-layers; 2 outside near-ties): within the "
+                                           "thresholds (--ignore-ties, --ignore-order, --max-flip-rate 0.01: 2 counted)")
