@@ -90,8 +90,8 @@ class Rows:
     def has_keys(self) -> bool:
         return self.biased is not None or self.gating is not None
 
-    def keys(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[m, E]`` float32 selection keys of ``rows`` (``[m]`` indices)."""
+    def keys(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """``[m, E]`` float32 selection keys of ``rows`` (``[m]`` indices, or a slice)."""
         if self.biased is not None:
             return self.biased[rows]
         return self.keyer(self.gating[rows])
@@ -643,6 +643,15 @@ def _identical(a: Rows, b: Rows) -> bool:
     return torch.equal(a.padded, b.padded) and (a.weights is None or torch.equal(a.weights, b.weights))
 
 
+def _rows(mask: torch.Tensor, n: int) -> torch.Tensor | slice | None:
+    """The rows ``mask`` (``[n]`` bool) holds, to work on: None for none, every row (a slice, so
+    that nothing is gathered and scattered) when they are most of them, else their indices."""
+    rows = mask.nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    return slice(None) if 2 * rows.numel() > n else rows
+
+
 def measure(a: Rows, b: Rows, topk: int, *, tie_ulps: float, weight_ulps: float) -> _Piece:
     """Classify aligned rows (see the module docstring).
 
@@ -675,9 +684,9 @@ def measure(a: Rows, b: Rows, topk: int, *, tie_ulps: float, weight_ulps: float)
                       same_set if with_weights else None, *((zero, zero, zero) if with_weights else (None,) * 3))
     one_pad = a.padded ^ b.padded
     same_order = (ia == ib).all(-1) & ~one_pad
-    rest = (~same_order).nonzero().flatten()  # (one synchronisation per piece)
+    rest = _rows(~same_order, n)  # (one synchronisation per piece)
     in_b, in_a = ia >= 0, ib >= 0  # [n, K]: A's pick is among B's (right on rows of the same order)
-    if rest.numel():
+    if rest is not None:
         ra, rb = ia[rest], ib[rest]
         in_b[rest] = (ra[:, :, None] == rb[:, None, :]).any(-1) & (ra >= 0)
         in_a[rest] = (rb[:, :, None] == ra[:, None, :]).any(-1) & (rb >= 0)
@@ -687,30 +696,37 @@ def measure(a: Rows, b: Rows, topk: int, *, tie_ulps: float, weight_ulps: float)
     weights_differ = torch.zeros_like(same_order)
     if with_weights:
         wa, wb = a.weights, b.weights  # paired slot by slot, by expert id on the other rows
-        if rest.numel():
+        if isinstance(rest, slice):
+            wa, wb = _sorted_by_id(ia, wa)[1], _sorted_by_id(ib, wb)[1]
+        elif rest is not None:
             wa, wb = wa.clone(), wb.clone()
             wa[rest] = _sorted_by_id(ia[rest], a.weights[rest])[1]
             wb[rest] = _sorted_by_id(ib[rest], b.weights[rest])[1]
         wrows = same_set & ~both_pad
         dw = torch.where(wrows[:, None], (wa - wb).abs(), 0.0).nan_to_num_(nan=float("inf"))
-        dw_sum, dw_max = dw.double().sum(), dw.max().double() if n else torch.zeros((), dtype=torch.float64)
-        moved = (dw != 0).any(-1).nonzero().flatten()  # (the ulps of the weights that differ only)
-        dw_ulps = dw[moved] / float32_ulp(torch.maximum(wa[moved].abs(), wb[moved].abs()))
-        dw_max_ulps = dw_ulps.max().double() if moved.numel() else torch.zeros((), dtype=torch.float64,
-                                                                              device=ia.device)
-        weights_differ[moved] = (dw_ulps > weight_ulps).any(-1) & wrows[moved]
+        dw_sum = dw.double().sum()
+        dw_max = dw.max().double() if n else torch.zeros((), dtype=torch.float64, device=ia.device)
+        dw_max_ulps = torch.zeros((), dtype=torch.float64, device=ia.device)
+        moved = _rows((dw != 0).any(-1), n)  # (the ulps of the weights that differ only)
+        if moved is not None:
+            dw_ulps = dw[moved] / float32_ulp(torch.maximum(wa[moved].abs(), wb[moved].abs()))
+            dw_max_ulps = dw_ulps.max().double()
+            weights_differ[moved] = (dw_ulps > weight_ulps).any(-1) & wrows[moved]
     tie = torch.zeros_like(same_order)
     margin = None
     judged = [x for x in (a, b) if x.has_keys]
-    other = (~same_set & ~one_pad & ~both_pad).nonzero().flatten()  # judged on these rows only
-    if judged and other.numel():
+    other_rows = ~same_set & ~one_pad & ~both_pad
+    other = _rows(other_rows, n) if judged else None  # judged on these rows only
+    if other is not None:
         m = None
         for x in judged:  # inside a near-tie of either routing: the smaller margin
             mx = _margin(x.keys(other).float(), ia[other], ib[other], in_b[other], in_a[other], topk)
             m = mx if m is None else torch.fmin(m, mx)
-        tie[other] = m <= tie_ulps
         margin = torch.full((n,), float("nan"), device=ia.device)
         margin[other] = torch.nan_to_num(m, nan=float("inf"))
+        if isinstance(other, slice):  # (every row measured: the others' margins are not margins)
+            margin = torch.where(other_rows, margin, float("nan"))
+        tie = other_rows & (margin <= tie_ulps)
     cls = torch.full(ia.shape[:1], 4, dtype=torch.int8, device=ia.device)  # real
     cls = torch.where(tie, 3, cls)
     cls = torch.where(same_set, 2, cls)

@@ -675,3 +675,25 @@ def test_the_recipes_in_the_docs_run_as_written(tmp_path, monkeypatch):
                                      "0.01"])
     assert bf16.output.splitlines()[0] == ("DIFFERENT (655 of 3,216 token-layers; 2 outside near-ties): within the "
                                            "thresholds (--ignore-ties, --ignore-order, --max-flip-rate 0.01: 2 counted)")
+
+
+def test_the_measures_are_the_same_whether_few_or_most_rows_differ(tmp_path):
+    # the hand case's five rows (four differing: measured on every row at once) and the same five
+    # among 20 more of the same routing (four of 25 differing: measured on those rows alone)
+    extra = 20
+    ids_a, w_a, logits = IDS_A[:5] + [[0, 1]] * extra, W_A[:5] + [[0.6, 0.4]] * extra, LOGITS[:5] + [[4, 3, 0, -1]] * extra
+    ids_b, w_b = IDS_B[:5] + [[0, 1]] * extra, W_B[:5] + [[0.6, 0.4]] * extra
+    docs = []
+    for n, name in ((5, "few"), (5 + extra, "many")):
+        a = make_trace(tmp_path / f"a-{name}.safetensors", {0: _layer(ids_a[:n], w_a[:n], logits[:n])}, router=ROUTER)
+        b = make_trace(tmp_path / f"b-{name}.safetensors", {0: _layer(ids_b[:n], w_b[:n], logits[:n])}, router=ROUTER)
+        js = tmp_path / f"{name}.json"
+        assert run(a, b, "--json", js).exit_code == 1
+        docs.append(json.loads(js.read_text()))
+    few, many = docs
+    assert few["overall"]["classes"] == {"same": 1, "weights": 1, "order": 1, "tie": 1, "real": 1}
+    assert many["overall"]["classes"] == {"same": 1 + extra, "weights": 1, "order": 1, "tie": 1, "real": 1}
+    assert few["margins"] == many["margins"] and few["first_differing_rows"] == many["first_differing_rows"]
+    for key in ("weight_max_abs_delta", "weight_max_delta_ulps"):
+        assert few["overall"][key] == many["overall"][key]
+    assert many["overall"]["overlap_at_k"] == pytest.approx((7 + 2 * extra) / (2 * (5 + extra)))
