@@ -697,3 +697,11 @@ def test_the_measures_are_the_same_whether_few_or_most_rows_differ(tmp_path):
     for key in ("weight_max_abs_delta", "weight_max_delta_ulps"):
         assert few["overall"][key] == many["overall"][key]
     assert many["overall"]["overlap_at_k"] == pytest.approx((7 + 2 * extra) / (2 * (5 + extra)))
+
+
+def test_the_command_offers_every_alignment():
+    from routetool.analysis.diff import ALIGNS
+    from routetool.cli.diff import diff
+
+    (align,) = [p for p in diff.params if p.name == "align"]
+    assert tuple(align.type.choices) == ALIGNS and align.default == "auto"
