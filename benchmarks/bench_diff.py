@@ -3,9 +3,14 @@
 Makes a synthetic trace with ``routetool synth`` (the traces of ``bench_engine.py``), then times,
 each as a whole Python process (start-up, imports and the reads included) and in the same run:
 
-* the raw read of both sources: every tensor of the trace read twice with safetensors and moved
-  to the device (what any diff must at least do);
-* ``routetool diff T T`` (the reference routes both sides' logits; with ``--json``).
+* the raw read of both sources: every tensor of the traces read with safetensors and moved to
+  the device (what any diff must at least do);
+* ``routetool diff T T`` (with ``--json``): a trace against itself. Both sides hold the same
+  logits, so the reference routes each chunk once (``RouteMemo``) and every piece is identical
+  (the answer ``IDENTICAL`` costs comparing the pieces);
+* ``routetool diff T T2``: T against a twin of the same steps whose logits and bias differ
+  (``synth --bias-rate 0.002``), so that the reference routes both sides and most rows take
+  the full comparison, near-tie margins included: the work of a diff that finds differences.
 
 It prints, per trace, the best of ``--repeat`` runs, the ratio to the raw read and the work per
 captured step beyond the read, and appends one row per measurement to the results CSV (the
@@ -56,26 +61,28 @@ def main() -> None:
     print(f"commit {results.commit()}, {machine}, best of {opts.repeat}")
     print(f"{'trace':15} {'command':12} {'wall s':>8} {'raw s':>7} {'x raw':>6} {'us/step':>8}")
     for name, synth_args in bench_engine.TRACES[opts.set].items():
-        trace = work / f"{name}.safetensors"
-        if not trace.exists():
-            subprocess.run([py, "-m", "routetool", "synth", *synth_args, "-o", str(trace), "--no-progress"],
-                           env=bench_engine._env(), check=True, stdout=subprocess.DEVNULL)
+        trace, twin = work / f"{name}.safetensors", work / f"{name}-twin.safetensors"
+        for path, extra in ((trace, []), (twin, ["--bias-rate", "0.002"])):
+            if not path.exists():
+                subprocess.run([py, "-m", "routetool", "synth", *synth_args, *extra, "-o", str(path), "--no-progress"],
+                               env=bench_engine._env(), check=True, stdout=subprocess.DEVNULL)
         steps = bench_engine._steps(trace)
-        size_mib = 2 * trace.stat().st_size / 2**20
-        raw = bench_engine._timed([py, "-c", RAW_READ_BOTH, str(trace), str(trace), device], opts.repeat)
-        wall = bench_engine._timed([py, "-m", "routetool", "diff", str(trace), str(trace), "--device", device,
-                                    "--json", str(work / "diff.json"), "--force", "--no-progress"], opts.repeat)
-        per_step = (wall - raw) / steps * 1e6
-        print(f"{name:15} {'raw read x2':12} {raw:8.2f} {raw:7.2f} {1.0:6.2f} {'':>8}   ({size_mib:.0f} MiB read, "
-              f"{steps:,} steps)")
-        print(f"{name:15} {'diff T T':12} {wall:8.2f} {raw:7.2f} {wall / raw:6.2f} {per_step:8.1f}")
-        rows.append((name, steps, size_mib, raw, wall))
+        for label, other in (("self", trace), ("twin", twin)):
+            size_mib = (trace.stat().st_size + other.stat().st_size) / 2**20
+            raw = bench_engine._timed([py, "-c", RAW_READ_BOTH, str(trace), str(other), device], opts.repeat)
+            wall = bench_engine._timed([py, "-m", "routetool", "diff", str(trace), str(other), "--device", device,
+                                        "--json", str(work / "diff.json"), "--force", "--no-progress"], opts.repeat)
+            per_step = (wall - raw) / steps * 1e6
+            command = "diff T T" if label == "self" else "diff T T2"
+            print(f"{name:15} {'raw read x2':12} {raw:8.2f} {raw:7.2f} {1.0:6.2f} {'':>8}   ({size_mib:.0f} MiB "
+                  f"read, {steps:,} steps)")
+            print(f"{name:15} {command:12} {wall:8.2f} {raw:7.2f} {wall / raw:6.2f} {per_step:8.1f}")
+            rows.append((name, label, steps, size_mib, raw, wall))
     if opts.csv:
         out = []
-        for name, steps, size_mib, raw, wall in rows:
-            case = f"{name} ({size_mib:.0f} MiB, {steps} steps) diff-self"
-            out.append([machine, "diff", f"{name} ({size_mib:.0f} MiB, {steps} steps) raw-read-x2", "wall_s",
-                        f"{raw:.3f}", "s"])
+        for name, label, steps, size_mib, raw, wall in rows:
+            case = f"{name} ({size_mib:.0f} MiB, {steps} steps) diff-{label}"
+            out.append([machine, "diff", f"{case} raw-read-x2", "wall_s", f"{raw:.3f}", "s"])
             out.append([machine, "diff", case, "wall_s", f"{wall:.3f}", "s"])
             out.append([machine, "diff", case, "ratio_to_raw_read", f"{wall / raw:.3f}", "x"])
             out.append([machine, "diff", case, "work_per_step_us", f"{(wall - raw) / steps * 1e6:.1f}", "us"])

@@ -6,7 +6,8 @@ headers and their ``__metadata__``, ids-only traces declaring huge expert counts
 indexes, JSON lines, CSV, counts JSON, SGLang ``.pt`` dumps, what the engines emit (every tenth
 case: vLLM and SGLang routed experts, Megatron ``.pt`` and ``.npz``, FlashInfer-Trace blobs), hostile
 paths), then given to one
-command (``info``, ``info --scan``, ``balance``, ``import``, ``replay``, ``validate``). Each case
+command (``info``, ``info --scan``, ``balance``, ``import``, ``replay``, ``validate``, and for
+about one case in seven ``diff`` of it against itself or a valid trace). Each case
 runs in this process through click's ``CliRunner`` and must keep the promise of
 docs/cli-contract.md:
 
@@ -497,9 +498,32 @@ TRACE_COMMANDS = [["info", "IN"], ["info", "IN", "--scan", "--no-progress"], ["b
 DUMP_COMMANDS = [["balance", "IN", "--no-progress"], ["import", "IN", "-o", "OUT"]]
 
 
+DIFF_SHARE = 1 / 7
+"""Share of the cases whose command becomes ``diff`` (chosen by a generator of its own, so that
+every case's input stays what it was)."""
+
+
 def build_case(seed: int, number: int, seeds: dict[str, Path], case: Path) -> list[str]:
     """Write case ``number``'s files into ``case`` and return its command line (``IN``, ``OUT``
-    replaced by paths)."""
+    replaced by paths): :func:`_build_case`'s, or for about :data:`DIFF_SHARE` of the cases
+    ``routetool diff`` of its input against itself or a valid trace, with the case's output
+    options (a hostile output path included)."""
+    argv = _build_case(seed, number, seeds, case)
+    drng = random.Random(f"{seed}/{number}/diff")
+    if drng.random() >= DIFF_SHARE:
+        return argv
+    inp = argv[1]
+    out = [a for i, a in enumerate(argv) if i > 1 and argv[i - 1] in ("--json", "--eplb-out", "-o")]
+    keep = [a for i, a in enumerate(argv[2:], 2) if a in ("--force", "--topk") or argv[i - 1] == "--topk"]
+    other = drng.choice([inp, str(seeds["trace"]), str(seeds["ids"])])
+    pair = [inp, other] if drng.random() < 0.5 else [other, inp]
+    command = ["diff", *pair, "--no-progress", *keep]
+    if out:
+        command += [drng.choice(["--json", "--plot"]), out[0]]
+    return command
+
+
+def _build_case(seed: int, number: int, seeds: dict[str, Path], case: Path) -> list[str]:
     rng = random.Random(f"{seed}/{number}")
     out = case / "out.safetensors"
     if number % 10 == 9:  # what the engines emit (their own generator: the other cases stay as they were)
@@ -609,7 +633,7 @@ def run_case(seed: int, number: int, seeds: dict[str, Path], case: Path) -> dict
     case.mkdir(parents=True)
     argv = build_case(seed, number, seeds, case)
     # what the command may write: the paths after its output options, never its input
-    outputs = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--json", "--eplb-out", "-o")} - {argv[1]}
+    outputs = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--json", "--eplb-out", "-o", "--plot")} - {argv[1]}
     before = _snapshot(case)
     rss_before = _peak_rss()
     start = time.perf_counter()

@@ -1100,8 +1100,13 @@ def check_options_read(path: Path, options: ImportOptions, read: Iterable[str], 
                              f"{', '.join(READING_OPTIONS[name] for name in read)})", path=path, fix=f"drop {flags}")
 
 
-def read_dump(path: str | Path, options: ImportOptions | None = None) -> ImportedRouting | ImportedCounts:
+def read_dump(path: str | Path, options: ImportOptions | None = None, *,
+              classified: str | None = None) -> ImportedRouting | ImportedCounts:
     """Read any supported routing dump (not a trace).
+
+    ``classified``: the format :func:`routetool.io.inputs.classify` found for ``path``
+    (``InputPath.format``), which is then read as such, without detecting it again; None:
+    ``options.format`` (``auto``: detected here).
 
     Returns:
         :class:`ImportedRouting` for per-token ids, :class:`ImportedCounts` for counts.
@@ -1119,7 +1124,7 @@ def read_dump(path: str | Path, options: ImportOptions | None = None) -> Importe
     path = Path(path)
     check_import_options(options)
     explicit = options.format != "auto"
-    fmt = resolve_format(path, options.format)
+    fmt = classified if classified is not None else resolve_format(path, options.format)
     if fmt == "trace":
         raise RouteToolError("is already a routetool trace: `import` reads routing dumps", path=path,
                              fix="analyse it with `routetool balance`")

@@ -383,7 +383,16 @@ def open_input(path: str | os.PathLike, *, display_path: str | os.PathLike | Non
         RouteToolError: a routing dump, or a folder of them (:func:`refuse_dump`); as
             :class:`~routetool.io.run.RunInput` and :func:`open_trace` do.
     """
-    inp = classify(path, display_path=display_path)
+    return open_classified(classify(path, display_path=display_path))
+
+
+def open_classified(inp: InputPath) -> RunInput:
+    """:func:`open_input` of a path :func:`classify` has classified already (a command that
+    reads dumps too classifies its inputs once and opens the traces among them with this).
+
+    Raises:
+        RouteToolError: as :func:`open_input` does.
+    """
     if inp.found != "folder":
         trace = _open_classified(inp)
         try:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from rich.text import Text
 
+from routetool.analysis.diff import MAX_TOKENS_LISTED
+
 from routetool.report.partial import partial_json, render_partial
 from routetool.report.tables import _values, _weights, fmt_float, table, user_text
 
@@ -81,13 +83,34 @@ def render_diff(result, console, *, details: bool = False) -> None:
         console.print(user_text(f"note: {note}"))
     if details:
         console.print(_layer_table(result, result.layers))
+        by_request = result.align == "requests"
         if result.examples:
-            t = table("First differing rows", ["rank", "layer", "step", "row", "class", "ids A", "ids B",
-                                               "weights A", "weights B"], left=("class", "ids A", "ids B",
-                                                                                 "weights A", "weights B"))
+            where = ["request", "position"] if by_request else []
+            t = table("First differing rows", ["rank", "layer", "step", "row", *where, "class", "ids A", "ids B",
+                                               "weights A", "weights B"],
+                      left=("request", "class", "ids A", "ids B", "weights A", "weights B"))
             for e in result.examples:
-                t.add_row("-" if e.rank is None else str(e.rank), str(e.layer), str(e.step), str(e.row), e.cls,
+                at = [user_text(e.request), str(e.position)] if by_request else []
+                t.add_row(_rank(e.rank), str(e.layer), str(e.step), str(e.row), *at, e.cls,
                           _values(e.ids_a), _values(e.ids_b), _weights(e.weights_a), _weights(e.weights_b))
+            console.print(t)
+        if result.first_tokens:
+            where = ["request", "position"] if by_request else []
+            t = table(f"First divergence by token (first {len(result.first_tokens):,} of {result.tokens_differing:,} "
+                      "tokens differing)", ["rank", "token", "step", "row", *where, "first layer"], left=("request",))
+            for x in result.first_tokens:
+                at = [user_text(x.request), str(x.position)] if by_request else []
+                t.add_row(_rank(x.rank), f"{x.token:,}", str(x.step), str(x.row), *at, str(x.layer))
+            console.print(t)
+        margins = _margin_rows(result)
+        if any(row["tie"] or row["real"] for row in margins) or result.margins.not_judged:
+            t = table(f"Other experts by margin at the k-th pick (float32 ulps of the k-th key; near-tie: at most "
+                      f"{result.tie_ulps:g})", ["margin (ulps)", "tie", "real"])
+            for row in margins:
+                if row["tie"] or row["real"]:
+                    t.add_row(_bin(row), f"{row['tie']:,}", f"{row['real']:,}")
+            if result.margins.not_judged:
+                t.add_row("not judged", "0", f"{result.margins.not_judged:,}")
             console.print(t)
     else:
         worst = result.worst_layers()
@@ -95,6 +118,25 @@ def render_diff(result, console, *, details: bool = False) -> None:
             console.print(_layer_table(result, worst, f"Worst layers ({len(worst)} of {len(result.layers)}, by "
                                        "share of token-layers differing)", weights=False))
         console.print(Text("--details: every layer and the first differing rows; --json for all numbers"))
+
+
+def _rank(rank) -> str:
+    return "-" if rank is None else str(rank)
+
+
+def _margin_rows(result) -> list[dict]:
+    """The margin histogram (:class:`~routetool.analysis.diff.Margins`) as JSON rows: each bin's
+    ``low_ulps`` and ``high_ulps`` (None: unbounded) and its ``tie`` and ``real`` rows."""
+    m = result.margins
+    return [{"low_ulps": lo, "high_ulps": None if hi == float("inf") else hi, "tie": t, "real": r}
+            for (lo, hi), t, r in zip(m.bins(), m.tie, m.real)]
+
+
+def _bin(row: dict) -> str:
+    lo, hi = row["low_ulps"], row["high_ulps"]
+    if hi == 0:
+        return "0 (exact tie)"
+    return f"> {lo:,.0f}" if hi is None else f"({lo:,.0f}, {hi:,.0f}]"
 
 
 def _ratio(a: int | None, b: int | None) -> float | None:
@@ -123,6 +165,7 @@ def diff_json(result) -> dict:
         "a": {"source": result.source_a, "holds": result.holds_a},
         "b": {"source": result.source_b, "holds": result.holds_b},
         "num_experts": result.num_experts, "topk": result.topk, "align": result.align, "kernel": result.kernel,
+        "kernel_b": result.kernel_b,
         "tie_ulps": result.tie_ulps, "weight_ulps": result.weight_ulps,
         "thresholds": {"ignore_ties": result.ignore_ties, "ignore_order": result.ignore_order,
                        "max_flip_rate": result.max_flip_rate},
@@ -142,9 +185,18 @@ def diff_json(result) -> dict:
         },
         "layers": [layer(x) for x in result.layers],
         "first_differing_rows": [
-            {"rank": e.rank, "layer": e.layer, "step": e.step, "row": e.row, "class": e.cls,
-             "ids_a": e.ids_a, "ids_b": e.ids_b, "weights_a": e.weights_a, "weights_b": e.weights_b}
+            {"rank": e.rank, "layer": e.layer, "step": e.step, "row": e.row, "request": e.request,
+             "position": e.position, "class": e.cls, "ids_a": e.ids_a, "ids_b": e.ids_b, "weights_a": e.weights_a,
+             "weights_b": e.weights_b}
             for e in result.examples],
+        "first_divergence": {
+            "tokens_differing": result.tokens_differing, "listed_at_most": MAX_TOKENS_LISTED,
+            "listed": [{"rank": x.rank, "token": x.token, "step": x.step, "row": x.row, "request": x.request,
+                        "position": x.position, "layer": x.layer} for x in result.first_tokens]},
+        "margins": {
+            "unit": "float32 ulps of the k-th largest selection key", "tie_ulps": result.tie_ulps,
+            "near_tie": result.count("tie"), "real": result.count("real"),
+            "not_judged": result.margins.not_judged, "bins": _margin_rows(result)},
         "notes": list(result.notes),
         **partial_json(result.partial),
     }

@@ -11,7 +11,10 @@ from click.testing import CliRunner
 
 from routetool.cli import main
 from routetool.io.trace import LayerArrays, RouterConfig
-from tests.dump_writers import routed_experts, write_vllm_npy
+from tests.dump_writers import (
+    routed_experts, sglang_generate, vllm_completion, write_flashinfer_workload, write_json, write_jsonl,
+    write_megatron_replay, write_vllm_npy,
+)
 
 ROUTER = RouterConfig(num_experts=4, topk=2, route_scale=1.0)
 ULP_04 = 2.0 ** -25  # the float32 ulp at 0.4 (0.25 <= 0.4 < 0.5)
@@ -82,6 +85,18 @@ def test_each_measure_matches_the_hand_computed_case(hand, tmp_path):
     first = doc["first_differing_rows"][0]
     assert (first["layer"], first["step"], first["row"], first["class"]) == (0, 0, 1, "order")
     assert first["ids_a"] == [0, 1] and first["ids_b"] == [1, 0]
+    # tokens 1-4 differ, each first (and only) in layer 0
+    fd = doc["first_divergence"]
+    assert fd["tokens_differing"] == 4
+    assert [(x["token"], x["step"], x["row"], x["layer"]) for x in fd["listed"]] == [(t, 0, t, 0) for t in (1, 2, 3, 4)]
+    # margins at the k-th pick (K=2), in ulps of the k-th key: row 3 picks 2 or 3, whose keys are equal
+    # (sigmoid(1), an exact tie: bin 0); row 4's exclusive experts reach down to expert 3, key sigmoid(-1),
+    # 0.68 below the k-th key sigmoid(3) ~ 0.95 whose ulp is 2^-24: ~1.1e7 ulps, the last bin
+    m = doc["margins"]
+    assert (m["near_tie"], m["real"], m["not_judged"]) == (1, 1, 0)
+    assert m["bins"][0] == {"low_ulps": 0.0, "high_ulps": 0.0, "tie": 1, "real": 0}
+    assert m["bins"][-1] == {"low_ulps": 2.0 ** 20, "high_ulps": None, "tie": 0, "real": 1}
+    assert sum(b["tie"] + b["real"] for b in m["bins"][1:-1]) == 0
 
 
 def test_tie_ulps_zero_takes_exact_ties_only(tmp_path, make_trace):
@@ -95,9 +110,13 @@ def test_tie_ulps_zero_takes_exact_ties_only(tmp_path, make_trace):
     assert json.loads(doc_path.read_text())["overall"]["classes"]["real"] == 1
     assert run(a, b, "--json", doc_path, "--tie-ulps", 1, "--force").exit_code == 1
     assert json.loads(doc_path.read_text())["overall"]["classes"]["real"] == 1
+    bins = json.loads(doc_path.read_text())["margins"]["bins"]
+    assert [(b["low_ulps"], b["high_ulps"], b["real"]) for b in bins if b["real"]] == [(1.0, 4.0, 1)]  # 2 ulps
     res = run(a, b, "--json", doc_path, "--force")
     assert res.output.splitlines()[0] == "DIFFERENT (1 of 1 token-layers; 0 outside near-ties)"
-    assert json.loads(doc_path.read_text())["overall"]["classes"]["tie"] == 1
+    doc = json.loads(doc_path.read_text())
+    assert doc["overall"]["classes"]["tie"] == 1
+    assert [(b["low_ulps"], b["high_ulps"], b["tie"]) for b in doc["margins"]["bins"] if b["tie"]] == [(1.0, 4.0, 1)]
     assert run(a, b, "--ignore-ties").exit_code == 0
 
 
@@ -117,6 +136,10 @@ def test_details_prints_every_layer_and_the_first_differing_rows(hand):
                              terminal_width=200)
     assert "Agreement by layer" in res.output and "First differing rows" in res.output
     assert "order" in res.output and "real" in res.output
+    assert "First divergence by token (first 4 of 4 tokens differing)" in res.output
+    lines = res.output.splitlines()
+    assert any(line.split() == ["0", "(exact", "tie)", "1", "0"] for line in lines)  # the margins, as in the JSON
+    assert any(line.split() == [">", "1,048,576", "0", "1"] for line in lines)
 
 
 @pytest.fixture
@@ -251,10 +274,100 @@ def test_two_engine_outputs_are_aligned_by_request(tmp_path):
         (tmp_path / folder).mkdir()
         for name, arr in zip(names, arrs):
             write_vllm_npy(tmp_path / folder / f"{name}.npy", arr)
-    assert run(tmp_path / "x", tmp_path / "y").exit_code == 0
+    js = tmp_path / "d.json"
+    assert run(tmp_path / "x", tmp_path / "y", "--json", js).exit_code == 0
+    assert json.loads(js.read_text())["align"] == "requests"
     res = CliRunner().invoke(main, ["diff", str(tmp_path / "x"), str(tmp_path / "z"), "--no-progress"])
-    assert res.exit_code == 2
-    assert "step 1 is request 'req-b' in A, 'req-c' in B" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    # req-a's 5 tokens are in both; req-b's 5 only in A, req-c's 5 only in B
+    assert ("the token sets differ: layer 0: 5 of A's 10 tokens are not in B (first: request 'req-b' position 0); "
+            "5 of B's 10 tokens are not in A (first: request 'req-c' position 0)") in res.stderr
+    # by step (explicitly), the labels must match step by step
+    res = CliRunner().invoke(main, ["diff", str(tmp_path / "x"), str(tmp_path / "z"), "--align", "steps",
+                                    "--no-progress"])
+    assert res.exit_code == 2 and "step 1 is request 'req-b' in A, 'req-c' in B" in res.stderr
+    assert run(tmp_path / "x", tmp_path / "z", "--align", "rows").exit_code == 0  # by row alone: the same arrays
+
+
+def _responses(path, order, arrays, flip=None):
+    """vLLM responses, one per line, of requests ``order`` (ids into ``arrays``); ``flip``: (request,
+    token, layer) whose two slots are swapped."""
+    docs = []
+    for r in order:
+        a = arrays[r].copy()
+        if flip is not None and flip[0] == r:
+            a[flip[1], flip[2]] = a[flip[1], flip[2]][::-1]
+        docs.append(vllm_completion([a], request_id=f"cmpl-{r}"))
+    return write_jsonl(path, docs)
+
+
+def test_requests_in_another_order_are_aligned_by_request_and_position(tmp_path):
+    # three requests of 3, 5 and 4 tokens; B returns them in another order: by step the sizes differ
+    arrays = [routed_experts(tokens=n, layers=2, topk=2, experts=8, seed=n) for n in (3, 5, 4)]
+    a = _responses(tmp_path / "a.jsonl", [0, 1, 2], arrays)
+    b = _responses(tmp_path / "b.jsonl", [2, 0, 1], arrays)
+    js = tmp_path / "d.json"
+    res = run(a, b, "--json", js)
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[0] == "IDENTICAL (24 token-layers, 2 layers)"
+    steps = CliRunner().invoke(main, ["diff", str(a), str(b), "--align", "steps", "--no-progress"])
+    assert steps.exit_code == 2 and "step 0 holds 3 tokens in A, 4 in B" in steps.stderr
+    # one slot-order flip in request 1 (A's step 1), token 2, layer 1: found at A's row 3 + 2 = 5
+    c = _responses(tmp_path / "c.jsonl", [2, 1, 0], arrays, flip=(1, 2, 1))
+    res = run(a, c, "--json", js, "--force")
+    assert res.exit_code == 1
+    assert res.output.splitlines()[0] == "DIFFERENT (1 of 24 token-layers; 0 outside near-ties)"
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"]["order"] == 1
+    e = doc["first_differing_rows"][0]
+    assert (e["layer"], e["step"], e["row"], e["request"], e["position"]) == (1, 1, 2, "cmpl-1/0", 2)
+    assert e["ids_b"] == e["ids_a"][::-1]
+    first = doc["first_divergence"]
+    assert first["tokens_differing"] == 1 and first["listed"] == [
+        {"rank": None, "token": 5, "step": 1, "row": 2, "request": "cmpl-1/0", "position": 2, "layer": 1}]
+
+
+def test_sources_that_share_no_token_or_name_no_requests(tmp_path, make_trace):
+    arrays = [routed_experts(tokens=4, layers=2, topk=2, experts=8, seed=s) for s in (1, 2)]
+    a = write_jsonl(tmp_path / "a.jsonl", [vllm_completion([arrays[0]], request_id="one")])
+    b = write_jsonl(tmp_path / "b.jsonl", [vllm_completion([arrays[1]], request_id="two")])
+    res = CliRunner().invoke(main, ["diff", str(a), str(b), "--no-progress"])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "the sources share no token (layer 0: A holds requests 'one/0', B 'two/0')" in res.stderr
+    assert "--align rows" in res.stderr
+    assert run(a, b, "--align", "rows").exit_code == 1  # by order alone: 4 tokens each, other ids
+    ids = torch.from_numpy(arrays[0].astype("int64")).to(torch.int32)
+    router = RouterConfig(num_experts=8, topk=2, route_scale=1.0)
+    t = make_trace(tmp_path / "t.safetensors", {i: LayerArrays(topk_ids=ids[:, i].contiguous(),
+                                                               step_offsets=torch.tensor([0, 4])) for i in range(2)},
+                   router=router)
+    res = CliRunner().invoke(main, ["diff", str(a), str(t), "--align", "requests", "--no-progress"])
+    assert res.exit_code == 2 and "cannot be aligned by request: B (trace) names no requests" in res.stderr
+    assert run(a, t).exit_code == 0  # auto: by step where one side names no requests
+
+
+def test_a_counts_dump_is_refused_for_balance(tmp_path, logits_trace):
+    counts = write_json(tmp_path / "counts.json", {"0": {"0": 3, "1": 5}})
+    t = logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    res = CliRunner().invoke(main, ["diff", str(counts), str(t), "--no-progress"])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "holds per-expert counts, not per-token routing" in res.stderr and "routetool balance" in res.stderr
+
+
+def test_each_path_is_classified_once(tmp_path, monkeypatch, logits_trace):
+    import routetool.io.inputs as inputs
+
+    calls = []
+    real = inputs.classify
+    monkeypatch.setattr(inputs, "classify", lambda p, **kw: calls.append(str(p)) or real(p, **kw))
+    arr = routed_experts(tokens=6, layers=2, topk=2, experts=8, seed=3)
+    npy = write_vllm_npy(tmp_path / "req.npy", arr)
+    t = logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    from routetool.analysis.diff import Source
+
+    for path in (npy, t):
+        Source(path, "A").close()
+    assert calls == [str(npy), str(t)]
 
 
 KERNEL = '''
@@ -310,3 +423,289 @@ def test_a_partial_trace_is_named_before_the_answer(tmp_path, make_trace):
     doc = json.loads(js.read_text())
     assert doc["complete"] is False and len(doc["partial"]) == 2
     assert doc["overall"]["tokens"] is None  # layers of other steps: no per-token measures
+
+
+def test_a_kernel_routes_an_engine_output_of_logits_once_per_step(tmp_path, make_trace):
+    # a FlashInfer-Trace folder: two workloads (steps of 5 and 7 tokens) of 16 experts, top-4
+    from routetool_kernels import reference
+
+    g = torch.Generator().manual_seed(5)
+    logits = [torch.randn(5, 16, generator=g), torch.randn(7, 16, generator=g)]
+    bias = (torch.randn(16, generator=g) * 0.05).to(torch.bfloat16)
+    folder = tmp_path / "workloads"
+    folder.mkdir()
+    for i, lg in enumerate(logits):
+        write_flashinfer_workload(folder, "moe_ds_routing_topk4_e16", lg, bias, seed=i)
+    router = RouterConfig(num_experts=16, topk=4)
+    w, ids, _, _ = reference.route(torch.cat(logits), bias.float(), router)
+    recorded = make_trace(tmp_path / "recorded.safetensors",
+                          {0: LayerArrays(topk_ids=ids, topk_weights=w, step_offsets=torch.tensor([0, 5, 12]))},
+                          router=router)
+    assert run(recorded, folder).exit_code == 0
+    kfile = tmp_path / "k.py"
+    kfile.write_text(KERNEL + STEP_SIZES)
+    js = tmp_path / "d.json"
+    res = run(recorded, folder, "--kernel", f"{kfile}:by_step", "--json", js)
+    assert res.exit_code == 1, res.output
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"]["order"] == 12 and doc["b"]["holds"].endswith(f"logits routed by {kfile}:by_step")
+    assert (tmp_path / "sizes.txt").read_text().split() == ["5", "7"]  # once per captured step, whole
+
+
+STEP_SIZES = '''
+
+def by_step(gating_output, bias, topk, route_scale, **kwargs):
+    """The swapped reference, writing each call's rows beside itself."""
+    from pathlib import Path
+
+    with open(Path(__file__).parent / "sizes.txt", "a") as fh:
+        fh.write(f"{gating_output.shape[0]}\\n")
+    return swapped(gating_output, bias, topk, route_scale, **kwargs)
+'''
+
+
+def test_a_kernel_with_nothing_to_route_is_refused_in_one_line(tmp_path, make_trace):
+    arr = routed_experts(tokens=6, layers=2, topk=2, experts=8, seed=3)
+    npy = write_vllm_npy(tmp_path / "req.npy", arr)
+    ids = torch.from_numpy(arr.astype("int64")).to(torch.int32)
+    t = make_trace(tmp_path / "t.safetensors", {i: LayerArrays(topk_ids=ids[:, i].contiguous(),
+                                                               step_offsets=torch.tensor([0, 6])) for i in range(2)},
+                   router=RouterConfig(num_experts=8, topk=2, route_scale=1.0))
+    res = CliRunner().invoke(main, ["diff", str(npy), str(t), "--kernel", "seed", "--no-progress"])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert ("--kernel seed routes logits, but neither source holds logits alone (A: vllm: recorded ids; B: trace: "
+            "recorded ids)") in res.stderr
+
+
+def test_a_kernel_beside_a_recorded_side_says_so(tmp_path, make_trace, logits_trace):
+    logits = logits_trace(tmp_path / "logits.safetensors", torch.zeros(16))
+    from routetool.io.trace import open_trace
+    from routetool_kernels import reference
+
+    with open_trace(logits) as t:
+        layers = {}
+        for layer in t.layers:
+            w, ids, _, _ = reference.route(t.read_rows(layer, 0, 40).gating_output, t.bias(layer), t.meta.router)
+            layers[layer] = LayerArrays(topk_ids=ids, topk_weights=w, step_offsets=torch.tensor([0, 16, 40]))
+        recorded = make_trace(tmp_path / "recorded.safetensors", layers, router=t.meta.router)
+    js = tmp_path / "d.json"
+    # (the seed kernel's weights are a few ulps from the reference's: its own arithmetic)
+    assert run(recorded, logits, "--kernel", "seed", "--json", js, "--weight-ulps", 8).exit_code == 0
+    assert "--kernel seed routes logits alone; A (trace) records its routing, compared as recorded" in \
+        json.loads(js.read_text())["notes"]
+
+
+FLAKY = '''
+
+CALLS = [0]
+
+
+def every_other_pair(gating_output, bias, topk, route_scale, **kwargs):
+    """The reference, its slots swapped on calls 3-4, 7-8, ...: a kernel that answers the same input two ways."""
+    CALLS[0] += 1
+    w, ids = swapped(gating_output, bias, topk, route_scale, **kwargs)
+    if (CALLS[0] - 1) // 2 % 2:
+        return w, ids
+    return w[:, [1, 0, 2, 3]].contiguous(), ids[:, [1, 0, 2, 3]].contiguous()
+'''
+
+
+def test_a_kernel_is_called_on_each_side_even_for_the_same_logits(tmp_path, logits_trace):
+    # a trace against itself is routed once by the reference (RouteMemo), but a kernel under test
+    # is called for each side: two steps per layer, A's calls 1-2 as the reference, B's 3-4 swapped
+    t = logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    kfile = tmp_path / "k.py"
+    kfile.write_text(KERNEL + FLAKY)
+    js = tmp_path / "d.json"
+    assert run(t, t, "--kernel", f"{kfile}:every_other_pair", "--json", js).exit_code == 1
+    assert json.loads(js.read_text())["overall"]["classes"]["order"] == 120
+
+
+def test_sglang_routed_experts_take_the_other_sides_topk(tmp_path):
+    # SGLang's routed experts do not record top-k: the other source's K, or --topk
+    arr = routed_experts(tokens=6, layers=2, topk=2, experts=8, seed=4)
+    gen = write_jsonl(tmp_path / "gen.jsonl", [sglang_generate(arr.astype("int32"), prompt_tokens=4, request_id="r1")])
+    npy = tmp_path / "vllm"
+    npy.mkdir()
+    write_vllm_npy(npy / "r1.npy", arr)
+    js = tmp_path / "d.json"
+    res = run(npy, gen, "--json", js)
+    assert res.exit_code == 0, res.output
+    assert json.loads(js.read_text())["b"]["holds"] == "sglang-routed: recorded ids"
+    assert run(gen, npy).exit_code == 0  # (either side)
+    res = CliRunner().invoke(main, ["diff", str(gen), str(gen), "--no-progress"])
+    assert res.exit_code == 2 and "pass the model's --topk" in res.stderr
+    assert run(gen, gen, "--topk", 2).exit_code == 0
+
+
+def test_kernel_b_routes_b_alone_the_reference_against_a_kernel_on_one_trace(tmp_path, logits_trace):
+    t = logits_trace(tmp_path / "t.safetensors", torch.zeros(16))
+    kfile = tmp_path / "k.py"
+    kfile.write_text(KERNEL)
+    js = tmp_path / "d.json"
+    res = run(t, t, "--kernel-b", f"{kfile}:swapped", "--json", js)  # A by the reference, B by the kernel
+    assert res.exit_code == 1, res.output
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"]["order"] == 120 and (doc["kernel"], doc["kernel_b"]) == (None, f"{kfile}:swapped")
+    assert doc["a"]["holds"] == "trace: logits routed by the reference"
+    assert doc["b"]["holds"] == f"trace: logits routed by {kfile}:swapped"
+    # before and after: the same kernel on both sides is no change; the reference against it is
+    assert run(t, t, "--kernel", f"{kfile}:swapped", "--kernel-b", f"{kfile}:swapped").exit_code == 0
+    assert run(t, t, "--kernel", f"{kfile}:swapped", "--kernel-b", "reference", "--json", js, "--force").exit_code == 1
+    assert json.loads(js.read_text())["kernel_b"] == "reference"
+    arr = routed_experts(tokens=6, layers=2, topk=2, experts=8, seed=3)
+    npy = write_vllm_npy(tmp_path / "req.npy", arr)
+    res = CliRunner().invoke(main, ["diff", str(npy), str(npy), "--kernel-b", "seed", "--no-progress"])
+    assert res.exit_code == 2 and "--kernel-b seed routes logits, but B does not hold logits alone" in res.stderr
+
+
+def test_engine_against_trainer_with_layers_paired_by_order(tmp_path):
+    # R3: vLLM numbers hidden layers (layer 0 dense, left out: MoE layers 1-3), Megatron's RouterReplay
+    # its MoE layers (0-2); one request per file, named alike on both sides
+    rollout, trainer = tmp_path / "rollout", tmp_path / "trainer"
+    rollout.mkdir()
+    trainer.mkdir()
+    arrays = {f"req-{i}": routed_experts(tokens=4 + i, layers=4, topk=2, experts=8, dense=(0,), seed=i) for i in range(2)}
+    for name, arr in arrays.items():
+        write_vllm_npy(rollout / f"{name}.npy", arr)
+        ids = torch.from_numpy(arr[:, 1:].astype("int64"))
+        if name == "req-1":
+            ids[3, 2] = ids[3, 2].flip(0)  # the trainer flips two slots of token 3, MoE layer 2 (hidden layer 3)
+        write_megatron_replay(trainer / f"{name}.pt", ids, "list")
+    res = CliRunner().invoke(main, ["diff", str(rollout), str(trainer), "--no-progress"])
+    assert res.exit_code == 2 and "different layers (A holds 1,2,3, B holds 0,1,2)" in res.stderr
+    js = tmp_path / "d.json"
+    res = run(rollout, trainer, "--pair-layers", "--json", js)
+    assert res.exit_code == 1, res.output
+    assert res.output.splitlines()[0] == "DIFFERENT (1 of 27 token-layers; 0 outside near-ties)"
+    doc = json.loads(js.read_text())
+    assert doc["align"] == "requests" and [x["layer"] for x in doc["layers"]] == [1, 2, 3]
+    assert [x["request"] for x in doc["first_differing_rows"]] == ["req-1"]
+    assert doc["first_divergence"]["listed"] == [
+        {"rank": None, "token": 7, "step": 1, "row": 3, "request": "req-1", "position": 3, "layer": 3}]
+    assert "layers paired by order, A's-B's: 1-0, 2-1, 3-2 (numbered as A's)" in doc["notes"]
+    assert run(rollout, trainer, "--pair-layers", "--layers", "1,2").exit_code == 0
+    assert run(rollout, trainer, "--pair-layers", "--ignore-order").exit_code == 0  # the flip: the same experts
+
+
+def test_a_kernel_routes_the_logits_beside_recorded_ids(hand, tmp_path):
+    # A keeps its recorded ids; B's logits (the same file's) are routed by the reference: the same
+    # experts in the same slots as recorded on the 5 unpadded rows of both layers (the reference's picks,
+    # row 3's tie going to the lower expert 2), but the recorded weights 0.6/0.4 are not the
+    # reference's renormalised sigmoids
+    a, _ = hand
+    js = tmp_path / "d.json"
+    assert run(a, a, "--kernel-b", "reference", "--json", js).exit_code == 1
+    doc = json.loads(js.read_text())
+    assert doc["overall"]["classes"] == {"same": 0, "weights": 10, "order": 0, "tie": 0, "real": 0}
+    assert (doc["a"]["holds"], doc["b"]["holds"]) == ("trace: recorded ids", "trace: logits routed by the reference")
+
+
+def _recipes() -> list[str]:
+    """The commands of docs/diff.md's recipes, as written there."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "diff.md").read_text()
+    section = text[text.index("## Recipes"):text.index("## Speed")]
+    blocks = section.split("```")[1::2]
+    return [line.strip() for b in blocks for line in b.strip().splitlines()]
+
+
+ROUTE_FILE = '''
+from routetool_kernels.reference import musespark1x_routing_reference
+
+
+def route(gating_output, bias, topk, route_scale, router_output_multiplier=None, router_score_normalization="sigmoid",
+          router_score_division_eps=None, topk_weights=None, topk_ids=None, *, is_padding=None):
+    """The reference, as a kernel file."""
+    return musespark1x_routing_reference(gating_output, bias, topk=topk, route_scale=route_scale,
+                                         router_output_multiplier=router_output_multiplier,
+                                         router_score_normalization=router_score_normalization,
+                                         router_score_division_eps=router_score_division_eps, is_padding=is_padding)
+'''
+
+
+def test_the_recipes_in_the_docs_run_as_written(tmp_path, monkeypatch, make_trace, logits_trace):
+    import shlex
+
+    from routetool.io.trace import open_trace
+    from routetool_kernels import reference
+
+    monkeypatch.chdir(tmp_path)
+    # R3: vLLM's routed experts (layer 0 dense) and Megatron's RouterReplay of the same requests
+    for folder in ("rollout", "trainer"):
+        (tmp_path / folder).mkdir()
+    for i in range(2):
+        arr = routed_experts(tokens=4 + i, layers=3, topk=2, experts=8, dense=(0,), seed=i)
+        write_vllm_npy(tmp_path / "rollout" / f"req-{i}.npy", arr)
+        write_megatron_replay(tmp_path / "trainer" / f"req-{i}.pt", torch.from_numpy(arr[:, 1:].astype("int64")), "list")
+    # batch-invariant on/off: the same three requests, returned in another order
+    arrays = [routed_experts(tokens=n, layers=2, topk=2, experts=8, seed=n) for n in (3, 5, 4)]
+    _responses(tmp_path / "invariant-on.jsonl", [0, 1, 2], arrays)
+    _responses(tmp_path / "invariant-off.jsonl", [2, 0, 1], arrays)
+    # bf16 against fp32: the default synthetic trace
+    for dtype in ("fp32", "bf16"):
+        res = CliRunner().invoke(main, ["synth", "--dtype", dtype, "-o", f"router-{dtype}.safetensors", "--no-progress"])
+        assert res.exit_code == 0, res.output
+    # a capture: logits and what the engine's kernel (here the reference) recorded
+    logits = logits_trace(tmp_path / "logits.safetensors", torch.zeros(16))
+    with open_trace(logits) as t:
+        layers = {}
+        for layer in t.layers:
+            g = t.read_rows(layer, 0, 40).gating_output
+            w, ids, _, _ = reference.route(g, t.bias(layer), t.meta.router)
+            layers[layer] = LayerArrays(gating_output=g, topk_ids=ids, topk_weights=w,
+                                        step_offsets=torch.tensor([0, 16, 40]))
+        make_trace(tmp_path / "capture.safetensors", layers, router=t.meta.router)
+        for name in ("before", "after"):
+            (tmp_path / name / "rank-0").mkdir(parents=True)
+            make_trace(tmp_path / name / "rank-0" / "trace.safetensors", layers, router=t.meta.router)
+    for name in ("old_kernel.py", "new_kernel.py"):
+        (tmp_path / name).write_text(ROUTE_FILE)
+    commands = _recipes()
+    assert len(commands) == 6  # R3, batch-invariant, bf16/fp32, and three kernel comparisons
+    for line in commands + ["routetool diff before/ after/ --align rows --details"]:
+        argv = shlex.split(line)
+        assert argv[:2] == ["routetool", "diff"]
+        res = CliRunner().invoke(main, [*argv[1:], "--no-progress", *(["--force"] if "--json" in argv else [])],
+                                 terminal_width=200)
+        assert res.exit_code in (0, 1), (line, res.output)
+        first = res.output.splitlines()[0]
+        assert first.startswith(("IDENTICAL", "DIFFERENT")), (line, first)
+        if "--kernel-b tiled" not in line:  # (the reference's own arithmetic everywhere else: no difference)
+            assert res.exit_code == 0, (line, res.output)
+    bf16 = CliRunner().invoke(main, ["diff", "router-fp32.safetensors", "router-bf16.safetensors", "--no-progress",
+                                     "--weight-ulps", "65536", "--ignore-ties", "--ignore-order", "--max-flip-rate",
+                                     "0.01"])
+    assert bf16.output.splitlines()[0] == ("DIFFERENT (655 of 3,216 token-layers; 2 outside near-ties): within the "
+                                           "thresholds (--ignore-ties, --ignore-order, --max-flip-rate 0.01: 2 counted)")
+
+
+def test_the_measures_are_the_same_whether_few_or_most_rows_differ(tmp_path, make_trace):
+    # the hand case's five rows (four differing: measured on every row at once) and the same five
+    # among 20 more of the same routing (four of 25 differing: measured on those rows alone)
+    extra = 20
+    ids_a, w_a, logits = IDS_A[:5] + [[0, 1]] * extra, W_A[:5] + [[0.6, 0.4]] * extra, LOGITS[:5] + [[4, 3, 0, -1]] * extra
+    ids_b, w_b = IDS_B[:5] + [[0, 1]] * extra, W_B[:5] + [[0.6, 0.4]] * extra
+    docs = []
+    for n, name in ((5, "few"), (5 + extra, "many")):
+        a = make_trace(tmp_path / f"a-{name}.safetensors", {0: _layer(ids_a[:n], w_a[:n], logits[:n])}, router=ROUTER)
+        b = make_trace(tmp_path / f"b-{name}.safetensors", {0: _layer(ids_b[:n], w_b[:n], logits[:n])}, router=ROUTER)
+        js = tmp_path / f"{name}.json"
+        assert run(a, b, "--json", js).exit_code == 1
+        docs.append(json.loads(js.read_text()))
+    few, many = docs
+    assert few["overall"]["classes"] == {"same": 1, "weights": 1, "order": 1, "tie": 1, "real": 1}
+    assert many["overall"]["classes"] == {"same": 1 + extra, "weights": 1, "order": 1, "tie": 1, "real": 1}
+    assert few["margins"] == many["margins"] and few["first_differing_rows"] == many["first_differing_rows"]
+    for key in ("weight_max_abs_delta", "weight_max_delta_ulps"):
+        assert few["overall"][key] == many["overall"][key]
+    assert many["overall"]["overlap_at_k"] == pytest.approx((7 + 2 * extra) / (2 * (5 + extra)))
+
+
+def test_the_command_offers_every_alignment():
+    from routetool.analysis.diff import ALIGNS
+    from routetool.cli.diff import diff
+
+    (align,) = [p for p in diff.params if p.name == "align"]
+    assert tuple(align.type.choices) == ALIGNS and align.default == "auto"

@@ -76,6 +76,78 @@ def test_path_kind_names_what_is_there(tmp_path):
         check_output_paths([tmp_path / "o.json"], force=False, inputs=[f"{tmp_path}/a\0b"])
 
 
+# -- diff: two inputs, each refused in one line --------------------------------------------------
+def _diff_cases(tmp_path: Path) -> dict:
+    """``case: (argv after "diff", words of its one-line error)``: inputs that cannot be aligned or
+    read, and outputs that would destroy an input."""
+    import numpy as np
+
+    from routetool.io.trace import LayerArrays, RouterConfig
+    from tests.dump_writers import routed_experts, write_json, write_vllm_npy
+    from tests.helpers import make_trace
+
+    router = RouterConfig(num_experts=8, topk=2, route_scale=1.0)
+    g = torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
+
+    def trace(name, layers, rows=10):
+        return make_trace(tmp_path / name, {i: LayerArrays(gating_output=g[:rows], step_offsets=torch.tensor([0, rows]))
+                                            for i in layers}, router=router)
+
+    a, fewer_layers, fewer_rows = trace("a.safetensors", (0, 1)), trace("l.safetensors", (0,)), trace("r.safetensors",
+                                                                                                      (0, 1), 8)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(a.read_bytes()[: a.stat().st_size // 2])
+    npy = write_vllm_npy(tmp_path / "req.npy", routed_experts(tokens=10, layers=2, topk=2, experts=8, seed=1))
+    cut_npy = tmp_path / "cut.npy"
+    cut_npy.write_bytes(npy.read_bytes()[:90])
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(np.random.default_rng(0).bytes(300))
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    counts = write_json(tmp_path / "counts.json", {"0": {"0": 3, "1": 5}})
+    return {
+        "layers": ([a, fewer_layers], "cannot be aligned: different layers (A holds 0,1, B holds 0)"),
+        "tokens": ([a, fewer_rows], "cannot be aligned: different token counts: layer 0 holds 10 tokens in A, 8 in B"),
+        "truncated trace": ([a, cut], str(cut)),
+        "truncated trace first": ([cut, a], str(cut)),
+        "truncated engine output": ([cut_npy, a], str(cut_npy)),
+        "garbage": ([a, garbage], "garbage.bin: not a readable safetensors file"),
+        "fifo": ([a, fifo], "fifo.safetensors: is not a regular file"),
+        "missing": ([a, tmp_path / "missing.safetensors"], "missing.safetensors"),
+        "counts": ([counts, a], "holds per-expert counts, not per-token routing"),
+        "json over an input": ([a, npy, "--json", a, "--force"], "is this run's input"),
+        "plot over an input": ([a, npy, "--plot", npy, "--force"], "is this run's input"),
+        "json and plot one file": ([a, a, "--json", tmp_path / "o", "--plot", tmp_path / "o"],
+                                   "is named for two outputs of one run"),
+    }
+
+
+DIFF_CASES = ["layers", "tokens", "truncated trace", "truncated trace first", "truncated engine output", "garbage",
+              "fifo", "missing", "counts", "json over an input", "plot over an input", "json and plot one file"]
+
+
+@pytest.mark.parametrize("case", DIFF_CASES)
+def test_diff_refuses_in_one_line_and_changes_no_input(tmp_path, case):
+    args, words = _diff_cases(tmp_path)[case]
+    before = {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    line = _one_line_error(_run("diff", *args, "--no-progress"))
+    assert words in line, line
+    assert {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert sorted(tmp_path.iterdir()) == sorted([*before, tmp_path / "fifo.safetensors"])  # nothing left behind
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads any file")
+def test_diff_names_an_unreadable_file(tmp_path):
+    args, _ = _diff_cases(tmp_path)["layers"]
+    locked = tmp_path / "locked.safetensors"
+    locked.write_bytes(args[0].read_bytes())
+    locked.chmod(0)
+    try:
+        assert str(locked) in _one_line_error(_run("diff", args[0], locked, "--no-progress"))
+    finally:
+        locked.chmod(0o600)
+
+
 # -- the strict JSON reader ----------------------------------------------------------------------
 @pytest.mark.parametrize("text, problem, words", [
     ("[" * 100_000 + "]" * 100_000, TooDeep, f"nested deeper than {MAX_DEPTH} levels"),  # was a RecursionError

@@ -103,3 +103,20 @@ def test_the_chart_legend_names_only_the_marks_it_shows():
     # "· = idle expert" stood under a chart of no idle expert
     assert "· = idle expert" not in legend([1 + e % 5 for e in range(128)])
     assert "· = idle expert" in legend([e % 5 for e in range(128)])
+
+
+def test_diff_prints_the_json_numbers(tmp_path):
+    # the tiny trace's recorded ids (A) against the reference's routing of its own logits (B)
+    res = CliRunner().invoke(main, ["diff", str(TINY), str(TINY), "--kernel-b", "reference", "--details", "--no-progress",
+                                    "--json", str(tmp_path / "d.json")], env={"COLUMNS": "200"})
+    assert res.exit_code == 1, res.output
+    doc = json.loads((tmp_path / "d.json").read_text())
+    out = res.stdout
+    assert out.splitlines()[0] == doc["headline"]
+    classes = doc["overall"]["classes"]
+    for name, words in (("same", "same"), ("weights", "weights only"), ("order", "slot-order flips"),
+                        ("tie", "other experts inside near-ties"), ("real", "other experts outside near-ties")):
+        assert _number(rf"([\d,]+) {words}", out) == classes[name], name
+    assert _number(r"tokens differing in at least one layer ([\d,]+) of", out) == doc["overall"]["tokens_differing"]
+    assert _number(r"\(first [\d,]+ of ([\d,]+) tokens differing\)", out) == doc["first_divergence"]["tokens_differing"]
+    assert _number(r"\(first ([\d,]+) of [\d,]+ tokens differing\)", out) == len(doc["first_divergence"]["listed"])
