@@ -50,7 +50,7 @@ from routetool.report.tables import markup_safe
 @json_option("Also write the results as JSON to PATH ('-' = stdout; the report then goes to stderr).")
 @output_option("--plot", "plot_path", "Write a PNG of agreement by layer to PATH (needs matplotlib).")
 @details_option("Every layer's measures and the first differing rows.")
-@force_option("Replace an existing --json or --plot file.")
+@force_option("Replace an existing --json, --plot or --html file.")
 @progress_option()
 def diff(source_a: Path, source_b: Path, layers_spec: str, align: str, pair_layers: bool, kernel_spec: str,
          kernel_b_spec: str | None, topk: int | None,

@@ -77,14 +77,14 @@ def test_path_kind_names_what_is_there(tmp_path):
 
 
 # -- diff: two inputs, each refused in one line --------------------------------------------------
-def _diff_cases(tmp_path: Path) -> dict:
+@pytest.fixture
+def diff_cases(tmp_path: Path, make_trace) -> dict:
     """``case: (argv after "diff", words of its one-line error)``: inputs that cannot be aligned or
-    read, and outputs that would destroy an input."""
+    read, and outputs that would destroy an input, written under ``tmp_path``."""
     import numpy as np
 
     from routetool.io.trace import LayerArrays, RouterConfig
     from tests.dump_writers import routed_experts, write_json, write_vllm_npy
-    from tests.helpers import make_trace
 
     router = RouterConfig(num_experts=8, topk=2, route_scale=1.0)
     g = torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
@@ -127,8 +127,8 @@ DIFF_CASES = ["layers", "tokens", "truncated trace", "truncated trace first", "t
 
 
 @pytest.mark.parametrize("case", DIFF_CASES)
-def test_diff_refuses_in_one_line_and_changes_no_input(tmp_path, case):
-    args, words = _diff_cases(tmp_path)[case]
+def test_diff_refuses_in_one_line_and_changes_no_input(tmp_path, diff_cases, case):
+    args, words = diff_cases[case]
     before = {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     line = _one_line_error(_run("diff", *args, "--no-progress"))
     assert words in line, line
@@ -137,8 +137,8 @@ def test_diff_refuses_in_one_line_and_changes_no_input(tmp_path, case):
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads any file")
-def test_diff_names_an_unreadable_file(tmp_path):
-    args, _ = _diff_cases(tmp_path)["layers"]
+def test_diff_names_an_unreadable_file(tmp_path, diff_cases):
+    args, _ = diff_cases["layers"]
     locked = tmp_path / "locked.safetensors"
     locked.write_bytes(args[0].read_bytes())
     locked.chmod(0)

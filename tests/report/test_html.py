@@ -27,7 +27,7 @@ from routetool.io.trace import LayerArrays, RouterConfig
 from routetool.report.html import CONTENT_SECURITY_POLICY, SORTABLE_ROWS, html_report
 from routetool.report.sinks import HtmlSink, Sinks
 from routetool.report.tables import table
-from tests.helpers import command_params, make_trace
+from tests.helpers import command_params
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "traces" / "deepseek-v3-hf-tiny.safetensors"
@@ -226,7 +226,9 @@ def _figures(dom: str) -> list[str]:
             for img in re.findall(r'<img class="figure"[^>]*>', dom)]
 
 
-def _diff_traces(tmp_path):
+@pytest.fixture
+def diff_traces(make_trace):
+    """``(a, b)``: two 12-row traces of the same logits whose layer 1 routes three rows elsewhere."""
     router = RouterConfig(num_experts=8, topk=2, route_scale=1.0)
     g = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
     ids = g.topk(2, dim=-1).indices.to(torch.int32)
@@ -237,8 +239,8 @@ def _diff_traces(tmp_path):
         return LayerArrays(gating_output=g, topk_ids=i, topk_weights=torch.full((12, 2), 0.5),
                            step_offsets=torch.tensor([0, 6, 12]))
 
-    a = make_trace(tmp_path / "a.safetensors", {0: layer(ids), 1: layer(ids)}, router=router)
-    b = make_trace(tmp_path / "b.safetensors", {0: layer(ids), 1: layer(other)}, router=router)
+    a = make_trace("a.safetensors", {0: layer(ids), 1: layer(ids)}, router=router)
+    b = make_trace("b.safetensors", {0: layer(ids), 1: layer(other)}, router=router)
     return a, b
 
 
@@ -262,7 +264,7 @@ COMMANDS = {
 
 @needs_chromium
 @pytest.mark.parametrize("command", list(COMMANDS))
-def test_each_commands_page_renders_offline_in_chromium(command, tmp_path):
+def test_each_commands_page_renders_offline_in_chromium(command, tmp_path, diff_traces):
     args, verdict, figures, words = COMMANDS[command]
     page = tmp_path / f"{command}.html"
     if args is None:
@@ -270,7 +272,7 @@ def test_each_commands_page_renders_offline_in_chromium(command, tmp_path):
     else:
         if figures:
             pytest.importorskip("matplotlib")
-        swap = dict(zip(("A", "B"), _diff_traces(tmp_path))) if command == "diff" else {"TRACE": TRACE}
+        swap = dict(zip(("A", "B"), diff_traces)) if command == "diff" else {"TRACE": TRACE}
         res = CliRunner().invoke(main, [str(swap.get(a, a)) for a in args] + ["--no-progress", "--html", str(page)])
         assert res.exit_code in (0, 1) and page.exists(), res.output
     dom, requests = _render(page, tmp_path)
