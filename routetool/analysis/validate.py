@@ -160,9 +160,14 @@ class CallFailed(Exception):
 
 def _call(fn: RoutingFn, inp: CaseInput, check_inputs: bool = True, feature: str | None = None):
     """``fn`` on the case's inputs, judged by the one kernel contract; a broken contract raises
-    :class:`CallFailed`. ``check_inputs=False`` inside a CUDA-graph capture (the check synchronises)."""
+    :class:`CallFailed`. ``check_inputs=False`` inside a CUDA-graph capture (the check synchronises).
+    ``feature``: the case's unusual input; a router beyond the seed's semantics is named by what it
+    asks first (``n_group``, ``sqrtsoftplus``...: a kernel's rejection is documented when its
+    docstring names that)."""
+    beyond = inp.router.beyond_seed()
     out = Router(inp.router, fn).call(inp.gating_output, inp.bias, is_padding=inp.is_padding,
-                                      topk_weights=inp.topk_weights, topk_ids=inp.topk_ids, feature=feature or "",
+                                      topk_weights=inp.topk_weights, topk_ids=inp.topk_ids,
+                                      feature=beyond[0] if beyond else feature or "",
                                       check_inputs=check_inputs)
     if not out.ok:
         raise CallFailed(out)
