@@ -459,6 +459,8 @@ def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float
             res.verdict, res.failure_classes = "fail", [outcome.failure_class]
             res.message = outcome.detail if outcome.failure_class in ("crash", "rejected_undocumented") \
                 else outcome.message("the kernel")
+            if outcome.failure_class == "rejected_undocumented" and case.feature:  # say which, as a documented one
+                res.message = f"undocumented rejection of {case.feature}: {outcome.detail} ({outcome.fix})"
         res.duration_s = time.perf_counter() - start
         return res
     except Exception as exc:  # noqa: BLE001 - a crash of the kernel under test in a check's own code

@@ -135,7 +135,7 @@ def _router_options(command):
 
     types = {"str": click.Choice(NORMALIZATIONS), "int": click.IntRange(min=1), "float": float, "float?": float}
     for f in reversed(fields(RouterSpec)):
-        if f.name in RouterSpec.GROUPING:
+        if f.name in RouterSpec.BEYOND_SEED:
             continue
         info, default = FIELD_INFO[f.name], getattr(MUSESPARK1X, f.name)
         kind, help_text = types[info["kind"]], info["help"]
