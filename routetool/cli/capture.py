@@ -127,16 +127,14 @@ _SYNTH_EXPERTS = 1 << 16
 def _router_options(command):
     """synth's options for the router, one per field of :class:`~routetool_kernels.spec.RouterSpec`
     (its metadata: option, help, kind), defaulting to MuseSpark1x's router
-    (:data:`~routetool_kernels.spec.MUSESPARK1X`); the function receives them by field name.
-    Fields the reference does not route yet (group-limited routing) are left out."""
+    (:data:`~routetool_kernels.spec.MUSESPARK1X`); the function receives them by field name."""
     from dataclasses import fields
 
     from routetool_kernels.spec import FIELD_INFO, MUSESPARK1X, NORMALIZATIONS, RouterSpec
 
-    types = {"str": click.Choice(NORMALIZATIONS), "int": click.IntRange(min=1), "float": float, "float?": float}
+    types = {"str": click.Choice(NORMALIZATIONS), "int": click.IntRange(min=1), "int?": click.IntRange(min=1),
+             "float": float, "float?": float, "bool?": click.BOOL}
     for f in reversed(fields(RouterSpec)):
-        if f.name in RouterSpec.BEYOND_SEED:
-            continue
         info, default = FIELD_INFO[f.name], getattr(MUSESPARK1X, f.name)
         kind, help_text = types[info["kind"]], info["help"]
         if f.name == "num_experts":

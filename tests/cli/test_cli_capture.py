@@ -78,6 +78,26 @@ def test_synth_writes_a_trace_and_reports_its_statistics(tmp_path):
             assert torch.equal(ra.gating_output.nan_to_num(), rb.gating_output.nan_to_num())
 
 
+@pytest.mark.parametrize("options, router", [
+    (["--n-group", "8", "--topk-group", "4"], {"n_group": 8, "topk_group": 4}),
+    (["--normalization", "softmax", "--norm-topk-prob", "false"],
+     {"router_score_normalization": "softmax", "norm_topk_prob": False}),
+    (["--normalization", "sqrtsoftplus", "--route-scale", "1.5"],
+     {"router_score_normalization": "sqrtsoftplus", "route_scale": 1.5}),
+    (["--normalization", "topk_then_softmax", "--route-scale", "1"], {"router_score_normalization": "topk_then_softmax",
+                                                                     "route_scale": 1.0}),
+])
+def test_synth_writes_each_routing_semantics(tmp_path, options, router):
+    out = tmp_path / "s.safetensors"
+    res = _run("synth", "-o", out, *SMALL, "--dtype", "float32", *options)
+    assert res.exit_code == 0, res.output
+    with open_trace(out) as t:
+        assert {k: getattr(t.meta.router, k) for k in router} == router
+    # the router's own checks, as one line
+    _one_line_error(_run("synth", "-o", tmp_path / "x.safetensors", *SMALL, "--n-group", "5", "--topk-group", "1"),
+                    "n_group=5 must divide num_experts=48 into equal groups")
+
+
 def test_synth_never_overwrites_without_force(tmp_path):
     out = tmp_path / "s.safetensors"
     out.write_bytes(b"user data")
