@@ -203,6 +203,22 @@ def select_grouped(biased: torch.Tensor, topk: int, n_group: int | None = None,
     return columns.gather(1, select_topk(biased.gather(1, columns), topk)), keys
 
 
+def select(biased: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_grouped` with ``spec``'s ``topk`` and grouping: ``(ids, keys)``, the picks
+    (``[n, topk]`` int64, best first) and the keys they were picked by (``-inf`` outside the kept
+    groups). For callers that compute the keys themselves (synth)."""
+    return select_grouped(biased, spec.topk, spec.n_group, spec.topk_group)
+
+
+def selection_keys(biased: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """The keys ``spec`` selects by from ``biased`` (``[n, E]`` float32 without NaN): ``biased``
+    itself, or with grouping set, ``-inf`` outside the kept groups (:func:`group_limited_keys`),
+    so that a plain top-k of them picks as the router does (up to ties)."""
+    if spec.n_group is None:
+        return biased
+    return group_limited_keys(biased, spec.n_group, spec.topk_group)[0]
+
+
 def musespark1x_routing_reference(
     gating_output: torch.Tensor,
     bias: torch.Tensor,
@@ -211,6 +227,8 @@ def musespark1x_routing_reference(
     router_output_multiplier: float | None = None,
     router_score_normalization: str = "sigmoid",
     router_score_division_eps: float | None = None,
+    topk_weights: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
     *,
     is_padding: torch.Tensor | None = None,
     n_group: int | None = None,
@@ -218,7 +236,8 @@ def musespark1x_routing_reference(
     norm_topk_prob: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The router in plain PyTorch (any device), same signature as the kernels, and the keywords
-    of the semantics beyond the seed's.
+    of the semantics beyond the seed's: a ``--kernel`` (``routetool_kernels.reference:
+    musespark1x_routing_reference``) for traces whose semantics the MuseSpark1x kernels reject.
 
     Args:
         gating_output: ``[num_tokens, num_experts]`` float32, bfloat16 or float16 router
@@ -230,12 +249,15 @@ def musespark1x_routing_reference(
         router_score_normalization: the scoring function (``sigmoid``, ``softmax``,
             ``sqrtsoftplus``, ``topk_then_softmax``).
         router_score_division_eps: optional non-negative term added to the denominator.
+        topk_weights / topk_ids: optional caller buffers (float32; int32 or int64), at least
+            ``[num_tokens, topk]``: the outputs are written into their ``[num_tokens, topk]`` views.
         is_padding: optional ``[num_tokens]`` bool; padded rows get id -1 and weight 0.
         n_group / topk_group: group-limited routing, or None (off).
         norm_topk_prob: False: weights not renormalised; None or True: renormalised.
 
     Returns:
-        ``(topk_weights, topk_ids)``: ``[num_tokens, topk]`` float32 and int32, best first.
+        ``(topk_weights, topk_ids)``: ``[num_tokens, topk]`` float32 and int32 (or the buffers'
+        views), best first.
 
     Raises:
         ValueError: the same argument errors as the kernels' launchers, and an impossible
@@ -245,7 +267,14 @@ def musespark1x_routing_reference(
         gating_output, bias, topk, route_scale, router_output_multiplier, router_score_normalization,
         router_score_division_eps, is_padding=is_padding, n_group=n_group, topk_group=topk_group,
         norm_topk_prob=norm_topk_prob)
-    return weights, ids
+    if topk_weights is None and topk_ids is None:
+        return weights, ids
+    launch = check_routing_args(gating_output, bias, topk, route_scale, router_output_multiplier,
+                                router_score_normalization, router_score_division_eps, topk_weights, topk_ids,
+                                is_padding, normalizations=NORMALIZATIONS)
+    launch.topk_weights.copy_(weights)
+    launch.topk_ids.copy_(ids)
+    return launch.topk_weights, launch.topk_ids
 
 
 def routing_with_scores(

@@ -642,7 +642,7 @@ def flashinfer_router(name: str, topk: int | None, num_experts: int, path: Path)
     ng, kg = (int(ng.group(1)) if ng else 1), (int(kg.group(1)) if kg else 1)
     if not 1 <= k <= num_experts:
         raise RouteToolError(f"topk={k} is not in [1, {num_experts}]", path=path, fix="pass the model's --topk")
-    groups = {"n_group": ng, "topk_group": kg} if ng > 1 and kg < ng else {}  # (all groups kept: plain top-k)
+    groups = dict(zip(RouterConfig.GROUPING, (ng, kg))) if ng > 1 and kg < ng else {}  # (all kept: plain top-k)
     router = RouterConfig(num_experts=num_experts, topk=k, router_score_normalization=scoring, **groups)
     problems = router.problems()
     if problems:
