@@ -9,8 +9,9 @@ of production models beyond it, docs/semantics.md), per token:
    ``x`` itself (``topk_then_softmax``, gpt-oss: the logits select, step 4 weighs).
 3. Selection keys ``scores + bias``. With group-limited routing (``n_group``/``topk_group``,
    DeepSeek-V3's ``noaux_tc``) the experts split into ``n_group`` groups of consecutive ids, a
-   group's score is the sum of its two best keys, the ``topk_group`` best groups are kept (equal
-   group scores go to the lowest group index) and the keys of every other group are ``-inf``.
+   group's score is the sum of its two best keys (its best, DeepSeek-V2's ``topk_method=
+   group_limited_greedy``), the ``topk_group`` best groups are kept (equal group scores go to the
+   lowest group index) and the keys of every other group are ``-inf``.
    Pick ``topk`` experts of the kept groups, one at a time by argmax over the experts not yet
    picked; equal values go to the lowest expert index (as ``tl.argmax`` does).
 4. ``topk_weights = picked unbiased scores * (route_scale / (sum of them + eps))``; with
@@ -36,7 +37,7 @@ valid and distinct and weights always finite:
 For finite input and a non-zero denominator this is exactly the seed's arithmetic.
 
 Each function takes the router's parameters by keyword, as the kernels do (the seed's
-signature, and the keywords beyond it: ``n_group``, ``topk_group``, ``norm_topk_prob``);
+signature, and the keywords beyond it: ``n_group``, ``topk_group``, ``topk_method``, ``norm_topk_prob``);
 :func:`scores` and :func:`route` take them as one :class:`~routetool_kernels.spec.RouterSpec`.
 """
 
@@ -161,13 +162,15 @@ def select_topk(biased: torch.Tensor, topk: int) -> torch.Tensor:
     return ids
 
 
-def group_limited_keys(biased: torch.Tensor, n_group: int, topk_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_limited_keys(biased: torch.Tensor, n_group: int, topk_group: int,
+                       topk_method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The selection keys of group-limited routing (step 3 of the module docstring): the experts of
     the ``topk_group`` best of ``n_group`` groups keep their keys, every other one gets ``-inf``.
 
     A group is ``num_experts // n_group`` consecutive expert ids; its score is the sum of its two
     best keys (its one key, for groups of one expert), a NaN sum (``inf + -inf``) counting as
-    ``-inf``; the best groups by :func:`select_topk` (equal scores: the lowest group index).
+    ``-inf``, or with ``topk_method="group_limited_greedy"`` its best key (DeepSeek-V2's
+    ``MoEGate``); the best groups by :func:`select_topk` (equal scores: the lowest group index).
     Source: DeepSeek-V3's ``noaux_tc`` gate (``MoEGate`` of its Hugging Face code, vLLM's
     ``grouped_topk``), whose masked keys are ``-inf`` as here (the Hugging Face model's are 0.0,
     which differs where a kept key is negative).
@@ -183,15 +186,16 @@ def group_limited_keys(biased: torch.Tensor, n_group: int, topk_group: int) -> t
     n, E = biased.shape
     per = E // n_group
     grouped = biased.view(n, n_group, per)
-    group_scores = grouped.topk(min(2, per), dim=-1).values.sum(-1).nan_to_num_(nan=float("-inf"))
+    best = 1 if topk_method == "group_limited_greedy" else min(2, per)
+    group_scores = grouped.topk(best, dim=-1).values.sum(-1).nan_to_num_(nan=float("-inf"))
     kept = select_topk(group_scores, topk_group).sort(dim=-1).values  # [n, topk_group] ascending
     columns = (kept[:, :, None] * per + torch.arange(per, device=biased.device)).reshape(n, -1)
     keys = torch.full_like(biased, float("-inf")).scatter_(1, columns, biased.gather(1, columns))
     return keys, columns
 
 
-def select_grouped(biased: torch.Tensor, topk: int, n_group: int | None = None,
-                   topk_group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_grouped(biased: torch.Tensor, topk: int, n_group: int | None = None, topk_group: int | None = None,
+                   topk_method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 3 of the module docstring: ``(ids, keys)``, the ``topk`` picks (``[n, topk]`` int64,
     best first) and the keys they were picked by (``[n, E]`` float32: ``biased``, or with grouping
     set, :func:`group_limited_keys`'). With grouping the picks are made among the kept groups'
@@ -199,7 +203,7 @@ def select_grouped(biased: torch.Tensor, topk: int, n_group: int | None = None,
     inside its groups."""
     if n_group is None:
         return select_topk(biased, topk), biased
-    keys, columns = group_limited_keys(biased, n_group, topk_group)
+    keys, columns = group_limited_keys(biased, n_group, topk_group, topk_method)
     return columns.gather(1, select_topk(biased.gather(1, columns), topk)), keys
 
 
@@ -207,7 +211,7 @@ def select(biased: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.
     """:func:`select_grouped` with ``spec``'s ``topk`` and grouping: ``(ids, keys)``, the picks
     (``[n, topk]`` int64, best first) and the keys they were picked by (``-inf`` outside the kept
     groups). For callers that compute the keys themselves (synth)."""
-    return select_grouped(biased, spec.topk, spec.n_group, spec.topk_group)
+    return select_grouped(biased, spec.topk, spec.n_group, spec.topk_group, spec.topk_method)
 
 
 def selection_keys(biased: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
@@ -216,7 +220,7 @@ def selection_keys(biased: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     so that a plain top-k of them picks as the router does (up to ties)."""
     if spec.n_group is None:
         return biased
-    return group_limited_keys(biased, spec.n_group, spec.topk_group)[0]
+    return group_limited_keys(biased, spec.n_group, spec.topk_group, spec.topk_method)[0]
 
 
 def musespark1x_routing_reference(
@@ -233,6 +237,7 @@ def musespark1x_routing_reference(
     is_padding: torch.Tensor | None = None,
     n_group: int | None = None,
     topk_group: int | None = None,
+    topk_method: str | None = None,
     norm_topk_prob: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The router in plain PyTorch (any device), same signature as the kernels, and the keywords
@@ -253,6 +258,7 @@ def musespark1x_routing_reference(
             ``[num_tokens, topk]``: the outputs are written into their ``[num_tokens, topk]`` views.
         is_padding: optional ``[num_tokens]`` bool; padded rows get id -1 and weight 0.
         n_group / topk_group: group-limited routing, or None (off).
+        topk_method: how groups are scored: None or ``noaux_tc`` (top-2 sum), ``group_limited_greedy`` (best).
         norm_topk_prob: False: weights not renormalised; None or True: renormalised.
 
     Returns:
@@ -266,7 +272,7 @@ def musespark1x_routing_reference(
     weights, ids, _, _ = routing_with_scores(
         gating_output, bias, topk, route_scale, router_output_multiplier, router_score_normalization,
         router_score_division_eps, is_padding=is_padding, n_group=n_group, topk_group=topk_group,
-        norm_topk_prob=norm_topk_prob)
+        topk_method=topk_method, norm_topk_prob=norm_topk_prob)
     if topk_weights is None and topk_ids is None:
         return weights, ids
     launch = check_routing_args(gating_output, bias, topk, route_scale, router_output_multiplier,
@@ -289,6 +295,7 @@ def routing_with_scores(
     is_padding: torch.Tensor | None = None,
     n_group: int | None = None,
     topk_group: int | None = None,
+    topk_method: str | None = None,
     norm_topk_prob: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`musespark1x_routing_reference` (same arguments and errors), returning also the
@@ -303,12 +310,13 @@ def routing_with_scores(
     spec = RouterSpec(num_experts=launch.num_experts, topk=topk, route_scale=launch.route_scale,
                       router_score_normalization=router_score_normalization,
                       router_score_division_eps=launch.router_score_division_eps,
-                      n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob)
+                      n_group=n_group, topk_group=topk_group, topk_method=topk_method,
+                      norm_topk_prob=norm_topk_prob)
     problems = spec.problems()
     if problems:
         raise ValueError("; ".join(problems))
     scores = normalized_scores(gating_output, router_score_normalization, launch.router_output_multiplier)
-    ids, biased = select_grouped(biased_scores(scores, bias), topk, spec.n_group, spec.topk_group)
+    ids, biased = select(biased_scores(scores, bias), spec)
     weights = pick_weights(scores, ids, spec)
     ids = ids.to(torch.int32)
     if is_padding is not None:

@@ -60,7 +60,7 @@ def fused_musespark1x_routing(
     a CUDA graph.
 
     Semantics not implemented (docs/semantics.md), rejected before any launch: group-limited
-    routing (``n_group``/``topk_group``) and unrenormalised weights (``norm_topk_prob``), keywords
+    routing (``n_group``/``topk_group``/``topk_method``) and unrenormalised weights (``norm_topk_prob``), keywords
     this signature does not take (``TypeError``); the scoring functions ``sqrtsoftplus`` and
     ``topk_then_softmax`` (``ValueError``, unknown ``router_score_normalization``).
 

@@ -40,6 +40,10 @@ NORMALIZATIONS = ("sigmoid", "softmax", "sqrtsoftplus", "topk_then_softmax")
 """The values of ``router_score_normalization`` (the scoring function; docs/semantics.md): ``sigmoid``
 and ``softmax`` over the experts (the seed's), ``sqrtsoftplus`` (``sqrt(softplus(x))``,
 DeepSeek-V4) and ``topk_then_softmax`` (top-k on the logits, softmax over the picks: gpt-oss)."""
+TOPK_METHODS = ("noaux_tc", "group_limited_greedy")
+"""The values of ``topk_method`` (DeepSeek's config key), how group-limited routing scores a group:
+``noaux_tc`` (the default, DeepSeek-V3: the sum of its two best keys) or ``group_limited_greedy``
+(DeepSeek-V2: its best score)."""
 SEED_NORMALIZATIONS = NORMALIZATIONS[:2]
 """The scoring functions of the seed's semantics (and of the MuseSpark1x kernels)."""
 
@@ -59,9 +63,10 @@ METADATA_FIX = "fix the router parameters in the metadata"
 
 
 def _info(kind: str, option: str, help: str, *, required: tuple[str, str] | None = None, fix: str = "",
-          examples: tuple = ()) -> dict:
+          examples: tuple = (), choices: tuple[str, ...] = ()) -> dict:
     """A field's metadata (see :data:`FIELD_INFO`)."""
-    return {"kind": kind, "option": option, "help": help, "required": required, "fix": fix, "examples": examples}
+    return {"kind": kind, "option": option, "help": help, "required": required, "fix": fix, "examples": examples,
+            "choices": choices}
 
 
 @dataclass(frozen=True, repr=False)
@@ -82,6 +87,8 @@ class RouterSpec:
         topk_group: groups a token may pick from, ``1 <= topk_group <= n_group``, or None (off);
             set together with ``n_group``. A group's score is the sum of its two best selection
             keys (DeepSeek-V3's ``noaux_tc``).
+        topk_method: ``group_limited_greedy``: a group's score is its best key (DeepSeek-V2), set with
+            the grouping; None (off) or ``noaux_tc``: the sum of its two best (stored as None).
         norm_topk_prob: False: the weights are the picked scores times ``route_scale``, not
             renormalised (Qwen2-MoE's and OLMoE's ``norm_topk_prob=False``); None (off) or True:
             renormalised, as the seed (True is stored as None, so that one router has one spec).
@@ -99,7 +106,8 @@ class RouterSpec:
                                           "finite and > 0; 1 for none"),
         fix="write a finite number > 0 (1 for no scaling)", examples=(1.0, 2.5)))
     router_score_normalization: str = field(default="sigmoid", metadata=_info(
-        "str", "--normalization", "sigmoid or softmax scores.", examples=NORMALIZATIONS))
+        "str", "--normalization", "The scoring function (docs/semantics.md).", examples=NORMALIZATIONS,
+        choices=NORMALIZATIONS))
     router_output_multiplier: float | None = field(default=None, metadata=_info(
         "float?", "--multiplier", "router_output_multiplier (default: none).",
         fix="write a finite number, or leave the key out for no multiplier", examples=(None, 0.5)))
@@ -110,6 +118,9 @@ class RouterSpec:
         "int?", "--n-group", "Expert groups of group-limited routing (default: none)."))
     topk_group: int | None = field(default=None, metadata=_info(
         "int?", "--topk-group", "Groups a token may pick from (default: none)."))
+    topk_method: str | None = field(default=None, metadata=_info(
+        "str?", "--topk-method", "How groups are scored: noaux_tc (top-2 sum, default) or group_limited_greedy "
+        "(best score).", examples=(None, "group_limited_greedy"), choices=TOPK_METHODS))
     norm_topk_prob: bool | None = field(default=None, metadata=_info(
         "bool?", "--norm-topk-prob", "false: weights not renormalised over the picks (default: renormalised).",
         examples=(None, False)))
@@ -123,12 +134,14 @@ class RouterSpec:
         "router_score_division_eps")
     """The fields a report's JSON ``router`` object always holds; later fields only when set."""
     GROUPING: ClassVar[tuple[str, ...]] = ("n_group", "topk_group")
-    BEYOND_SEED: ClassVar[tuple[str, ...]] = ("n_group", "topk_group", "norm_topk_prob")
+    BEYOND_SEED: ClassVar[tuple[str, ...]] = ("n_group", "topk_group", "topk_method", "norm_topk_prob")
     """The fields that are not keywords of the seed's signature: :meth:`kernel_kwargs` passes each only when set."""
 
     def __post_init__(self) -> None:
         if self.norm_topk_prob is True:  # the seed's weights: one spelling per router
             object.__setattr__(self, "norm_topk_prob", None)
+        if self.topk_method == TOPK_METHODS[0]:  # the default group score
+            object.__setattr__(self, "topk_method", None)
 
     # -- validation ------------------------------------------------------------------------------
     def problems(self) -> list[str]:
@@ -150,6 +163,10 @@ class RouterSpec:
         if eps is not None and not (math.isfinite(eps) and eps >= 0):
             problems.append(f"router_score_division_eps={eps} must be finite and >= 0")
         problems.extend(self._grouping_problems())
+        if self.topk_method is not None and self.topk_method not in TOPK_METHODS:
+            problems.append(f"topk_method={self.topk_method!r} must be noaux_tc or group_limited_greedy")
+        elif self.topk_method is not None and not self.grouped:
+            problems.append(f"topk_method={self.topk_method} scores groups: set n_group and topk_group with it")
         if self.norm_topk_prob not in (None, False):
             problems.append(f"norm_topk_prob={self.norm_topk_prob!r} must be true or false")
         if self.router_score_normalization == "topk_then_softmax":
@@ -267,7 +284,7 @@ class RouterSpec:
         for f in fields(cls):
             text = raw.get(f.name)
             kind = f.metadata["kind"]
-            if kind == "str":
+            if kind.startswith("str"):  # (its value is checked by problems())
                 values[f.name] = f.default if text is None else text
             elif text is None:
                 if not kind.endswith("?"):
@@ -306,6 +323,8 @@ class RouterSpec:
                 f"eps={self.router_score_division_eps}")
         if self.grouped:
             text += f" n_group={self.n_group} topk_group={self.topk_group}"
+        if self.topk_method is not None:
+            text += f" {self.topk_method}"
         if self.norm_topk_prob is not None:
             text += f" norm_topk_prob={self.norm_topk_prob}"
         return text
@@ -379,7 +398,8 @@ def _read_number(key: str, text: str, kind: str, finite_fix: str) -> int | float
 FIELD_INFO: dict[str, Mapping[str, object]] = {f.name: f.metadata for f in fields(RouterSpec)}
 """Field name -> its metadata: ``kind`` (``int``, ``float``, ``str``, ``bool``; ``?`` when optional),
 ``option`` (the command-line option), ``help``, ``required`` (for a required metadata key: what
-to add and its meaning), ``fix`` (for a value that is not finite) and ``examples`` (values a test
+to add and its meaning), ``fix`` (for a value that is not finite), ``choices`` (a text field's
+values) and ``examples`` (values a test
 suite varies it over)."""
 
 _KIND_TYPES = {"int": int, "float": float, "str": str, "bool": bool}

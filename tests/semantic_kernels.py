@@ -37,9 +37,11 @@ def _top(keys: torch.Tensor, k: int) -> torch.Tensor:
 
 def engine_router(gating_output, bias, topk, route_scale, router_output_multiplier=None,
                   router_score_normalization="sigmoid", router_score_division_eps=None, topk_weights=None,
-                  topk_ids=None, *, is_padding=None, n_group=None, topk_group=None, norm_topk_prob=None, bug=None):
+                  topk_ids=None, *, is_padding=None, n_group=None, topk_group=None, topk_method=None,
+                  norm_topk_prob=None, bug=None):
     """Sigmoid, softmax, sqrtsoftplus or topk_then_softmax scores; the bias selects; group-limited
-    selection (the best topk_group of n_group groups by the sum of their top-2 keys); weights
+    selection (the best topk_group of n_group groups by the sum of their top-2 keys, or by their best
+    with topk_method=group_limited_greedy); weights
     renormalised (+ eps), or not with norm_topk_prob=False, or a softmax over the picked logits;
     times route_scale; padded rows -1 / 0."""
     x = gating_output.float()
@@ -56,7 +58,8 @@ def engine_router(gating_output, bias, topk, route_scale, router_output_multipli
     if n_group is not None and bug != "groups_ignored":
         T, E = keys.shape
         grouped = keys.view(T, n_group, E // n_group)
-        if bug == "group_max":  # vLLM's rule for a router without a bias
+        by_max = topk_method == "group_limited_greedy" and bug != "topk_method_ignored"
+        if by_max or bug == "group_max":  # (vLLM's rule for a router without a bias)
             group_scores = grouped.max(dim=-1).values
         else:
             group_scores = grouped.topk(min(2, E // n_group), dim=-1).values.sum(dim=-1)
@@ -95,6 +98,8 @@ BUGS = {
                        "models/deepseek-v3-grouped/E256-k8", "mismatch"),
     "group_max": (_with_bug("group_max", "Groups scored by their best key, not the sum of their top 2."),
                   "models/deepseek-v3-grouped/E256-k8", "mismatch"),
+    "topk_method_ignored": (_with_bug("topk_method_ignored", "Groups by their top-2 sum whatever topk_method says."),
+                            "models/deepseek-v2-grouped/E160-k6", "mismatch"),
     "always_renormalized": (_with_bug("always_renormalized", "Weights renormalised whatever norm_topk_prob says."),
                             "models/qwen2-moe-olmoe-raw/E64-k8", "weight_error"),
     "softmax_before_topk": (_with_bug("softmax_before_topk", "gpt-oss routed as softmax over every expert, then top-k, "

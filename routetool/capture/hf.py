@@ -9,9 +9,9 @@ Supported router families (transformers >= 5, where every router module returns
   ``n_group > 1`` and ``topk_group < n_group`` (DeepSeek-V3's real config: 8 and 4), top-k
   weights renormalised (``norm_topk_prob``) with HF's ``+ 1e-20`` in the denominator, times
   ``routed_scaling_factor``.
-* ``deepseek_v2``: softmax scores, ``topk_method`` ``greedy`` (DeepSeek-V2-Lite; its
-  ``group_limited_greedy`` scores a group by its best score, not the top-2 sum this package
-  routes, and is refused), weights not renormalised, times ``routed_scaling_factor``.
+* ``deepseek_v2``: softmax scores, ``topk_method`` ``greedy`` (DeepSeek-V2-Lite) or
+  ``group_limited_greedy`` (DeepSeek-V2: the best ``topk_group`` of ``n_group`` groups by their
+  best score), weights not renormalised, times ``routed_scaling_factor``.
 * ``qwen3_moe``, ``qwen3_next``, ``qwen2_moe``, ``olmoe`` and ``mixtral``: softmax over the
   experts, no bias, route_scale 1; Mixtral always renormalises, the others when
   ``norm_topk_prob`` is set (Qwen3-MoE and Qwen3-Next checkpoints set it, Qwen2-MoE and OLMoE
@@ -199,25 +199,27 @@ def _groups(config, family: RouterFamily, source: object) -> dict[str, int]:
     and ``topk_group < n_group``), empty otherwise (every group kept is plain top-k).
 
     Raises:
-        RouteToolError: a group count that is not an integer >= 1; DeepSeek-V2's
-            ``group_limited_greedy`` (groups scored by their best score).
+        RouteToolError: a group count that is not an integer >= 1; a DeepSeek-V2 ``topk_method``
+            other than ``greedy`` and ``group_limited_greedy``.
     """
+    method = None
     if family.name == "deepseek_v2":
         method = getattr(config, "topk_method", "greedy")
-        if method not in (None, "greedy"):
-            raise RouteToolError(
-                f"topk_method={method!r} is not routed: its groups are scored by their best score, the routed "
-                "group-limited selection by the sum of the top 2 (DeepSeek-V3's)", path=source,
-                fix="set topk_method=greedy (DeepSeek-V2-Lite's) to record plain top-k routing")
-        return {}
-    if not family.grouped:
+        if method in (None, "greedy"):
+            return {}
+        if method != "group_limited_greedy":
+            raise _config_error(f"topk_method={method!r} must be greedy or group_limited_greedy", source,
+                                "topk_method")
+    elif not family.grouped:
         return {}
     n_group, topk_group = getattr(config, "n_group", 1), getattr(config, "topk_group", 1)
     n_group, topk_group = (1 if n_group is None else n_group), (1 if topk_group is None else topk_group)
     for key, value in (("n_group", n_group), ("topk_group", topk_group)):
         if not _is_int(value) or value < 1:
             raise _config_error(f"{key}={value!r} must be an integer >= 1", source, key)
-    return {"n_group": n_group, "topk_group": topk_group} if n_group > 1 and topk_group < n_group else {}
+    if not (n_group > 1 and topk_group < n_group):
+        return {}
+    return {"n_group": n_group, "topk_group": topk_group, **({"topk_method": method} if method else {})}
 
 
 def router_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:

@@ -130,13 +130,14 @@ def _router_options(command):
     (:data:`~routetool_kernels.spec.MUSESPARK1X`); the function receives them by field name."""
     from dataclasses import fields
 
-    from routetool_kernels.spec import FIELD_INFO, MUSESPARK1X, NORMALIZATIONS, RouterSpec
+    from routetool_kernels.spec import FIELD_INFO, MUSESPARK1X, RouterSpec
 
-    types = {"str": click.Choice(NORMALIZATIONS), "int": click.IntRange(min=1), "int?": click.IntRange(min=1),
-             "float": float, "float?": float, "bool?": click.BOOL}
+    types = {"int": click.IntRange(min=1), "int?": click.IntRange(min=1), "float": float, "float?": float,
+             "bool?": click.BOOL}
     for f in reversed(fields(RouterSpec)):
         info, default = FIELD_INFO[f.name], getattr(MUSESPARK1X, f.name)
-        kind, help_text = types[info["kind"]], info["help"]
+        kind = click.Choice(info["choices"]) if info["kind"].startswith("str") else types[info["kind"]]
+        help_text = info["help"]
         if f.name == "num_experts":
             kind, help_text = click.IntRange(1, _SYNTH_EXPERTS), f"{help_text} 1-{_SYNTH_EXPERTS:,}."
         command = click.option(info["option"], f.name, type=kind, default=default, show_default=default is not None,
@@ -366,7 +367,9 @@ MAX_CAPTURE_LOGITS = 2**30
               help="A config.json (or a folder with one): seeded random weights.")
 @click.option("--arch", type=click.Choice(["deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v2", "qwen3_moe",
                                            "qwen3_next", "qwen2_moe", "olmoe", "gpt_oss", "mixtral"]),
-              default=None, help="A small built-in config of this architecture: seeded random weights.")
+              metavar="ARCH", default=None,
+              help="A small built-in config of this architecture, seeded random weights: deepseek_v3, kimi_k2, "
+                   "glm4_moe, deepseek_v2, qwen3_moe, qwen3_next, qwen2_moe, olmoe, gpt_oss or mixtral.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config field (of --model, --config or --arch), VALUE as JSON; repeatable.")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,

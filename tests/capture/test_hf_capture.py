@@ -180,10 +180,15 @@ def test_group_limited_routing_is_recorded_and_its_groups_hold_every_pick(tmp_pa
         _replay(path, "tiled")
 
 
-def test_deepseek_v2_group_limited_greedy_is_refused():
-    config = small_config("deepseek_v2", **TINY, topk_method="group_limited_greedy", n_group=8, topk_group=3)
-    with pytest.raises(RouteToolError, match=r"topk_method='group_limited_greedy' is not routed.*topk_method=greedy"):
-        router_config_for(config)
+def test_deepseek_v2_group_limited_greedy_is_recorded_with_its_group_score(tmp_path):
+    # DeepSeek-V2 as configured: 8 groups by their best score, the best 3
+    _, path = _capture(tmp_path, "deepseek_v2", topk_method="group_limited_greedy", n_group=8, topk_group=3)
+    with open_trace(path) as t:
+        r = t.meta.router
+        assert (r.n_group, r.topk_group, r.topk_method, r.norm_topk_prob) == (8, 3, "group_limited_greedy", False)
+    _assert_replay_matches_model(_replay(path), BATCH * PROMPT + BATCH * (NEW - 1))
+    with pytest.raises(RouteToolError, match=r"topk_method='sparse' must be greedy or group_limited_greedy"):
+        router_config_for(small_config("deepseek_v2", **TINY, topk_method="sparse", n_group=8, topk_group=3))
 
 
 def test_unsupported_model_is_refused():

@@ -80,6 +80,8 @@ def test_synth_writes_a_trace_and_reports_its_statistics(tmp_path):
 
 @pytest.mark.parametrize("options, router", [
     (["--n-group", "8", "--topk-group", "4"], {"n_group": 8, "topk_group": 4}),
+    (["--n-group", "8", "--topk-group", "2", "--topk-method", "group_limited_greedy"],
+     {"n_group": 8, "topk_group": 2, "topk_method": "group_limited_greedy"}),
     (["--normalization", "softmax", "--norm-topk-prob", "false"],
      {"router_score_normalization": "softmax", "norm_topk_prob": False}),
     (["--normalization", "sqrtsoftplus", "--route-scale", "1.5"],
@@ -430,8 +432,8 @@ def test_capture_hf_uses_the_checkpoint_tokenizer(tmp_path):
     (["--arch", "mixtral", "--config", "c.json"], ["got --config, --arch"]),
     (["--arch", "deepseek_v3", "--set", "n_group=5", "--set", "topk_group=2"],
      ["n_group=5 must divide num_experts=32 into equal groups"]),
-    (["--arch", "deepseek_v2", "--set", "topk_method=\"group_limited_greedy\"", "--set", "n_group=8",
-      "--set", "topk_group=3"], ["topk_method='group_limited_greedy' is not routed", "topk_method=greedy"]),
+    (["--arch", "deepseek_v2", "--set", "topk_method=\"sparse\"", "--set", "n_group=8",
+      "--set", "topk_group=3"], ["topk_method='sparse' must be greedy or group_limited_greedy"]),
     (["--arch", "mixtral", "--prompt-tokens", "100000"], ["the text has", "need 400000"]),
     (["--arch", "mixtral", "--set", "oops"], ["--set 'oops' is not KEY=VALUE"]),
     # values are JSON: one that is not was taken as a string

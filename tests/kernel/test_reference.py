@@ -203,3 +203,19 @@ def test_pick_weights_follow_the_spec():
     raw = RouterSpec(num_experts=4, topk=2, router_score_normalization="softmax", norm_topk_prob=False)
     assert weight_sum(raw) is None
     assert torch.allclose(pick_weights(scores(logits, raw), ids, raw), torch.softmax(logits, -1)[0, [3, 0]][None])
+
+
+def test_group_limited_greedy_scores_a_group_by_its_best_score():
+    # DeepSeek-V2's topk_method: group 0 holds the best score, group 1 the best pair
+    logits = torch.tensor([[5.0, -9.0, 4.6, 4.6, 0.0, 0.0, 0.0, 0.0]])
+    e = [math.exp(v) for v in logits[0].tolist()]
+    assert e[0] + e[1] < e[2] + e[3] and e[0] > e[2]
+    kwargs = dict(router_score_normalization="softmax", n_group=4, topk_group=1, norm_topk_prob=False)
+    w, ids = musespark1x_routing_reference(logits, torch.zeros(8), 2, 16.0, topk_method="group_limited_greedy",
+                                           **kwargs)
+    assert ids.tolist() == [[0, 1]]
+    assert torch.allclose(w, torch.tensor([[16.0 * e[0] / sum(e), 16.0 * e[1] / sum(e)]]))
+    assert musespark1x_routing_reference(logits, torch.zeros(8), 2, 16.0, **kwargs)[1].tolist() == [[2, 3]]
+    # noaux_tc is the default group score
+    assert musespark1x_routing_reference(logits, torch.zeros(8), 2, 16.0, topk_method="noaux_tc",
+                                         **kwargs)[1].tolist() == [[2, 3]]

@@ -118,6 +118,11 @@ PROBLEMS = [
       "picks)"]),
     (dict(num_experts=8, topk=2, router_score_normalization="sqrtsoftplus", norm_topk_prob=False), []),
     (dict(num_experts=8, topk=2, norm_topk_prob="yes"), ["norm_topk_prob='yes' must be true or false"]),
+    (dict(num_experts=8, topk=2, topk_method="group_limited_greedy"),
+     ["topk_method=group_limited_greedy scores groups: set n_group and topk_group with it"]),
+    (dict(num_experts=8, topk=2, n_group=4, topk_group=2, topk_method="greedy"),
+     ["topk_method='greedy' must be noaux_tc or group_limited_greedy"]),
+    (dict(num_experts=8, topk=2, n_group=4, topk_group=2, topk_method="group_limited_greedy"), []),
 ]
 
 
@@ -223,6 +228,16 @@ def test_norm_topk_prob_has_one_spelling_per_router_and_travels():
                       norm_topk_prob=False)
     assert both.beyond_seed() == ["n_group", "sqrtsoftplus", "norm_topk_prob"]
     assert RouterSpec(num_experts=8, topk=2, router_score_normalization="softmax").beyond_seed() == []
+
+
+def test_topk_method_has_one_spelling_per_router_and_travels():
+    greedy = RouterSpec(num_experts=8, topk=2, n_group=4, topk_group=2, topk_method="group_limited_greedy")
+    plain = RouterSpec(num_experts=8, topk=2, n_group=4, topk_group=2)
+    assert RouterSpec(num_experts=8, topk=2, n_group=4, topk_group=2, topk_method="noaux_tc") == plain
+    assert RouterSpec.from_metadata(greedy.to_metadata()) == greedy and "topk_method" not in plain.to_metadata()
+    assert greedy.describe().endswith(" n_group=4 topk_group=2 group_limited_greedy")
+    assert greedy.kernel_kwargs()["topk_method"] == "group_limited_greedy" and greedy.beyond_seed() == ["n_group"]
+    assert FIELD_INFO["topk_method"]["choices"] == ("noaux_tc", "group_limited_greedy")
 
 
 def test_reference_entry_points_route_as_the_keyword_signature():
