@@ -314,7 +314,7 @@ MODEL_SHAPES = (
     ModelShape("topk16", "topk 16 (beyond 8-slot arrays)", 256, 16, "sigmoid", True, 2.5),
     ModelShape("topk22", "topk 22 (beyond 8- and 16-slot arrays)", 512, 22, "softmax", False),
     # the 2026 family, each with its own routing semantics
-    ModelShape("kimi-k3", "Kimi-K3", 896, 16, "sigmoid", True, 2.827),
+    ModelShape("kimi-k3", "Kimi-K3 (its shape, with Kimi-K2's router)", 896, 16, "sigmoid", True, 2.827),
     ModelShape("glm-5", "GLM-5", 256, 8, "sigmoid", True, 2.5),
     ModelShape("minimax-m2", "MiniMax-M2 / M2.5", 256, 8, "sigmoid", True),
     ModelShape("deepseek-v3-grouped", "DeepSeek-V3/R1 as configured (8 groups, the best 4)", 256, 8, "sigmoid", True,
