@@ -93,21 +93,22 @@ def _with_bug(bug: str, doc: str):
     return fn
 
 
+groups_ignored = _with_bug("groups_ignored", "Plain top-k over every expert: n_group and topk_group ignored.")
+group_max = _with_bug("group_max", "Groups scored by their best key, not the sum of their top 2.")
+topk_method_ignored = _with_bug("topk_method_ignored", "Groups by their top-2 sum whatever topk_method says.")
+always_renormalized = _with_bug("always_renormalized", "Weights renormalised whatever norm_topk_prob says.")
+softmax_before_topk = _with_bug("softmax_before_topk", "gpt-oss routed as softmax over every expert, then top-k, "
+                                                       "not renormalised.")
+sqrt_missing = _with_bug("sqrt_missing", "softplus scores without the square root.")
+keys_in_bias_dtype = _with_bug("keys_in_bias_dtype", "Selection keys summed in the bias's dtype (bf16).")
+
 BUGS = {
-    "groups_ignored": (_with_bug("groups_ignored", "Plain top-k over every expert: n_group and topk_group ignored."),
-                       "models/deepseek-v3-grouped/E256-k8", "mismatch"),
-    "group_max": (_with_bug("group_max", "Groups scored by their best key, not the sum of their top 2."),
-                  "models/deepseek-v3-grouped/E256-k8", "mismatch"),
-    "topk_method_ignored": (_with_bug("topk_method_ignored", "Groups by their top-2 sum whatever topk_method says."),
-                            "models/deepseek-v2-grouped/E160-k6", "mismatch"),
-    "always_renormalized": (_with_bug("always_renormalized", "Weights renormalised whatever norm_topk_prob says."),
-                            "models/qwen2-moe-olmoe-raw/E64-k8", "weight_error"),
-    "softmax_before_topk": (_with_bug("softmax_before_topk", "gpt-oss routed as softmax over every expert, then top-k, "
-                                                             "not renormalised."),
-                            "models/gpt-oss-120b/E128-k4", "weight_error"),
-    "sqrt_missing": (_with_bug("sqrt_missing", "softplus scores without the square root."),
-                     "models/deepseek-v4/E384-k6", "weight_error"),
-    "keys_in_bias_dtype": (_with_bug("keys_in_bias_dtype", "Selection keys summed in the bias's dtype (bf16)."),
-                           "models/deepseek-v3-bf16-bias/E256-k8", "mismatch"),
+    "groups_ignored": (groups_ignored, "models/deepseek-v3-grouped/E256-k8", "mismatch"),
+    "group_max": (group_max, "models/deepseek-v3-grouped/E256-k8", "mismatch"),
+    "topk_method_ignored": (topk_method_ignored, "models/deepseek-v2-grouped/E160-k6", "mismatch"),
+    "always_renormalized": (always_renormalized, "models/qwen2-moe-olmoe-raw/E64-k8", "weight_error"),
+    "softmax_before_topk": (softmax_before_topk, "models/gpt-oss-120b/E128-k4", "weight_error"),
+    "sqrt_missing": (sqrt_missing, "models/deepseek-v4/E384-k6", "weight_error"),
+    "keys_in_bias_dtype": (keys_in_bias_dtype, "models/deepseek-v3-bf16-bias/E256-k8", "mismatch"),
 }
 """Bug name -> (kernel, the case it fails, a failure class validate reports there)."""
