@@ -219,3 +219,16 @@ def test_group_limited_greedy_scores_a_group_by_its_best_score():
     # noaux_tc is the default group score
     assert musespark1x_routing_reference(logits, torch.zeros(8), 2, 16.0, topk_method="noaux_tc",
                                          **kwargs)[1].tolist() == [[2, 3]]
+
+
+def test_the_reference_writes_caller_buffers_as_a_kernel_does():
+    # a --kernel of the seed's signature: outputs in the [num_tokens, topk] views of larger buffers, int64 ids too
+    g = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    weights, ids = torch.full((7, 4), -1.0), torch.full((7, 4), -5, dtype=torch.int64)
+    w, i = musespark1x_routing_reference(g, torch.zeros(8), 3, 2.5, None, "softmax", None, weights, ids,
+                                         n_group=4, topk_group=2)
+    want_w, want_i = musespark1x_routing_reference(g, torch.zeros(8), 3, 2.5, router_score_normalization="softmax",
+                                                   n_group=4, topk_group=2)
+    assert w.data_ptr() == weights.data_ptr() and i.data_ptr() == ids.data_ptr() and i.dtype == torch.int64
+    assert torch.equal(weights[:5, :3], want_w) and torch.equal(ids[:5, :3], want_i.long())
+    assert (weights[5:] == -1).all() and (ids[:, 3] == -5).all()  # nothing written outside the view
