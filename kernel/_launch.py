@@ -63,6 +63,7 @@ def check_routing_args(
     is_padding: torch.Tensor | None,
     gating_dtypes: tuple[torch.dtype, ...] = GATING_DTYPES,
     gating_dtype_reason: str = "",
+    normalizations: tuple[str, ...] = tuple(NORMALIZATION_MODES),
 ) -> RoutingLaunch:
     """Validate a routing call and allocate the outputs that were not given.
 
@@ -71,7 +72,9 @@ def check_routing_args(
             size of a tensor; ``topk`` outside ``[1, num_experts]``; an unknown
             normalization; a non-finite or non-positive ``route_scale``; a non-finite
             multiplier; a negative or non-finite eps; an output buffer that is too small
-            or of the wrong dtype.
+            or of the wrong dtype. The normalizations a kernel knows are those of
+            :data:`NORMALIZATION_MODES` (``normalizations``: the reference's wider set; a mode
+            the kernels lack is -1 in the launch).
     """
     if not isinstance(gating_output, torch.Tensor) or gating_output.dim() != 2:
         shape = tuple(gating_output.shape) if isinstance(gating_output, torch.Tensor) else type(gating_output).__name__
@@ -97,10 +100,10 @@ def check_routing_args(
         raise ValueError(f"topk must be an int, got {type(topk).__name__}")
     if not 1 <= topk <= num_experts:
         raise ValueError(f"topk={topk} is outside [1, num_experts={num_experts}]")
-    if router_score_normalization not in NORMALIZATION_MODES:
+    if router_score_normalization not in normalizations:
         raise ValueError(
             f"unknown router_score_normalization {router_score_normalization!r}; "
-            "expected 'sigmoid' or 'softmax'"
+            f"expected {' or '.join(repr(n) for n in normalizations)}"
         )
     route_scale = _finite_float("route_scale", route_scale)
     if route_scale <= 0.0:
@@ -143,7 +146,7 @@ def check_routing_args(
         num_tokens=num_tokens,
         num_experts=num_experts,
         topk=topk,
-        normalization_mode=NORMALIZATION_MODES[router_score_normalization],
+        normalization_mode=NORMALIZATION_MODES.get(router_score_normalization, -1),
         route_scale=route_scale,
         router_output_multiplier=router_output_multiplier,
         router_score_division_eps=router_score_division_eps,

@@ -59,6 +59,11 @@ def fused_musespark1x_routing(
     Passing both output buffers keeps the call allocation-free, so it can be captured in
     a CUDA graph.
 
+    Semantics not implemented (docs/semantics.md), rejected before any launch: group-limited
+    routing (``n_group``/``topk_group``/``topk_method``) and unrenormalised weights (``norm_topk_prob``), keywords
+    this signature does not take (``TypeError``); the scoring functions ``sqrtsoftplus`` and
+    ``topk_then_softmax`` (``ValueError``, unknown ``router_score_normalization``).
+
     The first call with an argument signature (every tensor's class, dtype, shape, strides,
     device and 16-byte alignment, every other argument's type and value, the current device)
     checks the arguments, picks the launch settings and launches through Triton's JIT; later
@@ -90,6 +95,7 @@ def fused_musespark1x_routing(
     Raises:
         ValueError: bad arguments (see :func:`routetool_kernels._launch.check_routing_args`) or a
             launch config that does not fit the shape.
+        TypeError: a keyword beyond the seed's signature (``n_group``, ``norm_topk_prob``).
     """
     tensors = (gating_output, bias, topk_weights, topk_ids, is_padding)
     outputs, key = cached_call(_PLANS, tensors, (topk, route_scale, router_output_multiplier, router_score_normalization,

@@ -139,6 +139,11 @@ def fused_musespark1x_routing_seed(
     Checked and launched once per argument signature through Triton's JIT, then launched
     directly, like :func:`routetool_kernels.routing.fused_musespark1x_routing`.
 
+    Semantics not implemented (docs/semantics.md), rejected before any launch: group-limited
+    routing (``n_group``/``topk_group``/``topk_method``) and unrenormalised weights (``norm_topk_prob``), keywords
+    this signature does not take (``TypeError``); the scoring functions ``sqrtsoftplus`` and
+    ``topk_then_softmax`` (``ValueError``, unknown ``router_score_normalization``).
+
     Args:
         gating_output: ``[num_tokens, num_experts]`` **float32** logits, any strides.
         bias: ``[num_experts]`` float32/bfloat16/float16 selection bias (upcast to a new
@@ -159,6 +164,7 @@ def fused_musespark1x_routing_seed(
     Raises:
         ValueError: bad arguments (see :func:`routetool_kernels._launch.check_routing_args`), and
             bfloat16/float16 gating_output, which the seed cannot compile.
+        TypeError: a keyword beyond the seed's signature (``n_group``, ``norm_topk_prob``).
     """
     tensors = (gating_output, bias, topk_weights, topk_ids, is_padding)
     outputs, key = cached_call(_PLANS, tensors, (topk, route_scale, router_output_multiplier, router_score_normalization,

@@ -1,22 +1,24 @@
 """The router's parameters, described once: :class:`RouterSpec`.
 
-One MuseSpark1x router is a number of routed experts (E), the experts picked per token (K),
-the scoring function, an optional multiplier on the logits, an optional eps in the weights'
-denominator and the factor on the weights (``route_scale``, a.k.a. ``routed_scaling_factor``);
-the semantics of each are in :mod:`routetool_kernels.reference`. A spec validates itself
+One router is a number of routed experts (E), the experts picked per token (K), the scoring
+function, an optional multiplier on the logits, an optional eps in the weights' denominator and
+the factor on the weights (``route_scale``, a.k.a. ``routed_scaling_factor``), and, beyond the
+MuseSpark1x router, the semantics production models use: group-limited selection (DeepSeek-V3's
+``n_group`` / ``topk_group``), weights without renormalization (``norm_topk_prob=False``: Qwen2-MoE,
+OLMoE) and the scoring functions ``sqrtsoftplus`` (DeepSeek-V4) and ``topk_then_softmax``
+(gpt-oss: top-k on the logits, softmax over the picks). The semantics of each are in
+:mod:`routetool_kernels.reference` (docs/semantics.md). A spec validates itself
 (:meth:`RouterSpec.problems`), reads and writes the trace metadata that carries it
 (:meth:`RouterSpec.to_metadata`, :meth:`RouterSpec.from_metadata`, docs/trace-format.md),
 gives the keyword arguments of the seed's signature (:meth:`RouterSpec.kernel_kwargs`) and the
 report's one-line description (:meth:`RouterSpec.describe`). Every field carries metadata
 (:data:`FIELD_INFO`): its metadata key, command-line option, help and fix texts.
 
-Group-limited routing (DeepSeek-V3's ``n_group`` / ``topk_group``: the experts split into
-``n_group`` equal groups, and a token picks its ``topk`` experts within its best ``topk_group``
-groups) has its fields and their checks here, and no semantics yet: the reference refuses a
-spec that sets them (``NotImplementedError``, :meth:`RouterSpec.unsupported`), the trace reader
-refuses such a trace, and a kernel with the seed's signature rejects the two keywords that
-:meth:`RouterSpec.kernel_kwargs` then passes (``TypeError``), which the contract counts as a
-rejection.
+The MuseSpark1x kernels implement the seed's semantics only (:meth:`RouterSpec.beyond_seed` names
+what a spec asks beyond them): a kernel with the seed's signature rejects the keywords that
+:meth:`RouterSpec.kernel_kwargs` passes for grouping and ``norm_topk_prob`` (``TypeError``) and
+the scoring functions it does not know (``ValueError``), which the contract counts as a
+rejection, documented when the kernel's docstring names the option.
 
 Standard library only: the trace readers, the recorder and the command line read it without
 importing torch.
@@ -34,8 +36,16 @@ MAX_EXPERTS = 1 << 20
 """Largest expert count a spec may describe (traces, dumps, options): 1,048,576
 (also :data:`routetool.io.limits.MAX_EXPERTS`)."""
 
-NORMALIZATIONS = ("sigmoid", "softmax")
-"""The values of ``router_score_normalization``."""
+NORMALIZATIONS = ("sigmoid", "softmax", "sqrtsoftplus", "topk_then_softmax")
+"""The values of ``router_score_normalization`` (the scoring function; docs/semantics.md): ``sigmoid``
+and ``softmax`` over the experts (the seed's), ``sqrtsoftplus`` (``sqrt(softplus(x))``,
+DeepSeek-V4) and ``topk_then_softmax`` (top-k on the logits, softmax over the picks: gpt-oss)."""
+TOPK_METHODS = ("noaux_tc", "group_limited_greedy")
+"""The values of ``topk_method`` (DeepSeek's config key), how group-limited routing scores a group:
+``noaux_tc`` (the default, DeepSeek-V3: the sum of its two best keys) or ``group_limited_greedy``
+(DeepSeek-V2: its best score)."""
+SEED_NORMALIZATIONS = NORMALIZATIONS[:2]
+"""The scoring functions of the seed's semantics (and of the MuseSpark1x kernels)."""
 
 PLAIN_INT = re.compile(r"[-+]?[0-9]+")
 """A plain decimal integer: ASCII digits with an optional sign, nothing else (no ``_``, spaces
@@ -53,14 +63,15 @@ METADATA_FIX = "fix the router parameters in the metadata"
 
 
 def _info(kind: str, option: str, help: str, *, required: tuple[str, str] | None = None, fix: str = "",
-          examples: tuple = ()) -> dict:
+          examples: tuple = (), choices: tuple[str, ...] = ()) -> dict:
     """A field's metadata (see :data:`FIELD_INFO`)."""
-    return {"kind": kind, "option": option, "help": help, "required": required, "fix": fix, "examples": examples}
+    return {"kind": kind, "option": option, "help": help, "required": required, "fix": fix, "examples": examples,
+            "choices": choices}
 
 
 @dataclass(frozen=True, repr=False)
 class RouterSpec:
-    """The parameters of one MuseSpark1x router, shared by every MoE layer of a model.
+    """The parameters of one router, shared by every MoE layer of a model.
 
     Constructing a spec checks nothing (a reader builds one from what it read, then says what is
     wrong with it); :meth:`problems` is the one validation.
@@ -68,13 +79,19 @@ class RouterSpec:
     Attributes:
         num_experts: routed experts per layer (E), ``1 <= E <=`` :data:`MAX_EXPERTS`.
         topk: experts picked per token (K), ``1 <= K <= E``.
-        route_scale: factor on the renormalised weights (``routed_scaling_factor``), finite, > 0.
-        router_score_normalization: ``"sigmoid"`` or ``"softmax"``.
+        route_scale: factor on the weights (``routed_scaling_factor``), finite, > 0.
+        router_score_normalization: the scoring function, one of :data:`NORMALIZATIONS`.
         router_output_multiplier: optional finite factor on the logits before normalization.
         router_score_division_eps: optional finite term >= 0 added to the weights' denominator.
         n_group: expert groups of group-limited routing, or None (off); E must divide into them.
         topk_group: groups a token may pick from, ``1 <= topk_group <= n_group``, or None (off);
-            set together with ``n_group``. Not implemented yet (see the module docstring).
+            set together with ``n_group``. A group's score is the sum of its two best selection
+            keys (DeepSeek-V3's ``noaux_tc``).
+        topk_method: ``group_limited_greedy``: a group's score is its best key (DeepSeek-V2), set with
+            the grouping; None (off) or ``noaux_tc``: the sum of its two best (stored as None).
+        norm_topk_prob: False: the weights are the picked scores times ``route_scale``, not
+            renormalised (Qwen2-MoE's and OLMoE's ``norm_topk_prob=False``); None (off) or True:
+            renormalised, as the seed (True is stored as None, so that one router has one spec).
     """
 
     num_experts: int = field(metadata=_info(
@@ -89,7 +106,8 @@ class RouterSpec:
                                           "finite and > 0; 1 for none"),
         fix="write a finite number > 0 (1 for no scaling)", examples=(1.0, 2.5)))
     router_score_normalization: str = field(default="sigmoid", metadata=_info(
-        "str", "--normalization", "sigmoid or softmax scores.", examples=NORMALIZATIONS))
+        "str", "--normalization", "The scoring function (docs/semantics.md).", examples=NORMALIZATIONS,
+        choices=NORMALIZATIONS))
     router_output_multiplier: float | None = field(default=None, metadata=_info(
         "float?", "--multiplier", "router_output_multiplier (default: none).",
         fix="write a finite number, or leave the key out for no multiplier", examples=(None, 0.5)))
@@ -100,6 +118,12 @@ class RouterSpec:
         "int?", "--n-group", "Expert groups of group-limited routing (default: none)."))
     topk_group: int | None = field(default=None, metadata=_info(
         "int?", "--topk-group", "Groups a token may pick from (default: none)."))
+    topk_method: str | None = field(default=None, metadata=_info(
+        "str?", "--topk-method", "How groups are scored: noaux_tc (top-2 sum, default) or group_limited_greedy "
+        "(best score).", examples=(None, "group_limited_greedy"), choices=TOPK_METHODS))
+    norm_topk_prob: bool | None = field(default=None, metadata=_info(
+        "bool?", "--norm-topk-prob", "false: weights not renormalised over the picks (default: renormalised).",
+        examples=(None, False)))
 
     KERNEL_KEYWORDS: ClassVar[tuple[str, ...]] = (
         "topk", "route_scale", "router_output_multiplier", "router_score_normalization", "router_score_division_eps")
@@ -110,6 +134,14 @@ class RouterSpec:
         "router_score_division_eps")
     """The fields a report's JSON ``router`` object always holds; later fields only when set."""
     GROUPING: ClassVar[tuple[str, ...]] = ("n_group", "topk_group")
+    BEYOND_SEED: ClassVar[tuple[str, ...]] = ("n_group", "topk_group", "topk_method", "norm_topk_prob")
+    """The fields that are not keywords of the seed's signature: :meth:`kernel_kwargs` passes each only when set."""
+
+    def __post_init__(self) -> None:
+        if self.norm_topk_prob is True:  # the seed's weights: one spelling per router
+            object.__setattr__(self, "norm_topk_prob", None)
+        if self.topk_method == TOPK_METHODS[0]:  # the default group score
+            object.__setattr__(self, "topk_method", None)
 
     # -- validation ------------------------------------------------------------------------------
     def problems(self) -> list[str]:
@@ -123,13 +155,25 @@ class RouterSpec:
         if not (math.isfinite(self.route_scale) and self.route_scale > 0):
             problems.append(f"route_scale={self.route_scale} must be finite and > 0")
         if self.router_score_normalization not in NORMALIZATIONS:
-            problems.append(f"router_score_normalization={self.router_score_normalization!r} must be sigmoid or softmax")
+            problems.append(f"router_score_normalization={self.router_score_normalization!r} must be "
+                            f"{', '.join(NORMALIZATIONS[:-1])} or {NORMALIZATIONS[-1]}")
         if self.router_output_multiplier is not None and not math.isfinite(self.router_output_multiplier):
             problems.append("router_output_multiplier must be finite")
         eps = self.router_score_division_eps
         if eps is not None and not (math.isfinite(eps) and eps >= 0):
             problems.append(f"router_score_division_eps={eps} must be finite and >= 0")
         problems.extend(self._grouping_problems())
+        if self.topk_method is not None and self.topk_method not in TOPK_METHODS:
+            problems.append(f"topk_method={self.topk_method!r} must be noaux_tc or group_limited_greedy")
+        elif self.topk_method is not None and not self.grouped:
+            problems.append(f"topk_method={self.topk_method} scores groups: set n_group and topk_group with it")
+        if self.norm_topk_prob not in (None, False):
+            problems.append(f"norm_topk_prob={self.norm_topk_prob!r} must be true or false")
+        if self.router_score_normalization == "topk_then_softmax":
+            for name in ("norm_topk_prob", "router_score_division_eps"):
+                if getattr(self, name) is not None:
+                    problems.append(f"{name}={getattr(self, name)} must be unset under topk_then_softmax "
+                                    "(its weights are a softmax over the picks)")
         return problems
 
     def _grouping_problems(self) -> list[str]:
@@ -153,21 +197,31 @@ class RouterSpec:
         """Whether the spec sets group-limited routing (``n_group`` / ``topk_group``)."""
         return self.n_group is not None or self.topk_group is not None
 
+    def beyond_seed(self) -> list[str]:
+        """What this spec asks beyond the seed's semantics (which the MuseSpark1x kernels implement),
+        in field order: ``n_group`` (group-limited routing), the scoring function when it is not
+        sigmoid or softmax (``sqrtsoftplus``, ``topk_then_softmax``), ``norm_topk_prob`` (weights
+        not renormalised). A kernel that rejects such a spec documents it by naming these words
+        in its docstring (:func:`routetool.engine.contract.rejection_documented`)."""
+        out = ["n_group"] if self.grouped else []
+        if self.router_score_normalization not in SEED_NORMALIZATIONS:
+            out.append(self.router_score_normalization)
+        if self.norm_topk_prob is not None:
+            out.append("norm_topk_prob")
+        return out
+
     def unsupported(self) -> str | None:
-        """Why no router of this package can route this spec yet, or None: group-limited routing
-        has fields and checks, not semantics."""
-        if not self.grouped:
-            return None
-        return (f"group-limited routing (n_group={self.n_group}, topk_group={self.topk_group}) is not implemented: "
-                "the reference and the kernels route plain top-k over all experts")
+        """Why the reference cannot route this spec, or None: it routes every field today (a new
+        field's refusal goes here until the reference routes it)."""
+        return None
 
     # -- the kernels' call -----------------------------------------------------------------------
     def kernel_kwargs(self) -> dict[str, object]:
         """Keyword arguments for a routing function with the seed's signature (:data:`KERNEL_KEYWORDS`);
-        with grouping set, also ``n_group`` and ``topk_group``, which the seed's signature rejects."""
+        and each field of :data:`BEYOND_SEED` that is set (``n_group``, ``topk_group``,
+        ``norm_topk_prob``), which the seed's signature rejects (``TypeError``)."""
         out = {name: getattr(self, name) for name in self.KERNEL_KEYWORDS}
-        if self.grouped:
-            out.update((name, getattr(self, name)) for name in self.GROUPING)
+        out.update((name, getattr(self, name)) for name in self.BEYOND_SEED if getattr(self, name) is not None)
         return out
 
     @classmethod
@@ -212,13 +266,14 @@ class RouterSpec:
             if value is None:
                 continue
             kind = f.metadata["kind"].rstrip("?")
-            out[f.name] = repr(float(value)) if kind == "float" else str(value)
+            out[f.name] = repr(float(value)) if kind == "float" else str(value).lower() if kind == "bool" else str(value)
         return out
 
     @classmethod
     def from_metadata(cls, raw: Mapping[str, str]) -> RouterSpec:
         """The spec a trace's ``__metadata__`` describes, checked (the inverse of :meth:`to_metadata`).
-        ``router_score_normalization`` defaults to sigmoid; other keys are ignored.
+        ``router_score_normalization`` defaults to sigmoid; a key left out is its field's default
+        (a trace written before a field existed reads as it did); other keys are ignored.
 
         Raises:
             SpecError: a required key (num_experts, topk, route_scale) missing; a value that is not a
@@ -229,7 +284,7 @@ class RouterSpec:
         for f in fields(cls):
             text = raw.get(f.name)
             kind = f.metadata["kind"]
-            if kind == "str":
+            if kind.startswith("str"):  # (its value is checked by problems())
                 values[f.name] = f.default if text is None else text
             elif text is None:
                 if not kind.endswith("?"):
@@ -237,6 +292,8 @@ class RouterSpec:
                     raise SpecError(f"metadata key {f.name!r} is missing", key=f.name,
                                     fix=f"add {add} to the metadata: {meaning}; see docs/trace-format.md")
                 values[f.name] = None
+            elif kind.startswith("bool"):
+                values[f.name] = _read_bool(f.name, text)
             else:
                 values[f.name] = _read_number(f.name, text, kind, f.metadata["fix"])
         spec = cls(**values)
@@ -266,12 +323,16 @@ class RouterSpec:
                 f"eps={self.router_score_division_eps}")
         if self.grouped:
             text += f" n_group={self.n_group} topk_group={self.topk_group}"
+        if self.topk_method is not None:
+            text += f" {self.topk_method}"
+        if self.norm_topk_prob is not None:
+            text += f" norm_topk_prob={self.norm_topk_prob}"
         return text
 
     def __repr__(self) -> str:
-        """``RouterSpec(num_experts=8, topk=2, ...)``: every field, the grouping fields only when set."""
+        """``RouterSpec(num_experts=8, topk=2, ...)``: every field, those of :data:`BEYOND_SEED` only when set."""
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                          if f.name not in self.GROUPING or getattr(self, f.name) is not None)
+                          if f.name not in self.BEYOND_SEED or getattr(self, f.name) is not None)
         return f"{type(self).__name__}({shown})"
 
     def differences(self, other: RouterSpec) -> list[str]:
@@ -295,6 +356,18 @@ class SpecError(ValueError):
     def __init__(self, problem: str, *, key: str | None = None, fix: str = "") -> None:
         super().__init__(problem)
         self.problem, self.key, self.fix = problem, key, fix
+
+
+def _read_bool(key: str, text: str) -> bool:
+    """A metadata boolean: ``true`` or ``false`` (any case), read strictly.
+
+    Raises:
+        SpecError: any other text.
+    """
+    if isinstance(text, str) and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    raise SpecError(f"metadata {key}={text!r} is not true or false", key=key,
+                    fix="write true or false, or leave the key out for the default")
 
 
 def _read_number(key: str, text: str, kind: str, finite_fix: str) -> int | float:
@@ -323,12 +396,13 @@ def _read_number(key: str, text: str, kind: str, finite_fix: str) -> int | float
 
 
 FIELD_INFO: dict[str, Mapping[str, object]] = {f.name: f.metadata for f in fields(RouterSpec)}
-"""Field name -> its metadata: ``kind`` (``int``, ``float``, ``str``; ``?`` when optional),
+"""Field name -> its metadata: ``kind`` (``int``, ``float``, ``str``, ``bool``; ``?`` when optional),
 ``option`` (the command-line option), ``help``, ``required`` (for a required metadata key: what
-to add and its meaning), ``fix`` (for a value that is not finite) and ``examples`` (values a test
+to add and its meaning), ``fix`` (for a value that is not finite), ``choices`` (a text field's
+values) and ``examples`` (values a test
 suite varies it over)."""
 
-_KIND_TYPES = {"int": int, "float": float, "str": str}
+_KIND_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _CALL_KINDS = tuple((_KIND_TYPES[FIELD_INFO[name]["kind"].rstrip("?")], FIELD_INFO[name]["kind"].endswith("?"))
                     for name in RouterSpec.KERNEL_KEYWORDS)
 """Per keyword of :data:`RouterSpec.KERNEL_KEYWORDS`: its Python type and whether it may be None."""

@@ -1,7 +1,9 @@
 """Deliberately broken routing kernels (test fixtures for `routetool validate`).
 
 Each mutant has the seed's signature and one bug of a kind seen in router kernels. They are
-built on the reference's public pieces so that only the planted bug differs. ``MUTANTS`` maps
+built on the reference's public pieces so that only the planted bug differs. They route the
+seed's semantics only (the suite's cases tagged ``beyond_seed`` are not theirs: see
+``semantic_kernels.py`` for kernels of the other semantics and their bugs). ``MUTANTS`` maps
 a name to (function, the failure class validate must report).
 """
 
@@ -63,10 +65,12 @@ def _kernel(**bug):
 
 
 def correct(gating_output, bias, topk, route_scale, router_output_multiplier=None, router_score_normalization="sigmoid",
-            router_score_division_eps=None, topk_weights=None, topk_ids=None, *, is_padding=None):
-    """The reference, writing into caller buffers (int32 or int64 ids)."""
+            router_score_division_eps=None, topk_weights=None, topk_ids=None, *, is_padding=None, **beyond_seed):
+    """The reference, writing into caller buffers (int32 or int64 ids), with every semantics it
+    routes (``n_group``, ``norm_topk_prob``... by keyword)."""
     w, ids = musespark1x_routing_reference(gating_output, bias, topk, route_scale, router_output_multiplier,
-                                           router_score_normalization, router_score_division_eps, is_padding=is_padding)
+                                           router_score_normalization, router_score_division_eps, is_padding=is_padding,
+                                           **beyond_seed)
     return _out(w, ids, topk_weights, topk_ids)
 
 

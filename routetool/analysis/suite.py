@@ -90,6 +90,9 @@ class Case:
             bias in place between two calls changes the output), ``"cuda_graph"`` (the same
             through one captured CUDA graph).
         cuda_only: needs a GPU (size or CUDA graphs); skipped elsewhere.
+        tags: facts about the case for selecting it: ``beyond_seed``, the semantics its router asks
+            beyond the seed's (:meth:`~routetool_kernels.spec.RouterSpec.beyond_seed`), which a kernel of
+            the seed's semantics rejects.
         batch_sizes: for ``"batch"``: the sizes of the other batches each token is routed in.
     """
 
@@ -265,11 +268,17 @@ def _shapes(suite: str) -> list[Case]:
 # -------------------------------------------------------------------------------------- models
 @dataclass(frozen=True)
 class ModelShape:
-    """The router of served MoE models: ``(num_experts, topk)``, score normalization, whether the
-    selection has a bias (``e_score_correction_bias``; otherwise zeros) and ``route_scale``
-    (routed_scaling_factor) as their published configs have them. Group-limited selection
-    (DeepSeek's ``n_group``/``topk_group``) and un-renormalised weights (Qwen1.5, OLMoE)
-    are not what this router computes: the case stands for the shape and the scores."""
+    """The router of a served MoE model: ``(num_experts, topk)``, scoring function, whether the
+    selection has a bias (``e_score_correction_bias``; otherwise zeros), ``route_scale``
+    (routed_scaling_factor) and the semantics beyond the seed's (group-limited selection,
+    ``norm_topk_prob``, eps), as their published configs have them (docs/semantics.md).
+
+    The cases written before the reference routed those semantics stand for their model's shape and
+    scores, as a MuseSpark1x kernel routes them (DeepSeek-V3 without its groups, Qwen2-MoE
+    renormalised); the cases with ``semantics`` set carry the model's own routing, which the
+    MuseSpark1x kernels reject as documented and a kernel written to it must pass.
+    ``bias_dtype``: the bias's dtype as the engine holds it (a bf16 bias rounds, and its rounding
+    changes picks: :func:`_rounding_bias`)."""
 
     slug: str
     models: str
@@ -279,6 +288,12 @@ class ModelShape:
     bias: bool
     route_scale: float = 1.0
     dtype: torch.dtype = torch.float32
+    semantics: dict = field(default_factory=dict)
+    bias_dtype: torch.dtype = torch.float32
+
+    def router(self) -> dict:
+        """The :class:`~routetool_kernels.spec.RouterSpec` fields of this model beyond its shape."""
+        return {"route_scale": self.route_scale, "router_score_normalization": self.normalization, **self.semantics}
 
 
 MODEL_SHAPES = (
@@ -295,9 +310,28 @@ MODEL_SHAPES = (
     ModelShape("musespark1x", "MuseSpark1x (bf16 logits, as it serves them)", 256, 8, "sigmoid", True, 2.5,
                torch.bfloat16),
     ModelShape("kimi-k2", "Kimi-K2", 384, 8, "sigmoid", True, 2.827),
-    ModelShape("qwen3-next", "Qwen3-Next-80B-A3B", 512, 10, "softmax", False),
+    ModelShape("qwen3-next", "Qwen3-Next-80B-A3B, Qwen3.5", 512, 10, "softmax", False),
     ModelShape("topk16", "topk 16 (beyond 8-slot arrays)", 256, 16, "sigmoid", True, 2.5),
     ModelShape("topk22", "topk 22 (beyond 8- and 16-slot arrays)", 512, 22, "softmax", False),
+    # the 2026 family, each with its own routing semantics
+    ModelShape("kimi-k3", "Kimi-K3 (its shape, with Kimi-K2's router)", 896, 16, "sigmoid", True, 2.827),
+    ModelShape("glm-5", "GLM-5", 256, 8, "sigmoid", True, 2.5),
+    ModelShape("minimax-m2", "MiniMax-M2 / M2.5", 256, 8, "sigmoid", True),
+    ModelShape("deepseek-v3-grouped", "DeepSeek-V3/R1 as configured (8 groups, the best 4)", 256, 8, "sigmoid", True,
+               2.5, semantics={"n_group": 8, "topk_group": 4, "router_score_division_eps": 1e-20}),
+    ModelShape("deepseek-v2-grouped", "DeepSeek-V2 as configured (8 groups by their best score, the best 3)", 160, 6,
+               "softmax", False, 16.0, semantics={"n_group": 8, "topk_group": 3, "topk_method": "group_limited_greedy",
+                                                  "norm_topk_prob": False}),
+    ModelShape("deepseek-v3-bf16-bias", "DeepSeek-V3 with its bias in bf16 (a checkpoint loaded in bf16)", 256, 8,
+               "sigmoid", True, 2.5, bias_dtype=torch.bfloat16),
+    ModelShape("deepseek-v4", "DeepSeek-V4", 384, 6, "sqrtsoftplus", True, 1.5),
+    ModelShape("deepseek-v4-flash", "DeepSeek-V4-Flash", 256, 6, "sqrtsoftplus", True, 1.5),
+    ModelShape("qwen2-moe-olmoe-raw", "Qwen2-MoE, OLMoE as configured (norm_topk_prob false)", 64, 8, "softmax",
+               False, semantics={"norm_topk_prob": False}),
+    ModelShape("gpt-oss-120b", "gpt-oss-120b (top-k of the logits, softmax over the picks)", 128, 4,
+               "topk_then_softmax", False),
+    ModelShape("gpt-oss-20b", "gpt-oss-20b (top-k of the logits, softmax over the picks)", 32, 4,
+               "topk_then_softmax", False),
 )
 """The production shapes of the ``models`` family, in both suites (docs/validate.md)."""
 
@@ -331,15 +365,25 @@ claimed from atomic counters from ``DYNAMIC_TILES_FROM`` (8) times that grid (37
 148 SMs, an H200 has 132)."""
 
 
+def _rounding_bias(name: str, E: int) -> torch.Tensor:
+    """A bias around 1.5 in bf16 (step 2^-7): its rounding from the float32 values it was drawn as
+    moves keys by up to 0.004, more than the gaps between the best sigmoid scores of 256 experts,
+    so the bf16 bias picks other experts than the float32 one would (what a bf16-loaded
+    ``e_score_correction_bias`` does to DeepSeek-V3's routing), and keys rounded to bf16 tie."""
+    return (1.5 + torch.randn(E, generator=_gen(name + "/bias")) * 0.05).to(torch.bfloat16)
+
+
 def _model_build(name: str, shape: ModelShape) -> Callable[[torch.device], CaseInput]:
     def build(device: torch.device) -> CaseInput:
         E = shape.num_experts
         pad = torch.zeros(MODEL_TOKENS, dtype=torch.bool)
         pad[list(MODEL_PADDED_ROWS)] = True
-        bias = _bias(name, E, scale=0.1) if shape.bias else torch.zeros(E)
+        if shape.bias_dtype != torch.float32:
+            bias = _rounding_bias(name, E).to(shape.bias_dtype)
+        else:
+            bias = _bias(name, E, scale=0.1) if shape.bias else torch.zeros(E)
         return CaseInput.of(gating_output=_randn(name, (MODEL_TOKENS, E)).to(shape.dtype).to(device),
-                         bias=bias.to(device), topk=shape.topk, route_scale=shape.route_scale,
-                         router_score_normalization=shape.normalization, is_padding=pad.to(device))
+                         bias=bias.to(device), topk=shape.topk, is_padding=pad.to(device), **shape.router())
     return build
 
 
@@ -349,17 +393,24 @@ def _models(suite: str) -> list[Case]:
         E, K = shape.num_experts, shape.topk
         name = f"models/{shape.slug}/E{E}-k{K}"
         dtype = str(shape.dtype).removeprefix("torch.")
+        bias_dtype = str(shape.bias_dtype).removeprefix("torch.")
+        semantics = "".join(f", {k}={v}" for k, v in shape.semantics.items())
         what = (f"{shape.models}: {E} experts, topk {K}, {shape.normalization}"
-                f"{' + bias' if shape.bias else ', no bias'}, route_scale {shape.route_scale:g}"
-                f"{', ' + dtype if shape.dtype != torch.float32 else ''}")
-        feature = dtype if shape.dtype != torch.float32 else None
+                f"{' + bias' if shape.bias else ', no bias'}"
+                f"{' (' + bias_dtype + ')' if shape.bias_dtype != torch.float32 else ''}, route_scale "
+                f"{shape.route_scale:g}{semantics}{', ' + dtype if shape.dtype != torch.float32 else ''}")
+        beyond = RouterSpec(num_experts=E, topk=K, **shape.router()).beyond_seed()
+        feature = beyond[0] if beyond else dtype if shape.dtype != torch.float32 else \
+            f"bias {bias_dtype}" if shape.bias_dtype != torch.float32 else None
         build = _model_build(name, shape)
+        tags = {"beyond_seed": tuple(beyond)} if beyond else {}
         cases.append(Case("models", name, f"{what}; {MODEL_TOKENS} tokens, 2 padded; batches of "
                           f"{', '.join(map(str, BATCH_SIZES))}", build, feature=feature,
-                          checks=("determinism", "batch"), batch_sizes=BATCH_SIZES))
+                          checks=("determinism", "batch"), batch_sizes=BATCH_SIZES, tags=dict(tags)))
         cases.append(Case("models", name + "/large-batches", f"{what}; its tokens in batches of "
                           f"{', '.join(map(str, GPU_BATCH_SIZES))}", build, feature=feature,
-                          checks=("batch", "batch_determinism"), batch_sizes=GPU_BATCH_SIZES, cuda_only=True))
+                          checks=("batch", "batch_determinism"), batch_sizes=GPU_BATCH_SIZES, cuda_only=True,
+                          tags=dict(tags)))
     return cases
 
 

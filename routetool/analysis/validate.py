@@ -160,9 +160,14 @@ class CallFailed(Exception):
 
 def _call(fn: RoutingFn, inp: CaseInput, check_inputs: bool = True, feature: str | None = None):
     """``fn`` on the case's inputs, judged by the one kernel contract; a broken contract raises
-    :class:`CallFailed`. ``check_inputs=False`` inside a CUDA-graph capture (the check synchronises)."""
+    :class:`CallFailed`. ``check_inputs=False`` inside a CUDA-graph capture (the check synchronises).
+    ``feature``: the case's unusual input; a router beyond the seed's semantics is named by what it
+    asks first (``n_group``, ``sqrtsoftplus``...: a kernel's rejection is documented when its
+    docstring names that)."""
+    beyond = inp.router.beyond_seed()
     out = Router(inp.router, fn).call(inp.gating_output, inp.bias, is_padding=inp.is_padding,
-                                      topk_weights=inp.topk_weights, topk_ids=inp.topk_ids, feature=feature or "",
+                                      topk_weights=inp.topk_weights, topk_ids=inp.topk_ids,
+                                      feature=beyond[0] if beyond else feature or "",
                                       check_inputs=check_inputs)
     if not out.ok:
         raise CallFailed(out)
@@ -454,6 +459,8 @@ def run_case(case: Case, fn: RoutingFn, execution: Execution, *, tie_ulps: float
             res.verdict, res.failure_classes = "fail", [outcome.failure_class]
             res.message = outcome.detail if outcome.failure_class in ("crash", "rejected_undocumented") \
                 else outcome.message("the kernel")
+            if outcome.failure_class == "rejected_undocumented" and case.feature:  # say which, as a documented one
+                res.message = f"undocumented rejection of {case.feature}: {outcome.detail} ({outcome.fix})"
         res.duration_s = time.perf_counter() - start
         return res
     except Exception as exc:  # noqa: BLE001 - a crash of the kernel under test in a check's own code

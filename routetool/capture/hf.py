@@ -1,17 +1,23 @@
 """Record router inputs and outputs of HF transformers MoE models through forward hooks.
 
 Supported router families (transformers >= 5, where every router module returns
-``(router_logits, topk_weights, topk_indices)``):
+``(router_logits, topk_weights, topk_indices)``), each read into its router spec
+(docs/semantics.md):
 
 * ``deepseek_v3`` and ``glm4_moe`` (and Kimi-K2, a DeepSeek-V3 config with 384 experts):
-  sigmoid scores, ``e_score_correction_bias`` for selection, top-k weights renormalised
-  (``norm_topk_prob``) with HF's ``+ 1e-20`` in the denominator, times
-  ``routed_scaling_factor``. Group-limited routing (``n_group > 1`` with
-  ``topk_group < n_group``) is not the MuseSpark1x router and is refused.
-* ``qwen3_moe`` and ``mixtral``: softmax over the experts, no bias, route_scale 1; Mixtral
-  always renormalises, Qwen3-MoE when ``norm_topk_prob`` is set. When it is not, the
-  recorded weights are the raw top-k probabilities: the trace says so in its
-  ``weights_semantics`` metadata (``unnormalized``), and replay compares like with like.
+  sigmoid scores, ``e_score_correction_bias`` for selection, group-limited selection when
+  ``n_group > 1`` and ``topk_group < n_group`` (DeepSeek-V3's real config: 8 and 4), top-k
+  weights renormalised (``norm_topk_prob``) with HF's ``+ 1e-20`` in the denominator, times
+  ``routed_scaling_factor``.
+* ``deepseek_v2``: softmax scores, ``topk_method`` ``greedy`` (DeepSeek-V2-Lite) or
+  ``group_limited_greedy`` (DeepSeek-V2: the best ``topk_group`` of ``n_group`` groups by their
+  best score), weights not renormalised, times ``routed_scaling_factor``.
+* ``qwen3_moe``, ``qwen3_next``, ``qwen2_moe``, ``olmoe`` and ``mixtral``: softmax over the
+  experts, no bias, route_scale 1; Mixtral always renormalises, the others when
+  ``norm_topk_prob`` is set (Qwen3-MoE and Qwen3-Next checkpoints set it, Qwen2-MoE and OLMoE
+  do not).
+* ``gpt_oss``: top-k of the logits (the router's linear bias is part of them), softmax over the
+  picks (``topk_then_softmax``).
 
 Besides the recorder (:class:`HFRouterRecorder`) this module builds the models and inputs of
 ``routetool capture hf`` (:func:`small_config`, :func:`load_config`, :func:`build_model`,
@@ -21,11 +27,11 @@ Besides the recorder (:class:`HFRouterRecorder`) this module builds the models a
 
 Weight semantics, written to the trace's ``weights_semantics`` metadata:
 
-* ``renormalized``: ``topk_weights = route_scale * s_i / (sum of the picked s + eps)``, the
-  MuseSpark1x router's definition (s = unbiased sigmoid/softmax scores);
+* ``renormalized``: the router's own weights (``route_scale * s_i / (sum of the picked s + eps)``,
+  or a softmax over the picked logits under ``topk_then_softmax``);
 * ``unnormalized``: ``topk_weights = route_scale * s_i`` (no division by the picks' sum), as
-  Qwen3-MoE with ``norm_topk_prob=False`` (and DeepSeek-V3 with ``norm_topk_prob=False``)
-  compute them. The ids follow the same selection rule either way.
+  the models compute them with ``norm_topk_prob=False`` (the router spec then says
+  ``norm_topk_prob=False`` too). The ids follow the same selection rule either way.
 """
 
 from __future__ import annotations
@@ -56,19 +62,44 @@ _LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 @dataclass(frozen=True)
 class RouterFamily:
-    """How a transformers architecture routes, in routetool's terms."""
+    """How a transformers architecture routes, in routetool's terms.
+
+    Attributes:
+        name: the family (its model_type). normalization: the scoring function.
+        has_bias: a selection bias (``e_score_correction_bias``).
+        experts_keys: the config keys of the routed experts, the first present one counts.
+        renormalize: True/False: whatever the config says (Mixtral always, DeepSeek-V2 never,
+            gpt-oss: a softmax over the picks); None: the config's ``norm_topk_prob``, with
+            ``norm_default`` where it is unset.
+        scale_key: the config key of ``route_scale`` (None: 1). grouped: the config's
+            ``n_group``/``topk_group`` are read (DeepSeek-V3's noaux_tc).
+    """
 
     name: str
     normalization: str
     has_bias: bool
+    experts_keys: tuple[str, ...] = ("num_experts",)
+    renormalize: bool | None = None
+    norm_default: bool = True
+    scale_key: str | None = None
+    grouped: bool = False
 
 
+_NOAUX_TC = dict(normalization="sigmoid", has_bias=True, experts_keys=("n_routed_experts",),
+                 scale_key="routed_scaling_factor", grouped=True)
 FAMILIES = {
-    "deepseek_v3": RouterFamily("deepseek_v3", "sigmoid", True),
-    "kimi_k2": RouterFamily("deepseek_v3", "sigmoid", True),
-    "glm4_moe": RouterFamily("glm4_moe", "sigmoid", True),
-    "qwen3_moe": RouterFamily("qwen3_moe", "softmax", False),
-    "mixtral": RouterFamily("mixtral", "softmax", False),
+    "deepseek_v3": RouterFamily("deepseek_v3", **_NOAUX_TC),
+    "kimi_k2": RouterFamily("deepseek_v3", **_NOAUX_TC),
+    "glm4_moe": RouterFamily("glm4_moe", **_NOAUX_TC),
+    "deepseek_v2": RouterFamily("deepseek_v2", "softmax", False, ("n_routed_experts", "num_experts"), renormalize=False,
+                                scale_key="routed_scaling_factor"),
+    "qwen3_moe": RouterFamily("qwen3_moe", "softmax", False, norm_default=False),
+    "qwen3_next": RouterFamily("qwen3_next", "softmax", False),
+    "qwen2_moe": RouterFamily("qwen2_moe", "softmax", False, norm_default=False),
+    "olmoe": RouterFamily("olmoe", "softmax", False, norm_default=False),
+    "mixtral": RouterFamily("mixtral", "softmax", False, ("num_local_experts", "num_experts"), renormalize=True),
+    "gpt_oss": RouterFamily("gpt_oss", "topk_then_softmax", False, ("num_local_experts", "num_experts"),
+                            renormalize=True),
 }
 
 
@@ -120,33 +151,18 @@ def router_config_for(config, source: object = None) -> tuple[RouterFamily, Rout
         ``"unnormalized"`` (:data:`routetool.io.trace.WEIGHTS_SEMANTICS`).
 
     Raises:
-        RouteToolError: an unsupported ``model_type``, group-limited routing, or router
-            fields of the wrong type or range (expert count < 1, top-k outside [1, experts],
-            a scaling factor that is not finite and > 0, ``norm_topk_prob`` not a bool).
+        RouteToolError: an unsupported ``model_type`` or ``topk_method``, or router fields of
+            the wrong type or range (expert count < 1, top-k outside [1, experts], a scaling
+            factor that is not finite and > 0, ``norm_topk_prob`` not a bool, groups that do
+            not divide the experts or hold fewer than top-k).
     """
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:
         raise RouteToolError(f"model_type {model_type!r} is not supported", path=source,
                              fix=f"supported: {', '.join(sorted(FAMILIES))}")
-    if family.normalization == "sigmoid":
-        n_group, topk_group = getattr(config, "n_group", 1), getattr(config, "topk_group", 1)
-        n_group, topk_group = (1 if n_group is None else n_group), (1 if topk_group is None else topk_group)
-        for key, value in (("n_group", n_group), ("topk_group", topk_group)):
-            if not _is_int(value) or value < 1:
-                raise _config_error(f"{key}={value!r} must be an integer >= 1", source, key)
-        if n_group > 1 and topk_group < n_group:
-            raise RouteToolError(
-                f"group-limited routing (n_group={n_group}, topk_group={topk_group}) is not the MuseSpark1x router",
-                path=source, fix="set n_group=1 and topk_group=1 in the config to record plain top-k routing",
-            )
-        experts_key = "n_routed_experts"
-        renorm_default, scale_key = True, "routed_scaling_factor"
-    else:
-        experts_key = "num_local_experts" if family.name == "mixtral" else "num_experts"
-        if getattr(config, experts_key, None) is None:
-            experts_key = "num_experts" if experts_key == "num_local_experts" else "num_local_experts"
-        renorm_default, scale_key = family.name == "mixtral", None
+    groups = _groups(config, family, source)
+    experts_key = next((k for k in family.experts_keys if getattr(config, k, None) is not None), family.experts_keys[0])
     num_experts = getattr(config, experts_key, None)
     topk = getattr(config, "num_experts_per_tok", None)
     if not _is_int(num_experts) or num_experts < 1:
@@ -155,31 +171,55 @@ def router_config_for(config, source: object = None) -> tuple[RouterFamily, Rout
     if not _is_int(topk) or not 1 <= topk <= num_experts:
         raise _config_error(f"num_experts_per_tok={topk!r} must be an integer in [1, {experts_key}={num_experts}]",
                             source, "num_experts_per_tok")
-    renorm = getattr(config, "norm_topk_prob", renorm_default)
-    if family.name == "mixtral":
-        renorm = True  # Mixtral always renormalises
-    elif renorm is None:
-        renorm = renorm_default
+    renorm = family.renormalize
+    if renorm is None:
+        renorm = getattr(config, "norm_topk_prob", family.norm_default)
+        renorm = family.norm_default if renorm is None else renorm
     if not isinstance(renorm, bool):
         raise _config_error(f"norm_topk_prob={renorm!r} must be true or false", source, "norm_topk_prob")
     scale = 1.0
-    if scale_key is not None:
-        raw = getattr(config, scale_key, 1.0)
+    if family.scale_key is not None:
+        raw = getattr(config, family.scale_key, 1.0)
         raw = 1.0 if raw is None else raw
         if not (isinstance(raw, (int, float)) and not isinstance(raw, bool) and math.isfinite(raw) and raw > 0):
-            raise _config_error(f"{scale_key}={raw!r} must be a finite number > 0", source, scale_key)
+            raise _config_error(f"{family.scale_key}={raw!r} must be a finite number > 0", source, family.scale_key)
         scale = float(raw)
-    if family.normalization == "sigmoid":
-        router = RouterConfig(num_experts=num_experts, topk=topk, route_scale=scale,
-                              router_score_normalization="sigmoid",
-                              router_score_division_eps=1e-20 if renorm else None)
-    else:
-        router = RouterConfig(num_experts=num_experts, topk=topk, route_scale=1.0,
-                              router_score_normalization="softmax")
+    eps = 1e-20 if renorm and family.normalization == "sigmoid" else None  # HF's denominator + 1e-20
+    router = RouterConfig(num_experts=num_experts, topk=topk, route_scale=scale,
+                          router_score_normalization=family.normalization, router_score_division_eps=eps,
+                          norm_topk_prob=None if renorm else False, **groups)
     problems = router_config_errors(router)
     if problems:
         raise _config_error("; ".join(problems), source)
     return family, router, "renormalized" if renorm else "unnormalized"
+
+
+def _groups(config, family: RouterFamily, source: object) -> dict[str, int]:
+    """The spec's ``n_group``/``topk_group`` of a config: set for group-limited routing (``n_group > 1``
+    and ``topk_group < n_group``), empty otherwise (every group kept is plain top-k).
+
+    Raises:
+        RouteToolError: a group count that is not an integer >= 1; a DeepSeek-V2 ``topk_method``
+            other than ``greedy`` and ``group_limited_greedy``.
+    """
+    method = None
+    if family.name == "deepseek_v2":
+        method = getattr(config, "topk_method", "greedy")
+        if method in (None, "greedy"):
+            return {}
+        if method != "group_limited_greedy":
+            raise _config_error(f"topk_method={method!r} must be greedy or group_limited_greedy", source,
+                                "topk_method")
+    elif not family.grouped:
+        return {}
+    n_group, topk_group = getattr(config, "n_group", 1), getattr(config, "topk_group", 1)
+    n_group, topk_group = (1 if n_group is None else n_group), (1 if topk_group is None else topk_group)
+    for key, value in (("n_group", n_group), ("topk_group", topk_group)):
+        if not _is_int(value) or value < 1:
+            raise _config_error(f"{key}={value!r} must be an integer >= 1", source, key)
+    if not (n_group > 1 and topk_group < n_group):
+        return {}
+    return {"n_group": n_group, "topk_group": topk_group, **({"topk_method": method} if method else {})}
 
 
 def router_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -303,25 +343,41 @@ class HFRouterRecorder:
 
 # ---------------------------------------------------------------------------------------
 # models and inputs for `routetool capture hf`
-ARCHS = ("deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe", "mixtral")
+ARCHS = ("deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v2", "qwen3_moe", "qwen3_next", "qwen2_moe", "olmoe",
+         "gpt_oss", "mixtral")
 """Architectures ``routetool capture hf --arch`` builds from a small config."""
 
+_MLA = dict(q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+            num_key_value_heads=4)
+"""The small latent attention of the DeepSeek architectures."""
 _SMALL = {
     # shared: tiny attention, a byte-sized vocabulary; only the router shape is realistic
-    "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=32, num_experts_per_tok=4, n_group=1,
-                        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
-                        n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-                        qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4),
+    # DeepSeek-V3 as configured: its experts in 8 groups, a token's picks within the best 4
+    "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=32, num_experts_per_tok=4, n_group=8,
+                        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                        n_shared_experts=1, **_MLA),
     # Kimi-K2 is a DeepSeek-V3 architecture: 384 routed experts, top-8, scaling 2.827, no groups
     "kimi_k2": dict(model_type="deepseek_v3", n_routed_experts=384, num_experts_per_tok=8, n_group=1,
                     topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, first_k_dense_replace=1,
-                    n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-                    qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4),
+                    n_shared_experts=1, **_MLA),
     "glm4_moe": dict(model_type="glm4_moe", n_routed_experts=32, num_experts_per_tok=4, n_group=1, topk_group=1,
                      routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, n_shared_experts=1,
                      head_dim=16),
+    # DeepSeek-V2-Lite: 64 experts, top-6, greedy, weights not renormalised
+    "deepseek_v2": dict(model_type="deepseek_v2", n_routed_experts=64, num_experts_per_tok=6, topk_method="greedy",
+                        routed_scaling_factor=1.0, first_k_dense_replace=1, n_shared_experts=1, head_dim=8, **_MLA),
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=32, num_experts_per_tok=4, norm_topk_prob=True,
                       head_dim=16),
+    # Qwen3-Next / Qwen3.5: 512 experts, top-10, renormalised; one full-attention layer among linear ones
+    "qwen3_next": dict(model_type="qwen3_next", num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
+                       head_dim=16, shared_expert_intermediate_size=16,
+                       layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    # Qwen2-MoE and OLMoE as their checkpoints are configured: norm_topk_prob false
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+                      shared_expert_intermediate_size=16),
+    "olmoe": dict(model_type="olmoe", num_experts=64, num_experts_per_tok=8, norm_topk_prob=False),
+    # gpt-oss-20b's router: 32 experts, top-4, softmax over the picked logits
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=32, num_experts_per_tok=4, head_dim=16),
     "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, head_dim=16),
 }
 _SMALL_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -579,7 +635,8 @@ def progress_bars(enabled: bool):
             hf_logging.enable_progress_bar()
 
 
-def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", tokenizer: str = "auto"):
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", tokenizer: str = "auto",
+                    overrides: dict | None = None, source: object = None):
     """``(model, tokenizer or None)`` from a local checkpoint folder (no network).
 
     Args:
@@ -588,10 +645,15 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", toke
         tokenizer: ``auto`` (the checkpoint's tokenizer when the folder has tokenizer files,
             else None), ``checkpoint`` (must load), or ``bytes`` (None: the byte fallback
             of :func:`encode_text`).
+        overrides: config fields to replace before the weights load (``--set``), e.g. the
+            router's ``n_group``/``topk_group``, ``norm_topk_prob`` or ``topk_method``; a size that
+            no longer fits the weights fails their load.
+        source: what to name in the config's errors (default: the folder).
 
     Raises:
-        RouteToolError: not a folder with a config.json, an unsupported model, weights that
-            do not load, or a tokenizer that cannot be loaded when one is expected.
+        RouteToolError: not a folder with a config.json, an unsupported model or router
+            (:func:`check_model_config`), weights that do not load, or a tokenizer that cannot be
+            loaded when one is expected.
     """
     transformers = require_transformers()
     p = Path(path)
@@ -603,10 +665,12 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", toke
         raise RouteToolError(f"tokenizer {tokenizer!r} must be auto, checkpoint or bytes", fix="e.g. --tokenizer auto")
     try:
         config = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
+        for key, value in (overrides or {}).items():
+            setattr(config, key, value)
     except Exception as exc:  # noqa: BLE001 - OSError, ValueError, KeyError, strict-dataclass errors ...
         raise RouteToolError(f"cannot read the config ({_one_line(exc)})", path=p / "config.json",
                              fix="check the checkpoint") from None
-    router_config_for(config)
+    check_model_config(config, source or p)
     has_files = any(path_kind(p / name) == "file" for name in _TOKENIZER_FILES)
     tok = None
     if tokenizer == "checkpoint" or (tokenizer == "auto" and has_files):
@@ -617,7 +681,8 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str = "auto", toke
                                  f"{str(exc).splitlines()[0] if str(exc) else ''})", path=p,
                                  fix="fix the tokenizer files, or pass --tokenizer bytes") from None
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(p), config=config, local_files_only=True,
+                                                                   dtype=dtype)
     except Exception as exc:  # noqa: BLE001 - OSError, ValueError, RuntimeError, safetensors errors ...
         raise RouteToolError(f"cannot load the weights ({_one_line(exc)})", path=p,
                              fix="check that the checkpoint is complete") from None

@@ -273,6 +273,13 @@ class RoutingRecorder:
         skip_steps: ignore this many steps first (warm-up), before sampling starts.
         record_outputs: also record the function's outputs (``topk_weights``/``topk_ids``)
             so that replay can compare production routing with the reference.
+        router: the router's semantics beyond the seed's signature, as the model routes
+            (:class:`~routetool_kernels.spec.RouterSpec`: group-limited routing, ``norm_topk_prob``;
+            docs/semantics.md), for an engine whose function takes the seed's arguments and routes
+            more than they say. The trace's router is this spec; each call's own parameters (the
+            experts, ``topk``, ``route_scale``, the scoring function, multiplier and eps) must be
+            the spec's, or recording stops. The recorded weights are labelled ``unnormalized``
+            when it says ``norm_topk_prob=False``. None: the calls' parameters alone.
         model / provenance: trace metadata (defaults describe the recording).
         force: replace an existing index and shards of the same name.
         background: write shards on a writer thread (default); False writes them inline.
@@ -321,6 +328,7 @@ class RoutingRecorder:
         max_tokens: int | None = None,
         skip_steps: int = 0,
         record_outputs: bool = True,
+        router: RouterConfig | None = None,
         model: str = "",
         provenance: str = "",
         force: bool = False,
@@ -379,6 +387,10 @@ class RoutingRecorder:
         self.max_tokens = max_tokens
         self.skip_steps = skip_steps
         self.record_outputs = record_outputs
+        if router is not None and router_config_errors(router):
+            raise RouteToolError(f"router: {'; '.join(router_config_errors(router))}",
+                                 fix="give the router the model routes with (docs/semantics.md)")
+        self.given_router = router
         self.force = force
         self.background = background
         self.device = torch.device(device) if device is not None else None
@@ -831,6 +843,15 @@ class RoutingRecorder:
     def _site(self, params: tuple, num_experts: int) -> int:
         """The number of the call's router parameters; the first call's are the trace's."""
         router = RouterConfig.from_call(num_experts, params)
+        given = self.given_router
+        if given is not None:  # the semantics beyond the call's arguments; the arguments must agree
+            differ = [name for name in given.differences(router) if name not in RouterConfig.BEYOND_SEED]
+            if differ:
+                raise RouteToolError(
+                    f"the recorded call's router ({router}) is not the router given to the recorder ({given}): "
+                    f"{', '.join(differ)} differ", path=self.out, tensor="__metadata__",
+                    fix="give the recorder the router the calls route with")
+            router = given
         if self.router is None:
             problems = router_config_errors(router)
             if problems:
@@ -1176,8 +1197,8 @@ class RoutingRecorder:
         }
         if self.ranks is not None:
             extra.update(self.ranks.metadata())
-        if self.record_outputs:
-            extra["weights_semantics"] = "renormalized"
+        if self.record_outputs:  # the router's own weights; raw ones named as capture hf names them
+            extra["weights_semantics"] = "unnormalized" if self.router.norm_topk_prob is False else "renormalized"
         return TraceMeta(model=self.model, router=self.router, provenance=self.provenance, extra=extra)
 
     def _index_extra(self) -> dict:

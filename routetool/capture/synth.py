@@ -450,6 +450,7 @@ def _route_counts(logits: torch.Tensor, bias: torch.Tensor, router: RouterConfig
     keys = reference.scores(logits, router, finite_inplace=True)
     if bool(bias.any()):
         keys = keys.add_(bias.float())
+    keys = reference.selection_keys(keys, router)  # group-limited routing: -inf outside the kept groups
     ids = torch.topk(keys, router.topk, dim=-1, sorted=False).indices
     return torch.bincount(ids.flatten(), minlength=router.num_experts)
 
@@ -560,13 +561,13 @@ def _fit_bias(offset: torch.Tensor, dirs: torch.Tensor, spec: SynthSpec, gen: to
 
 
 def _inject_ties(logits: torch.Tensor, bias: torch.Tensor, rows: torch.Tensor, spec: SynthSpec) -> int:
-    from routetool_kernels.reference import biased_scores, scores
+    from routetool_kernels.reference import biased_scores, scores, select
 
     r = spec.router
     made = 0
     for row in rows.tolist():
         x = logits[row:row + 1]
-        b = biased_scores(scores(x, r), bias)[0]
+        b = select(biased_scores(scores(x, r), bias), r)[1][0]
         order = torch.sort(b, descending=True, stable=True).indices
         kth = int(order[r.topk - 1])
         for cand in order[r.topk:].tolist():
@@ -720,7 +721,7 @@ def synth_stats(meta: TraceMeta, layers: dict[int, LayerArrays],
         progress: called with work units done (rows x experts per layer).
     """
     from routetool_kernels import reference
-    from routetool_kernels.reference import biased_scores, select_topk
+    from routetool_kernels.reference import biased_scores, select
     from routetool.engine.compare import boundary_margins
     from routetool.engine.load import load_stats
 
@@ -742,11 +743,11 @@ def synth_stats(meta: TraceMeta, layers: dict[int, LayerArrays],
             stop = min(n, start + block)
             x, p = logits[start:stop], pad[start:stop]
             scores = reference.scores(x, r)
-            biased = biased_scores(scores, bias)
+            ids, biased = select(biased_scores(scores, bias), r)
             real = ~p
-            counts += torch.bincount(select_topk(biased[real], r.topk).flatten(), minlength=E)
+            counts += torch.bincount(ids[real].flatten(), minlength=E)
             unbiased = biased_scores(scores[real], torch.zeros_like(bias))
-            counts0 += torch.bincount(select_topk(unbiased, r.topk).flatten(), minlength=E)
+            counts0 += torch.bincount(select(unbiased, r)[0].flatten(), minlength=E)
             ties += int((boundary_margins(biased, r.topk, p) == 0).sum())
             nonfinite += int((~torch.isfinite(x.float())).any(-1).sum())
             progress((stop - start) * E)

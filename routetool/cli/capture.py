@@ -127,18 +127,17 @@ _SYNTH_EXPERTS = 1 << 16
 def _router_options(command):
     """synth's options for the router, one per field of :class:`~routetool_kernels.spec.RouterSpec`
     (its metadata: option, help, kind), defaulting to MuseSpark1x's router
-    (:data:`~routetool_kernels.spec.MUSESPARK1X`); the function receives them by field name.
-    Fields the reference does not route yet (group-limited routing) are left out."""
+    (:data:`~routetool_kernels.spec.MUSESPARK1X`); the function receives them by field name."""
     from dataclasses import fields
 
-    from routetool_kernels.spec import FIELD_INFO, MUSESPARK1X, NORMALIZATIONS, RouterSpec
+    from routetool_kernels.spec import FIELD_INFO, MUSESPARK1X, RouterSpec
 
-    types = {"str": click.Choice(NORMALIZATIONS), "int": click.IntRange(min=1), "float": float, "float?": float}
+    types = {"int": click.IntRange(min=1), "int?": click.IntRange(min=1), "float": float, "float?": float,
+             "bool?": click.BOOL}
     for f in reversed(fields(RouterSpec)):
-        if f.name in RouterSpec.GROUPING:
-            continue
         info, default = FIELD_INFO[f.name], getattr(MUSESPARK1X, f.name)
-        kind, help_text = types[info["kind"]], info["help"]
+        kind = click.Choice(info["choices"]) if info["kind"].startswith("str") else types[info["kind"]]
+        help_text = info["help"]
         if f.name == "num_experts":
             kind, help_text = click.IntRange(1, _SYNTH_EXPERTS), f"{help_text} 1-{_SYNTH_EXPERTS:,}."
         command = click.option(info["option"], f.name, type=kind, default=default, show_default=default is not None,
@@ -366,10 +365,13 @@ MAX_CAPTURE_LOGITS = 2**30
               help="Local checkpoint folder (from_pretrained, local files only).")
 @click.option("--config", "config_path", type=PATH, default=None,
               help="A config.json (or a folder with one): seeded random weights.")
-@click.option("--arch", type=click.Choice(["deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe", "mixtral"]),
-              default=None, help="A small built-in config of this architecture: seeded random weights.")
+@click.option("--arch", type=click.Choice(["deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v2", "qwen3_moe",
+                                           "qwen3_next", "qwen2_moe", "olmoe", "gpt_oss", "mixtral"]),
+              metavar="ARCH", default=None,
+              help="A small built-in config of this architecture, seeded random weights: deepseek_v3, kimi_k2, "
+                   "glm4_moe, deepseek_v2, qwen3_moe, qwen3_next, qwen2_moe, olmoe, gpt_oss or mixtral.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a config field (--config/--arch), VALUE as JSON; repeatable.")
+              help="Override a config field (of --model, --config or --arch), VALUE as JSON; repeatable.")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
               help="Seed of the random weights (0 to 2**63-1).")
 @click.option("--router-std", type=float, default=None, callback=_std,
@@ -399,8 +401,10 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
     """Run a transformers MoE model on text and record every MoE layer's router.
 
     Records router logits, the bias (e_score_correction_bias, where the architecture has
-    one) and the model's own top-k ids and weights, one step per forward pass. Supported:
-    DeepSeek-V3 / Kimi-K2 / GLM-4.5 (sigmoid + bias), Qwen3-MoE / Mixtral (softmax).
+    one) and the model's own top-k ids and weights, one step per forward pass, with the
+    model's routing semantics in the trace's router. Supported: DeepSeek-V3 (with its groups)
+    / Kimi-K2 / GLM-4.5 (sigmoid + bias), DeepSeek-V2, Qwen3-MoE, Qwen3-Next, Qwen2-MoE,
+    OLMoE, Mixtral (softmax), gpt-oss (softmax over the top-k logits).
     """
     from routetool.capture import hf
     from routetool.report.capture import render_hf_capture
@@ -410,22 +414,23 @@ def capture_hf_command(model_path: Path | None, config_path: Path | None, arch: 
     if len(sources) != 1:
         raise RouteToolError(f"give exactly one of --model, --config, --arch (got {', '.join(sources) or 'none'})",
                              fix="e.g. --arch deepseek_v3, or --model ./my-checkpoint")
-    if model_path is not None and (overrides or router_std is not None or bias_std is not None):
-        raise RouteToolError("--set, --router-std and --bias-std apply to random-weight models (--config/--arch)",
-                             fix="drop them, or edit the checkpoint's config")
+    if model_path is not None and (router_std is not None or bias_std is not None):
+        raise RouteToolError("--router-std and --bias-std apply to random-weight models (--config/--arch)",
+                             fix="drop them: a checkpoint's router weights are its own")
     if model_path is None and tokenizer_mode == "checkpoint":
         raise RouteToolError("--tokenizer checkpoint needs --model", fix="random-weight models use UTF-8 bytes")
     check_output_paths([out], force=force, inputs=[text_path, config_path], allow_stdout=False)
     text = hf.read_text(text_path)
     source_name = "<stdin>" if text_path == "-" else text_path
     torch_dtype = None if dtype == "auto" else _torch_dtype(dtype)
+    fields = _parse_overrides(overrides)
     if model_path is not None:
-        source = model_path
+        source = " ".join([str(model_path), *(f"--set {o}" for o in overrides)])
         with hf.progress_bars(progress):  # --no-progress: transformers' own bars too
-            model, tokenizer = hf.load_checkpoint(model_path, dtype=torch_dtype or "auto", tokenizer=tokenizer_mode)
-        origin = f"checkpoint {model_path}"
+            model, tokenizer = hf.load_checkpoint(model_path, dtype=torch_dtype or "auto", tokenizer=tokenizer_mode,
+                                                  overrides=fields, source=source)
+        origin = f"checkpoint {model_path}{' with ' + ', '.join(overrides) if overrides else ''}"
     else:
-        fields = _parse_overrides(overrides)
         config = hf.load_config(config_path, **fields) if config_path is not None else hf.small_config(arch, **fields)
         source = config_path if config_path is not None else " ".join([f"--arch {arch}",
                                                                        *(f"--set {o}" for o in overrides)])

@@ -57,11 +57,11 @@ class Router:
     @cached_property
     def _keywords(self) -> tuple[dict[str, object], str | None]:
         """The spec's keywords for ``fn`` (made once: a kernel is called once per captured step),
-        and the first option beyond the seed's signature (``n_group``), which a kernel that
-        rejects the call must name in its docstring, or None."""
-        params = self.spec.kernel_kwargs()
-        beyond = [name for name in params if name not in RouterSpec.KERNEL_KEYWORDS]
-        return params, beyond[0] if beyond else None
+        and the first semantics beyond the seed's (``n_group``, ``sqrtsoftplus``, ``norm_topk_prob``:
+        :meth:`~routetool_kernels.spec.RouterSpec.beyond_seed`), which a kernel that rejects the
+        call must name in its docstring, or None."""
+        beyond = self.spec.beyond_seed()
+        return self.spec.kernel_kwargs(), beyond[0] if beyond else None
 
     @classmethod
     def reference(cls, spec: RouterSpec) -> Router:
@@ -78,8 +78,8 @@ class Router:
             gating_output: ``[n, E]`` float32/bfloat16/float16 logits. bias: ``[E]``.
             is_padding: ``[n]`` bool or None. topk_weights / topk_ids: caller buffers or None.
             feature: the input's unusual feature (see :func:`~routetool.engine.contract.call_kernel`);
-                by default the logits' dtype, or the first option the spec sets beyond the seed's
-                signature (``n_group``).
+                by default the logits' dtype, or the first semantics the spec sets beyond the seed's
+                (``n_group``, ``sqrtsoftplus``...).
             check_inputs: compare the inputs after the call (False inside a CUDA-graph capture).
             extra: more keywords for ``fn`` (``use_pdl``).
 

@@ -31,8 +31,8 @@ Each reader follows the engine's own writer (docs/balance.md names the code and 
   holding ``routing_logits`` ``[seq_len, num_experts]`` and ``routing_bias`` ``[num_experts]``.
   These hold logits: they become traces a kernel can route. The definition name, in the file
   name, gives the routing: ``ds_routing`` (sigmoid scores, selection bias) or ``renorm``
-  (softmax), ``topk<K>``, ``ng<n_group>``/``kg<topk_group>`` (group-limited selection, which
-  the MuseSpark1x router does not do, is refused).
+  (softmax), ``topk<K>``, ``ng<n_group>``/``kg<topk_group>`` (group-limited selection, carried
+  into the trace's router).
 
 Per-request formats (vLLM, SGLang routed experts) become one step per request, labelled with the
 request id, with every token's position in its request (``ImportedLayer.positions``).
@@ -621,7 +621,7 @@ def flashinfer_router(name: str, topk: int | None, num_experts: int, path: Path)
 
     Raises:
         RouteToolError: no ``ds_routing``/``renorm`` or no ``topk`` in the name (and no ``topk``
-            given), group-limited selection (``ng`` > 1 with ``kg`` < ``ng``).
+            given), or an impossible router (e.g. ``ng`` that does not divide the experts).
     """
     notes = []
     if "ds_routing" in name:
@@ -640,15 +640,18 @@ def flashinfer_router(name: str, topk: int | None, num_experts: int, path: Path)
         raise RouteToolError("the file name gives no topk<K>", path=path, fix="pass the model's --topk")
     ng, kg = (re.search(rf"{p}(\d+)", name) for p in ("_ng", "_kg"))
     ng, kg = (int(ng.group(1)) if ng else 1), (int(kg.group(1)) if kg else 1)
-    if ng > 1 and kg < ng:
-        raise RouteToolError(f"group-limited routing (n_group={ng}, topk_group={kg}) is not the MuseSpark1x router, "
-                             "which selects over all experts: its ids cannot be reproduced", path=path,
-                             fix="import a workload of a definition with ng1_kg1 (or without groups)")
     if not 1 <= k <= num_experts:
         raise RouteToolError(f"topk={k} is not in [1, {num_experts}]", path=path, fix="pass the model's --topk")
-    notes.append(f"FlashInfer-Trace routing: {scoring} scores, topk={k}; routed_scaling_factor is a scalar of the "
+    groups = dict(zip(RouterConfig.GROUPING, (ng, kg))) if ng > 1 and kg < ng else {}  # (all kept: plain top-k)
+    router = RouterConfig(num_experts=num_experts, topk=k, router_score_normalization=scoring, **groups)
+    problems = router.problems()
+    if problems:
+        raise RouteToolError(f"the definition's router is impossible: {'; '.join(problems)}", path=path,
+                             fix="keep the name the tracer gave it: <definition>_<uuid>.safetensors")
+    notes.append(f"FlashInfer-Trace routing: {scoring} scores, topk={k}"
+                 f"{f', n_group={ng}, topk_group={kg}' if groups else ''}; routed_scaling_factor is a scalar of the "
                  "workload, not in the blob: route_scale 1.0 is a placeholder (it scales weights, not ids)")
-    return RouterConfig(num_experts=num_experts, topk=k, router_score_normalization=scoring), notes
+    return router, notes
 
 
 def read_flashinfer(path: Path, options):

@@ -210,7 +210,7 @@ def parse_metadata(path: Path, raw: Mapping[str, str] | None) -> TraceMeta:
         raise RouteToolError(exc.problem, path=path, tensor="__metadata__", fix=exc.fix) from None
     if router.unsupported():
         raise RouteToolError(router.unsupported(), path=path, tensor="__metadata__",
-                             fix="routetool routes plain top-k only: leave n_group and topk_group out for a router without groups")
+                             fix="this routetool does not route that router yet: leave the key out, or upgrade routetool")
     semantics = raw.get("weights_semantics")
     if semantics is not None and semantics not in WEIGHTS_SEMANTICS:
         raise RouteToolError(f"metadata weights_semantics={semantics!r} is not one of {', '.join(WEIGHTS_SEMANTICS)}",

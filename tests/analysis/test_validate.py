@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 import mutants
+import semantic_kernels
 from conftest import DEVICE, HAS_CUDA
 from routetool.cli import main
 from routetool.engine.execution import select_execution
@@ -19,6 +20,8 @@ from routetool.analysis.validate import rejection_documented, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = build_suite("quick")
+SEED_QUICK = [c for c in QUICK if "beyond_seed" not in c.tags]
+"""The cases of the seed's semantics: those the mutants (seed signature, seed semantics) route."""
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def test_reference_passes_everything(execution):
 
 
 def test_other_tie_break_is_tie_equivalent_not_failed(execution):
-    result = validate(mutants.highest_index_ties, "highest-index-ties", execution, cases=QUICK)
+    result = validate(mutants.highest_index_ties, "highest-index-ties", execution, cases=SEED_QUICK)
     assert result.ok, _classes(result)
     tie_cases = [c for c in result.cases if c.verdict == "pass_tie"]
     assert tie_cases and all(c.family in ("ties", "nonfinite", "bias") for c in tie_cases)
@@ -75,6 +78,7 @@ PRODUCTION = {(8, 2): "Mixtral", (60, 4): "Qwen1.5-MoE", (64, 8): "Qwen2-57B", (
               (160, 6): "DeepSeek-V2", (128, 8): "Qwen3-30B", (256, 8): "DeepSeek-V3", (160, 8): "GLM-4.5",
               (384, 8): "Kimi-K2", (512, 10): "Qwen3-Next", (128, 4): "gpt-oss-120b"}
 MODELS = [c for c in QUICK if c.family == "models"]
+SEED_MODELS = [c for c in MODELS if "beyond_seed" not in c.tags]
 
 
 def test_quick_holds_every_production_shape_and_names_its_model():
@@ -87,7 +91,8 @@ def test_quick_holds_every_production_shape_and_names_its_model():
     cpu = [c for c in MODELS if not c.cuda_only]
     inputs = [c.build(torch.device("cpu")) for c in cpu]
     assert {i.topk for i in inputs} >= {2, 4, 6, 8, 10, 16, 22}
-    assert {i.router.router_score_normalization for i in inputs} == {"sigmoid", "softmax"}
+    assert {i.router.router_score_normalization for i in inputs} == {"sigmoid", "softmax", "sqrtsoftplus",
+                                                                     "topk_then_softmax"}
     assert any(bool(i.bias.any()) for i in inputs) and any(not i.bias.any() for i in inputs)
     assert {i.gating_output.dtype for i in inputs} == {torch.float32, torch.bfloat16}
     assert all(i.is_padding.any() and not i.is_padding.all() for i in inputs)  # padded rows among real ones
@@ -132,15 +137,88 @@ def test_shape_and_batch_bugs_are_found_by_the_models_family(name, execution):
     # each passed the quick suite before it held the models family
     fn, expected = mutants.MUTANTS[name]
     assert validate(fn, name, execution, cases=[c for c in QUICK if c.family != "models"]).ok
-    found = validate(fn, name, execution, cases=MODELS)
+    found = validate(fn, name, execution, cases=SEED_MODELS)
     assert _classes(found) == {expected}, _classes(found)
+
+
+# -- the semantics of production models (docs/semantics.md) -----------------------------------------
+BEYOND = [c for c in MODELS if "beyond_seed" in c.tags and not c.cuda_only]
+
+
+def test_the_models_family_holds_each_semantics_beyond_the_seed():
+    assert {c.tags["beyond_seed"][0] for c in BEYOND} == {"n_group", "sqrtsoftplus", "norm_topk_prob",
+                                                           "topk_then_softmax"}
+    grouped = next(c for c in BEYOND if c.name == "models/deepseek-v3-grouped/E256-k8").build(torch.device("cpu"))
+    assert (grouped.router.n_group, grouped.router.topk_group, grouped.router.num_experts) == (8, 4, 256)
+    # its groups change the picks of some token: a kernel that ignores them cannot pass by chance
+    from routetool_kernels import reference
+
+    plain = reference.route(grouped.gating_output, grouped.bias, replace(grouped.router, n_group=None, topk_group=None))
+    assert (plain[1] != grouped.reference()[1]).any(-1).sum() >= 3
+
+
+def test_a_bf16_bias_changes_the_picks_of_the_models_case_that_holds_it():
+    from routetool_kernels import reference
+
+    case = next(c for c in MODELS if c.name == "models/deepseek-v3-bf16-bias/E256-k8")
+    inp = case.build(torch.device("cpu"))
+    assert inp.bias.dtype == torch.bfloat16 and case.feature == "bias bfloat16"
+    from routetool.analysis.suite import _gen
+
+    fp32 = 1.5 + torch.randn(256, generator=_gen(case.name + "/bias")) * 0.05  # the values before rounding
+    assert torch.equal(fp32.to(torch.bfloat16), inp.bias)
+    picks_bf16 = inp.reference()[1]
+    picks_fp32 = reference.route(inp.gating_output, fp32, inp.router, is_padding=inp.is_padding)[1]
+    assert (picks_bf16 != picks_fp32).any(-1).sum() >= 2  # the bias's dtype reorders the top-k
+
+
+@pytest.mark.parametrize("fn", [semantic_kernels.engine_router, mutants.correct])
+def test_a_kernel_written_to_each_semantics_passes_the_models_family(fn, execution):
+    result = validate(fn, fn.__name__, execution, cases=[c for c in MODELS if not c.cuda_only])
+    assert result.ok and {c.verdict for c in result.cases} == {"pass"}, \
+        [(c.name, c.failure_classes, c.message) for c in result.cases if c.verdict != "pass"]
+
+
+@pytest.mark.parametrize("bug", sorted(semantic_kernels.BUGS))
+def test_the_classic_bug_of_each_semantics_fails_its_case(bug, execution):
+    fn, case_name, cls = semantic_kernels.BUGS[bug]
+    result = validate(fn, bug, execution, cases=[c for c in MODELS if c.name == case_name])
+    case = result.cases[0]
+    assert case.verdict == "fail" and cls in case.failure_classes, (case.failure_classes, case.message)
+    assert case.rows and case.rows[0].expected_ids != case.rows[0].got_ids or \
+        case.rows[0].expected_weights != case.rows[0].got_weights
+    assert result.exit_code == 1
+
+
+def test_the_musespark1x_kernels_reject_what_they_do_not_implement_and_validate_says_which(execution):
+    import routetool_kernels
+
+    for variant in routetool_kernels.VARIANT_NAMES:
+        result = validate(routetool_kernels.variant(variant), variant, execution, cases=BEYOND)
+        assert result.ok and {c.verdict for c in result.cases} == {"rejected"}, [(c.name, c.message) for c in
+                                                                               result.cases]
+        for case, c in zip(BEYOND, result.cases):  # the semantics named, then the kernel's own words
+            assert c.message.startswith(f"documented rejection of {case.tags['beyond_seed'][0]}: "), c.message
+            assert case.tags["beyond_seed"][0] in c.message.split(": ", 1)[1], c.message
+    # a kernel of the seed's signature that does not say so fails, told which semantics and how to document it
+    tiled = routetool_kernels.variant("tiled")
+
+    def undocumented(*args, **kwargs):
+        """Plain top-k routing."""
+        return tiled(*args, **kwargs)
+
+    result = validate(undocumented, "undocumented", execution, cases=BEYOND)
+    assert {c.verdict for c in result.cases} == {"fail"} and _classes(result) == {"rejected_undocumented"}
+    grouped = next(c for c in result.cases if c.name == "models/deepseek-v3-grouped/E256-k8")
+    assert grouped.message.startswith("undocumented rejection of n_group: TypeError: ")
+    assert "name n_group in its docstring as unsupported" in grouped.message
 
 
 @pytest.mark.parametrize("name", ["racy_ties", "atomic_order_sum"])
 def test_a_nondeterministic_kernel_is_reported_as_such_with_the_rows_that_changed(name, execution):
     # a kernel whose output changed from call to call was reported as row_order_dependence
     fn, _ = mutants.MUTANTS[name]
-    result = validate(fn, name, execution, cases=QUICK)
+    result = validate(fn, name, execution, cases=SEED_QUICK)
     assert _classes(result) == {"nondeterministic"}, _classes(result)
     case = next(c for c in result.cases if c.verdict == "fail")
     row = case.rows[0]
@@ -200,7 +278,7 @@ def test_a_failing_case_shows_its_class_first_row_and_both_outputs_on_one_screen
     from routetool.report.validate import render_validate
 
     execution = select_execution("cpu")
-    cases = [c for c in QUICK if c.family in ("models", "nonfinite")]
+    cases = [c for c in SEED_QUICK if c.family in ("models", "nonfinite")]
     for name, must in (("large_batch_rounding", ["✗ models/qwen1.5-moe/E60-k4  batch_variant",
                                                  "token 4: in a batch of 7 (row 4) and of 129 (row 56)",
                                                  "B=7   ids 29 24 22 56; w 0.460 0.273 0.151 0.116",

@@ -37,13 +37,20 @@ def _capture(tmp_path, arch, dtype=torch.float32, seed=0, **overrides):
     return model, path
 
 
-def _replay(path):
+REFERENCE_KERNEL = "routetool_kernels.reference:musespark1x_routing_reference"
+"""The kernel that routes every semantics (the MuseSpark1x kernels reject those beyond the seed's)."""
+
+
+def _replay(path, kernel=None):
+    """Replay ``path`` with ``kernel``; by default the tiled kernel, or the reference where the trace's router
+    asks semantics beyond the seed's (which the tiled kernel rejects, as documented)."""
     from routetool.engine.execution import load_kernel, select_execution
     from routetool.analysis.replay import replay_trace
 
-    execution = select_execution(DEVICE.type)
-    name, fn = load_kernel("tiled")
     with open_trace(path) as t:
+        kernel = kernel or (REFERENCE_KERNEL if t.meta.router.beyond_seed() else "tiled")
+        name, fn = load_kernel(kernel)
+        execution = select_execution(DEVICE.type).for_kernel(fn)
         return replay_trace(t, name, fn, execution, measure_latency=False)
 
 
@@ -58,20 +65,29 @@ def _assert_replay_matches_model(result, rows_per_layer):
         assert layer.kernel_vs_reference.ok
 
 
-@pytest.mark.parametrize("arch, normalization, has_bias, num_experts, route_scale", [
-    ("deepseek_v3", "sigmoid", True, 32, 2.5),   # sigmoid + e_score_correction_bias, renormalised, x2.5
-    ("glm4_moe", "sigmoid", True, 32, 2.5),      # GLM-4.5: the same router in another model class
-    ("kimi_k2", "sigmoid", True, 384, 2.827),    # Kimi-K2 shape through a DeepSeek-V3 config: E=384, top-8
-    ("qwen3_moe", "softmax", False, 32, 1.0),    # softmax, norm_topk_prob=True (real Qwen3-MoE checkpoints)
-    ("mixtral", "softmax", False, 8, 1.0),       # softmax, always renormalised, K=2 of 8
+@pytest.mark.parametrize("arch, normalization, has_bias, num_experts, route_scale, beyond", [
+    # sigmoid + e_score_correction_bias, renormalised, x2.5, and DeepSeek-V3's real groups: 8, the best 4
+    ("deepseek_v3", "sigmoid", True, 32, 2.5, ["n_group"]),
+    ("glm4_moe", "sigmoid", True, 32, 2.5, []),      # GLM-4.5: the same router in another model class, no groups
+    ("kimi_k2", "sigmoid", True, 384, 2.827, []),    # Kimi-K2 shape through a DeepSeek-V3 config: E=384, top-8
+    ("qwen3_moe", "softmax", False, 32, 1.0, []),    # softmax, norm_topk_prob=True (real Qwen3-MoE checkpoints)
+    ("mixtral", "softmax", False, 8, 1.0, []),       # softmax, always renormalised, K=2 of 8
+    ("qwen3_next", "softmax", False, 512, 1.0, []),  # Qwen3-Next / Qwen3.5: 512 experts, top-10, renormalised
+    ("gpt_oss", "topk_then_softmax", False, 32, 1.0, ["topk_then_softmax"]),  # top-k of the logits, softmax
+    # not renormalised: Qwen2-MoE's and OLMoE's configs, DeepSeek-V2 always (greedy: V2-Lite)
+    ("qwen2_moe", "softmax", False, 60, 1.0, ["norm_topk_prob"]),
+    ("olmoe", "softmax", False, 64, 1.0, ["norm_topk_prob"]),
+    ("deepseek_v2", "softmax", False, 64, 1.0, ["norm_topk_prob"]),
 ])
-def test_capture_and_replay_matches_the_model(tmp_path, arch, normalization, has_bias, num_experts, route_scale):
+def test_capture_and_replay_matches_the_model(tmp_path, arch, normalization, has_bias, num_experts, route_scale,
+                                              beyond):
     model, path = _capture(tmp_path, arch)
     with open_trace(path) as t:
         r = t.meta.router
         assert (r.num_experts, r.router_score_normalization, r.route_scale) == (num_experts, normalization,
                                                                                pytest.approx(route_scale))
-        assert t.meta.extra["weights_semantics"] == "renormalized"
+        assert r.beyond_seed() == beyond
+        assert t.meta.extra["weights_semantics"] == ("unnormalized" if r.norm_topk_prob is False else "renormalized")
         assert len(t.layers) >= 2
         for layer in t.layers:
             info = t.info(layer)
@@ -98,7 +114,7 @@ def test_bf16_model_records_bf16_logits_and_weights(tmp_path):
 def test_unnormalized_softmax_weights_are_labelled_and_ids_match(tmp_path):
     _, path = _capture(tmp_path, "qwen3_moe", norm_topk_prob=False)
     with open_trace(path) as t:
-        assert t.meta.extra["weights_semantics"] == "unnormalized"
+        assert t.meta.extra["weights_semantics"] == "unnormalized" and t.meta.router.norm_topk_prob is False
         assert t.meta.router.route_scale == 1.0 and t.meta.router.router_score_division_eps is None
         step = next(t.steps(t.layers[0]))
         # raw top-k probabilities: rows sum to less than 1
@@ -138,12 +154,41 @@ def test_recorder_steps_follow_forward_passes():
     assert rec.num_steps == 2
 
 
-def test_group_limited_routing_is_refused():
-    config = small_config("deepseek_v3", **TINY, n_group=4, topk_group=2)
-    with pytest.raises(RouteToolError, match=r"group-limited routing \(n_group=4, topk_group=2\).*n_group=1"):
-        router_config_for(config)
-    with pytest.raises(RouteToolError, match="group-limited"):
-        build_model(config)
+def test_group_limited_routing_is_recorded_and_its_groups_hold_every_pick(tmp_path):
+    model, path = _capture(tmp_path, "deepseek_v3")
+    with open_trace(path) as t:
+        r = t.meta.router
+        assert (r.n_group, r.topk_group, r.router_score_division_eps) == (8, 4, 1e-20)
+        for layer in t.layers:
+            ids = torch.cat([s.recorded_ids for s in t.steps(layer)]).long()
+            assert all(len(set(row)) <= 4 for row in (ids // 4).tolist())  # 4 of the 8 groups of 4 experts
+    # the model's groups change its picks: a router without them would not reproduce it
+    with open_trace(path) as t:
+        from dataclasses import replace
+
+        from routetool_kernels.reference import route
+
+        layer = t.layers[0]
+        rows = t.read_rows(layer, 0, t.info(layer).num_tokens)
+        plain = route(rows.gating_output, t.bias(layer), replace(t.meta.router, n_group=None, topk_group=None))[1]
+        recorded = torch.cat([s.recorded_ids for s in t.steps(layer)])
+        assert (plain.sort(-1).values != recorded.sort(-1).values).any(-1).sum() > 0
+    # the tiled kernel rejects the groups as it documents: replay says so and exits 2
+    from routetool.errors import KernelRejection
+
+    with pytest.raises(KernelRejection, match="n_group"):
+        _replay(path, "tiled")
+
+
+def test_deepseek_v2_group_limited_greedy_is_recorded_with_its_group_score(tmp_path):
+    # DeepSeek-V2 as configured: 8 groups by their best score, the best 3
+    _, path = _capture(tmp_path, "deepseek_v2", topk_method="group_limited_greedy", n_group=8, topk_group=3)
+    with open_trace(path) as t:
+        r = t.meta.router
+        assert (r.n_group, r.topk_group, r.topk_method, r.norm_topk_prob) == (8, 3, "group_limited_greedy", False)
+    _assert_replay_matches_model(_replay(path), BATCH * PROMPT + BATCH * (NEW - 1))
+    with pytest.raises(RouteToolError, match=r"topk_method='sparse' must be greedy or group_limited_greedy"):
+        router_config_for(small_config("deepseek_v2", **TINY, topk_method="sparse", n_group=8, topk_group=3))
 
 
 def test_unsupported_model_is_refused():

@@ -722,3 +722,47 @@ def test_a_signatures_plan_is_checked_once_then_launched_directly(fake_module, t
     monkeypatch.setattr(ring, "device", torch.device("cpu"))
     with pytest.raises(RouteToolError, match="changed dtype"):
         rec.close()
+
+
+def _grouped_routing(gating_output, bias, topk, route_scale, router_output_multiplier=None,
+                     router_score_normalization="sigmoid", router_score_division_eps=None, topk_weights=None,
+                     topk_ids=None, *, is_padding=None):
+    """An engine's function of the seed's signature whose model routes within 2 of 4 expert groups (its
+    config's n_group / topk_group, not an argument)."""
+    return musespark1x_routing_reference(gating_output, bias, topk, route_scale, router_output_multiplier,
+                                         router_score_normalization, router_score_division_eps, topk_weights, topk_ids,
+                                         is_padding=is_padding, n_group=4, topk_group=2)
+
+
+def test_the_recorder_takes_the_router_spec_its_calls_do_not_say(fake_module, tmp_path, monkeypatch):
+    from routetool.analysis.replay import replay_trace
+    from routetool.engine.execution import load_kernel, select_execution
+    from routetool_kernels.spec import RouterSpec
+
+    monkeypatch.setattr(fake_module, "fused_musespark1x_routing", _grouped_routing)
+    grouped = RouterSpec(num_experts=E, topk=K, route_scale=2.5, router_score_division_eps=1e-20, n_group=4,
+                         topk_group=2)
+    name, fn = load_kernel("routetool_kernels.reference:musespark1x_routing_reference")
+    execution = select_execution(DEVICE.type).for_kernel(fn)
+    found = {}
+    for label, router in (("given", grouped), ("calls only", None)):
+        out = tmp_path / f"{label.replace(' ', '-')}.json"
+        engine = FakeEngine(fake_module, dtype=torch.float32)
+        with RoutingRecorder(out, target=TARGET, num_layers=3, router=router):
+            _run(engine)
+        with open_trace(out) as t:
+            assert t.meta.router == (grouped if router else RouterSpec(num_experts=E, topk=K, route_scale=2.5,
+                                                                      router_score_division_eps=1e-20))
+            result = replay_trace(t, name, fn, execution, measure_latency=False)
+        found[label] = sum(layer.reference_vs_recorded.mismatch for layer in result.layers)
+    # given the groups, the trace's reference reproduces the engine's routing; without them it cannot
+    assert found["given"] == 0 and found["calls only"] > 0
+    # a router the calls contradict stops the recording (the run goes on)
+    with pytest.raises(RouteToolError, match=r"is not the router given to the recorder .*: topk differ"):
+        with RoutingRecorder(tmp_path / "other.json", target=TARGET, num_layers=3,
+                             router=RouterSpec(num_experts=E, topk=K + 1, route_scale=2.5,
+                                               router_score_division_eps=1e-20)):
+            _run(FakeEngine(fake_module, dtype=torch.float32), STEP_SIZES[:1])
+    with pytest.raises(RouteToolError, match="router: n_group=5 must divide"):
+        RoutingRecorder(tmp_path / "bad.json", target=TARGET, num_layers=3,
+                        router=RouterSpec(num_experts=E, topk=K, n_group=5, topk_group=1))

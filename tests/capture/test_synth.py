@@ -391,3 +391,30 @@ def test_as_many_nonfinite_rows_as_are_left_are_made():
     _, layers = synthesize(spec)
     for arr in layers.values():
         assert int((~torch.isfinite(arr.gating_output)).any(-1).sum()) == 7
+
+
+@pytest.mark.parametrize("router", [
+    # DeepSeek-V3 as configured: 8 groups, the best 4
+    RouterConfig(num_experts=64, topk=8, route_scale=2.5, n_group=8, topk_group=4),
+    # DeepSeek-V4's scoring; Qwen2-MoE's raw weights; gpt-oss's top-k of the logits
+    RouterConfig(num_experts=40, topk=4, route_scale=1.5, router_score_normalization="sqrtsoftplus"),
+    RouterConfig(num_experts=40, topk=4, router_score_normalization="softmax", norm_topk_prob=False),
+    RouterConfig(num_experts=32, topk=4, router_score_normalization="topk_then_softmax"),
+])
+def test_every_semantics_is_synthesised_and_routed_by_its_router(router):
+    from routetool_kernels.reference import route
+
+    spec = small(router=router, ties=3, nonfinite=0, dtype=torch.float32)
+    meta, layers = synthesize(spec)
+    assert meta.router == router  # the trace's metadata carries the semantics
+    stats = synth_stats(meta, layers)
+    for arr, st in zip(layers.values(), stats):
+        real = ~arr.is_padding
+        _, ids, _, keys = route(arr.gating_output[real], arr.bias, router)
+        counts = torch.bincount(ids.long().flatten(), minlength=router.num_experts)
+        assert int(counts.sum()) == int(real.sum()) * router.topk
+        assert st.imbalance == pytest.approx(float(counts.max() / counts.float().mean()))
+        assert st.boundary_ties >= 3  # the tie rows tie at the k-th boundary of the router's own keys
+        if router.n_group:  # every token's picks lie in topk_group of the groups
+            per = router.num_experts // router.n_group
+            assert all(len(set(row)) <= router.topk_group for row in (ids.long() // per).tolist())

@@ -78,6 +78,28 @@ def test_synth_writes_a_trace_and_reports_its_statistics(tmp_path):
             assert torch.equal(ra.gating_output.nan_to_num(), rb.gating_output.nan_to_num())
 
 
+@pytest.mark.parametrize("options, router", [
+    (["--n-group", "8", "--topk-group", "4"], {"n_group": 8, "topk_group": 4}),
+    (["--n-group", "8", "--topk-group", "2", "--topk-method", "group_limited_greedy"],
+     {"n_group": 8, "topk_group": 2, "topk_method": "group_limited_greedy"}),
+    (["--normalization", "softmax", "--norm-topk-prob", "false"],
+     {"router_score_normalization": "softmax", "norm_topk_prob": False}),
+    (["--normalization", "sqrtsoftplus", "--route-scale", "1.5"],
+     {"router_score_normalization": "sqrtsoftplus", "route_scale": 1.5}),
+    (["--normalization", "topk_then_softmax", "--route-scale", "1"], {"router_score_normalization": "topk_then_softmax",
+                                                                     "route_scale": 1.0}),
+])
+def test_synth_writes_each_routing_semantics(tmp_path, options, router):
+    out = tmp_path / "s.safetensors"
+    res = _run("synth", "-o", out, *SMALL, "--dtype", "float32", *options)
+    assert res.exit_code == 0, res.output
+    with open_trace(out) as t:
+        assert {k: getattr(t.meta.router, k) for k in router} == router
+    # the router's own checks, as one line
+    _one_line_error(_run("synth", "-o", tmp_path / "x.safetensors", *SMALL, "--n-group", "5", "--topk-group", "1"),
+                    "n_group=5 must divide num_experts=48 into equal groups")
+
+
 def test_synth_never_overwrites_without_force(tmp_path):
     out = tmp_path / "s.safetensors"
     out.write_bytes(b"user data")
@@ -266,6 +288,32 @@ def test_capture_hf_arch_and_replayable_trace(tmp_path):
         assert "glm4_moe" in t.meta.extra["capture"] and "UTF-8 bytes" in t.meta.provenance
 
 
+@pytest.mark.parametrize("arch, kernel", [
+    # each family capture hf records, replayed through the command line: by the tiled kernel where it routes the
+    # family's semantics, by the reference (a --kernel of the seed's signature that routes them all) elsewhere
+    ("deepseek_v3", "routetool_kernels.reference:musespark1x_routing_reference"),  # 8 groups, the best 4
+    ("deepseek_v2", "routetool_kernels.reference:musespark1x_routing_reference"),  # not renormalised
+    ("qwen2_moe", "routetool_kernels.reference:musespark1x_routing_reference"),    # norm_topk_prob false
+    ("olmoe", "routetool_kernels.reference:musespark1x_routing_reference"),        # norm_topk_prob false
+    ("gpt_oss", "routetool_kernels.reference:musespark1x_routing_reference"),      # softmax over the top-k logits
+    ("qwen3_next", "tiled"),                                                        # softmax, renormalised
+])
+def test_capture_hf_records_each_family_and_replay_passes(tmp_path, arch, kernel):
+    pytest.importorskip("transformers")
+    from routetool.cli import main
+
+    out = tmp_path / f"{arch}.safetensors"
+    res = _run("capture", "hf", "--arch", arch, "--text", TEXT, "-o", out, *HF_SMALL)
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["replay", str(out), "--device", "cpu", "--kernel", kernel, "--no-latency",
+                                    "--no-progress", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    assert doc["verdict"] == "pass" and doc["totals"]["kernel_vs_reference"]["ok"]
+    recorded = doc["totals"]["reference_vs_recorded"]  # the model's own routing = the reference's
+    assert recorded["rows"] > 0 and recorded["mismatch"] == 0 and recorded["invalid"] == 0
+
+
 def test_capture_hf_reads_stdin_and_a_config_file(tmp_path):
     pytest.importorskip("transformers")
     from routetool.capture.hf import small_config
@@ -314,6 +362,27 @@ def test_capture_hf_from_a_local_checkpoint(tmp_path):
             assert torch.equal(rows.recorded_ids, expected[layer].topk_ids)
 
 
+def test_capture_hf_sets_a_checkpoint_config_field_before_its_weights_load(tmp_path):
+    # --set was refused with --model: a checkpoint's router semantics could not be changed without editing it
+    pytest.importorskip("transformers")
+    ckpt = tmp_path / "ckpt"
+    _tiny_checkpoint(ckpt)
+    out = tmp_path / "q.safetensors"
+    base = ["capture", "hf", "--model", ckpt, "--text", TEXT, "--batch", "2", "--prompt-tokens", "6",
+            "--max-new-tokens", "2"]
+    res = _run(*base, "-o", out, "--set", "norm_topk_prob=false")
+    assert res.exit_code == 0, res.output
+    with open_trace(out) as t:
+        assert t.meta.router.norm_topk_prob is False and t.meta.extra["weights_semantics"] == "unnormalized"
+        assert "with norm_topk_prob=false" in t.meta.provenance
+        step = next(t.steps(t.layers[0]))
+        assert (step.recorded_weights.float().sum(-1) < 0.999).all()  # the model's raw top-k probabilities
+    # the checkpoint's own config is untouched; an impossible router is refused naming the checkpoint and --set
+    assert json.loads((ckpt / "config.json").read_text())["norm_topk_prob"] is True
+    _one_line_error(_run(*base, "-o", tmp_path / "x.safetensors", "--set", "num_experts_per_tok=99"),
+                    f"{ckpt} --set num_experts_per_tok=99", "num_experts_per_tok=99 must be an integer in [1, ")
+
+
 def test_capture_hf_uses_the_checkpoint_tokenizer(tmp_path):
     pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
@@ -343,8 +412,10 @@ def test_capture_hf_uses_the_checkpoint_tokenizer(tmp_path):
 @pytest.mark.parametrize("args, fragments", [
     ([], ["give exactly one of --model, --config, --arch (got none)"]),
     (["--arch", "mixtral", "--config", "c.json"], ["got --config, --arch"]),
-    (["--arch", "deepseek_v3", "--set", "n_group=4", "--set", "topk_group=2"],
-     ["group-limited routing (n_group=4, topk_group=2)", "n_group=1"]),
+    (["--arch", "deepseek_v3", "--set", "n_group=5", "--set", "topk_group=2"],
+     ["n_group=5 must divide num_experts=32 into equal groups"]),
+    (["--arch", "deepseek_v2", "--set", "topk_method=\"sparse\"", "--set", "n_group=8",
+      "--set", "topk_group=3"], ["topk_method='sparse' must be greedy or group_limited_greedy"]),
     (["--arch", "mixtral", "--prompt-tokens", "100000"], ["the text has", "need 400000"]),
     (["--arch", "mixtral", "--set", "oops"], ["--set 'oops' is not KEY=VALUE"]),
     # values are JSON: one that is not was taken as a string
@@ -359,7 +430,7 @@ def test_capture_hf_uses_the_checkpoint_tokenizer(tmp_path):
     (["--arch", "mixtral", "--set", "head_dim=16", "--set", " head_dim =16"], ["--set head_dim is given twice"]),
     (["--model", "no/such/dir"], ["is not a checkpoint folder"]),
     (["--config", "missing.json"], ["no such config file"]),
-    (["--model", ".", "--router-std", "1"], ["apply to random-weight models"]),
+    (["--model", ".", "--router-std", "1"], ["--router-std and --bias-std apply to random-weight models"]),
 ])
 def test_capture_hf_bad_input_exit_2(tmp_path, args, fragments):
     pytest.importorskip("transformers")

@@ -242,6 +242,24 @@ def test_flashinfer_workloads_become_a_routable_trace(tmp_path):
     assert (totals["rows"], totals["exact"], totals["mismatch"], totals["invalid"]) == (8, 8, 0, 0) and totals["ok"]
 
 
+def test_a_grouped_flashinfer_workload_keeps_its_groups(tmp_path):
+    # DeepSeek-V3's definition (ng8_kg4): the trace's router carries the groups, and the reference routes them
+    definition = "moe_fp8_block_scale_ds_routing_topk4_ng4_kg2_e16_h7168_i2048"
+    folder = tmp_path / "blob" / "workloads" / "moe" / definition
+    folder.mkdir(parents=True)
+    g = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(9, 16, generator=g), torch.randn(16, generator=g) * 0.1
+    write_flashinfer_workload(folder, definition, logits, bias)
+    with imported_trace(tmp_path, folder) as t:
+        router = t.meta.router
+        assert (router.n_group, router.topk_group, router.topk) == (4, 2, 4)
+        stored = torch.cat([s.gating_output for s in t.steps(0)])
+        stored_bias = t.bias(0).float()
+    _, ids = musespark1x_routing_reference(stored, stored_bias, 4, 1.0, n_group=4, topk_group=2)
+    assert all(len(set(row)) <= 2 for row in (ids // 4).tolist())  # each token picks within 2 of the 4 groups
+    assert balance_counts(folder, "--reference") == {0: counts(ids.numpy(), 16)}
+
+
 def _blob_logits(path):
     from safetensors.torch import load_file
 
@@ -311,10 +329,10 @@ REFUSALS = {
     "moe_renorm_topk2_e8_x.safetensors":
         (lambda p: write_flashinfer_workload(p.parent, "moe_renorm_topk2_e8", torch.zeros(0, 8), None).rename(p),
          ["workload: routing_logits holds no rows"]),
-    "moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048_x.safetensors":
-        (lambda p: write_flashinfer_workload(p.parent, "moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048",
+    "moe_fp8_block_scale_ds_routing_topk8_ng8_kg1_e32_h7168_i2048_x.safetensors":
+        (lambda p: write_flashinfer_workload(p.parent, "moe_fp8_block_scale_ds_routing_topk8_ng8_kg1_e32_h7168_i2048",
                                              torch.randn(2, 32), torch.zeros(32)).rename(p),
-         ["group-limited routing (n_group=8, topk_group=4)"]),
+         ["the definition's router is impossible: topk=8 must be at most the 4 experts of topk_group=1 groups"]),
     "moe_fp8_block_scale_topk8_e32_x.safetensors":
         (lambda p: write_flashinfer_workload(p.parent, "moe_fp8_block_scale_topk8_e32", torch.randn(2, 32),
                                              torch.zeros(32)).rename(p), ["names no FlashInfer-Trace MoE routing"]),

@@ -133,7 +133,7 @@ BROKEN = [
     # a missing format was "metadata format=None, expected 'routetool-trace'"
     (GOOD, {"format": None}, "__metadata__: not a routetool trace: metadata key 'format' is missing (add "
                              'format="routetool-trace" to the metadata'),
-    (GOOD, {"router_score_normalization": "tanh"}, "must be sigmoid or softmax"),
+    (GOOD, {"router_score_normalization": "tanh"}, "must be sigmoid, softmax, sqrtsoftplus or topk_then_softmax"),
     (GOOD, {"format": "other"}, "not a routetool trace (metadata format='other', expected 'routetool-trace') "
                                 '(write format="routetool-trace" in a trace that follows docs/trace-format.md'),
     (GOOD, {"format_version": "9"}, "format version '9' is not supported (this routetool reads '1') (a trace that "

@@ -99,17 +99,30 @@ PROBLEMS = [
     (dict(num_experts=8, topk=2, route_scale=0.0), ["route_scale=0.0 must be finite and > 0"]),
     (dict(num_experts=8, topk=2, route_scale=math.inf), ["route_scale=inf must be finite and > 0"]),
     (dict(num_experts=8, topk=2, router_score_normalization="relu"),
-     ["router_score_normalization='relu' must be sigmoid or softmax"]),
+     ["router_score_normalization='relu' must be sigmoid, softmax, sqrtsoftplus or topk_then_softmax"]),
     (dict(num_experts=8, topk=2, router_output_multiplier=math.nan), ["router_output_multiplier must be finite"]),
     (dict(num_experts=8, topk=2, router_score_division_eps=-1.0),
      ["router_score_division_eps=-1.0 must be finite and >= 0"]),
     (dict(num_experts=8, topk=8, route_scale=2.5, router_output_multiplier=0.0, router_score_division_eps=0.0), []),
-    # grouping: checked now, routed by a later change
+    # grouping
     (dict(num_experts=8, topk=2, n_group=4), ["n_group and topk_group must be set together"]),
     (dict(num_experts=8, topk=2, n_group=3, topk_group=1), ["n_group=3 must divide num_experts=8 into equal groups"]),
     (dict(num_experts=8, topk=2, n_group=4, topk_group=5), ["topk_group=5 must be in [1, n_group=4]"]),
     (dict(num_experts=8, topk=3, n_group=4, topk_group=1), ["topk=3 must be at most the 2 experts of topk_group=1 groups"]),
     (dict(num_experts=8, topk=4, n_group=4, topk_group=2), []),
+    # the weights of gpt-oss's router are a softmax over the picks: no renormalization to switch off, no eps
+    (dict(num_experts=8, topk=2, router_score_normalization="topk_then_softmax", norm_topk_prob=False),
+     ["norm_topk_prob=False must be unset under topk_then_softmax (its weights are a softmax over the picks)"]),
+    (dict(num_experts=8, topk=2, router_score_normalization="topk_then_softmax", router_score_division_eps=1e-6),
+     ["router_score_division_eps=1e-06 must be unset under topk_then_softmax (its weights are a softmax over the "
+      "picks)"]),
+    (dict(num_experts=8, topk=2, router_score_normalization="sqrtsoftplus", norm_topk_prob=False), []),
+    (dict(num_experts=8, topk=2, norm_topk_prob="yes"), ["norm_topk_prob='yes' must be true or false"]),
+    (dict(num_experts=8, topk=2, topk_method="group_limited_greedy"),
+     ["topk_method=group_limited_greedy scores groups: set n_group and topk_group with it"]),
+    (dict(num_experts=8, topk=2, n_group=4, topk_group=2, topk_method="greedy"),
+     ["topk_method='greedy' must be noaux_tc or group_limited_greedy"]),
+    (dict(num_experts=8, topk=2, n_group=4, topk_group=2, topk_method="group_limited_greedy"), []),
 ]
 
 
@@ -150,7 +163,10 @@ METADATA_ERRORS = [
     ({"topk": "9"}, "topk=9 must be in [1, num_experts=8]", "fix the router parameters in the metadata"),
     ({"route_scale": "-1", "topk": "0"}, "topk=0 must be in [1, num_experts=8]; route_scale=-1.0 must be finite and > 0",
      "fix the router parameters in the metadata"),
-    ({"router_score_normalization": "relu"}, "router_score_normalization='relu' must be sigmoid or softmax", None),
+    ({"router_score_normalization": "relu"},
+     "router_score_normalization='relu' must be sigmoid, softmax, sqrtsoftplus or topk_then_softmax", None),
+    ({"norm_topk_prob": "no"}, "metadata norm_topk_prob='no' is not true or false",
+     "write true or false, or leave the key out for the default"),
 ]
 
 
@@ -168,9 +184,9 @@ def test_metadata_errors(change, problem, fix):
     assert str(err2.value) == f"t.safetensors: __metadata__: {problem} ({err.value.fix})"
 
 
-def test_grouping_has_checks_and_no_semantics_yet():
+def test_grouping_travels_and_the_seed_signature_rejects_it():
     spec = RouterSpec(num_experts=8, topk=4, route_scale=2.5, n_group=4, topk_group=2)
-    assert spec.problems() == [] and spec.grouped
+    assert spec.problems() == [] and spec.grouped and spec.beyond_seed() == ["n_group"]
     assert RouterSpec.from_metadata(spec.to_metadata()) == spec  # the keys travel, only when set
     assert spec.to_metadata()["n_group"] == "4" and "n_group" not in RouterSpec(num_experts=8, topk=4).to_metadata()
     assert spec.document()["n_group"] == 4 and "n_group" not in RouterSpec(num_experts=8, topk=4).document()
@@ -178,19 +194,50 @@ def test_grouping_has_checks_and_no_semantics_yet():
     # a kernel of the seed's signature is passed the keywords it does not take: a rejection, not a silent plain top-k
     assert spec.kernel_kwargs()["n_group"] == 4
     g, bias = torch.randn(3, 8), torch.zeros(8)
+
+    def seed_signature(gating_output, bias, topk, route_scale, router_output_multiplier=None,
+                       router_score_normalization="sigmoid", router_score_division_eps=None, *, is_padding=None):
+        return reference.musespark1x_routing_reference(gating_output, bias, topk, route_scale)
+
     with pytest.raises(TypeError, match="n_group"):
-        reference.musespark1x_routing_reference(g, bias, **spec.kernel_kwargs())
-    # the reference's spec entry points refuse it, naming it
-    for call in (lambda: reference.route(g, bias, spec), lambda: reference.scores(g, spec)):
-        with pytest.raises(NotImplementedError, match=r"group-limited routing \(n_group=4, topk_group=2\) is not "
-                                                      "implemented"):
-            call()
-    # a trace that declares it is refused in one line
+        seed_signature(g, bias, **spec.kernel_kwargs())
+    # the reference routes it, by keyword and by spec alike; a trace that declares it is read
+    by_keyword = reference.musespark1x_routing_reference(g, bias, **spec.kernel_kwargs())
+    assert all(torch.equal(a, b) for a, b in zip(by_keyword, reference.route(g, bias, spec)[:2]))
     meta = metadata_dict(TraceMeta(model="m", router=spec, provenance=""), 1)
-    with pytest.raises(RouteToolError, match=r"t.safetensors: __metadata__: group-limited routing .* plain top-k only"):
-        parse_metadata(Path("t.safetensors"), meta)
+    assert parse_metadata(Path("t.safetensors"), meta).router == spec
     with pytest.raises(SpecError, match="metadata n_group='2_0' is not a plain decimal integer"):
         RouterSpec.from_metadata({**GOOD, "n_group": "2_0", "topk_group": "1"})
+    # an impossible grouping is refused by the reference's keywords too, in the spec's words
+    with pytest.raises(ValueError, match=r"n_group=3 must divide num_experts=8 into equal groups"):
+        reference.musespark1x_routing_reference(g, bias, 2, 1.0, n_group=3, topk_group=1)
+
+
+def test_norm_topk_prob_has_one_spelling_per_router_and_travels():
+    raw = RouterSpec(num_experts=8, topk=2, norm_topk_prob=False)
+    # True is the seed's weights: the same spec as leaving it out (one router, one spec, one metadata)
+    assert RouterSpec(num_experts=8, topk=2, norm_topk_prob=True) == RouterSpec(num_experts=8, topk=2)
+    assert "norm_topk_prob" not in RouterSpec(num_experts=8, topk=2, norm_topk_prob=True).to_metadata()
+    assert raw.to_metadata()["norm_topk_prob"] == "false" and RouterSpec.from_metadata(raw.to_metadata()) == raw
+    assert RouterSpec.from_metadata({**GOOD, "norm_topk_prob": "True"}) == RouterSpec.from_metadata(GOOD)
+    assert raw.kernel_kwargs()["norm_topk_prob"] is False and raw.beyond_seed() == ["norm_topk_prob"]
+    assert raw.describe().endswith(" norm_topk_prob=False") and raw.document()["norm_topk_prob"] is False
+    assert "norm_topk_prob" not in RouterSpec(num_experts=8, topk=2).kernel_kwargs()
+    # the scoring functions beyond the seed's are named by their value, first the grouping
+    both = RouterSpec(num_experts=8, topk=2, router_score_normalization="sqrtsoftplus", n_group=2, topk_group=1,
+                      norm_topk_prob=False)
+    assert both.beyond_seed() == ["n_group", "sqrtsoftplus", "norm_topk_prob"]
+    assert RouterSpec(num_experts=8, topk=2, router_score_normalization="softmax").beyond_seed() == []
+
+
+def test_topk_method_has_one_spelling_per_router_and_travels():
+    greedy = RouterSpec(num_experts=8, topk=2, n_group=4, topk_group=2, topk_method="group_limited_greedy")
+    plain = RouterSpec(num_experts=8, topk=2, n_group=4, topk_group=2)
+    assert RouterSpec(num_experts=8, topk=2, n_group=4, topk_group=2, topk_method="noaux_tc") == plain
+    assert RouterSpec.from_metadata(greedy.to_metadata()) == greedy and "topk_method" not in plain.to_metadata()
+    assert greedy.describe().endswith(" n_group=4 topk_group=2 group_limited_greedy")
+    assert greedy.kernel_kwargs()["topk_method"] == "group_limited_greedy" and greedy.beyond_seed() == ["n_group"]
+    assert FIELD_INFO["topk_method"]["choices"] == ("noaux_tc", "group_limited_greedy")
 
 
 def test_reference_entry_points_route_as_the_keyword_signature():
@@ -217,7 +264,7 @@ def test_differences_in_field_order():
 def test_field_metadata_names_an_option_and_help_for_every_field():
     for name, info in FIELD_INFO.items():
         assert info["option"].startswith("--") and info["help"], name
-        assert info["kind"].rstrip("?") in ("int", "float", "str"), name
+        assert info["kind"].rstrip("?") in ("int", "float", "str", "bool"), name
     for name, info in FIELD_INFO.items():  # a required key's missing-key message, a float's non-finite fix
         assert (info["required"] is not None) == (name in ("num_experts", "topk", "route_scale")), name
         assert bool(info["fix"]) == info["kind"].startswith("float"), name
@@ -239,7 +286,7 @@ def _router_names_in(path) -> set[str]:
     aside)."""
     import ast
 
-    wanted = set(RouterSpec.KERNEL_KEYWORDS[1:]) | set(RouterSpec.GROUPING)
+    wanted = set(RouterSpec.KERNEL_KEYWORDS[1:]) | set(RouterSpec.BEYOND_SEED)
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
