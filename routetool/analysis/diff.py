@@ -596,8 +596,12 @@ class DiffResult:
         return EXIT_OK if self.identical or self.tolerated else EXIT_FINDINGS
 
     def worst_layers(self, n: int = 3) -> list[LayerDiff]:
-        bad = [x for x in self.layers if x.differing]
-        return sorted(bad, key=lambda x: (-(x.differing / x.rows), x.layer))[:n]
+        """The layers that differ, worst first: by rows routed to other experts outside near-ties
+        (real disagreements), then by share of rows differing in any way; at most ``n``, and every
+        layer with a real disagreement however many that is (none is left off the summary)."""
+        bad = sorted((x for x in self.layers if x.differing),
+                     key=lambda x: (-x.classes["real"], -(x.differing / x.rows), x.layer))
+        return bad[:max(n, sum(1 for x in bad if x.classes["real"]))]
 
 
 def _sorted_by_id(ids: torch.Tensor, weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -740,8 +740,8 @@ def _routed_pieces(trace: Trace, layer: int, device: torch.device, router: Route
     for chunk in stream_layer(trace, layer, device, budget_bytes=budget_bytes, whole_steps=True):
         routed = router.route(chunk, bias)
         if not routed.ok:
-            raise routed.outcome.error(f"kernel {router.name!r}", f"layer {layer} step {routed.step}",
-                                       path=trace.display_path, tensor=f"layers.{layer}.gating_output")
+            raise router.error(routed.outcome, f"layer {layer} step {routed.step}", path=trace.display_path,
+                               layer=layer, name=f"kernel {router.name!r}")
         for piece in chunk.pieces(budget_bytes):
             yield piece, chunk.rows_of(piece, routed.weights), chunk.rows_of(piece, routed.ids)
 

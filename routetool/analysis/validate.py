@@ -516,13 +516,15 @@ def validate_layer(trace, layer: int, family: str, fn: RoutingFn, kernel_name: s
     tie_rows = 0
     rows: list[RowReport] = []
     for chunk in stream_layer(trace, layer, device, whole_steps=True):
-        routed = Router(router, fn, kernel_name).route(chunk, bias)
+        case_router = Router(router, fn, kernel_name)
+        routed = case_router.route(chunk, bias)
         if not routed.ok:  # a rejection, documented or not, fails too: a trace is production input
             outcome = routed.outcome
             return CaseResult(family=family, name=name, description=description, verdict="fail",
                               failure_classes=[outcome.failure_class],
-                              message=str(outcome.error(f"kernel {kernel_name!r}", f"layer {layer} step {routed.step}",
-                                                        path=trace.display_path, tensor=f"layers.{layer}.gating_output")),
+                              message=str(case_router.error(outcome, f"layer {layer} step {routed.step}",
+                                                            path=trace.display_path, layer=layer,
+                                                            name=f"kernel {kernel_name!r}")),
                               duration_s=time.perf_counter() - start, exit_code=outcome.exit_code)
         for piece in chunk.pieces():  # the kernel saw whole steps; the checks run over bounded pieces
             inp = CaseInput(gating_output=piece.gating_output, bias=bias, router=router, is_padding=piece.is_padding)

@@ -52,6 +52,8 @@ bias-fit tokens)) at most ``2**34`` logit evaluations, a few minutes on two core
 
 from __future__ import annotations
 
+import re
+
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -175,6 +177,15 @@ class SynthResult:
     calibration: list[LayerCalibration]
 
 
+def _with_options(problem: str) -> str:
+    """A router problem with the synth options of the fields it names, e.g. ``n_group and topk_group
+    must be set together (--n-group, --topk-group)``."""
+    from routetool_kernels.spec import FIELD_INFO
+
+    named = [info["option"] for name, info in FIELD_INFO.items() if re.search(rf"\b{name}\b", problem)]
+    return f"{problem} ({', '.join(named)})" if named and not problem.endswith(")") else problem
+
+
 def _bad(message: str, fix: str = "see `routetool synth --help`") -> RouteToolError:
     return RouteToolError(message, fix=fix)
 
@@ -256,7 +267,7 @@ def check_spec(spec: SynthSpec) -> None:
     wrong = [k for k, v in ints.items() if not _is_int(v)]
     if wrong or not all(_is_int(c) for c in spec.prefill_chunks):
         raise _bad(f"{', '.join(wrong) or 'prefill chunks'} must be integers")
-    problems = router_config_errors(spec.router)
+    problems = [_with_options(problem) for problem in router_config_errors(spec.router)]
     if spec.router.router_output_multiplier == 0:
         problems.append("router_output_multiplier=0 (--multiplier) makes every logit 0 and every score equal: each row "
                         "ties all experts, so no skew can be made; leave --multiplier out, or give it a non-zero value")

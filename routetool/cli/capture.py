@@ -133,15 +133,17 @@ def _router_options(command):
     from routetool_kernels.spec import FIELD_INFO, MUSESPARK1X, RouterSpec
 
     types = {"int": click.IntRange(min=1), "int?": click.IntRange(min=1), "float": float, "float?": float,
-             "bool?": click.BOOL}
+             "bool?": click.Choice(["true", "false"], case_sensitive=False)}
     for f in reversed(fields(RouterSpec)):
         info, default = FIELD_INFO[f.name], getattr(MUSESPARK1X, f.name)
         kind = click.Choice(info["choices"]) if info["kind"].startswith("str") else types[info["kind"]]
         help_text = info["help"]
         if f.name == "num_experts":
             kind, help_text = click.IntRange(1, _SYNTH_EXPERTS), f"{help_text} 1-{_SYNTH_EXPERTS:,}."
+        as_bool = (lambda ctx, param, value: None if value is None else value.lower() == "true") \
+            if info["kind"] == "bool?" else None
         command = click.option(info["option"], f.name, type=kind, default=default, show_default=default is not None,
-                               help=help_text)(command)
+                               help=help_text, callback=as_bool)(command)
     return command
 
 

@@ -44,7 +44,7 @@ from routetool.report.tables import markup_safe
               help="Weights this many float32 ulps apart count as equal (0 = the same bits).")
 @click.option("--ignore-ties", is_flag=True, help="Differences inside near-ties do not make exit 1.")
 @click.option("--ignore-order", is_flag=True, help="Slot-order flips (the same experts in other slots) do not make exit 1.")
-@click.option("--max-flip-rate", type=click.FloatRange(min=0), default=None, callback=finite,
+@click.option("--max-flip-rate", type=click.FloatRange(min=0, max=1), default=None, callback=finite,
               help="Exit 0 while the share of differing token-layers (after --ignore-*) is at most this fraction "
                    "(0.01 = 1%; 1 tolerates every difference).")
 @json_option("Also write the results as JSON to PATH ('-' = stdout; the report then goes to stderr).")

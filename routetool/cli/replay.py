@@ -66,6 +66,11 @@ def replay(trace: Path, device: str, kernel_spec: str, layers_spec: str, histogr
         execution = execution.for_kernel(fn)  # a plain torch kernel on the CPU: no Triton interpreter
         with open_input(trace) as t:
             layers = parse_layers(layers_spec, t.layers, t.display_path)
+            if routing_path is not None and not any(r.trace.info(x).has_logits for r in t.ranks for x in layers
+                                                    if x in r.trace.layers):
+                raise RouteToolError("holds no logits in the replayed layers: there is no kernel routing to save",
+                                     path=trace, fix="leave out --save-routing: its recorded ids are a routing already, "
+                                                     "which routetool diff reads")
             if histogram_layer is not None and histogram_layer not in layers:
                 raise RouteToolError(f"--layer {histogram_layer} is not among the replayed layers",
                                      fix=f"choose among {', '.join(map(str, layers))}")

@@ -17,7 +17,7 @@ import torch
 
 from routetool.engine.contract import InputGuard, KernelOutcome, RoutingFn, call_kernel, modified_outcome
 from routetool.engine.stream import Chunk, ChunkRouting
-from routetool_kernels.spec import RouterSpec
+from routetool_kernels.spec import SEED_NORMALIZATIONS, RouterSpec
 
 REFERENCE_NAME = "reference (PyTorch)"
 """How reports name the PyTorch reference as a router."""
@@ -134,6 +134,37 @@ class Router:
             self.on_routed(chunk, routed)
         return routed
 
+    def error(self, outcome: KernelOutcome, where: str, *, path: object, layer: int, name: str | None = None):
+        """The error that stops a command on ``outcome`` (a failed call of this router at ``where``,
+        e.g. ``layer 0 step 3``), named ``name`` (default :attr:`name`): a kernel that rejected a
+        spec asking for semantics beyond the seed's (:meth:`RouterSpec.beyond_seed`: groups, another
+        scoring, raw weights) is named with the router options it does not implement, on the
+        trace's metadata, with the fix (a kernel that implements them, such as the reference);
+        anything else as :meth:`KernelOutcome.error`, on the layer's logits.
+
+        Returns:
+            :class:`~routetool.errors.KernelRejection` (exit 2) for a documented rejection,
+            :class:`~routetool.errors.KernelError` (exit 1) otherwise.
+        """
+        from routetool.errors import KernelError, KernelRejection
+
+        name = name or self.name
+        rejected = outcome.failure_class in ("rejected_documented", "rejected_undocumented")
+        if not (rejected and self.spec.beyond_seed()):
+            return outcome.error(name, where, path=path, tensor=f"layers.{layer}.gating_output")
+        params = self.spec.kernel_kwargs()
+        asked = [f"{k}={params[k]}" for k in RouterSpec.BEYOND_SEED if k in params]
+        if self.spec.router_score_normalization not in SEED_NORMALIZATIONS:
+            asked.insert(0, f"router_score_normalization={self.spec.router_score_normalization!r}")
+        message = (f"{name} does not implement the router's {', '.join(asked)} (docs/semantics.md): it rejected "
+                   f"{where} ({outcome.detail})")
+        fix = ("route with a --kernel that implements them, e.g. the reference: "
+               "--kernel routetool_kernels.reference:musespark1x_routing_reference")
+        if outcome.failure_class == "rejected_documented":
+            return KernelRejection(message, path=path, tensor="__metadata__", fix=fix)
+        return KernelError(message + ", a rejection its docstring does not document", failure_class=outcome.failure_class,
+                           path=path, tensor="__metadata__", fix=outcome.fix or fix)
+
     def route_or_raise(self, chunk: Chunk, bias: torch.Tensor, path: str, *, context: str = "",
                        whole_chunk: bool = False) -> ChunkRouting:
         """:meth:`route`, or the broken contract as an error named by layer and step.
@@ -156,6 +187,6 @@ class Router:
         if not routed.ok:
             where = f"layer {chunk.layer}, step{'s' if isinstance(step, str) else ''} {step}" \
                     f"{' ' + context if context else ''}"
-            raise routed.outcome.error(self.name, where, path=path, tensor=f"layers.{chunk.layer}.gating_output")
+            raise self.error(routed.outcome, where, path=path, layer=chunk.layer)
         return routed
 

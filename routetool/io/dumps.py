@@ -211,8 +211,10 @@ def _assemble(rows: list[_Row], source: Path, fmt: str, options: ImportOptions, 
     per-expert tables E makes against the budget of an input of ``size`` bytes
     (:func:`routetool.io.limits.check_expert_tables`) before any tensor is made."""
     if not rows:
-        raise RouteToolError("no token rows left to import", path=source,
-                             fix="check the file, --skip-rows and --drop-repeats")
+        dropped = bool(options.skip_rows) or "drop_repeats" in (options.given or ())  # (what the user asked to drop)
+        raise RouteToolError("no token rows left to read" + (" after --skip-rows / --drop-repeats" if dropped else ""),
+                             path=source, fix="check that the file holds routed tokens" +
+                             (" and what --skip-rows and --drop-repeats drop" if dropped else ""))
     empty = next((r for r in rows if not r.ids), None)
     if empty is not None:
         raise RouteToolError(f"{empty.where}: no expert ids (an empty list)", path=source,

@@ -15,11 +15,21 @@ from routetool.report.tables import _values, _weights, fmt_float, table, user_te
 
 
 def headline(result) -> str:
-    """The first line: ``IDENTICAL (...)`` or ``DIFFERENT (n of m token-layers; k outside near-ties)``."""
+    """The first line: ``IDENTICAL (...)`` or ``DIFFERENT (n of m token-layers; k outside near-ties)``
+    (rows of other experts where no logits judge near-ties are said to be not judged)."""
     m = result.rows
     if result.identical:
-        return f"IDENTICAL ({m:,} token-layers, {len(result.layers)} layers)"
-    text = f"DIFFERENT ({result.differing:,} of {m:,} token-layers; {result.outside_ties:,} outside near-ties)"
+        n = len(result.layers)
+        return f"IDENTICAL ({m:,} token-layers, {n} layer{'' if n == 1 else 's'})"
+    unjudged = result.margins.not_judged  # other experts with no margin (no logits, or padded on one side)
+    judged = result.outside_ties - unjudged
+    if not unjudged:
+        ties = f"{judged:,} outside near-ties"
+    elif not judged:
+        ties = f"{unjudged:,} with other experts, not judged for near-ties"
+    else:
+        ties = f"{judged:,} outside near-ties, {unjudged:,} not judged"
+    text = f"DIFFERENT ({result.differing:,} of {m:,} token-layers; {ties})"
     if result.tolerated:
         text += ": within the thresholds (" + _thresholds(result) + ")"
     return text
@@ -116,7 +126,7 @@ def render_diff(result, console, *, details: bool = False) -> None:
         worst = result.worst_layers()
         if worst:
             console.print(_layer_table(result, worst, f"Worst layers ({len(worst)} of {len(result.layers)}, by "
-                                       "share of token-layers differing)", weights=False))
+                                       "real disagreements, then share differing)", weights=False))
         console.print(Text("--details: every layer and the first differing rows; --json for all numbers"))
 
 

@@ -709,3 +709,30 @@ def test_the_command_offers_every_alignment():
 
     (align,) = [p for p in diff.params if p.name == "align"]
     assert tuple(align.type.choices) == ALIGNS and align.default == "auto"
+
+
+def test_a_layer_with_real_disagreements_is_never_left_off_the_summary(make_trace):
+    # layers 0, 1 and 3: every row's slots flipped (harmless, a large share); layer 2: one row routed to
+    # other experts. The summary ranks layer 2 first and, without logits, says ties were not judged.
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]] * 2, dtype=torch.int32)
+    flipped = ids.flip(-1).contiguous()
+    other = ids.clone()
+    other[5] = torch.tensor([0, 7], dtype=torch.int32)
+    router = RouterConfig(num_experts=8, topk=2, route_scale=1.0)
+    a = make_trace("a.safetensors", {i: LayerArrays(topk_ids=ids) for i in range(4)}, router=router)
+    b = make_trace("b.safetensors", {0: LayerArrays(topk_ids=flipped), 1: LayerArrays(topk_ids=flipped),
+                                     2: LayerArrays(topk_ids=other), 3: LayerArrays(topk_ids=flipped)}, router=router)
+    res = run(a, b)
+    assert res.exit_code == 1, res.output
+    first = res.output.splitlines()[0]
+    assert first == "DIFFERENT (25 of 32 token-layers; 1 with other experts, not judged for near-ties)", first
+    table = res.output[res.output.index("Worst layers"):]
+    assert "real disagreements" in table
+    rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows][:1] == ["2"] and len(rows) == 3, table
+    same = run(a, a)
+    assert same.output.startswith("IDENTICAL (32 token-layers, 4 layers)"), same.output
+    one = make_trace("one.safetensors", {0: LayerArrays(topk_ids=ids)}, router=router)
+    assert run(one, one).output.startswith("IDENTICAL (8 token-layers, 1 layer)")
+    bad = run(a, b, "--max-flip-rate", "2")
+    assert bad.exit_code == 2 and "Traceback" not in bad.output

@@ -105,6 +105,7 @@ def test_nothing_to_save_and_outputs_that_would_destroy_data_are_one_line_exit_2
                           ROUTER)
     res = _run("replay", ids_only, "--device", DEVICE, "--no-progress", "--save-routing", tmp_path / "r.safetensors")
     assert res.exit_code == 2 and "no kernel routing to save" in res.output, res.output
+    assert res.output.startswith(f"routetool: error: {ids_only}: holds no logits") and "PASS" not in res.output
     assert not (tmp_path / "r.safetensors").exists()
     src = logits_trace("trace.safetensors")
     before = src.read_bytes()

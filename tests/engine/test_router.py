@@ -101,3 +101,33 @@ def test_a_kernel_rejecting_an_option_beyond_the_seeds_signature_is_told_to_docu
     seed_signature.__doc__ = "Plain top-k; n_group (group-limited routing) is not supported."
     assert Router(grouped, seed_signature).call(torch.randn(3, 8), torch.zeros(8)).failure_class == \
         "rejected_documented"
+
+
+@pytest.mark.parametrize("spec, named, cls", [
+    (RouterSpec(num_experts=8, topk=2, route_scale=1.0, n_group=4, topk_group=2), "n_group=4, topk_group=2",
+     "KernelRejection"),
+    (RouterSpec(num_experts=8, topk=2, route_scale=1.0, router_score_normalization="sqrtsoftplus"),
+     "router_score_normalization='sqrtsoftplus'", "KernelRejection"),
+    (RouterSpec(num_experts=8, topk=2, route_scale=1.0, norm_topk_prob=False), "norm_topk_prob=False", "KernelError"),
+])
+def test_a_kernel_rejecting_semantics_beyond_the_seeds_is_named_with_the_router_options(spec, named, cls):
+    # the seed's signature rejects what it does not implement; the error names the router's options on
+    # the trace's metadata (not the logits) and points to a kernel that implements them; a kernel whose
+    # docstring does not name the option (here: norm_topk_prob) fails (exit 1) instead of exit 2
+    def seed_only(gating_output, bias, topk, route_scale, router_output_multiplier=None,
+                  router_score_normalization="sigmoid", router_score_division_eps=None, topk_weights=None,
+                  topk_ids=None, *, is_padding=None):
+        """The seed's semantics only: no n_group, no sqrtsoftplus."""
+        if router_score_normalization not in ("sigmoid", "softmax"):
+            raise ValueError(f"unknown router_score_normalization {router_score_normalization!r}")
+        return musespark1x_routing_reference(gating_output, bias, topk, route_scale, is_padding=is_padding)
+
+    with pytest.raises(RouteToolError) as info:
+        Router(spec, seed_only, "seed-only").route_or_raise(_chunk(), torch.zeros(8), "t.safetensors")
+    err = info.value
+    assert type(err).__name__ == cls and err.tensor == "__metadata__", (type(err), err.tensor)
+    assert f"seed-only does not implement the router's {named}" in str(err), str(err)
+    assert "rejected layer 3, step 5" in str(err)
+    if cls == "KernelRejection":
+        assert "routetool_kernels.reference:musespark1x_routing_reference" in str(err)
+    assert Router(spec, musespark1x_routing_reference).route_or_raise(_chunk(), torch.zeros(8), "t").ok
