@@ -277,9 +277,38 @@ class Source:
         memo = memo or RouteMemo()
         layer = self.layer_map.get(layer, layer)
         if self._input is not None:
-            yield from self._trace_rows(self._traces[rank], layer, device, router, memo, force)
+            pieces = self._trace_rows(self._traces[rank], layer, device, router, memo, force)
         else:
-            yield from self._dump_rows(layer, device, router, order, memo, force)
+            pieces = self._dump_rows(layer, device, router, order, memo, force)
+        start = 0
+        for rows in pieces:
+            self._check_ids(rows, layer, start, router)
+            start += len(rows)
+            yield rows
+
+    def _check_ids(self, rows: Rows, layer: int, start: int, router) -> None:
+        """Every expert id in ``[0, E)``, or -1 (padding): the measures index by them.
+
+        Raises:
+            KernelError: ids the kernel under test returned (exit 1).
+            RouteToolError: ids the source recorded (exit 2), naming the first such row.
+        """
+        E = self.num_experts
+        if E is None:
+            return
+        bad = ((rows.ids < -1) | (rows.ids >= E)).any(-1)
+        if not bool(bad.any()):
+            return
+        r = int(bad.to(torch.int8).argmax())
+        value = [v for v in rows.ids[r].tolist() if not -1 <= v < E][0]
+        where = f"layer {layer}, row {start + r}"
+        if router is not None and rows.gating is None and rows.biased is not None:  # (the kernel's own outputs)
+            from routetool.errors import KernelError
+
+            raise KernelError(f"kernel {router.name!r} returned expert id {value} outside [0, {E}) on {where}",
+                              failure_class="invalid", path=self.path, fix="fix the kernel's top-k ids")
+        raise RouteToolError(f"holds expert id {value} outside [0, {E}) on {where}", path=self.path,
+                             fix=f"check the recording: ids are 0..{E - 1}, or -1 on padded rows")
 
     def _keyer(self, bias: torch.Tensor, path: str, layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def keys(gating: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ the processes and gathered (:mod:`routetool.engine.distributed`); the result is 
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -602,15 +605,25 @@ def write_routing(result: ReplayResult, path: str | Path, *, force: bool = False
         raise RouteToolError("already exists", path=path,
                              fix="name a new folder: the routing of a run folder is a run folder of its own")
     check_output_folder(path.parent)
-    written = []
-    for i, layers in sorted(by_rank.items()):
-        rank = result.ranks[i].rank
-        folder = path / f"rank-{rank}"
-        folder.mkdir(parents=True)
-        meta = TraceMeta(model=result.model, router=result.router, provenance=provenance,
-                         extra={**extra, "rank": str(rank)})
-        written.append(write_trace(folder / ROUTING_FILE, meta, layers))
-    return written
+    # built under a temporary name beside it and renamed when whole: an interrupted or failed write
+    # leaves no half-written run folder
+    building = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    try:
+        for i, layers in sorted(by_rank.items()):
+            rank = result.ranks[i].rank
+            (building / f"rank-{rank}").mkdir()
+            meta = TraceMeta(model=result.model, router=result.router, provenance=provenance,
+                             extra={**extra, "rank": str(rank)})
+            write_trace(building / f"rank-{rank}" / ROUTING_FILE, meta, layers)
+        try:
+            os.rename(building, path)  # (refused when path appeared meanwhile: never merged into another folder)
+        except OSError as exc:
+            raise RouteToolError(f"cannot be written ({exc.strerror or exc})", path=path,
+                                 fix="name a new folder") from None
+    finally:
+        if building.exists():
+            shutil.rmtree(building, ignore_errors=True)
+    return [path / f"rank-{result.ranks[i].rank}" / ROUTING_FILE for i in sorted(by_rank)]
 
 
 def merge_layers(parts: Sequence[LayerReplay]) -> LayerReplay:

@@ -229,7 +229,8 @@ def run_command(analyse: Callable[[Run], object], *, sinks: Sinks | None = None,
     inputs = list(inputs)
     for path in inputs:  # usage errors before torch is imported
         require_input(path, what=input_what)
-    check_output_paths(sinks.paths, force=force, inputs=[*inputs, *reads, *map(kernel_source, kernels)])
+    check_output_paths(sinks.paths, force=force, inputs=[*inputs, *reads, *map(kernel_source, kernels)],
+                       folders=sinks.folders)
     run = Run(workers, progress)
     with kernel_stdout(sinks.to_stdout):  # a kernel's print() must not mix into a document on stdout
         report = analyse(run)

@@ -110,6 +110,10 @@ class RoutingSink(Sink):
     def output_path(self) -> str | None:
         return None if self.run_folder else self.path
 
+    @property
+    def output_folder(self) -> str | None:
+        return self.path if self.run_folder else None
+
     def check(self) -> None:
         """A run folder's routing goes to a new folder (never into or over existing files).
 

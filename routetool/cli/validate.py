@@ -42,7 +42,8 @@ def validate(traces: tuple[Path, ...], kernel_spec: str, suite: str, families: t
     Every case ends in pass, pass with tie-equivalent rows, a documented rejection (of a suite
     case's unusual input; a kernel that rejects a trace fails), skipped, or fail (with the failure
     class, the first offending rows, their inputs and both outputs). Exit 0 when nothing failed,
-    1 otherwise.
+    2 when the only failures are a trace the kernel rejects as its docstring documents (choose a
+    kernel that routes it), 1 otherwise.
 
     Each TRACE is a trace file, an index or a run folder (one family per rank). Under
     `torchrun --nproc-per-node N -m routetool validate ...` the cases and the traces' layers are

@@ -40,7 +40,7 @@ from routetool.io.dump_options import FORMATS
 from routetool.io.jsonstrict import JSONProblem, loads
 from routetool.io.paths import (  # noqa: F401 - require_input and the claims: part of this interface
     check_output_folder, claim_outputs, forget_claims, natural_key, path_kind, refuse_special_file, require_input,
-    same_file,
+    resolved, same_file,
 )
 from routetool.io.run import RunInput, folder_error, is_run_folder, rank_folders
 from routetool.numtext import parse_int
@@ -431,7 +431,7 @@ def _json_files(folder: Path) -> list[Path]:
         return []
 
 
-def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = True) -> None:
+def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = True, folders=()) -> None:
     """Fail before any work when an output cannot be written or would destroy data.
 
     Args:
@@ -441,9 +441,13 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
             too, a folder for the files directly in it and a run folder for its ranks' traces);
             no output may be one of them.
         allow_stdout: whether ``-`` is accepted.
+        folders: output folders (``--plot DIR``, a run folder's ``--save-routing``; None entries
+            ignored), whose own rules their sinks check: here only that none is named twice or
+            for a file output too, and none is an input folder or inside one.
 
     Raises:
-        RouteToolError: ``-`` where a file is needed; two outputs naming the same file; an
+        RouteToolError: ``-`` where a file is needed; two outputs naming the same file or folder;
+            an output folder that is an input folder or inside one; an
             output that is an input or an existing file of an input folder; an existing file
             (or link) without ``force``; a directory; a FIFO, device or socket; a missing or
             unwritable folder (probed by creating a temporary file), or a file where a folder
@@ -495,4 +499,17 @@ def check_output_paths(outputs, *, force: bool, inputs=(), allow_stdout: bool = 
         except OSError as exc:
             raise RouteToolError(f"folder is not writable ({exc.strerror or exc})", path=folder,
                                  fix="choose a writable folder") from None
+    for out in folders:
+        if out is None:
+            continue
+        p = Path(out)
+        for other in seen:
+            if same_file(p, other):
+                raise RouteToolError("is named for two outputs of one run", path=p, fix="give each output its own path")
+        seen.append(p)
+        where = resolved(p)
+        for inp in protected:
+            if path_kind(inp) == "folder" and (where == resolved(inp) or resolved(inp) in where.parents):
+                raise RouteToolError(f"is inside this run's input folder {inp}; writing there would change the input",
+                                     path=p, fix="write it outside the input")
     claim_outputs(outputs, force=force)

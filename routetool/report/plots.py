@@ -13,7 +13,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from routetool.errors import RouteToolError, install_extra
+from routetool.errors import RouteToolError, install_extra, printable
 from routetool.io.paths import atomic_write, claim_outputs, missing_folders, path_kind
 
 if TYPE_CHECKING:  # importing it would import torch, and --plot's checks run before any work
@@ -146,7 +146,7 @@ def write_balance_plots(result: BalanceResult, folder: str | os.PathLike, *, for
                              fix="choose a writable folder for --plot") from None
     written = []
     layers = [x.layer for x in result.layers]
-    title = f"{result.model or Path(result.source).name}"
+    title = printable(f"{result.model or Path(result.source).name}")  # (metadata: no control characters drawn)
 
     # 1. heatmap
     load = np.array([x.counts for x in result.layers], dtype=float)

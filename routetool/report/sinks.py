@@ -53,6 +53,11 @@ class Sink:
         """The file this sink writes, for the output-path checks (None for stdout or a folder)."""
         return None if self.to_stdout else self.path
 
+    @property
+    def output_folder(self) -> str | None:
+        """The folder this sink writes, for the output-path checks (None for a file or stdout)."""
+        return None
+
     def write(self, report) -> list[str]:
         """Write the document of ``report``; returns the files written (for ``wrote PATH``).
 
@@ -118,6 +123,10 @@ class PlotSink(Sink):
     @property
     def output_path(self) -> None:
         return None  # a folder: checked by the report's own plot checks
+
+    @property
+    def output_folder(self) -> str | None:
+        return self.path
 
     def write(self, report) -> list[str]:
         return [str(p) for p in report.plots(self.path, force=self.force)]
@@ -189,6 +198,11 @@ class Sinks:
     def paths(self) -> list[str]:
         """The files the sinks write (for the output-path checks: never one file twice, never an input)."""
         return [s.output_path for s in self.sinks if s.output_path is not None]
+
+    @property
+    def folders(self) -> list[str]:
+        """The folders the sinks write (never named twice, never an input folder or inside one)."""
+        return [s.output_folder for s in self.sinks if s.output_folder is not None]
 
     def write(self, report) -> None:
         """Write every sink's document of ``report``, in order; an announcing sink says ``wrote

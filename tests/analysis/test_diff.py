@@ -736,3 +736,48 @@ def test_a_layer_with_real_disagreements_is_never_left_off_the_summary(make_trac
     assert run(one, one).output.startswith("IDENTICAL (8 token-layers, 1 layer)")
     bad = run(a, b, "--max-flip-rate", "2")
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+def test_expert_ids_out_of_range_are_one_line(tmp_path, make_trace):
+    # a recording holding an id past E: refused naming the file and the row (exit 2); a kernel returning
+    # one: a failing kernel (exit 1); never a traceback, never IDENTICAL
+    router = RouterConfig(num_experts=8, topk=2, route_scale=1.0)
+    g = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    ids = g.topk(2, dim=-1).indices.to(torch.int32)
+    bad = ids.clone()
+    bad[2, 0] = 99
+    good = make_trace("good.safetensors", {0: LayerArrays(gating_output=g, topk_ids=ids)}, router=router)
+    oor = make_trace("oor.safetensors", {0: LayerArrays(gating_output=g, topk_ids=bad)}, router=router)
+    for args in ((good, oor), (oor, oor)):
+        res = run(*args)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert f"{oor}: holds expert id 99 outside [0, 8) on layer 0, row 2" in res.output, res.output
+    kernel = tmp_path / "k.py"
+    kernel.write_text(
+        "import torch\n"
+        "def bad(gating_output, bias, topk, route_scale, router_output_multiplier=None,\n"
+        "        router_score_normalization='sigmoid', router_score_division_eps=None, topk_weights=None,\n"
+        "        topk_ids=None, *, is_padding=None):\n"
+        "    n = gating_output.shape[0]\n"
+        "    return torch.full((n, topk), 0.5, device=gating_output.device), \\\n"
+        "        torch.full((n, topk), 99, dtype=torch.int32, device=gating_output.device)\n")
+    res = run(good, good, "--kernel-b", f"{kernel}:bad", "--device", "cpu")
+    assert res.exit_code == 1 and "returned expert id 99 outside [0, 8)" in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def test_output_folders_are_never_named_twice_or_inside_an_input(tmp_path, make_trace):
+    router = RouterConfig(num_experts=8, topk=2, route_scale=1.0)
+    g = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    run_dir = tmp_path / "run"
+    (run_dir / "rank-0").mkdir(parents=True)
+    make_trace(run_dir / "rank-0" / "t.safetensors", {0: LayerArrays(gating_output=g)}, router=router, rank="0")
+    for args, words in ((["--plot", run_dir / "rank-7"], "inside this run's input folder"),
+                        (["--plot", tmp_path / "p", "--json", tmp_path / "p"], "is named for two outputs")):
+        res = CliRunner().invoke(main, ["balance", str(run_dir), "--no-progress", *map(str, args)])
+        assert res.exit_code == 2 and words in res.output, res.output
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank-0"] and not (tmp_path / "p").exists()
+    res = CliRunner().invoke(main, ["replay", str(run_dir), "--device", "cpu", "--no-progress", "--save-routing",
+                                    str(run_dir / "rank-9")])
+    assert res.exit_code == 2 and "inside this run's input folder" in res.output, res.output
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank-0"]
