@@ -50,6 +50,8 @@ def test_numeric_options_are_clicks_own_types():
 ])
 def test_plain_integers_are_read(text, expected):
     for path, param in _numeric_options():
+        if getattr(param.type, "max", None) is not None and param.type.max < expected:
+            continue  # (a fraction such as diff's --max-flip-rate: 7 is out of its range, not misread)
         assert param.type.convert(text, param, None) == expected, (path, param.opts)
 
 
