@@ -174,10 +174,12 @@ class KernelLaunch:
     def can_direct(self) -> bool:
         return self._run is not None and not self._pre_run_hooks
 
-    def _fill(self, per_call: tuple) -> list | tuple:
+    def _fill(self, per_call: tuple, values: list | None = None, tail: tuple | None = None) -> list | tuple:
+        """The call's arguments: ``per_call`` in their slots of the template ``values`` (leading:
+        followed by ``tail``); by default the JIT's template, whose fixed tensors are tensors."""
         if self._head == len(per_call):
-            return (*per_call, *self._tail)
-        values = list(self._values)
+            return (*per_call, *(self._tail if tail is None else tail))
+        values = list(self._values if values is None else values)
         for s, v in zip(self._slots, per_call):
             values[s] = v
         return values
@@ -210,12 +212,7 @@ class KernelLaunch:
         The call Triton's JIT makes once it has found the compiled kernel (launch hooks
         included), with the launch's fixed tensors passed by address. Only where :attr:`can_direct`.
         """
-        if self._head == len(pointers):
-            values = (*pointers, *self._direct_tail)
-        else:
-            values = list(self._direct_values)
-            for s, v in zip(self._slots, pointers):
-                values[s] = v
+        values = self._fill(pointers, self._direct_values, self._direct_tail)
         knobs = _Driver.runtime_knobs
         enter = knobs.launch_enter_hook
         # (metadata only for a hook to read: none is None, or, in newer Triton, an empty chain of hooks)
