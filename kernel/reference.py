@@ -73,20 +73,31 @@ def normalized_scores(
     Raises:
         ValueError: an unknown ``router_score_normalization``.
     """
+    # (each step after the first copy works in place: the same values, without a fresh [n, E]
+    # buffer per step, whose first touch costs more than the arithmetic on a CPU)
     x = gating_output.float()
+    owned = x is not gating_output  # (a copy of the logits: ours to overwrite)
     if router_output_multiplier is not None:
-        x = x * router_output_multiplier
+        x = x.mul_(router_output_multiplier) if owned else x * router_output_multiplier
+        owned = True
     if router_score_normalization == "sqrtsoftplus":  # +inf -> the largest float32: a finite score
-        x = torch.nan_to_num(x, nan=float("-inf"), posinf=FLOAT32_MAX, neginf=float("-inf"))
+        x = _nan_to_num(x, owned, posinf=FLOAT32_MAX)
         return torch.nn.functional.softplus(x).sqrt_()
-    x = torch.nan_to_num(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # NaN -> -inf
+    x = _nan_to_num(x, owned, posinf=float("inf"))  # NaN -> -inf
     if router_score_normalization == "sigmoid":
-        return torch.sigmoid(x)
+        return x.sigmoid_()
     if router_score_normalization == "topk_then_softmax":
         return x
     if router_score_normalization != "softmax":
         raise ValueError(f"unknown router_score_normalization {router_score_normalization!r}")
     return softmax_rows(x)
+
+
+def _nan_to_num(x: torch.Tensor, owned: bool, posinf: float) -> torch.Tensor:
+    """``x`` float32 with NaN -> ``-inf`` and ``+inf`` -> ``posinf``: in place where ``owned``."""
+    if owned:
+        return x.nan_to_num_(nan=float("-inf"), posinf=posinf, neginf=float("-inf"))
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=posinf, neginf=float("-inf"))
 
 
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -212,6 +223,22 @@ def select(biased: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.
     (``[n, topk]`` int64, best first) and the keys they were picked by (``-inf`` outside the kept
     groups). For callers that compute the keys themselves (synth)."""
     return select_grouped(biased, spec.topk, spec.n_group, spec.topk_group, spec.topk_method)
+
+
+def kth_key(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The ``K``-th largest selection key of each row, read off the router's own picks: the key of
+    its last pick, since the picks come best first (a plain top-k of ``keys`` gives the same value,
+    ties included, without a second selection).
+
+    Args:
+        keys: ``[n, E]`` float32, the keys :func:`routing_with_scores` returns (``biased``).
+        ids: ``[n, K]`` int, the picks it returned with them (a padded row's -1 reads expert 0:
+            callers mask such rows).
+
+    Returns:
+        ``[n, 1]`` float32.
+    """
+    return keys.gather(1, ids[:, -1:].long().clamp_min(0))
 
 
 def selection_keys(biased: torch.Tensor, spec: RouterSpec) -> torch.Tensor:

@@ -49,6 +49,13 @@ from routetool.errors import EXIT_FINDINGS, EXIT_OK, RouteToolError
 PIECE_ROWS = 1 << 16
 """Rows measured at once (bounds the ``[rows, K, K]`` id comparison)."""
 
+CPU_PIECE_BYTES = 16 * 2**20
+"""Bytes of ``[rows, E]`` float32 keys read, routed and measured at once on the CPU (on a GPU, the
+engine's chunk, :data:`routetool.engine.stream.DEFAULT_CHUNK_BYTES`, and :data:`PIECE_ROWS`).
+Every step of the reference makes a buffer of this size; glibc serves one of 32 MiB or more by
+a fresh ``mmap`` whose pages are faulted in on first touch (about as long as the arithmetic),
+and one below that from memory the last piece freed (the routing then about 1.5x faster)."""
+
 MAX_EXAMPLES = 8
 """First differing rows kept for the report."""
 
@@ -73,15 +80,17 @@ ALIGNS = ("auto", "requests", "steps", "rows")
 class Rows:
     """Aligned rows of one side: ``ids`` ``[n, K]`` int64 (-1 padded), ``weights`` ``[n, K]``
     float32 or None, ``padded`` ``[n]`` bool; the biased selection keys that judge near-ties,
-    ``biased`` ``[n, E]`` float32 where routing made them, else computed on demand from
-    ``gating`` ``[n, E]`` (logits beside recorded ids) by ``keyer``; neither: no logits."""
+    ``biased`` ``[n, E]`` float32 with ``kth`` ``[n, 1]`` float32, each row's K-th largest key,
+    where routing made them, else computed on demand from ``gating`` ``[n, E]`` (logits beside
+    recorded ids) by ``keyer``; neither: no logits."""
 
     ids: torch.Tensor
     weights: torch.Tensor | None
     padded: torch.Tensor
     biased: torch.Tensor | None = None
     gating: torch.Tensor | None = None
-    keyer: Callable[[torch.Tensor], torch.Tensor] | None = None
+    keyer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    kth: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -90,22 +99,25 @@ class Rows:
     def has_keys(self) -> bool:
         return self.biased is not None or self.gating is not None
 
-    def keys(self, rows: torch.Tensor | slice) -> torch.Tensor:
-        """``[m, E]`` float32 selection keys of ``rows`` (``[m]`` indices, or a slice)."""
+    def keys(self, rows: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([m, E], [m, 1])`` float32: the selection keys of ``rows`` (``[m]`` indices, or a
+        slice) and each row's K-th largest key."""
         if self.biased is not None:
-            return self.biased[rows]
+            return self.biased[rows], self.kth[rows]
         return self.keyer(self.gating[rows])
 
     def cut(self, a: int, b: int) -> Rows:
         def c(t):
             return None if t is None else t[a:b]
-        return Rows(self.ids[a:b], c(self.weights), self.padded[a:b], c(self.biased), c(self.gating), self.keyer)
+        return Rows(self.ids[a:b], c(self.weights), self.padded[a:b], c(self.biased), c(self.gating), self.keyer,
+                    c(self.kth))
 
 
 def _route_logits(router, spec, gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None, chunk,
-                  path: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(weights, ids, biased)`` of logits: the reference, or ``router`` (a kernel) with the
-    reference's keys for judging ties."""
+                  path: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(weights, ids, biased, kth)`` of logits: the reference, or ``router`` (a kernel) with the
+    reference's keys for judging ties; ``kth`` ``[n, 1]``: each row's K-th largest key, the key of
+    the reference's K-th pick (:func:`routetool_kernels.reference.kth_key`)."""
     from routetool_kernels import reference
 
     try:
@@ -113,10 +125,11 @@ def _route_logits(router, spec, gating: torch.Tensor, bias: torch.Tensor, pad: t
     except (ValueError, NotImplementedError) as exc:
         raise RouteToolError(f"cannot route its logits ({exc})", path=path, tensor=f"layers.{layer}.gating_output",
                              fix="check the router in its metadata") from None
+    kth = reference.kth_key(biased, ids)
     if router is not None:
         routed = router.route_or_raise(chunk, bias, path)
         weights, ids = routed.weights.float(), routed.ids
-    return weights, ids, biased
+    return weights, ids, biased, kth
 
 
 class RouteMemo:
@@ -310,9 +323,10 @@ class Source:
         raise RouteToolError(f"holds expert id {value} outside [0, {E}) on {where}", path=self.path,
                              fix=f"check the recording: ids are 0..{E - 1}, or -1 on padded rows")
 
-    def _keyer(self, bias: torch.Tensor, path: str, layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        def keys(gating: torch.Tensor) -> torch.Tensor:
-            return _route_logits(None, self.spec, gating, bias, None, None, path, layer)[2]
+    def _keyer(self, bias: torch.Tensor, path: str, layer: int
+               ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        def keys(gating: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return _route_logits(None, self.spec, gating, bias, None, None, path, layer)[2:]
         return keys
 
     def _trace_rows(self, trace, layer: int, device: torch.device, router, memo: RouteMemo,
@@ -323,9 +337,11 @@ class Source:
         recorded = trace.info(layer).has_recorded_ids and not (force and trace.info(layer).has_logits)
         bias = trace.bias(layer).to(device)
         keyer = self._keyer(bias, path, layer)
-        for chunk in stream_layer(trace, layer, device, whole_steps=router is not None and not recorded):
+        budget = CPU_PIECE_BYTES if device.type == "cpu" else None
+        for chunk in stream_layer(trace, layer, device, budget_bytes=budget,
+                                  whole_steps=router is not None and not recorded):
             pad = chunk.is_padding
-            biased = gating = None
+            biased = gating = kth = None
             if recorded:  # (logits beside recorded ids judge ties only: keyed on demand, for differing rows)
                 ids = chunk.recorded_ids.long()
                 weights = None if chunk.recorded_weights is None else chunk.recorded_weights.float()
@@ -333,12 +349,13 @@ class Source:
             else:
                 def compute(chunk=chunk, pad=pad):
                     return _route_logits(router, self.spec, chunk.gating_output, bias, pad, chunk, path, layer)
-                weights, ids, biased = (compute() if router is not None
-                                        else memo.route(self.spec, chunk.gating_output, bias, pad, compute))
+                weights, ids, biased, kth = (compute() if router is not None
+                                             else memo.route(self.spec, chunk.gating_output, bias, pad, compute))
                 ids = ids.long()
             padded = (ids < 0).all(-1)
             padded = padded if pad is None else pad.to(device) | padded
-            yield Rows(ids, weights, padded, biased=biased, gating=gating, keyer=None if gating is None else keyer)
+            yield Rows(ids, weights, padded, biased=biased, gating=gating, keyer=None if gating is None else keyer,
+                       kth=kth)
 
     def _kernel_routed(self, x, layer: int, bias: torch.Tensor, router, device: torch.device
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,7 +380,7 @@ class Source:
     def _dump_rows(self, layer: int, device: torch.device, router, order: torch.Tensor | None,
                    memo: RouteMemo, force: bool) -> Iterator[Rows]:
         x = self._imported.layers[layer]
-        n = x.num_tokens
+        n, E = x.num_tokens, max(self.num_experts or 1, 1)
         ids_all, weights_all, gating, keyer, bias = x.topk_ids, x.topk_weights, x.gating_output, None, None
         if gating is not None:
             if self.spec is None:
@@ -375,8 +392,9 @@ class Source:
                 weights_all, ids_all = self._kernel_routed(x, layer, bias, router, device)
             elif force:  # (the reference, asked for: routed below)
                 weights_all = ids_all = None
-        for a in range(0, n, PIECE_ROWS):
-            b = min(n, a + PIECE_ROWS)
+        piece = PIECE_ROWS if device.type != "cpu" else max(1, min(PIECE_ROWS, CPU_PIECE_BYTES // (4 * E)))
+        for a in range(0, n, piece):
+            b = min(n, a + piece)
             sel = None if order is None else order[a:b]
 
             def take(t, sel=sel, a=a, b=b):
@@ -393,9 +411,9 @@ class Source:
             else:
                 def compute(g=g):
                     return _route_logits(None, self.spec, g, bias, None, None, str(self.path), layer)
-                w, i, biased = memo.route(self.spec, g, bias, None, compute)
+                w, i, biased, kth = memo.route(self.spec, g, bias, None, compute)
                 i = i.long()
-                rows = Rows(i, w, (i < 0).all(-1), biased=biased)
+                rows = Rows(i, w, (i < 0).all(-1), biased=biased, kth=kth)
             yield rows
 
     def close(self) -> None:
@@ -638,13 +656,12 @@ def _sorted_by_id(ids: torch.Tensor, weights: torch.Tensor | None) -> tuple[torc
     return s, None if weights is None else weights.gather(-1, order)
 
 
-def _margin(keys: torch.Tensor, ids_a: torch.Tensor, ids_b: torch.Tensor, in_b: torch.Tensor, in_a: torch.Tensor,
-            topk: int) -> torch.Tensor:
-    """``[n]`` float32: the largest ``|key[e] - kth|``, in float32 ulps of ``kth`` (the k-th largest
-    key of the row, ``keys`` ``[n, E]``), over the experts ``e`` picked by one side only; NaN
-    where a key is undefined (infinite keys). A row is inside a near-tie of this routing when it
-    is at most ``tie_ulps`` (ulps are powers of two: the division is exact)."""
-    kth = torch.topk(keys, topk, dim=-1).values[:, topk - 1:topk]  # [n, 1]
+def _margin(keys: torch.Tensor, kth: torch.Tensor, ids_a: torch.Tensor, ids_b: torch.Tensor, in_b: torch.Tensor,
+            in_a: torch.Tensor) -> torch.Tensor:
+    """``[n]`` float32: the largest ``|key[e] - kth|``, in float32 ulps of ``kth`` (``[n, 1]``, the
+    k-th largest key of the row, ``keys`` ``[n, E]``), over the experts ``e`` picked by one side
+    only; NaN where a key is undefined (infinite keys). A row is inside a near-tie of this routing
+    when it is at most ``tie_ulps`` (ulps are powers of two: the division is exact)."""
     ulp = float32_ulp(kth)
 
     def side(ids: torch.Tensor, other_has: torch.Tensor) -> torch.Tensor:
@@ -753,7 +770,8 @@ def measure(a: Rows, b: Rows, topk: int, *, tie_ulps: float, weight_ulps: float)
     if other is not None:
         m = None
         for x in judged:  # inside a near-tie of either routing: the smaller margin
-            mx = _margin(x.keys(other).float(), ia[other], ib[other], in_b[other], in_a[other], topk)
+            keys, kth = x.keys(other)
+            mx = _margin(keys.float(), kth.float(), ia[other], ib[other], in_b[other], in_a[other])
             m = mx if m is None else torch.fmin(m, mx)
         margin = torch.full((n,), float("nan"), device=ia.device)
         margin[other] = torch.nan_to_num(m, nan=float("inf"))
@@ -1016,7 +1034,7 @@ def diff_sources(a: Source, b: Source, *, layers: list[int] | None = None, align
         RouteToolError: the sources cannot be aligned (:func:`check_aligned`) or read; a
             kernel while no source it routes holds logits alone (nothing for it to route).
     """
-    device = device or torch.device("cpu")
+    device = torch.device("cpu" if device is None else device)
     units, align, orders = check_aligned(a, b, layers, align, pair_layers=pair_layers)
     kernels = {"A": kernel, "B": kernel if kernel_b is None else kernel_b}
     names = {k: None if v is None else v[0] for k, v in kernels.items()}

@@ -703,6 +703,23 @@ def test_the_measures_are_the_same_whether_few_or_most_rows_differ(tmp_path, mak
     assert many["overall"]["overlap_at_k"] == pytest.approx((7 + 2 * extra) / (2 * (5 + extra)))
 
 
+def test_the_measures_do_not_depend_on_the_piece_size(tmp_path, monkeypatch, logits_trace, make_trace):
+    # pieces of 5 rows cut the steps (16 and 24 rows) and the examples' search: every number, the
+    # margins and the first differing rows must be those of one piece per layer
+    import routetool.analysis.diff as diff_module
+
+    a = logits_trace("a.safetensors", torch.zeros(16))
+    b = logits_trace("b.safetensors", torch.linspace(-0.3, 0.3, 16), seed=0)
+    docs = {}
+    for rows in (5, 1 << 12):
+        monkeypatch.setattr(diff_module, "CPU_PIECE_BYTES", 4 * 16 * rows)
+        js = tmp_path / f"{rows}.json"
+        assert run(a, b, "--json", js).exit_code == 1
+        docs[rows] = json.loads(js.read_text())
+    assert docs[5] == docs[1 << 12]
+    assert docs[5]["overall"]["classes"]["real"] > 0 and docs[5]["first_differing_rows"]
+
+
 def test_the_command_offers_every_alignment():
     from routetool.analysis.diff import ALIGNS
     from routetool.cli.diff import diff

@@ -82,6 +82,47 @@ def test_select_topk_equals_the_stable_sort_definition(E, K):
     assert select_topk(x[:0], K).shape == (0, K)
 
 
+@pytest.mark.parametrize("grouping", [
+    None,                                            # plain top-k over every expert
+    {"n_group": 8, "topk_group": 3},                 # noaux_tc: the keys are -inf outside the kept groups
+    {"n_group": 8, "topk_group": 3, "topk_method": "group_limited_greedy"},
+])
+def test_kth_key_is_the_kth_largest_selection_key(grouping):
+    # read off the picks, the K-th key must equal a top-k of the keys the reference returns, on rows
+    # of ties, signed zeros, infinities, NaN logits and padding
+    from routetool_kernels.reference import kth_key, route
+    from routetool_kernels.spec import RouterSpec
+
+    E, K = 64, 6
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(-3, 4, (400, E), generator=g).float() / 2  # few distinct values: ties everywhere
+    logits[::7] = torch.randn(logits[::7].shape, generator=g)
+    logits[2::13, 5] = float("inf")
+    logits[3::17] = float("-inf")
+    logits[4::19, :9] = float("nan")
+    bias = torch.randint(-2, 3, (E,), generator=g).float() / 8
+    bias[:4] = -0.0
+    pad = torch.zeros(400, dtype=torch.bool)
+    pad[5::23] = True
+    spec = RouterSpec(num_experts=E, topk=K, route_scale=1.0, **(grouping or {}))
+    _, ids, _, keys = route(logits, bias, spec, is_padding=pad)
+    kth = kth_key(keys, ids)
+    assert kth.shape == (400, 1) and kth.dtype == torch.float32
+    assert torch.equal(kth[~pad], torch.topk(keys, K, dim=-1).values[:, K - 1:][~pad])
+
+
+@pytest.mark.parametrize("normalization", ["sigmoid", "softmax", "sqrtsoftplus", "topk_then_softmax"])
+@pytest.mark.parametrize("multiplier", [None, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_leave_the_logits_as_they_were(normalization, multiplier, dtype):
+    # the scores are computed in place on a copy of the logits: never on the caller's tensor
+    logits = torch.tensor([[1.0, -2.0, float("nan"), float("inf")], [0.5, float("-inf"), 3.0, 0.0]], dtype=dtype)
+    before = logits.clone()
+    s = normalized_scores(logits, normalization, multiplier)
+    assert torch.equal(logits.isnan(), before.isnan()) and torch.equal(logits.nan_to_num(), before.nan_to_num())
+    assert s.dtype == torch.float32 and s.data_ptr() != logits.data_ptr() and not s.isnan().any()
+
+
 # -- the semantics of production models beyond the seed's (docs/semantics.md) ----------------------
 def test_group_limited_routing_picks_inside_the_best_groups():
     # DeepSeek-V3's noaux_tc: 8 experts in 4 groups of 2, the 2 best groups by the sum of their top-2 keys.
