@@ -13,6 +13,14 @@ about 0.4 s with torch loaded) runs no Python signal handler, so a signal there 
 action (-15, -2) after the report was written. Once the command is done, routetool flushes its
 output, runs the ``atexit`` handlers with its handlers in place and ends the process with the
 command's exit code (``os._exit``), unless a thread is still running (the interpreter joins it).
+
+The CPU's threads are routetool's to schedule as well: before torch is imported, the OpenMP
+threads of its CPU operations are told to sleep between operations (``OMP_WAIT_POLICY=PASSIVE``,
+unless the environment sets it) instead of spinning for them. The CPU work of a command (the
+reference routing, the measures) is thousands of operations of a few milliseconds; on a machine
+whose cores are shared with other work, a thread spinning at the end of each one held the core
+the other thread needed to finish it, and ``routetool diff`` on 2 cores, one of them busy, took
+2.5x-3x as long (docs/diff.md, Speed). The results are the same either way.
 """
 
 import atexit
@@ -42,6 +50,7 @@ def _terminate_now(signum, frame) -> None:
 
 def main() -> None:
     """Install the SIGTERM answer (where SIGTERM is not ignored), then run the command group."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # (read once, when torch loads OpenMP: see above)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
         signal.signal(signal.SIGTERM, _terminate_now)
     try:

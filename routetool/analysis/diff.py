@@ -151,8 +151,8 @@ class RouteMemo:
     def route(self, spec, gating: torch.Tensor, bias: torch.Tensor, pad: torch.Tensor | None,
               compute: Callable[[], tuple]) -> tuple:
         last = self._last
-        if (last is not None and last[0] == spec and self._same(last[1], gating) and self._same(last[2], bias)
-                and self._same(last[3], pad)):
+        if (last is not None and last[0] == spec and self._same(last[2], bias) and self._same(last[3], pad)
+                and self._same(last[1], gating)):  # (the logits last: the largest to compare)
             self._last = None  # (one reuse: the pair is consumed)
             return last[4]
         out = compute()

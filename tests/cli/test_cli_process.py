@@ -307,3 +307,36 @@ def test_a_signal_at_start_up_or_on_the_way_out_exits_with_its_code(tmp_path, po
     err = _signal_when_ready(proc, ready, signum, "never reached")
     assert proc.returncode == code, err
     assert err.splitlines() == [line], err
+
+
+# Runs `routetool ARGS...` through the entry point and reports OMP_WAIT_POLICY as torch is first imported.
+_POLICY_AT_TORCH = """
+import atexit, importlib.abc, os, sys
+
+seen = []
+
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" and not seen:
+            seen.append(os.environ.get("OMP_WAIT_POLICY"))
+
+sys.meta_path.insert(0, Watch())
+atexit.register(lambda: print("POLICY", *seen, file=sys.stderr))
+sys.argv = ["routetool", *sys.argv[1:]]
+from routetool.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_threads_sleep_between_operations_unless_told_otherwise(given, expected):
+    # the CPU work is many short operations: on shared cores, threads spinning between them cost 2.5x-3x
+    # (routetool/__main__.py); the policy must be in the environment before torch loads OpenMP
+    env = _env()
+    env.pop("OMP_WAIT_POLICY", None)
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    res = subprocess.run([sys.executable, "-c", _POLICY_AT_TORCH, "info", str(TRACE)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert f"POLICY {expected}" in res.stderr.splitlines(), res.stderr
