@@ -23,7 +23,7 @@ import triton.testing
 
 from routetool_kernels import fused_musespark1x_routing, fused_musespark1x_routing_seed, musespark1x_routing_reference
 from routetool_kernels.reference import biased_scores, normalized_scores
-from routetool_kernels.routing_policy import LaunchConfig, default_config, padded_num_experts
+from routetool_kernels.routing_policy import LaunchConfig, default_config, padded_num_experts, two_level_config
 from routetool.engine.compare import RowClass, compare_step, weight_tolerance
 
 L2_BYTES = 60 * 2**20
@@ -115,6 +115,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=240, help="stop sweeping after this many seconds")
     ap.add_argument("--large-only", action="store_true", help="only num_tokens=65536")
     ap.add_argument("--two-level", action="store_true", help="two-level configs against the scan defaults, by size")
+    ap.add_argument("--rows", action="store_true",
+                    help="the rows algorithm (1 to 8 warps a program) against the default, by size (as --two-level)")
     ap.add_argument("--tokens", default=None, help="comma-separated num_tokens for --two-level")
     ap.add_argument("--per-sm", default=None, help="comma-separated programs_per_sm for --two-level")
     ap.add_argument("--max-registers", default=None, help="comma-separated max_registers for --two-level")
@@ -145,7 +147,7 @@ def main():
               for T in ((65536,) if args.large_only else (64, 65536))]
     per_sm_values = tuple(int(v) for v in args.per_sm.split(",")) if args.per_sm else PER_SM
     register_limits = tuple(int(v) for v in args.max_registers.split(",")) if args.max_registers else MAX_REGISTERS
-    if args.two_level:
+    if args.two_level or args.rows:
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TWO_LEVEL_TOKENS
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
         experts = ([(int(e), dtypes[d]) for e, d in (v.split(":") for v in args.experts.split(","))] if args.experts
@@ -164,7 +166,11 @@ def main():
             g = torch.Generator(device="cuda").manual_seed(T + E)
             pad_kw = {"is_padding": torch.rand(T, device="cuda", generator=g) < args.padding}
         floor_us = (T * E * xs[0].element_size() + T * K * 8) / (copy_gbps * 1e3)
-        if args.two_level:
+        if args.rows:
+            cands = [("tiled", two_level_config(T, E, K))]
+            cands += [("tiled", LaunchConfig(block_t=32 * nw, chunk=8, num_warps=nw, algorithm="rows"))
+                      for nw in (1, 2, 4, 8)]
+        elif args.two_level:
             cands = [("tiled", default_config(1, E, dtype)), ("tiled", default_config(4096, E, dtype, topk=K + 100))]
             launches = ([tuple(int(p) for p in v.split(":")) for v in args.launches.split(",")] if args.launches
                         else None)

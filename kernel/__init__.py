@@ -10,8 +10,8 @@ standard library only) imports neither torch nor Triton.
 Variants (all with the seed's signature, returning ``(topk_weights, topk_ids)``):
 
 * ``tiled`` (:func:`fused_musespark1x_routing`, the default): integer selection keys, any
-  float gating dtype; the scan algorithm for decode batches and the two-level algorithm
-  for prefill batches (:func:`default_config`).
+  float gating dtype; the scan algorithm for decode batches, and for prefill batches the rows
+  algorithm (sigmoid, ``topk`` <= 8, <= 256 experts) or the two-level one (:func:`default_config`).
 * ``seed`` (:func:`fused_musespark1x_routing_seed`): the seed's algorithm, one program per
   token with repeated ``tl.argmax``; float32 gating_output only.
 

@@ -1,9 +1,11 @@
 """The tiled variant's launcher: :func:`fused_musespark1x_routing` and its plans.
 
-The variant lives in three modules, one layer each:
+The variant lives in four modules, one layer each:
 
-* :mod:`routetool_kernels.routing_jit`: the ``@triton.jit`` code, the scan and the two-level algorithm
-  (sketched in its docstring);
+* :mod:`routetool_kernels.routing_jit`: the ``@triton.jit`` code of the scan and the two-level algorithm
+  (sketched in its docstring) and the arithmetic every algorithm shares;
+* :mod:`routetool_kernels.routing_rows`: the ``@triton.jit`` code of the rows algorithm (one thread per
+  token, sorting networks over window keys; sketched in its docstring);
 * :mod:`routetool_kernels.routing_policy`: the launch settings, chosen on the host by shape
   (``LaunchConfig``, ``default_config`` and the switches they read);
 * this module: the launcher, which checks a call, takes its settings from the policy, and
@@ -33,6 +35,7 @@ from routetool_kernels import routing_policy as policy
 from routetool_kernels._dispatch import ROUTING_PER_CALL, KernelLaunch, PlanCache, cached_call, is_interpreted, plan_for
 from routetool_kernels._launch import check_routing_args, pdl_supported
 from routetool_kernels.routing_jit import _routing_kernel, _two_level_kernel
+from routetool_kernels.routing_rows import _rows_kernel
 
 _INTERPRETED = is_interpreted(_routing_kernel)
 
@@ -110,8 +113,9 @@ def fused_musespark1x_routing(
     e_pad = policy.padded_num_experts(launch.num_experts)
     if config is None:
         config = policy.default_config(launch.num_tokens, launch.num_experts, gating_output.dtype,
-                                       gating_output.device.type, launch.topk)
-    policy.check_launch_config(config, launch.num_experts, launch.topk)
+                                       gating_output.device.type, launch.topk,
+                                       "softmax" if launch.normalization_mode == 1 else "sigmoid")
+    policy.check_launch_config(config, launch.num_experts, launch.topk, softmax=launch.normalization_mode == 1)
     shape = (launch.num_tokens, launch.topk)
     if launch.num_tokens == 0:
         if key is not None:
@@ -139,12 +143,10 @@ def fused_musespark1x_routing(
     common = dict(
         TOPK=launch.topk,
         BLOCK_T=config.block_t,
-        NORMALIZATION_MODE=launch.normalization_mode,
         HAS_MULTIPLIER=launch.router_output_multiplier is not None,
         HAS_EPS=launch.router_score_division_eps is not None,
         USE_PDL=enable_pdl,
         FAST_MATH=policy._fast_math(gating_output.device, _INTERPRETED),
-        TOTAL_BITS=policy.sum_bits(e_pad),
         PICK_BITS=policy.sum_bits(launch.topk),
         num_warps=config.num_warps,
         **({"launch_pdl": True} if enable_pdl else {}),
@@ -153,12 +155,22 @@ def fused_musespark1x_routing(
     per_stream = None
     extra = ()
     cacheable = True
+    if config.algorithm == "rows":
+        num_chunks = triton.cdiv(launch.num_experts, 8)
+        kernel_launch = KernelLaunch(
+            _rows_kernel, (num_tiles,), args,
+            dict(NUM_CHUNKS=num_chunks, VEC=16 // gating_output.element_size(), BIAS_VEC=16 // bias.element_size(),
+                 MASK_EXPERTS=num_chunks * 8 != launch.num_experts, INDEX_BITS=policy.rows_index_bits(launch.num_experts),
+                 E_POW2=triton.next_power_of_2(launch.num_experts), **common),
+            ROUTING_PER_CALL)
+    else:
+        common.update(NORMALIZATION_MODE=launch.normalization_mode, TOTAL_BITS=policy.sum_bits(e_pad))
     if config.algorithm == "scan":
         kernel_launch = KernelLaunch(
             _routing_kernel, (num_tiles,), args, dict(TOPK_PADDED=triton.next_power_of_2(launch.topk),
                                                       NUM_CHUNKS=e_pad // config.chunk, CHUNK=config.chunk, **common),
             ROUTING_PER_CALL)
-    else:
+    elif config.algorithm == "two_level":
         grid = num_tiles
         if config.programs_per_sm and gating_output.device.type == "cuda":
             grid = min(num_tiles, config.programs_per_sm * policy._sm_count(gating_output.device))

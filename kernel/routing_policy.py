@@ -7,7 +7,7 @@ grid from the batch's shape, :func:`check_launch_config` says whether a config f
 
 The module-level switches (:data:`SMALL_BATCH`, :data:`PERSISTENT_FROM`,
 :data:`TWO_LEVEL_MAX_TOPK`, :data:`DYNAMIC_TILES_FROM`, :data:`PING_PONG_MAX_SLICES`,
-:data:`TILE_GROUPS`) are read from this module on every checked call, so experiments and
+:data:`TILE_GROUPS`, :data:`ROWS_WARPS`) are read from this module on every checked call, so experiments and
 tests set them here (``routetool_kernels.routing`` shows them, read-only) and then call
 :func:`routetool_kernels._dispatch.clear_plans`, since a plan keeps the settings it was made with.
 """
@@ -30,9 +30,11 @@ class LaunchConfig:
         chunk: ``"scan"``: contiguous experts per innermost tile run; ``"two_level"``: columns
             per row (power of two, <= padded experts).
         num_warps: warps per program.
-        algorithm: ``"scan"`` (``topk`` rounds over every expert of the row) or
+        algorithm: ``"scan"`` (``topk`` rounds over every expert of the row),
             ``"two_level"`` (per-column best two, then a merge of the columns; see
-            :func:`routetool_kernels.routing_jit._two_level_kernel`).
+            :func:`routetool_kernels.routing_jit._two_level_kernel`) or ``"rows"`` (one thread per token,
+            sorting networks; sigmoid, ``topk`` <= 8, <= 256 experts; ``block_t = 32 * num_warps``; see
+            :mod:`routetool_kernels.routing_rows`).
         programs_per_sm: ``"two_level"`` only: a persistent grid of this many programs per
             streaming multiprocessor (0: one program per ``block_t`` tokens).
         max_registers: registers per thread the compiler may use (``maxnreg``; 0: its
@@ -63,7 +65,22 @@ class LaunchConfig:
                                                 self.programs_per_sm, self.max_registers, self.dynamic_tiles))
 
 
-ALGORITHMS = ("scan", "two_level")
+ALGORITHMS = ("scan", "two_level", "rows")
+
+ROWS_MAX_TOPK = 8
+"""Largest ``topk`` of the rows algorithm (it keeps each token's best 8 keys)."""
+
+ROWS_WARPS = 4
+"""Warps per program of the rows algorithm's default launch (32 tokens a warp)."""
+
+ROWS_MAX_EXPERTS = 256
+"""Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits
+(:func:`rows_index_bits`) and the score in the other ``32 - INDEX_BITS``, at least two binades."""
+
+
+def rows_index_bits(num_experts: int) -> int:
+    """Bits of the rows algorithm's expert field: enough for ``8 * cdiv(num_experts, 8) - 1``, at least 3."""
+    return max(3, (8 * -(-num_experts // 8) - 1).bit_length())
 
 TILE_GROUPS = 16
 """Groups of a dynamic-tile launch (program ``p`` in group ``p % TILE_GROUPS``), each with its own
@@ -143,14 +160,17 @@ TWO_LEVEL_MAX_TOPK = 32
 
 
 def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype, device_type: str = "cuda",
-                   topk: int = 8) -> LaunchConfig:
+                   topk: int = 8, normalization: str = "sigmoid") -> LaunchConfig:
     """Launch settings chosen by shape, from the sweeps in benchmarks/NOTES.md (H200).
 
     * small batches (<= :data:`SMALL_BATCH` tokens, decode): the scan algorithm, one token
       per program and one warp, 32 lanes per row (each holding ``16 / itemsize``-wide
       vectors), so every reduction of a selection round is a single warp-wide ``REDUX``
       on Hopper: the shortest dependency chain;
-    * large batches (prefill): the two-level algorithm, one warp per token, 32 columns;
+    * large batches (prefill) of sigmoid routers with ``topk`` <= :data:`ROWS_MAX_TOPK` and at most
+      :data:`ROWS_MAX_EXPERTS` experts: the rows algorithm, one thread per token, :data:`ROWS_WARPS`
+      warps a program (:mod:`routetool_kernels.routing_rows`);
+    * other large batches: the two-level algorithm, one warp per token, 32 columns;
       above :data:`PERSISTENT_FROM` tokens on a persistent grid of 32 programs per SM (the
       most one-warp programs an SM holds; up to 256 experts the kernel needs at most 64
       registers, so all 32 reside), 28 for 257-384 experts (72 registers: 28 reside); it
@@ -169,12 +189,22 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     chunk = min(e_pad, 32 * vec)
     if num_tokens <= SMALL_BATCH:
         return LaunchConfig(block_t=1, chunk=chunk, num_warps=1)
+    if normalization == "sigmoid" and topk <= ROWS_MAX_TOPK and num_experts <= ROWS_MAX_EXPERTS:
+        return LaunchConfig(block_t=32 * ROWS_WARPS, chunk=8, num_warps=ROWS_WARPS, algorithm="rows")
     if topk <= TWO_LEVEL_MAX_TOPK:
-        width = max(min(e_pad, 32), _next_power_of_2(topk))
-        per_sm = 0 if num_tokens <= PERSISTENT_FROM else 28 if 256 < num_experts <= 384 else 32
-        return LaunchConfig(block_t=1, chunk=width, num_warps=1, algorithm="two_level", programs_per_sm=per_sm,
-                            dynamic_tiles=per_sm > 0)
+        return two_level_config(num_tokens, num_experts, topk)
     return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)
+
+
+def two_level_config(num_tokens: int, num_experts: int, topk: int = 8) -> LaunchConfig:
+    """The two-level launch :func:`default_config` picks for a large batch on a GPU (``topk`` <=
+    :data:`TWO_LEVEL_MAX_TOPK`): one token per one-warp program, 32 columns (at least ``topk``), above
+    :data:`PERSISTENT_FROM` tokens a persistent grid (28 programs per SM for 257-384 experts, else 32)
+    claiming its tiles."""
+    width = max(min(padded_num_experts(num_experts), 32), _next_power_of_2(topk))
+    per_sm = 0 if num_tokens <= PERSISTENT_FROM else 28 if 256 < num_experts <= 384 else 32
+    return LaunchConfig(block_t=1, chunk=width, num_warps=1, algorithm="two_level", programs_per_sm=per_sm,
+                        dynamic_tiles=per_sm > 0)
 
 
 def sum_bits(num_terms: int) -> int:
@@ -196,7 +226,7 @@ MAX_TILE_ELEMENTS = 2**20
 """Triton's largest tensor: ``block_t`` times the padded expert count may not exceed it."""
 
 
-def check_launch_config(config: LaunchConfig, num_experts: int, topk: int) -> None:
+def check_launch_config(config: LaunchConfig, num_experts: int, topk: int, softmax: bool = False) -> None:
     """Raise ``ValueError`` naming the field when ``config`` cannot run ``[*, num_experts]`` with ``topk``.
 
     Checked: every field an int (``algorithm`` one of :data:`ALGORITHMS`); ``block_t``,
@@ -204,7 +234,9 @@ def check_launch_config(config: LaunchConfig, num_experts: int, topk: int) -> No
     <= the padded expert count, ``block_t`` * padded experts <= :data:`MAX_TILE_ELEMENTS`;
     for ``two_level`` ``topk`` <= ``chunk``; ``programs_per_sm`` >= 0; ``max_registers`` 0
     or in [24, 255]; ``dynamic_tiles`` a bool, true only for ``two_level`` with
-    ``programs_per_sm`` > 0.
+    ``programs_per_sm`` > 0; for ``rows`` sigmoid scores (not ``softmax``), ``topk`` <=
+    :data:`ROWS_MAX_TOPK`, at most :data:`ROWS_MAX_EXPERTS` experts, ``block_t = 32 * num_warps`` and
+    ``programs_per_sm`` 0.
     """
     if not isinstance(config, LaunchConfig):
         raise ValueError(f"config must be a kernel.LaunchConfig, got {type(config).__name__}")
@@ -229,6 +261,15 @@ def check_launch_config(config: LaunchConfig, num_experts: int, topk: int) -> No
     if config.algorithm == "two_level" and topk > config.chunk:
         raise ValueError(f"the two_level algorithm needs topk <= chunk (columns), got topk={topk}, "
                          f"chunk={config.chunk}")
+    if config.algorithm == "rows":
+        if softmax or topk > ROWS_MAX_TOPK or num_experts > ROWS_MAX_EXPERTS:
+            raise ValueError(f"the rows algorithm needs sigmoid scores, topk <= {ROWS_MAX_TOPK} and at most "
+                             f"{ROWS_MAX_EXPERTS} experts, got {'softmax' if softmax else 'sigmoid'}, topk={topk}, "
+                             f"{num_experts} experts")
+        if config.block_t != 32 * config.num_warps or config.programs_per_sm:
+            raise ValueError(f"the rows algorithm routes one token per thread: block_t must be 32 * num_warps "
+                             f"({32 * config.num_warps}) and programs_per_sm 0, got block_t={config.block_t}, "
+                             f"programs_per_sm={config.programs_per_sm}")
     if config.programs_per_sm < 0:
         raise ValueError(f"launch config programs_per_sm={config.programs_per_sm} must be >= 0")
     if config.max_registers and not 24 <= config.max_registers <= 255:

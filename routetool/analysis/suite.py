@@ -349,8 +349,7 @@ program (``routetool_kernels.routing_policy.default_config``): a token alone (a 
 def _gpu_batch_sizes() -> tuple[int, ...]:
     from routetool_kernels import routing_policy as policy
 
-    per_sm = max(policy.default_config(policy.PERSISTENT_FROM + 1, e, torch.float32, "cuda").programs_per_sm
-                 for e in (256, 384))
+    per_sm = max(policy.two_level_config(policy.PERSISTENT_FROM + 1, e).programs_per_sm for e in (256, 384))
     return (policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM + 1, per_sm * 256 + 1,
             policy.DYNAMIC_TILES_FROM * per_sm * 148)
 
@@ -358,8 +357,9 @@ def _gpu_batch_sizes() -> tuple[int, ...]:
 GPU_BATCH_SIZES = _gpu_batch_sizes()
 """The GPU batches of a ``models`` case (``cuda_only``), read from the ``tiled`` kernel's switches on a
 GPU (``routetool_kernels.routing_policy``), so that a token is compared across each of them: up to
-``SMALL_BATCH`` (2048) tokens the scan algorithm, above it the two-level one (2049); above
-``PERSISTENT_FROM`` (4097) the launch asks for ``programs_per_sm`` (32) programs per SM, a
+``SMALL_BATCH`` (2048) tokens the scan algorithm, above it (2049) the rows algorithm for sigmoid routers
+of ``topk`` <= 8 and <= 256 experts, else the two-level one; above ``PERSISTENT_FROM`` (4097) the
+two-level launch asks for ``programs_per_sm`` (32) programs per SM, a
 persistent grid once the tokens exceed that times the SM count (8193: up to 256 SMs); tiles
 claimed from atomic counters from ``DYNAMIC_TILES_FROM`` (8) times that grid (37888: up to
 148 SMs, an H200 has 132)."""

@@ -122,8 +122,13 @@ def test_batch_sizes_cross_the_tiled_kernels_switches():
         assert tiles == {(1, 1), (8, 1), (128, 2)}, (case.name, tiles)
         # on a GPU: scan up to SMALL_BATCH, two-level above it, a persistent grid beyond 32 programs per SM on
         # up to 256 SMs, tiles claimed from counters from DYNAMIC_TILES_FROM grids' worth on up to 148 SMs
-        configs = [routing_policy.default_config(n, E, inp.gating_output.dtype, "cuda", K) for n in GPU_BATCH_SIZES]
+        configs = [routing_policy.default_config(n, E, inp.gating_output.dtype, "cuda", K,
+                                                 inp.router.router_score_normalization)
+                   for n in GPU_BATCH_SIZES]
         assert {routing_policy.SMALL_BATCH, routing_policy.SMALL_BATCH + 1} <= set(GPU_BATCH_SIZES)
+        if configs[1].algorithm == "rows":  # (sigmoid, topk <= 8, <= 256 experts: one launch above SMALL_BATCH)
+            assert [c.algorithm for c in configs] == ["scan", "rows", "rows", "rows", "rows"]
+            continue
         assert [c.algorithm for c in configs] == ["scan", "two_level", "two_level", "two_level", "two_level"]
         assert not configs[1].programs_per_sm and configs[2].programs_per_sm
         assert GPU_BATCH_SIZES[2] == routing_policy.PERSISTENT_FROM + 1

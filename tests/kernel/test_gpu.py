@@ -231,22 +231,23 @@ def test_an_offset_view_after_an_aligned_one_gets_its_own_kernel(T, dtype):
 
 
 def test_a_new_stream_gets_its_tile_counters_then_direct_launches():
-    from routetool_kernels import default_config, fused_musespark1x_routing, routing_policy
+    from routetool_kernels import fused_musespark1x_routing, routing_policy
 
     T, E, K = 65536, 256, 8
-    assert default_config(T, E, torch.float32).dynamic_tiles
+    config = routing_policy.two_level_config(T, E, K)  # (sigmoid at 256 experts: the rows algorithm by default)
+    assert config.dynamic_tiles
     x = torch.randn((T, E), device="cuda")
     bias = torch.randn(E, device="cuda") * 0.05
     w = torch.empty((T, K), device="cuda")
     ids = torch.empty((T, K), dtype=torch.int32, device="cuda")
-    fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)  # the plan, on this stream
+    fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids, config=config)  # the plan, on this stream
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for rep in range(3):  # the first call finds no counters for the stream and makes them
             x.normal_().mul_(2)
             ids.fill_(-7)
-            fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)
+            fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids, config=config)
             classes, _ = _classes(w, ids, x, bias, K, 2.5)
             assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, (rep, classes)
     torch.cuda.synchronize()
@@ -255,20 +256,21 @@ def test_a_new_stream_gets_its_tile_counters_then_direct_launches():
 
 
 def test_dynamic_tiles_in_cuda_graph_replays():
-    from routetool_kernels import default_config, fused_musespark1x_routing, routing_policy
+    from routetool_kernels import fused_musespark1x_routing, routing_policy
 
     E, K = 256, 8
     sizes = (65536, 50000, 65536)
-    assert all(default_config(T, E, torch.float32).dynamic_tiles for T in sizes)
+    configs = [routing_policy.two_level_config(T, E, K) for T in sizes]  # (not the rows algorithm, the default)
+    assert all(c.dynamic_tiles for c in configs)
     bias = torch.randn(E, device="cuda") * 0.05
     xs = [torch.randn((T, E), device="cuda") * 2 for T in sizes]
     outs = [(torch.empty((T, K), device="cuda"), torch.empty((T, K), dtype=torch.int32, device="cuda")) for T in sizes]
-    for x, (w, ids) in zip(xs, outs):  # (eager first: the stream's counters exist before the capture)
-        fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)
+    for x, (w, ids), c in zip(xs, outs, configs):  # (eager first: the stream's counters exist before the capture)
+        fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids, config=c)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for x, (w, ids) in zip(xs, outs):
-            fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)
+        for x, (w, ids), c in zip(xs, outs, configs):
+            fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids, config=c)
     for rep in range(3):
         for x, (w, ids) in zip(xs, outs):
             x.normal_().mul_(2)
@@ -287,6 +289,7 @@ def test_dynamic_tiles_without_counters_during_capture_fall_back_to_static():
     from routetool_kernels import fused_musespark1x_routing, routing_policy
 
     T, E, K = 65536, 256, 8
+    config = routing_policy.two_level_config(T, E, K)  # (not the rows algorithm, the default)
     x = torch.randn((T, E), device="cuda")
     bias = torch.zeros(E, device="cuda")
     w = torch.empty((T, K), device="cuda")
@@ -295,7 +298,7 @@ def test_dynamic_tiles_without_counters_during_capture_fall_back_to_static():
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):  # a fresh stream: no counters, and none may be allocated now
-        fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids)
+        fused_musespark1x_routing(x, bias, K, 2.5, topk_weights=w, topk_ids=ids, config=config)
     assert (stream.device.index, stream.cuda_stream) not in routing_policy._TILE_COUNTERS
     graph.replay()
     torch.cuda.synchronize()
@@ -304,19 +307,20 @@ def test_dynamic_tiles_without_counters_during_capture_fall_back_to_static():
 
 
 def test_two_level_cuda_graph_sees_new_padding_and_bias():
-    from routetool_kernels import default_config, fused_musespark1x_routing
+    from routetool_kernels import fused_musespark1x_routing
+    from routetool_kernels.routing_policy import two_level_config
 
     T, E, K = 40000, 256, 8
-    assert default_config(T, E, torch.float32).algorithm == "two_level"
+    config = two_level_config(T, E, K)  # (not the rows algorithm, the default at 256 experts)
     logits = torch.randn((T, E), device="cuda")
     bias = torch.zeros(E, device="cuda")
     pad = torch.zeros(T, dtype=torch.bool, device="cuda")
     w = torch.empty((T, K), device="cuda")
     ids = torch.empty((T, K), dtype=torch.int32, device="cuda")
-    fused_musespark1x_routing(logits, bias, K, 2.5, topk_weights=w, topk_ids=ids, is_padding=pad)
+    fused_musespark1x_routing(logits, bias, K, 2.5, topk_weights=w, topk_ids=ids, is_padding=pad, config=config)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_musespark1x_routing(logits, bias, K, 2.5, topk_weights=w, topk_ids=ids, is_padding=pad)
+        fused_musespark1x_routing(logits, bias, K, 2.5, topk_weights=w, topk_ids=ids, is_padding=pad, config=config)
     pad[::3] = True
     bias[17] = 10.0
     graph.replay()
@@ -454,3 +458,31 @@ def test_replay_with_latency(trace, tmp_path):
     for shape in doc["latency"]["shapes"]:
         assert 0 < shape["kernel_latency_us"]["p10"] <= shape["kernel_latency_us"]["p50"] <= shape["kernel_latency_us"]["p90"]
         assert shape["reference_latency_us"]["p50"] > 0
+
+
+@pytest.mark.parametrize("E,K,dtype", [(256, 8, torch.bfloat16), (256, 8, torch.float32), (60, 4, torch.float16),
+                                       (130, 6, torch.bfloat16)])
+@pytest.mark.parametrize("num_warps", [1, 2, 4, 8])
+def test_rows_matches_the_scan_bit_for_bit(E, K, dtype, num_warps):
+    # The rows algorithm (one thread per token, window keys, an exact redo) against the scan algorithm on the
+    # same large batch: the same ids and weight bits for every token, and the reference's picks. Rows of ties,
+    # NaN logits and scores below the window send their tiles to the redo.
+    from routetool_kernels import LaunchConfig, default_config, fused_musespark1x_routing
+
+    T = 8197
+    g = torch.Generator(device="cuda").manual_seed(E * num_warps + K)
+    x = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
+    x[5] = 0
+    x[77] = x[77].round()
+    x[300, :3] = float("nan")
+    x[4000] = -40.0
+    bias = torch.randn(E, device="cuda", generator=g) * 0.05
+    pad = torch.rand(T, device="cuda", generator=g) < 0.1
+    rows = LaunchConfig(block_t=32 * num_warps, chunk=8, num_warps=num_warps, algorithm="rows")
+    scan = default_config(1, E, dtype)  # the decode launch: one token per program
+    w, ids = fused_musespark1x_routing(x, bias, K, 2.5, is_padding=pad, config=rows)
+    ws, ids_s = fused_musespark1x_routing(x, bias, K, 2.5, is_padding=pad, config=scan)
+    assert torch.equal(ids, ids_s)
+    assert torch.equal(w.view(torch.int32), ws.view(torch.int32))
+    classes, _ = _classes(w, ids, x, bias, K, 2.5, pad)
+    assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, classes

@@ -66,18 +66,25 @@ def two_level(E, K, block_t=1, width=32, programs_per_sm=2, num_warps=1):
                         programs_per_sm=programs_per_sm)
 
 
-def launch_configs(E, K):
-    """The default launch and two-level ones (one and two tokens per tile, one token per warp, 32 and 64 columns)."""
+ROWS = LaunchConfig(block_t=32, chunk=8, num_warps=1, algorithm="rows")
+
+
+def launch_configs(E, K, norm="sigmoid"):
+    """The default launch, two-level ones (one and two tokens per tile, one token per warp, 32 and 64 columns) and
+    the rows algorithm where it applies (sigmoid, topk <= 8, <= 256 experts)."""
     out = [("default", None), ("two_level", two_level(E, K)), ("two_level_bt2", two_level(E, K, block_t=2)),
            ("two_level_4warps", two_level(E, K, block_t=4, num_warps=4))]
     if padded_num_experts(E) >= 64 and K <= 64:
         out.append(("two_level_w64", two_level(E, K, width=64)))
+    if norm == "sigmoid" and K <= 8 and E <= 256:
+        out.append(("rows", ROWS))
     return out
 
 
 @pytest.mark.parametrize("T,E,K", SHAPES)
 @pytest.mark.parametrize("dtype,rtol", DTYPES)
-@pytest.mark.parametrize("launch", ["default", "two_level", "two_level_bt2", "two_level_4warps", "two_level_w64"])
+@pytest.mark.parametrize("launch", ["default", "two_level", "two_level_bt2", "two_level_4warps", "two_level_w64",
+                                    "rows"])
 def test_tiled_matches_reference(T, E, K, dtype, rtol, launch, device):
     configs = dict(launch_configs(E, K))
     if launch not in configs:
@@ -99,7 +106,7 @@ def test_parameters(norm, multiplier, eps, device):
     pad = torch.zeros(T, dtype=torch.bool, device=device)
     pad[[0, 5, 20]] = True
     kw = dict(router_output_multiplier=multiplier, router_score_normalization=norm, router_score_division_eps=eps)
-    for _, config in launch_configs(E, K):
+    for _, config in launch_configs(E, K, norm):
         w, ids = fused_musespark1x_routing(logits, bias, K, 1.7, is_padding=pad, config=config, **kw)
         assert_routing_invariants(w, ids, E, K, 1.7, is_padding=pad, eps=eps)
         _check_against_reference(w, ids, logits, bias, K, 1.7, 1e-5, is_padding=pad, **kw)
@@ -149,7 +156,7 @@ def test_nonfinite_rows_follow_the_safe_rule(device):
     logits[5, 0] = float("-inf")
     bias = torch.zeros(E)
     for norm, eps, (_, config) in ((n, e, c) for n in ("sigmoid", "softmax") for e in (None, 1e-6)
-                                   for c in launch_configs(E, K)):
+                                   for c in launch_configs(E, K, n)):
         if True:
             x = logits.to(device)
             w, ids = fused_musespark1x_routing(x, bias.to(device), K, 2.0, router_score_normalization=norm,
@@ -424,7 +431,34 @@ def test_two_level_ragged_columns_and_many_picks(T, E, K, device):
         _check_against_reference(w, ids, logits, bias, K, 2.5, 1e-5)
 
 
-def _policy_configs(E, K, dtype):
+@pytest.mark.parametrize("E,K,dtype", [(256, 8, torch.bfloat16), (60, 6, torch.float32), (130, 8, torch.float16)])
+def test_rows_window_keys_and_their_redo(E, K, dtype, device):
+    # The rows algorithm orders experts by window keys (score bits above a power of two chosen from the bias,
+    # the expert in the low bits) and routes a tile again with exact keys where a pick falls below the window,
+    # a logit or a bias is NaN. Each case below must give the reference's ids and the scan's weight bits.
+    T = 40  # two programs of 32 rows, the second partly past the end
+    logits, bias = _inputs(T, E, dtype, device, seed=E + K)
+    logits[0] = 0.0                                          # every score 0.5, the window's bottom with bias 0
+    logits[1] = logits[1].to(torch.bfloat16).round().to(dtype)  # integer logits: exact ties across the k-th pick
+    logits[2, :5] = float("nan")                             # NaN logits count as score 0
+    logits[3] = -30.0                                        # scores far below the window
+    logits[4, 7] = float("inf")
+    logits[5] = float("-inf")
+    scan = LaunchConfig(block_t=8, chunk=8, num_warps=1)
+    inf_bias = bias.clone()
+    inf_bias[[3, 40, 50]] = float("inf")                     # a window ending above +inf; the rest below it
+    nan_bias = bias.clone()
+    nan_bias[[1, 9]] = float("nan")                          # NaN bias counts as -inf
+    for b in (bias, torch.zeros_like(bias), bias - 2.0, bias + 3.0, inf_bias, nan_bias, bias.to(torch.bfloat16)):
+        b = b.to(device)
+        w, ids = fused_musespark1x_routing(logits, b, K, 2.5, config=ROWS)
+        _, ref_ids = musespark1x_routing_reference(logits, b, K, 2.5)
+        assert torch.equal(ids.cpu(), ref_ids.int().cpu()), b
+        w_scan, ids_scan = fused_musespark1x_routing(logits, b, K, 2.5, config=scan)
+        assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), b
+
+
+def _policy_configs(E, K, dtype, norm="sigmoid"):
     """Every launch the policy picks on a GPU for batches on either side of each of its switches, plus the
     interpreter's own (a tile of rows): as the interpreter runs them, one program per tile (the persistent and
     claimed-tile loops route each tile with the same code as a one-tile program)."""
@@ -432,7 +466,8 @@ def _policy_configs(E, K, dtype):
 
     sizes = {1, policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM, policy.PERSISTENT_FROM + 1,
              65536}
-    configs = {default_config(n, E, dtype, "cuda", k) for n in sizes for k in (K, policy.TWO_LEVEL_MAX_TOPK + 1)}
+    configs = {default_config(n, E, dtype, "cuda", k, norm) for n in sizes for k in (K, policy.TWO_LEVEL_MAX_TOPK + 1)}
+    configs.add(policy.two_level_config(65536, E, K))  # (also where the rows algorithm takes large batches)
     configs.add(default_config(7, E, dtype, "cpu", K))
     seen, out = set(), []
     for c in sorted(configs, key=repr):  # (persistence and claims do not change an interpreted launch)
@@ -475,7 +510,7 @@ def test_a_token_gets_the_same_bits_in_every_batch_and_launch(E, K, norm, dtype,
     else:
         bias = torch.zeros_like(bias)
     alone = [fused_musespark1x_routing(logits[r:r + 1].clone(), bias, K, 2.5, **kw) for r in (0, 3, 5)]
-    for config in _policy_configs(E, K, dtype):
+    for config in _policy_configs(E, K, dtype, norm):
         w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad, config=config, **kw)
         for r, (w1, ids1) in zip((0, 3, 5), alone):
             assert torch.equal(ids[r], ids1[0]), (config, r)
@@ -487,9 +522,15 @@ def test_a_token_gets_the_same_bits_in_every_batch_and_launch(E, K, norm, dtype,
 def test_default_config_by_shape():
     dec = default_config(64, 256, torch.float32)
     assert dec.algorithm == "scan" and dec.block_t == 1
-    pre = default_config(65536, 256, torch.bfloat16)
+    pre = default_config(65536, 256, torch.bfloat16, normalization="softmax")
     assert pre.algorithm == "two_level" and pre.chunk == 32 and pre.programs_per_sm > 0 and pre.dynamic_tiles
-    assert not default_config(3000, 256, torch.float32).dynamic_tiles  # one program per tile: nothing to claim
+    assert not default_config(3000, 256, torch.float32, normalization="softmax").dynamic_tiles  # nothing to claim
+    rows = default_config(65536, 256, torch.bfloat16)  # sigmoid, topk <= 8, <= 256 experts
+    assert rows.algorithm == "rows" and rows.block_t == 32 * rows.num_warps
+    assert default_config(3000, 256, torch.float32).algorithm == "rows"
+    assert default_config(2048, 256, torch.float32).algorithm == "scan"
+    assert default_config(65536, 256, torch.float32, topk=9).algorithm == "two_level"
+    assert default_config(65536, 257, torch.float32).algorithm == "two_level"
     assert default_config(65536, 384, torch.float32).chunk == 32
     assert default_config(65536, 512, torch.float32).chunk == 32
     assert default_config(65536, 512, torch.float32, topk=20).chunk == 32
@@ -504,14 +545,19 @@ def test_switches_set_on_the_policy_module_change_the_launch(device, monkeypatch
     from routetool_kernels import routing_policy
 
     request.addfinalizer(clear_plans)  # (no plan made under a patched switch outlives the test)
-    assert default_config(3000, 256, torch.float32).algorithm == "two_level"
+    assert default_config(3000, 256, torch.float32, normalization="softmax").algorithm == "two_level"
     monkeypatch.setattr(routing_policy, "SMALL_BATCH", 4096)
-    assert default_config(3000, 256, torch.float32).algorithm == "scan"
-    assert default_config(8000, 256, torch.float32).programs_per_sm == 32
+    assert default_config(3000, 256, torch.float32, normalization="softmax").algorithm == "scan"
+    assert default_config(8000, 256, torch.float32, normalization="softmax").programs_per_sm == 32
     monkeypatch.setattr(routing_policy, "PERSISTENT_FROM", 10000)
-    assert default_config(8000, 256, torch.float32).programs_per_sm == 0
+    assert default_config(8000, 256, torch.float32, normalization="softmax").programs_per_sm == 0
     monkeypatch.setattr(routing_policy, "TWO_LEVEL_MAX_TOPK", 4)
-    assert default_config(8000, 256, torch.float32, topk=8).algorithm == "scan"
+    assert default_config(8000, 256, torch.float32, topk=8, normalization="softmax").algorithm == "scan"
+    assert default_config(8000, 256, torch.float32).algorithm == "rows"
+    monkeypatch.setattr(routing_policy, "ROWS_WARPS", 2)
+    assert default_config(8000, 256, torch.float32).block_t == 64
+    monkeypatch.setattr(routing_policy, "ROWS_MAX_EXPERTS", 128)
+    assert default_config(8000, 256, torch.float32).algorithm == "scan"
     # the launcher's check of a config reads the policy module too
     clear_plans()
     x, bias = torch.zeros((2, 64), device=device), torch.zeros(64, device=device)
@@ -544,6 +590,7 @@ def test_the_policy_rounds_up_to_powers_of_two_as_triton_does():
     (dict(dynamic_tiles=1), "dynamic_tiles=1 must be a bool"),
     (dict(dynamic_tiles=True), "dynamic_tiles=True needs algorithm='two_level' and programs_per_sm > 0"),
     (dict(algorithm="two_level", dynamic_tiles=True), "dynamic_tiles=True needs"),
+    (dict(algorithm="rows", block_t=32), "rows algorithm needs sigmoid scores, topk <= 8"),
 ])
 @pytest.mark.parametrize("num_tokens", [2, 0])
 def test_launch_config_errors(bad, message, num_tokens):
