@@ -48,7 +48,6 @@ from routetool_kernels.routing_jit import (
     _prepare_bias,
     _prepare_logits,
     _renormalizer,
-    _scores,
 )
 
 LIST = tl.constexpr(8)  # keys kept per token: topk <= LIST
