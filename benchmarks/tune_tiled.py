@@ -116,7 +116,8 @@ def main():
     ap.add_argument("--large-only", action="store_true", help="only num_tokens=65536")
     ap.add_argument("--two-level", action="store_true", help="two-level configs against the scan defaults, by size")
     ap.add_argument("--rows", action="store_true",
-                    help="the rows algorithm (1 to 8 warps a program) against the default, by size (as --two-level)")
+                    help="the rows algorithm (2 to 8 warps a program, 1 to 8 threads a token) against two-level, by "
+                         "size (as --two-level)")
     ap.add_argument("--tokens", default=None, help="comma-separated num_tokens for --two-level")
     ap.add_argument("--per-sm", default=None, help="comma-separated programs_per_sm for --two-level")
     ap.add_argument("--max-registers", default=None, help="comma-separated max_registers for --two-level")
@@ -168,8 +169,8 @@ def main():
         floor_us = (T * E * xs[0].element_size() + T * K * 8) / (copy_gbps * 1e3)
         if args.rows:
             cands = [("tiled", two_level_config(T, E, K))]
-            cands += [("tiled", LaunchConfig(block_t=32 * nw, chunk=8, num_warps=nw, algorithm="rows"))
-                      for nw in (1, 2, 4, 8)]
+            cands += [("tiled", LaunchConfig(block_t=32 * nw // lanes, chunk=lanes, num_warps=nw, algorithm="rows"))
+                      for nw, lanes in ((2, 1), (4, 1), (8, 1), (4, 2), (4, 4), (4, 8))]
         elif args.two_level:
             cands = [("tiled", default_config(1, E, dtype)), ("tiled", default_config(4096, E, dtype, topk=K + 100))]
             launches = ([tuple(int(p) for p in v.split(":")) for v in args.launches.split(",")] if args.launches

@@ -156,11 +156,13 @@ def fused_musespark1x_routing(
     extra = ()
     cacheable = True
     if config.algorithm == "rows":
-        num_chunks = triton.cdiv(launch.num_experts, 8)
+        lanes = config.chunk
+        iters = triton.cdiv(triton.cdiv(launch.num_experts, 8), lanes)
         kernel_launch = KernelLaunch(
             _rows_kernel, (num_tiles,), args,
-            dict(NUM_CHUNKS=num_chunks, VEC=16 // gating_output.element_size(), BIAS_VEC=16 // bias.element_size(),
-                 MASK_EXPERTS=num_chunks * 8 != launch.num_experts, INDEX_BITS=policy.rows_index_bits(launch.num_experts),
+            dict(ITERS=iters, LANES=lanes, VEC=16 // gating_output.element_size(), BIAS_VEC=16 // bias.element_size(),
+                 MASK_EXPERTS=iters * lanes * 8 != launch.num_experts,
+                 INDEX_BITS=policy.rows_index_bits(launch.num_experts),
                  E_POW2=triton.next_power_of_2(launch.num_experts), **common),
             ROUTING_PER_CALL)
     else:

@@ -28,13 +28,13 @@ class LaunchConfig:
         block_t: tokens per program, or per loop iteration of a persistent program
             (power of two).
         chunk: ``"scan"``: contiguous experts per innermost tile run; ``"two_level"``: columns
-            per row (power of two, <= padded experts).
+            per row (power of two, <= padded experts); ``"rows"``: threads per token (1 to 8).
         num_warps: warps per program.
         algorithm: ``"scan"`` (``topk`` rounds over every expert of the row),
             ``"two_level"`` (per-column best two, then a merge of the columns; see
             :func:`routetool_kernels.routing_jit._two_level_kernel`) or ``"rows"`` (one thread per token,
-            sorting networks; sigmoid, ``topk`` <= 8, <= 256 experts; ``block_t = 32 * num_warps``; see
-            :mod:`routetool_kernels.routing_rows`).
+            sorting networks; sigmoid, ``topk`` <= 8, <= 256 experts; ``block_t = 32 * num_warps / chunk``;
+            see :mod:`routetool_kernels.routing_rows`).
         programs_per_sm: ``"two_level"`` only: a persistent grid of this many programs per
             streaming multiprocessor (0: one program per ``block_t`` tokens).
         max_registers: registers per thread the compiler may use (``maxnreg``; 0: its
@@ -190,7 +190,7 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     if num_tokens <= SMALL_BATCH:
         return LaunchConfig(block_t=1, chunk=chunk, num_warps=1)
     if normalization == "sigmoid" and topk <= ROWS_MAX_TOPK and num_experts <= ROWS_MAX_EXPERTS:
-        return LaunchConfig(block_t=32 * ROWS_WARPS, chunk=8, num_warps=ROWS_WARPS, algorithm="rows")
+        return LaunchConfig(block_t=32 * ROWS_WARPS, chunk=1, num_warps=ROWS_WARPS, algorithm="rows")
     if topk <= TWO_LEVEL_MAX_TOPK:
         return two_level_config(num_tokens, num_experts, topk)
     return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)
@@ -235,8 +235,8 @@ def check_launch_config(config: LaunchConfig, num_experts: int, topk: int, softm
     for ``two_level`` ``topk`` <= ``chunk``; ``programs_per_sm`` >= 0; ``max_registers`` 0
     or in [24, 255]; ``dynamic_tiles`` a bool, true only for ``two_level`` with
     ``programs_per_sm`` > 0; for ``rows`` sigmoid scores (not ``softmax``), ``topk`` <=
-    :data:`ROWS_MAX_TOPK`, at most :data:`ROWS_MAX_EXPERTS` experts, ``block_t = 32 * num_warps`` and
-    ``programs_per_sm`` 0.
+    :data:`ROWS_MAX_TOPK`, at most :data:`ROWS_MAX_EXPERTS` experts, ``chunk`` <= 8 threads a token,
+    ``block_t = 32 * num_warps / chunk`` and ``programs_per_sm`` 0.
     """
     if not isinstance(config, LaunchConfig):
         raise ValueError(f"config must be a kernel.LaunchConfig, got {type(config).__name__}")
@@ -266,9 +266,10 @@ def check_launch_config(config: LaunchConfig, num_experts: int, topk: int, softm
             raise ValueError(f"the rows algorithm needs sigmoid scores, topk <= {ROWS_MAX_TOPK} and at most "
                              f"{ROWS_MAX_EXPERTS} experts, got {'softmax' if softmax else 'sigmoid'}, topk={topk}, "
                              f"{num_experts} experts")
-        if config.block_t != 32 * config.num_warps or config.programs_per_sm:
-            raise ValueError(f"the rows algorithm routes one token per thread: block_t must be 32 * num_warps "
-                             f"({32 * config.num_warps}) and programs_per_sm 0, got block_t={config.block_t}, "
+        if config.chunk > 8 or config.block_t * config.chunk != 32 * config.num_warps or config.programs_per_sm:
+            raise ValueError(f"the rows algorithm routes each token on chunk <= 8 threads: block_t must be 32 * "
+                             f"num_warps / chunk ({32 * config.num_warps // config.chunk}) and programs_per_sm 0, "
+                             f"got block_t={config.block_t}, chunk={config.chunk}, "
                              f"programs_per_sm={config.programs_per_sm}")
     if config.programs_per_sm < 0:
         raise ValueError(f"launch config programs_per_sm={config.programs_per_sm} must be >= 0")

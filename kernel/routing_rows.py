@@ -21,8 +21,9 @@ reference's tie rule, with no rounding: the bit patterns of positive floats are 
 integers. Scores below the window (and negative ones) are clamped to its bottom, where they
 tie; if a pick lands there the token is *unproven*.
 
-**Selection.** A thread keeps its token's best 8 keys sorted. Per chunk of 8 experts (a loop,
-each iteration loading the next chunk first): sort
+**Selection.** A thread keeps its token's best 8 keys sorted (``LANES`` threads may share a token,
+each taking every ``LANES``-th chunk, their lists merged at the end: fewer tokens per launch then
+still fill the GPU). Per chunk of 8 experts (a loop, each iteration loading the next chunk first): sort
 the 8 new keys (Batcher's 19-comparator network, D. E. Knuth, TAOCP vol. 3, 5.3.4), take the
 elementwise max of the kept list against the reversed chunk (the upper half of a bitonic
 merge; the 8 largest of the 16) and sort that bitonic sequence (12 comparators). A comparator
@@ -113,16 +114,16 @@ def _keep_best8(t, s):
 
 @triton.jit
 def _columns(x, VEC: tl.constexpr):
-    """The ``VEC`` (4 or 8) columns of a ``(BLOCK_T, VEC)`` tile held in one thread per row, as a tuple of
-    ``(BLOCK_T,)`` tensors in column order (splits within a thread: no data moves)."""
-    a, b = tl.split(tl.reshape(x, [x.shape[0], VEC // 2, 2]))  # even, odd columns
+    """The ``VEC`` (4 or 8) columns of a ``(BLOCK_T, LANES, VEC)`` tile whose last axis a thread holds, as a
+    tuple of ``(BLOCK_T, LANES)`` tensors in column order (splits within a thread: no data moves)."""
+    a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], VEC // 2, 2]))  # even, odd columns
     if VEC == 4:
         c0, c2 = tl.split(a)
         c1, c3 = tl.split(b)
         cols = (c0, c1, c2, c3)
     else:
-        a0, a1 = tl.split(tl.reshape(a, [x.shape[0], 2, 2]))  # (0, 4), (2, 6)
-        b0, b1 = tl.split(tl.reshape(b, [x.shape[0], 2, 2]))  # (1, 5), (3, 7)
+        a0, a1 = tl.split(tl.reshape(a, [x.shape[0], x.shape[1], 2, 2]))  # (0, 4), (2, 6)
+        b0, b1 = tl.split(tl.reshape(b, [x.shape[0], x.shape[1], 2, 2]))  # (1, 5), (3, 7)
         c0, c4 = tl.split(a0)
         c2, c6 = tl.split(a1)
         c1, c5 = tl.split(b0)
@@ -133,14 +134,15 @@ def _columns(x, VEC: tl.constexpr):
 
 @triton.jit
 def _load_chunk(
-    base,  # (BLOCK_T, 1) pointer tile: each row's first expert (logits), or the bias's start in every row
-    col,  # (1, VEC) int32: 0 .. VEC - 1
-    c, num_experts, stride,
+    base,  # (BLOCK_T, 1, 1) pointer tile: each row's first expert (logits), or the bias's start in every row
+    col,  # (1, 1, VEC) int32: 0 .. VEC - 1
+    c,  # (1, LANES, 1) int32: each lane's chunk
+    num_experts, stride,
     VEC: tl.constexpr,
     MASK_EXPERTS: tl.constexpr,
 ):
-    """The raw values of experts ``[8c, 8c + 8)`` for every row: two ``(BLOCK_T, VEC)`` tiles of 16-byte loads
-    (the second the first again when ``VEC`` is 8); experts past ``num_experts`` read 0."""
+    """The raw values of experts ``[8c, 8c + 8)`` for every row and lane: two ``(BLOCK_T, LANES, VEC)`` tiles of
+    16-byte loads (the second the first again when ``VEC`` is 8); experts past ``num_experts`` read 0."""
     e = c * 8 + col
     if MASK_EXPERTS:
         lo = tl.load(base + e * stride, mask=e < num_experts, other=0.0)
@@ -157,7 +159,7 @@ def _load_chunk(
 
 @triton.jit
 def _chunk_columns(lo, hi, VEC: tl.constexpr):
-    """The 8 columns of :func:`_load_chunk`'s tiles, as a tuple of ``(BLOCK_T,)`` tensors."""
+    """The 8 columns of :func:`_load_chunk`'s tiles, as a tuple of ``(BLOCK_T, LANES)`` tensors."""
     if VEC == 8:
         cols = _columns(lo, 8)
     else:
@@ -204,11 +206,13 @@ def _unguarded_biased_scores(x, bias, FAST_MATH: tl.constexpr):
 @triton.jit
 def _row_keys(
     xlo, xhi, blo, bhi,  # chunk c's logit and bias tiles (_load_chunk)
-    num_experts, router_output_multiplier, base_bits, nan_sum, c,
+    num_experts, router_output_multiplier, base_bits, nan_sum,
+    c,  # (1, LANES) int32: each lane's chunk
     VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr,
     EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
-    """Keys of the 8 experts of chunk ``c`` for every row, and ``nan_sum`` plus their biased scores.
+    """Keys (``(BLOCK_T, LANES)``) of the 8 experts of each lane's chunk ``c`` for every row, and ``nan_sum``
+    plus their biased scores.
 
     Window keys (uint32) from the unguarded scores, whose NaNs (a NaN logit or bias) make the row sum NaN;
     or with ``EXACT`` uint64 keys (``(order-preserving image of the biased score, as unsigned) << 32`` plus
@@ -243,21 +247,27 @@ def _row_keys(
 @triton.jit
 def _row_select(
     gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
-    NUM_CHUNKS: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
+    ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors), and the row sums of the biased
-    scores (window keys only; NaN where one is). A loop over the chunks, each loading the next chunk before
-    it sorts and merges its own (the last iteration re-reads the last chunk, in cache)."""
+    scores (window keys only; NaN where one is).
+
+    ``LANES`` threads share a row: in iteration ``i`` lane ``l`` takes chunk ``i * LANES + l`` (8 experts), so
+    a row's lanes read adjacent 16-byte pieces. A loop of ``ITERS`` iterations, each loading the next chunks
+    before it sorts and merges its own (the last re-reads its own, in cache); then the lanes' lists merge
+    (a reduction whose step keeps the best 8 of two sorted lists).
+    """
     KEY: tl.constexpr = tl.uint64 if EXACT else tl.uint32
-    gbase = gating_output_ptr + row_off[:, None]
-    bbase = bias_ptr + tl.zeros_like(row_off[:, None])
-    col = tl.arange(0, VEC)[None, :]
-    bcol = tl.arange(0, BIAS_VEC)[None, :]
-    xlo, xhi = _load_chunk(gbase, col, 0, num_experts, stride_gn, VEC, MASK_EXPERTS)
-    blo, bhi = _load_chunk(bbase, bcol, 0, num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
-    nan_sum = tl.zeros(row_off.shape, tl.float32)
-    t0 = tl.zeros(row_off.shape, KEY)  # key 0: below every real expert (see _row_keys)
+    gbase = gating_output_ptr + row_off[:, None, None]
+    bbase = bias_ptr + tl.zeros_like(row_off[:, None, None])
+    col = tl.arange(0, VEC)[None, None, :]
+    bcol = tl.arange(0, BIAS_VEC)[None, None, :]
+    lane = tl.arange(0, LANES)[None, :]
+    xlo, xhi = _load_chunk(gbase, col, lane[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS)
+    blo, bhi = _load_chunk(bbase, bcol, lane[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
+    nan_sum = tl.zeros([row_off.shape[0], LANES], tl.float32)
+    t0 = tl.zeros([row_off.shape[0], LANES], KEY)  # key 0: below every real expert (see _row_keys)
     t1 = t0
     t2 = t0
     t3 = t0
@@ -265,18 +275,26 @@ def _row_select(
     t5 = t0
     t6 = t0
     t7 = t0
-    for c in range(NUM_CHUNKS):
-        nxt = tl.minimum(c + 1, NUM_CHUNKS - 1)
-        ylo, yhi = _load_chunk(gbase, col, nxt, num_experts, stride_gn, VEC, MASK_EXPERTS)
-        clo, chi = _load_chunk(bbase, bcol, nxt, num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
-        keys, nan_sum = _row_keys(xlo, xhi, blo, bhi, num_experts, router_output_multiplier, base_bits, nan_sum, c,
-                                  VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH)
+    for i in range(ITERS):
+        nxt = tl.minimum(i + 1, ITERS - 1) * LANES + lane
+        ylo, yhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS)
+        clo, chi = _load_chunk(bbase, bcol, nxt[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
+        keys, nan_sum = _row_keys(xlo, xhi, blo, bhi, num_experts, router_output_multiplier, base_bits, nan_sum,
+                                  i * LANES + lane, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER,
+                                  FAST_MATH)
         t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
         xlo = ylo
         xhi = yhi
         blo = clo
         bhi = chi
-    return (t0, t1, t2, t3, t4, t5, t6, t7), nan_sum
+    best = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, _merge_lanes)
+    return best, tl.sum(nan_sum, axis=1)
+
+
+@triton.jit
+def _merge_lanes(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    """Reduction step of :func:`_row_select`: the best 8 of two lanes' sorted lists."""
+    return _keep_best8((a0, a1, a2, a3, a4, a5, a6, a7), (b0, b1, b2, b3, b4, b5, b6, b7))
 
 
 @triton.jit
@@ -339,11 +357,12 @@ def _rows_kernel(
     route_scale,
     division_eps,
     TOPK: tl.constexpr,  # <= 8
-    BLOCK_T: tl.constexpr,  # tokens per program: 32 * num_warps
-    NUM_CHUNKS: tl.constexpr,  # cdiv(num_experts, 8)
+    BLOCK_T: tl.constexpr,  # tokens per program: 32 * num_warps / LANES
+    ITERS: tl.constexpr,  # chunks of 8 experts per lane: cdiv(cdiv(num_experts, 8), LANES)
+    LANES: tl.constexpr,  # threads per token (power of two)
     VEC: tl.constexpr,  # logits per 16-byte load: 4 (fp32) or 8
     BIAS_VEC: tl.constexpr,  # bias values per 16-byte load
-    MASK_EXPERTS: tl.constexpr,  # num_experts < NUM_CHUNKS * 8
+    MASK_EXPERTS: tl.constexpr,  # num_experts < ITERS * LANES * 8
     INDEX_BITS: tl.constexpr,  # bits of the largest expert index (<= 8)
     E_POW2: tl.constexpr,  # next power of two >= num_experts
     HAS_MULTIPLIER: tl.constexpr,
@@ -353,7 +372,7 @@ def _rows_kernel(
     PICK_BITS: tl.constexpr,  # sum of the picked scores: routetool_kernels.routing_policy.sum_bits(topk)
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
-    tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, thread ``i`` token ``p*BLOCK_T + i`` (see the module docstring)."""
+    tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -362,14 +381,14 @@ def _rows_kernel(
     row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
     base_bits, nan_bias = _window_base(bias_ptr, num_experts, stride_bias, INDEX_BITS, E_POW2, FAST_MATH)
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                                router_output_multiplier, base_bits, NUM_CHUNKS, VEC, BIAS_VEC, MASK_EXPERTS,
+                                router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
                                 INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH)
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
     unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
     if unproven > 0:
         exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                            router_output_multiplier, base_bits, NUM_CHUNKS, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
+                            router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
                             True, HAS_MULTIPLIER, FAST_MATH)
         _row_outputs(gating_output_ptr, exact, row, row_off, row_ok, topk_weights_ptr, topk_ids_ptr,
                      is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,

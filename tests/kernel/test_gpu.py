@@ -462,15 +462,15 @@ def test_replay_with_latency(trace, tmp_path):
 
 @pytest.mark.parametrize("E,K,dtype", [(256, 8, torch.bfloat16), (256, 8, torch.float32), (60, 4, torch.float16),
                                        (130, 6, torch.bfloat16)])
-@pytest.mark.parametrize("num_warps", [1, 2, 4, 8])
-def test_rows_matches_the_scan_bit_for_bit(E, K, dtype, num_warps):
+@pytest.mark.parametrize("num_warps,lanes", [(1, 1), (4, 1), (8, 1), (4, 2), (4, 4), (4, 8)])
+def test_rows_matches_the_scan_bit_for_bit(E, K, dtype, num_warps, lanes):
     # The rows algorithm (one thread per token, window keys, an exact redo) against the scan algorithm on the
     # same large batch: the same ids and weight bits for every token, and the reference's picks. Rows of ties,
     # NaN logits and scores below the window send their tiles to the redo.
     from routetool_kernels import LaunchConfig, default_config, fused_musespark1x_routing
 
     T = 8197
-    g = torch.Generator(device="cuda").manual_seed(E * num_warps + K)
+    g = torch.Generator(device="cuda").manual_seed(E * num_warps + K + lanes)
     x = (torch.randn((T, E), device="cuda", generator=g) * 2).to(dtype)
     x[5] = 0
     x[77] = x[77].round()
@@ -478,7 +478,7 @@ def test_rows_matches_the_scan_bit_for_bit(E, K, dtype, num_warps):
     x[4000] = -40.0
     bias = torch.randn(E, device="cuda", generator=g) * 0.05
     pad = torch.rand(T, device="cuda", generator=g) < 0.1
-    rows = LaunchConfig(block_t=32 * num_warps, chunk=8, num_warps=num_warps, algorithm="rows")
+    rows = LaunchConfig(block_t=32 * num_warps // lanes, chunk=lanes, num_warps=num_warps, algorithm="rows")
     scan = default_config(1, E, dtype)  # the decode launch: one token per program
     w, ids = fused_musespark1x_routing(x, bias, K, 2.5, is_padding=pad, config=rows)
     ws, ids_s = fused_musespark1x_routing(x, bias, K, 2.5, is_padding=pad, config=scan)

@@ -66,7 +66,8 @@ def two_level(E, K, block_t=1, width=32, programs_per_sm=2, num_warps=1):
                         programs_per_sm=programs_per_sm)
 
 
-ROWS = LaunchConfig(block_t=32, chunk=8, num_warps=1, algorithm="rows")
+ROWS = LaunchConfig(block_t=32, chunk=1, num_warps=1, algorithm="rows")
+ROWS_LANES4 = LaunchConfig(block_t=16, chunk=4, num_warps=2, algorithm="rows")  # 4 threads a token
 
 
 def launch_configs(E, K, norm="sigmoid"):
@@ -77,14 +78,14 @@ def launch_configs(E, K, norm="sigmoid"):
     if padded_num_experts(E) >= 64 and K <= 64:
         out.append(("two_level_w64", two_level(E, K, width=64)))
     if norm == "sigmoid" and K <= 8 and E <= 256:
-        out.append(("rows", ROWS))
+        out += [("rows", ROWS), ("rows_lanes4", ROWS_LANES4)]
     return out
 
 
 @pytest.mark.parametrize("T,E,K", SHAPES)
 @pytest.mark.parametrize("dtype,rtol", DTYPES)
 @pytest.mark.parametrize("launch", ["default", "two_level", "two_level_bt2", "two_level_4warps", "two_level_w64",
-                                    "rows"])
+                                    "rows", "rows_lanes4"])
 def test_tiled_matches_reference(T, E, K, dtype, rtol, launch, device):
     configs = dict(launch_configs(E, K))
     if launch not in configs:
@@ -449,13 +450,14 @@ def test_rows_window_keys_and_their_redo(E, K, dtype, device):
     inf_bias[[3, 40, 50]] = float("inf")                     # a window ending above +inf; the rest below it
     nan_bias = bias.clone()
     nan_bias[[1, 9]] = float("nan")                          # NaN bias counts as -inf
-    for b in (bias, torch.zeros_like(bias), bias - 2.0, bias + 3.0, inf_bias, nan_bias, bias.to(torch.bfloat16)):
+    for b, rows in ((b, r) for b in (bias, torch.zeros_like(bias), bias - 2.0, bias + 3.0, inf_bias, nan_bias,
+                                     bias.to(torch.bfloat16)) for r in (ROWS, ROWS_LANES4)):
         b = b.to(device)
-        w, ids = fused_musespark1x_routing(logits, b, K, 2.5, config=ROWS)
+        w, ids = fused_musespark1x_routing(logits, b, K, 2.5, config=rows)
         _, ref_ids = musespark1x_routing_reference(logits, b, K, 2.5)
-        assert torch.equal(ids.cpu(), ref_ids.int().cpu()), b
+        assert torch.equal(ids.cpu(), ref_ids.int().cpu()), (b, rows)
         w_scan, ids_scan = fused_musespark1x_routing(logits, b, K, 2.5, config=scan)
-        assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), b
+        assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), (b, rows)
 
 
 def _policy_configs(E, K, dtype, norm="sigmoid"):
@@ -535,7 +537,7 @@ def test_default_config_by_shape():
     assert default_config(65536, 512, torch.float32).chunk == 32
     assert default_config(65536, 512, torch.float32, topk=20).chunk == 32
     assert default_config(65536, 512, torch.float32, topk=40).algorithm == "scan"   # topk above the columns
-    assert default_config(65536, 8, torch.float32, topk=8).chunk == 8
+    assert default_config(65536, 8, torch.float32, topk=8, normalization="softmax").chunk == 8
     assert default_config(65536, 256, torch.float32, device_type="cpu").algorithm == "scan"
 
 
