@@ -7,7 +7,7 @@ grid from the batch's shape, :func:`check_launch_config` says whether a config f
 
 The module-level switches (:data:`SMALL_BATCH`, :data:`PERSISTENT_FROM`,
 :data:`TWO_LEVEL_MAX_TOPK`, :data:`DYNAMIC_TILES_FROM`, :data:`PING_PONG_MAX_SLICES`,
-:data:`TILE_GROUPS`, :data:`ROWS_WARPS`) are read from this module on every checked call, so experiments and
+:data:`TILE_GROUPS`, :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_MAX_EXPERTS`) are read from this module on every checked call, so experiments and
 tests set them here (``routetool_kernels.routing`` shows them, read-only) and then call
 :func:`routetool_kernels._dispatch.clear_plans`, since a plan keeps the settings it was made with.
 """
@@ -70,8 +70,17 @@ ALGORITHMS = ("scan", "two_level", "rows")
 ROWS_MAX_TOPK = 8
 """Largest ``topk`` of the rows algorithm (it keeps each token's best 8 keys)."""
 
-ROWS_WARPS = 4
-"""Warps per program of the rows algorithm's default launch (32 tokens a warp)."""
+ROWS_LAUNCHES = ((49152, 1, 2), (8192, 4, 4), (0, 8, 4))
+"""The rows algorithm's default launches, ``(above this many tokens, threads a token, warps a program)``, the
+first that applies. On an H200 (benchmarks/NOTES.md, bf16 at 256 experts): at 65536 tokens one thread a token
+in 2-warp programs (26.8 us; 4 threads a token 27.9), at 16384 four threads (9.9 us; one thread 15.7: too
+few warps to hide latency), at 4096 eight (4.5 us; four 5.1)."""
+
+ROWS_FP32_MAX_EXPERTS = 128
+"""Most experts for which the rows algorithm takes float32 logits (twice the bytes of bf16 through the same
+per-thread loads): at 256 experts it lost to two-level on an H200 (65536 tokens 37.2 against 32.4 us, 16384
+11.5 against 10.8, 4096 5.8 against 5.3), at 128 it won (23.9 against 25.3, 7.7 against 8.3, 3.6 against
+5.3)."""
 
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits
@@ -168,8 +177,9 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
       vectors), so every reduction of a selection round is a single warp-wide ``REDUX``
       on Hopper: the shortest dependency chain;
     * large batches (prefill) of sigmoid routers with ``topk`` <= :data:`ROWS_MAX_TOPK` and at most
-      :data:`ROWS_MAX_EXPERTS` experts: the rows algorithm, one thread per token, :data:`ROWS_WARPS`
-      warps a program (:mod:`routetool_kernels.routing_rows`);
+      :data:`ROWS_MAX_EXPERTS` experts (float32 logits: :data:`ROWS_FP32_MAX_EXPERTS`): the rows
+      algorithm, 1 to 8 threads a token by batch size (:data:`ROWS_LAUNCHES`;
+      :mod:`routetool_kernels.routing_rows`);
     * other large batches: the two-level algorithm, one warp per token, 32 columns;
       above :data:`PERSISTENT_FROM` tokens on a persistent grid of 32 programs per SM (the
       most one-warp programs an SM holds; up to 256 experts the kernel needs at most 64
@@ -189,8 +199,10 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     chunk = min(e_pad, 32 * vec)
     if num_tokens <= SMALL_BATCH:
         return LaunchConfig(block_t=1, chunk=chunk, num_warps=1)
-    if normalization == "sigmoid" and topk <= ROWS_MAX_TOPK and num_experts <= ROWS_MAX_EXPERTS:
-        return LaunchConfig(block_t=32 * ROWS_WARPS, chunk=1, num_warps=ROWS_WARPS, algorithm="rows")
+    if (normalization == "sigmoid" and topk <= ROWS_MAX_TOPK and num_experts <= ROWS_MAX_EXPERTS
+            and (gating_dtype.itemsize < 4 or num_experts <= ROWS_FP32_MAX_EXPERTS)):
+        lanes, warps = next((lanes, warps) for above, lanes, warps in ROWS_LAUNCHES if num_tokens > above)
+        return LaunchConfig(block_t=32 * warps // lanes, chunk=lanes, num_warps=warps, algorithm="rows")
     if topk <= TWO_LEVEL_MAX_TOPK:
         return two_level_config(num_tokens, num_experts, topk)
     return LaunchConfig(block_t=8, chunk=chunk, num_warps=4)

@@ -351,7 +351,7 @@ def _gpu_batch_sizes() -> tuple[int, ...]:
 
     per_sm = max(policy.two_level_config(policy.PERSISTENT_FROM + 1, e).programs_per_sm for e in (256, 384))
     return (policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM + 1, per_sm * 256 + 1,
-            policy.DYNAMIC_TILES_FROM * per_sm * 148)
+            policy.DYNAMIC_TILES_FROM * per_sm * 148, policy.ROWS_LAUNCHES[0][0] + 1)
 
 
 GPU_BATCH_SIZES = _gpu_batch_sizes()
@@ -362,7 +362,8 @@ of ``topk`` <= 8 and <= 256 experts, else the two-level one; above ``PERSISTENT_
 two-level launch asks for ``programs_per_sm`` (32) programs per SM, a
 persistent grid once the tokens exceed that times the SM count (8193: up to 256 SMs); tiles
 claimed from atomic counters from ``DYNAMIC_TILES_FROM`` (8) times that grid (37888: up to
-148 SMs, an H200 has 132)."""
+148 SMs, an H200 has 132); and the rows algorithm's last switch (49153: one thread a token above
+49152, four from 8193, eight below)."""
 
 
 def _rounding_bias(name: str, E: int) -> torch.Tensor:

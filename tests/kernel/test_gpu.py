@@ -363,16 +363,18 @@ def test_cuda_graph_sees_new_padding_and_bias(variant):
 
 
 def _switch_batches(E, K, dtype):
-    """Batch sizes on either side of each switch of the policy on this GPU: the scan/two-level switch, the
-    per-SM grid, the persistent grid (more tiles than programs) and the claimed tiles."""
+    """Batch sizes on either side of each switch of the policy on this GPU: the scan/two-level (or rows)
+    switch, the per-SM grid, the persistent grid (more tiles than programs), the claimed tiles and the rows
+    algorithm's threads a token."""
     from routetool_kernels import routing_policy as policy
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     per_sm = policy.default_config(policy.PERSISTENT_FROM + 1, E, dtype, "cuda", K).programs_per_sm or 32
     grid = per_sm * sms
     dynamic = policy.DYNAMIC_TILES_FROM * grid
+    rows = {n for above, _, _ in policy.ROWS_LAUNCHES if above for n in (above, above + 1)}
     return sorted({1, 7, policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM,
-                   policy.PERSISTENT_FROM + 1, grid, grid + 1, dynamic - 1, dynamic, 65536})
+                   policy.PERSISTENT_FROM + 1, grid, grid + 1, dynamic - 1, dynamic, 65536} | rows)
 
 
 BATCH_INVARIANCE = [

@@ -467,14 +467,14 @@ def _policy_configs(E, K, dtype, norm="sigmoid"):
     from routetool_kernels import routing_policy as policy
 
     sizes = {1, policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM, policy.PERSISTENT_FROM + 1,
-             65536}
+             65536} | {n for above, _, _ in policy.ROWS_LAUNCHES for n in (above, above + 1)}
     configs = {default_config(n, E, dtype, "cuda", k, norm) for n in sizes for k in (K, policy.TWO_LEVEL_MAX_TOPK + 1)}
     configs.add(policy.two_level_config(65536, E, K))  # (also where the rows algorithm takes large batches)
     configs.add(default_config(7, E, dtype, "cpu", K))
     seen, out = set(), []
     for c in sorted(configs, key=repr):  # (persistence and claims do not change an interpreted launch)
         key = (c.algorithm, c.block_t, c.chunk, c.num_warps)
-        if key not in seen and (c.algorithm == "scan" or K <= c.chunk):
+        if key not in seen and (c.algorithm in ("scan", "rows") or K <= c.chunk):
             seen.add(key)
             out.append(c)
     return out
@@ -528,11 +528,13 @@ def test_default_config_by_shape():
     assert pre.algorithm == "two_level" and pre.chunk == 32 and pre.programs_per_sm > 0 and pre.dynamic_tiles
     assert not default_config(3000, 256, torch.float32, normalization="softmax").dynamic_tiles  # nothing to claim
     rows = default_config(65536, 256, torch.bfloat16)  # sigmoid, topk <= 8, <= 256 experts
-    assert rows.algorithm == "rows" and rows.block_t == 32 * rows.num_warps
-    assert default_config(3000, 256, torch.float32).algorithm == "rows"
-    assert default_config(2048, 256, torch.float32).algorithm == "scan"
-    assert default_config(65536, 256, torch.float32, topk=9).algorithm == "two_level"
-    assert default_config(65536, 257, torch.float32).algorithm == "two_level"
+    assert rows.algorithm == "rows" and rows.block_t * rows.chunk == 32 * rows.num_warps and rows.chunk == 1
+    assert default_config(3000, 256, torch.bfloat16).chunk == 8 and default_config(9000, 256, torch.float16).chunk == 4
+    assert default_config(3000, 128, torch.float32).algorithm == "rows"
+    assert default_config(3000, 256, torch.float32).algorithm == "two_level"  # (float32 above 128 experts)
+    assert default_config(2048, 256, torch.bfloat16).algorithm == "scan"
+    assert default_config(65536, 256, torch.bfloat16, topk=9).algorithm == "two_level"
+    assert default_config(65536, 257, torch.bfloat16).algorithm == "two_level"
     assert default_config(65536, 384, torch.float32).chunk == 32
     assert default_config(65536, 512, torch.float32).chunk == 32
     assert default_config(65536, 512, torch.float32, topk=20).chunk == 32
@@ -555,11 +557,11 @@ def test_switches_set_on_the_policy_module_change_the_launch(device, monkeypatch
     assert default_config(8000, 256, torch.float32, normalization="softmax").programs_per_sm == 0
     monkeypatch.setattr(routing_policy, "TWO_LEVEL_MAX_TOPK", 4)
     assert default_config(8000, 256, torch.float32, topk=8, normalization="softmax").algorithm == "scan"
-    assert default_config(8000, 256, torch.float32).algorithm == "rows"
-    monkeypatch.setattr(routing_policy, "ROWS_WARPS", 2)
-    assert default_config(8000, 256, torch.float32).block_t == 64
+    assert default_config(8000, 256, torch.bfloat16).algorithm == "rows"
+    monkeypatch.setattr(routing_policy, "ROWS_LAUNCHES", ((0, 2, 2),))
+    assert default_config(8000, 256, torch.bfloat16).block_t == 32
     monkeypatch.setattr(routing_policy, "ROWS_MAX_EXPERTS", 128)
-    assert default_config(8000, 256, torch.float32).algorithm == "scan"
+    assert default_config(8000, 256, torch.bfloat16).algorithm == "scan"
     # the launcher's check of a config reads the policy module too
     clear_plans()
     x, bias = torch.zeros((2, 64), device=device), torch.zeros(64, device=device)
