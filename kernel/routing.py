@@ -1,11 +1,9 @@
 """The tiled variant's launcher: :func:`fused_musespark1x_routing` and its plans.
 
-The variant lives in four modules, one layer each:
+The variant lives in three modules, one layer each:
 
-* :mod:`routetool_kernels.routing_jit`: the ``@triton.jit`` code of the scan and the two-level algorithm
-  (sketched in its docstring) and the arithmetic every algorithm shares;
-* :mod:`routetool_kernels.routing_rows`: the ``@triton.jit`` code of the rows algorithm (one thread per
-  token, sorting networks over window keys; sketched in its docstring);
+* :mod:`routetool_kernels.routing_jit`: the ``@triton.jit`` code, the scan, two-level and rows algorithms
+  (sketched in its docstring);
 * :mod:`routetool_kernels.routing_policy`: the launch settings, chosen on the host by shape
   (``LaunchConfig``, ``default_config`` and the switches they read);
 * this module: the launcher, which checks a call, takes its settings from the policy, and
@@ -34,8 +32,7 @@ import triton
 from routetool_kernels import routing_policy as policy
 from routetool_kernels._dispatch import ROUTING_PER_CALL, KernelLaunch, PlanCache, cached_call, is_interpreted, plan_for
 from routetool_kernels._launch import check_routing_args, pdl_supported
-from routetool_kernels.routing_jit import _routing_kernel, _two_level_kernel
-from routetool_kernels.routing_rows import _rows_kernel
+from routetool_kernels.routing_jit import _routing_kernel, _rows_kernel, _two_level_kernel
 
 _INTERPRETED = is_interpreted(_routing_kernel)
 

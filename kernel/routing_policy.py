@@ -34,7 +34,7 @@ class LaunchConfig:
             ``"two_level"`` (per-column best two, then a merge of the columns; see
             :func:`routetool_kernels.routing_jit._two_level_kernel`) or ``"rows"`` (one thread per token,
             sorting networks; sigmoid, ``topk`` <= 8, <= 256 experts; ``block_t = 32 * num_warps / chunk``;
-            see :mod:`routetool_kernels.routing_rows`).
+            see :func:`routetool_kernels.routing_jit._rows_kernel`).
         programs_per_sm: ``"two_level"`` only: a persistent grid of this many programs per
             streaming multiprocessor (0: one program per ``block_t`` tokens).
         max_registers: registers per thread the compiler may use (``maxnreg``; 0: its
@@ -179,7 +179,7 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     * large batches (prefill) of sigmoid routers with ``topk`` <= :data:`ROWS_MAX_TOPK` and at most
       :data:`ROWS_MAX_EXPERTS` experts (float32 logits: :data:`ROWS_FP32_MAX_EXPERTS`): the rows
       algorithm, 1 to 8 threads a token by batch size (:data:`ROWS_LAUNCHES`;
-      :mod:`routetool_kernels.routing_rows`);
+      :func:`routetool_kernels.routing_jit._rows_kernel`);
     * other large batches: the two-level algorithm, one warp per token, 32 columns;
       above :data:`PERSISTENT_FROM` tokens on a persistent grid of 32 programs per SM (the
       most one-warp programs an SM holds; up to 256 experts the kernel needs at most 64
