@@ -172,9 +172,12 @@ def _sigmoid(x, FAST_MATH: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid_rcp(x):
-    """``2**64 * sigmoid(x)`` by ``ex2.approx``/``rcp.approx`` (:func:`_sigmoid` with ``FAST_MATH``)."""
-    u = tl.minimum(x * -_LOG2E, float("inf"))
+def _sigmoid_rcp(x, NAN_GUARD: tl.constexpr = True):
+    """``2**64 * sigmoid(x)`` by ``ex2.approx``/``rcp.approx`` (:func:`_sigmoid` with ``FAST_MATH``); without
+    ``NAN_GUARD`` NaN for a NaN ``x`` (the same bits for every other)."""
+    u = x * -_LOG2E
+    if NAN_GUARD:
+        u = tl.minimum(u, float("inf"))
     t = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1)
     return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [tl.fma(t, _TWO_M64, _TWO_M64)],
                                      dtype=tl.float32, is_pure=True, pack=1)
@@ -1033,14 +1036,10 @@ def _window_base(
 
 @triton.jit
 def _unguarded_biased_scores(x, bias, FAST_MATH: tl.constexpr):
-    """:func:`routetool_kernels.routing_jit._biased_scores` (sigmoid) without its NaN guards on ``x`` and ``bias``:
-    the same bits for every non-NaN input, NaN for a NaN one (the caller's row sum catches it)."""
+    """:func:`_biased_scores` (sigmoid) without its NaN guards on ``x`` and ``bias``: the same bits for every
+    non-NaN input, NaN for a NaN one (the caller's row sum catches it)."""
     if FAST_MATH:
-        t = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -_LOG2E], dtype=tl.float32,
-                                      is_pure=True, pack=1)
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [tl.fma(t, _TWO_M64, _TWO_M64)],
-                                      dtype=tl.float32, is_pure=True, pack=1)
-        return tl.fma(r, _TWO_M64, bias)
+        return tl.fma(_sigmoid_rcp(x, False), _TWO_M64, bias)
     return tl.sigmoid(x) + bias
 
 
