@@ -160,7 +160,7 @@ def fused_musespark1x_routing(
             dict(ITERS=iters, LANES=lanes, VEC=16 // gating_output.element_size(), BIAS_VEC=16 // bias.element_size(),
                  MASK_EXPERTS=iters * lanes * 8 != launch.num_experts,
                  INDEX_BITS=policy.rows_index_bits(launch.num_experts),
-                 E_POW2=triton.next_power_of_2(launch.num_experts), **common),
+                 E_POW2=triton.next_power_of_2(launch.num_experts), AHEAD=min(policy.ROWS_AHEAD, iters), **common),
             ROUTING_PER_CALL)
     else:
         common.update(NORMALIZATION_MODE=launch.normalization_mode, TOTAL_BITS=policy.sum_bits(e_pad))

@@ -1089,14 +1089,16 @@ def _row_select(
     gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors), and the row sums of the biased
     scores (window keys only; NaN where one is).
 
     ``LANES`` threads share a row: in iteration ``i`` lane ``l`` takes chunk ``i * LANES + l`` (8 experts), so
-    a row's lanes read adjacent 16-byte pieces. A loop of ``ITERS`` iterations, each loading the next chunks
-    before it sorts and merges its own (the last re-reads its own, in cache); then the lanes' lists merge
-    (a reduction whose step keeps the best 8 of two sorted lists).
+    a row's lanes read adjacent 16-byte pieces. A loop of ``ITERS`` iterations, each loading the logits of
+    iteration ``i + AHEAD`` (1 to 4; the last iterations re-read the last chunk, in cache) and its own bias
+    before it sorts and merges its own chunk; then the lanes' lists merge (a reduction whose step keeps the
+    best 8 of two sorted lists).
     """
     KEY: tl.constexpr = tl.uint64 if EXACT else tl.uint32
     gbase = gating_output_ptr + row_off[:, None, None]
@@ -1104,8 +1106,20 @@ def _row_select(
     col = tl.arange(0, VEC)[None, None, :]
     bcol = tl.arange(0, BIAS_VEC)[None, None, :]
     lane = tl.arange(0, LANES)[None, :]
-    xlo, xhi = _load_chunk(gbase, col, lane[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS)
-    blo, bhi = _load_chunk(bbase, bcol, lane[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
+    # logits of iterations 0 .. AHEAD - 1 (a, b, c, d: the next AHEAD iterations' tiles, in order)
+    alo, ahi = _load_chunk(gbase, col, lane[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS)
+    blo, bhi = alo, ahi
+    clo, chi = alo, ahi
+    dlo, dhi = alo, ahi
+    if AHEAD >= 2:
+        blo, bhi = _load_chunk(gbase, col, (min(1, ITERS - 1) * LANES + lane)[:, :, None], num_experts, stride_gn,
+                               VEC, MASK_EXPERTS)
+    if AHEAD >= 3:
+        clo, chi = _load_chunk(gbase, col, (min(2, ITERS - 1) * LANES + lane)[:, :, None], num_experts, stride_gn,
+                               VEC, MASK_EXPERTS)
+    if AHEAD >= 4:
+        dlo, dhi = _load_chunk(gbase, col, (min(3, ITERS - 1) * LANES + lane)[:, :, None], num_experts, stride_gn,
+                               VEC, MASK_EXPERTS)
     nan_sum = tl.zeros([row_off.shape[0], LANES], tl.float32)
     t0 = tl.zeros([row_off.shape[0], LANES], KEY)  # key 0: below every real expert (see _row_keys)
     t1 = t0
@@ -1115,18 +1129,22 @@ def _row_select(
     t5 = t0
     t6 = t0
     t7 = t0
-    for i in range(ITERS):
-        nxt = tl.minimum(i + 1, ITERS - 1) * LANES + lane
-        ylo, yhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS)
-        clo, chi = _load_chunk(bbase, bcol, nxt[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
-        keys, nan_sum = _row_keys(xlo, xhi, blo, bhi, num_experts, router_output_multiplier, base_bits, nan_sum,
-                                  i * LANES + lane, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER,
-                                  FAST_MATH)
+    for i in tl.range(0, ITERS, loop_unroll_factor=AHEAD):
+        c = i * LANES + lane
+        nxt = tl.minimum(i + AHEAD, ITERS - 1) * LANES + lane
+        nlo, nhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS)
+        qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
+        keys, nan_sum = _row_keys(alo, ahi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum,
+                                  c, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH)
         t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
-        xlo = ylo
-        xhi = yhi
-        blo = clo
-        bhi = chi
+        if AHEAD == 1:
+            alo, ahi = nlo, nhi
+        elif AHEAD == 2:
+            alo, ahi, blo, bhi = blo, bhi, nlo, nhi
+        elif AHEAD == 3:
+            alo, ahi, blo, bhi, clo, chi = blo, bhi, clo, chi, nlo, nhi
+        else:
+            alo, ahi, blo, bhi, clo, chi, dlo, dhi = blo, bhi, clo, chi, dlo, dhi, nlo, nhi
     best = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, _merge_lanes)
     return best, tl.sum(nan_sum, axis=1)
 
@@ -1210,6 +1228,7 @@ def _rows_kernel(
     USE_PDL: tl.constexpr,
     FAST_MATH: tl.constexpr,
     PICK_BITS: tl.constexpr,  # sum of the picked scores: routetool_kernels.routing_policy.sum_bits(topk)
+    AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead (1 to 4)
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
@@ -1222,14 +1241,14 @@ def _rows_kernel(
     base_bits, nan_bias = _window_base(bias_ptr, num_experts, stride_bias, INDEX_BITS, E_POW2, FAST_MATH)
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH)
+                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD)
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
     unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
     if unproven > 0:
         exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                             router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
-                            True, HAS_MULTIPLIER, FAST_MATH)
+                            True, HAS_MULTIPLIER, FAST_MATH, AHEAD)
         _row_outputs(gating_output_ptr, exact, row, row_off, row_ok, topk_weights_ptr, topk_ids_ptr,
                      is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
                      router_output_multiplier, route_scale, division_eps, TOPK, INDEX_BITS, HAS_MULTIPLIER, HAS_EPS,

@@ -7,7 +7,7 @@ grid from the batch's shape, :func:`check_launch_config` says whether a config f
 
 The module-level switches (:data:`SMALL_BATCH`, :data:`PERSISTENT_FROM`,
 :data:`TWO_LEVEL_MAX_TOPK`, :data:`DYNAMIC_TILES_FROM`, :data:`PING_PONG_MAX_SLICES`,
-:data:`TILE_GROUPS`, :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_MAX_EXPERTS`) are read from this module on every checked call, so experiments and
+:data:`TILE_GROUPS`, :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_MAX_EXPERTS`, :data:`ROWS_AHEAD`) are read from this module on every checked call, so experiments and
 tests set them here (``routetool_kernels.routing`` shows them, read-only) and then call
 :func:`routetool_kernels._dispatch.clear_plans`, since a plan keeps the settings it was made with.
 """
@@ -81,6 +81,10 @@ ROWS_FP32_MAX_EXPERTS = 128
 per-thread loads): at 256 experts it lost to two-level on an H200 (65536 tokens 37.2 against 32.4 us, 16384
 11.5 against 10.8, 4096 5.8 against 5.3), at 128 it won (23.9 against 25.3, 7.7 against 8.3, 3.6 against
 5.3)."""
+
+ROWS_AHEAD = 1
+"""Chunks of 8 experts a thread of the rows algorithm loads ahead of the one it sorts (1 to 4; at most the
+chunks a thread takes)."""
 
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits

@@ -461,6 +461,26 @@ def test_rows_window_keys_and_their_redo(E, K, dtype, device):
             assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), (b, rows)
 
 
+@pytest.mark.parametrize("ahead", [2, 3, 4])
+def test_rows_loads_ahead_change_no_bit(ahead, device, monkeypatch, request):
+    # a thread of the rows algorithm loads its logits 1 to 4 chunks ahead of the one it sorts (clamped to the
+    # chunks it takes); the ids and weights are the scan's bits for each, incl. a NaN logit (the redo loads
+    # ahead too) and a partial last chunk
+    from routetool_kernels import routing_policy
+
+    request.addfinalizer(clear_plans)
+    E, K, T = 76, 8, 33  # 10 chunks, the last half empty: 10 iterations with one thread a token, 3 with four
+    logits, bias = _inputs(T, E, torch.bfloat16, device, seed=ahead)
+    logits[5, 70] = float("nan")
+    w_scan, ids_scan = fused_musespark1x_routing(logits, bias, K, 2.5, config=LaunchConfig(block_t=8, chunk=8,
+                                                                                           num_warps=1))
+    monkeypatch.setattr(routing_policy, "ROWS_AHEAD", ahead)
+    clear_plans()
+    for rows in (ROWS, ROWS_LANES4):
+        w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=rows)
+        assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), rows
+
+
 def _policy_configs(E, K, dtype, norm="sigmoid"):
     """Every launch the policy picks on a GPU for batches on either side of each of its switches, plus the
     interpreter's own (a tile of rows): as the interpreter runs them, one program per tile (the persistent and
