@@ -17,7 +17,7 @@ ap.add_argument("--tokens", type=int, default=65536)
 ap.add_argument("--experts", type=int, default=256)
 ap.add_argument("--topk", type=int, default=8)
 ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-ap.add_argument("--algorithm", default=None, choices=(None, "scan", "two_level"))
+ap.add_argument("--algorithm", default=None, choices=(None, "scan", "two_level", "rows"))
 ap.add_argument("--block-t", type=int, default=1)
 ap.add_argument("--chunk", type=int, default=32)
 ap.add_argument("--warps", type=int, default=1)
@@ -39,7 +39,7 @@ if a.algorithm is None:
     cfg = default_config(a.tokens, a.experts, dtype, topk=a.topk)
 else:
     cfg = LaunchConfig(block_t=a.block_t, chunk=a.chunk, num_warps=a.warps, algorithm=a.algorithm,
-                       programs_per_sm=a.per_sm if a.algorithm == "two_level" else 0)
+                       programs_per_sm=a.per_sm if a.algorithm == "two_level" else 0)  # rows: --chunk threads a token
 print(cfg)
 for _ in range(a.calls):
     fused_musespark1x_routing(x, bias, a.topk, 2.5, config=cfg)

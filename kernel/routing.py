@@ -154,11 +154,12 @@ def fused_musespark1x_routing(
     cacheable = True
     if config.algorithm == "rows":
         lanes = config.chunk
-        iters = triton.cdiv(triton.cdiv(launch.num_experts, 8), lanes)
+        tile = policy.ROWS_TILE
+        iters = triton.cdiv(triton.cdiv(launch.num_experts, 8), lanes * max(tile, 1))
         kernel_launch = KernelLaunch(
             _rows_kernel, (num_tiles,), args,
             dict(ITERS=iters, LANES=lanes, VEC=16 // gating_output.element_size(), BIAS_VEC=16 // bias.element_size(),
-                 MASK_EXPERTS=iters * lanes * 8 != launch.num_experts,
+                 MASK_EXPERTS=iters * lanes * max(tile, 1) * 8 != launch.num_experts, TILE=tile,
                  INDEX_BITS=policy.rows_index_bits(launch.num_experts),
                  E_POW2=triton.next_power_of_2(launch.num_experts), AHEAD=min(policy.ROWS_AHEAD, iters), **common),
             ROUTING_PER_CALL)

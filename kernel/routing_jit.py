@@ -1085,11 +1085,57 @@ def _row_keys(
 
 
 @triton.jit
+def _load_tile(
+    gbase,  # (BLOCK_T, 1) pointer tile: each row's first expert
+    i,  # the tile: experts [i * W, (i + 1) * W), W = LANES * TILE * 8
+    num_experts, stride,
+    LANES: tl.constexpr, TILE: tl.constexpr, MASK_EXPERTS: tl.constexpr,
+):
+    """One ``(BLOCK_T, W)`` tile of logits, loaded as the compiler coalesces it (a row's threads read adjacent
+    16-byte pieces); experts past ``num_experts`` read 0."""
+    W: tl.constexpr = LANES * TILE * 8
+    e = i * W + tl.arange(0, W)[None, :]
+    if MASK_EXPERTS:
+        x = tl.load(gbase + e * stride, mask=e < num_experts, other=0.0)
+    else:
+        x = tl.load(gbase + e * stride)
+    return x
+
+
+@triton.jit
+def _tile_chunks(x, LANES: tl.constexpr, TILE: tl.constexpr):
+    """:func:`_load_tile`'s tile as ``TILE`` ``(BLOCK_T, LANES, 8)`` tensors whose last axis a thread holds:
+    tensor ``g``, lane ``l`` holds the tile's chunk ``g * LANES + l`` (the splits move the tile through
+    shared memory once, into each lane's registers)."""
+    y = tl.permute(tl.reshape(x, [x.shape[0], TILE, LANES, 8]), (0, 2, 3, 1))  # (BLOCK_T, LANES, 8, TILE)
+    if TILE == 1:
+        chunks = (tl.reshape(y, [x.shape[0], LANES, 8]),)
+    elif TILE == 2:
+        c0, c1 = tl.split(y)
+        chunks = (c0, c1)
+    elif TILE == 4:
+        a, b = tl.split(tl.reshape(y, [x.shape[0], LANES, 8, 2, 2]))  # (0, 2), (1, 3)
+        c0, c2 = tl.split(a)
+        c1, c3 = tl.split(b)
+        chunks = (c0, c1, c2, c3)
+    else:
+        a, b = tl.split(tl.reshape(y, [x.shape[0], LANES, 8, 4, 2]))  # (0, 2, 4, 6), (1, 3, 5, 7)
+        a0, a1 = tl.split(tl.reshape(a, [x.shape[0], LANES, 8, 2, 2]))  # (0, 4), (2, 6)
+        b0, b1 = tl.split(tl.reshape(b, [x.shape[0], LANES, 8, 2, 2]))  # (1, 5), (3, 7)
+        c0, c4 = tl.split(a0)
+        c2, c6 = tl.split(a1)
+        c1, c5 = tl.split(b0)
+        c3, c7 = tl.split(b1)
+        chunks = (c0, c1, c2, c3, c4, c5, c6, c7)
+    return chunks
+
+
+@triton.jit
 def _row_select(
     gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr,
+    AHEAD: tl.constexpr, TILE: tl.constexpr,
 ):
     """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors), and the row sums of the biased
     scores (window keys only; NaN where one is).
@@ -1129,22 +1175,37 @@ def _row_select(
     t5 = t0
     t6 = t0
     t7 = t0
-    for i in tl.range(0, ITERS, loop_unroll_factor=AHEAD):
-        c = i * LANES + lane
-        nxt = tl.minimum(i + AHEAD, ITERS - 1) * LANES + lane
-        nlo, nhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS)
-        qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
-        keys, nan_sum = _row_keys(alo, ahi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum,
-                                  c, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
-        if AHEAD == 1:
-            alo, ahi = nlo, nhi
-        elif AHEAD == 2:
-            alo, ahi, blo, bhi = blo, bhi, nlo, nhi
-        elif AHEAD == 3:
-            alo, ahi, blo, bhi, clo, chi = blo, bhi, clo, chi, nlo, nhi
-        else:
-            alo, ahi, blo, bhi, clo, chi, dlo, dhi = blo, bhi, clo, chi, dlo, dhi, nlo, nhi
+    if TILE > 0:  # tiles of TILE chunks a lane, loaded coalesced a tile ahead
+        tbase = gating_output_ptr + row_off[:, None]
+        x = _load_tile(tbase, 0, num_experts, stride_gn, LANES, TILE, MASK_EXPERTS)
+        for i in range(ITERS):
+            nx = _load_tile(tbase, tl.minimum(i + 1, ITERS - 1), num_experts, stride_gn, LANES, TILE, MASK_EXPERTS)
+            chunks = _tile_chunks(x, LANES, TILE)
+            for g in tl.static_range(TILE):
+                c = (i * TILE + g) * LANES + lane
+                qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
+                keys, nan_sum = _row_keys(chunks[g], chunks[g], qlo, qhi, num_experts, router_output_multiplier,
+                                          base_bits, nan_sum, c, 8, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
+                                          HAS_MULTIPLIER, FAST_MATH)
+                t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
+            x = nx
+    else:
+        for i in tl.range(0, ITERS, loop_unroll_factor=AHEAD):
+            c = i * LANES + lane
+            nxt = tl.minimum(i + AHEAD, ITERS - 1) * LANES + lane
+            nlo, nhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS)
+            qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
+            keys, nan_sum = _row_keys(alo, ahi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum,
+                                      c, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
+            if AHEAD == 1:
+                alo, ahi = nlo, nhi
+            elif AHEAD == 2:
+                alo, ahi, blo, bhi = blo, bhi, nlo, nhi
+            elif AHEAD == 3:
+                alo, ahi, blo, bhi, clo, chi = blo, bhi, clo, chi, nlo, nhi
+            else:
+                alo, ahi, blo, bhi, clo, chi, dlo, dhi = blo, bhi, clo, chi, dlo, dhi, nlo, nhi
     best = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, _merge_lanes)
     return best, tl.sum(nan_sum, axis=1)
 
@@ -1229,6 +1290,7 @@ def _rows_kernel(
     FAST_MATH: tl.constexpr,
     PICK_BITS: tl.constexpr,  # sum of the picked scores: routetool_kernels.routing_policy.sum_bits(topk)
     AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead (1 to 4)
+    TILE: tl.constexpr = 0,  # chunks a lane takes from each coalesced tile (0: 16-byte loads of its own)
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
@@ -1241,14 +1303,14 @@ def _rows_kernel(
     base_bits, nan_bias = _window_base(bias_ptr, num_experts, stride_bias, INDEX_BITS, E_POW2, FAST_MATH)
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD)
+                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE)
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
     unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
     if unproven > 0:
         exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                             router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
-                            True, HAS_MULTIPLIER, FAST_MATH, AHEAD)
+                            True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE)
         _row_outputs(gating_output_ptr, exact, row, row_off, row_ok, topk_weights_ptr, topk_ids_ptr,
                      is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
                      router_output_multiplier, route_scale, division_eps, TOPK, INDEX_BITS, HAS_MULTIPLIER, HAS_EPS,

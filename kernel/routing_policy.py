@@ -7,7 +7,7 @@ grid from the batch's shape, :func:`check_launch_config` says whether a config f
 
 The module-level switches (:data:`SMALL_BATCH`, :data:`PERSISTENT_FROM`,
 :data:`TWO_LEVEL_MAX_TOPK`, :data:`DYNAMIC_TILES_FROM`, :data:`PING_PONG_MAX_SLICES`,
-:data:`TILE_GROUPS`, :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_MAX_EXPERTS`, :data:`ROWS_AHEAD`) are read from this module on every checked call, so experiments and
+:data:`TILE_GROUPS`, :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_MAX_EXPERTS`, :data:`ROWS_AHEAD`, :data:`ROWS_TILE`) are read from this module on every checked call, so experiments and
 tests set them here (``routetool_kernels.routing`` shows them, read-only) and then call
 :func:`routetool_kernels._dispatch.clear_plans`, since a plan keeps the settings it was made with.
 """
@@ -85,6 +85,11 @@ per-thread loads): at 256 experts it lost to two-level on an H200 (65536 tokens 
 ROWS_AHEAD = 1
 """Chunks of 8 experts a thread of the rows algorithm loads ahead of the one it sorts (1 to 4; at most the
 chunks a thread takes)."""
+
+ROWS_TILE = 0
+"""Chunks of 8 experts a thread of the rows algorithm takes from each tile of logits its program loads
+coalesced (the tile moves through shared memory into the threads' registers); 0: each thread loads its own
+chunks, 16 bytes at a time."""
 
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits

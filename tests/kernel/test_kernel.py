@@ -461,8 +461,8 @@ def test_rows_window_keys_and_their_redo(E, K, dtype, device):
             assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), (b, rows)
 
 
-@pytest.mark.parametrize("ahead", [2, 3, 4])
-def test_rows_loads_ahead_change_no_bit(ahead, device, monkeypatch, request):
+@pytest.mark.parametrize("ahead,tile", [(2, 0), (3, 0), (4, 0), (1, 1), (1, 2), (1, 4), (1, 8)])
+def test_rows_loads_ahead_change_no_bit(ahead, tile, device, monkeypatch, request):
     # a thread of the rows algorithm loads its logits 1 to 4 chunks ahead of the one it sorts (clamped to the
     # chunks it takes); the ids and weights are the scan's bits for each, incl. a NaN logit (the redo loads
     # ahead too) and a partial last chunk
@@ -475,6 +475,7 @@ def test_rows_loads_ahead_change_no_bit(ahead, device, monkeypatch, request):
     w_scan, ids_scan = fused_musespark1x_routing(logits, bias, K, 2.5, config=LaunchConfig(block_t=8, chunk=8,
                                                                                            num_warps=1))
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD", ahead)
+    monkeypatch.setattr(routing_policy, "ROWS_TILE", tile)
     clear_plans()
     for rows in (ROWS, ROWS_LANES4):
         w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=rows)
