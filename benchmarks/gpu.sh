@@ -17,6 +17,11 @@
 #             RECORDER_RUNS=N runs it N times)
 #   routing   replay --save-routing of every bundled trace on the GPU, then diff of each trace (the reference)
 #             against the kernel's saved routing, and of the saved routing against itself
+#   tune      benchmarks/tune_tiled.py $TUNE_ARGS --variant "$TUNE_VARIANTS" (';'-separated switch sets): each
+#             set compiled first in a process of its own, side by side, then every candidate timed alone
+#   profile   Nsight Compute (--set full, clocks as found) on benchmarks/profile_kernel.py, once per ';'-separated
+#             argument list of $PROFILE_ARGS (e.g. "--dtype bf16 --algorithm rows --chunk 1 --warps 2"); the
+#             reports' details in $OUT/r/profile-N.txt
 #   ranks     run folders and torchrun on the GPU: tests/io/test_run_folder.py (2 processes: NCCL with a GPU
 #             each, gloo sharing one GPU otherwise), then benchmarks/bench_torchrun.py (one process against
 #             torchrun on a 4-rank synth run folder: wall time, speed-up, equal outputs)
@@ -118,6 +123,29 @@ if has routing; then
     COLUMNS=100 run "diff-self-$n" 60 python3 -m routetool diff "$R/routing-$n.safetensors" "$R/routing-$n.safetensors"
   done
 fi
+if has tune; then
+  IFS=';' read -ra SETS <<< "${TUNE_VARIANTS:-}"
+  [ "${#SETS[@]}" -eq 0 ] && SETS=("")
+  i=0
+  for vs in "${SETS[@]}"; do
+    i=$((i + 1))
+    run "tune-compile-$i" 300 python3 benchmarks/tune_tiled.py --compile-only --out /dev/null ${TUNE_ARGS:-} --variant "$vs" &
+  done
+  wait
+  run tune 420 python3 benchmarks/tune_tiled.py --out "$R/tune.csv" ${TUNE_ARGS:-} --variant "${TUNE_VARIANTS:-}"
+fi
+if has profile; then
+  IFS=';' read -ra PROFILES <<< "${PROFILE_ARGS:---dtype bf16}"
+  i=0
+  for pa in "${PROFILES[@]}"; do
+    i=$((i + 1))
+    # shellcheck disable=SC2086
+    run "profile-run-$i" 200 ncu --clock-control none --kernel-name regex:'_rows_kernel|_two_level_kernel|_routing_kernel' \
+      --launch-skip 2 --launch-count 1 --set full -f -o "$R/profile-$i" python3 benchmarks/profile_kernel.py $pa
+    [ -f "$R/profile-$i.ncu-rep" ] && { echo "# profile_kernel.py $pa"; ncu --import "$R/profile-$i.ncu-rep" --page details \
+      --print-details all; } > "$R/profile-$i.txt" 2>&1
+  done
+fi
 if has ranks; then
   run ranks 300 python3 -m pytest -q -p no:cacheprovider tests/io/test_run_folder.py
   run torchrun 300 python3 benchmarks/bench_torchrun.py --nproc ${NPROC:-2} --ranks 4 --layers 4 --decode-steps 1500 \
@@ -128,4 +156,6 @@ cat "$S"
 for f in "$R"/pytest-?.txt; do [ -f "$f" ] && tail -n 1 "$f"; done
 grep -h -A8 "^FAILED\|^E  " "$R"/pytest-?.txt 2>/dev/null | head -40
 for f in "$R"/validate-*.txt "$R"/replay-*.txt "$R"/routing-*.txt "$R"/diff-*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(PASS|FAIL|NOTHING|IDENTICAL|DIFFERENT)" "$f"; }; done
+[ -f "$R/tune.txt" ] && { echo "== tune"; grep -E "^T=|^  " "$R/tune.txt" | tail -n 80; }
+for f in "$R"/profile-?.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^# |Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Throughput|No Eligible|One or More Eligible|Warp Cycles Per Issued" "$f" | head -n 20; }; done
 for f in bench table host engine recorder-tests recorder-bench recorder-bench2 recorder-bench3 ranks torchrun; do [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 20 "$R/$f.txt"; }; done

@@ -3,6 +3,7 @@
 Usage (GPU machine, repository root):
     ncu --kernel-name regex:_two_level_kernel --launch-skip 3 --launch-count 1 --section WarpStateStats \
         python benchmarks/profile_kernel.py --tokens 65536 --experts 256 --dtype fp32 --algorithm two_level
+    PROFILE_ARGS="--dtype bf16 --algorithm rows --chunk 1 --warps 2 --variant ROWS_AHEAD=4" bash benchmarks/gpu.sh profile
 """
 
 import argparse
@@ -38,8 +39,9 @@ bias = torch.randn(a.experts, device="cuda") * 0.05
 if a.algorithm is None:
     cfg = default_config(a.tokens, a.experts, dtype, topk=a.topk)
 else:
-    cfg = LaunchConfig(block_t=a.block_t, chunk=a.chunk, num_warps=a.warps, algorithm=a.algorithm,
-                       programs_per_sm=a.per_sm if a.algorithm == "two_level" else 0)  # rows: --chunk threads a token
+    block_t = 32 * a.warps // a.chunk if a.algorithm == "rows" else a.block_t  # rows: --chunk threads a token
+    cfg = LaunchConfig(block_t=block_t, chunk=a.chunk, num_warps=a.warps, algorithm=a.algorithm,
+                       programs_per_sm=a.per_sm if a.algorithm == "two_level" else 0)
 print(cfg)
 for _ in range(a.calls):
     fused_musespark1x_routing(x, bias, a.topk, 2.5, config=cfg)

@@ -129,19 +129,41 @@ def main():
                     help="pass an is_padding mask with this fraction of the rows padded (random; 0: no mask)")
     ap.add_argument("--variant", default="",
                     help="comma-separated NAME=INT switches of routetool_kernels.routing_policy to set first (experiments, "
-                         "e.g. DYNAMIC_TILES_FROM=1); recorded in the CSV's variant column")
+                         "e.g. DYNAMIC_TILES_FROM=1); several such sets separated by ';' are each swept in turn "
+                         "(every candidate under every set); recorded in the CSV's variant column")
+    ap.add_argument("--rows-launches", default="1:2,1:4,1:8,2:4,4:4,8:4",
+                    help="comma-separated threads:warps of the rows candidates (--rows)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="call every candidate once, unchecked and untimed (fills Triton's cache; run several such "
+                         "processes side by side before the timed run)")
     args = ap.parse_args()
     from routetool_kernels import routing_policy
-    for item in filter(None, args.variant.split(",")):
-        name, value = item.split("=")
-        if not hasattr(routing_policy, name):
-            sys.exit(f"routetool_kernels.routing_policy has no switch {name}")
-        setattr(routing_policy, name, int(value))
+    from routetool_kernels._dispatch import clear_plans
+    variant_sets = [v for v in args.variant.split(";")] if args.variant else [""]
+    defaults = {}
+    for vs in variant_sets:
+        for item in filter(None, vs.split(",")):
+            name, value = item.split("=")
+            if not hasattr(routing_policy, name):
+                sys.exit(f"routetool_kernels.routing_policy has no switch {name}")
+            defaults.setdefault(name, getattr(routing_policy, name))
+
+    def use_variant(vs):
+        for name, value in defaults.items():
+            setattr(routing_policy, name, value)
+        for item in filter(None, vs.split(",")):
+            name, value = item.split("=")
+            setattr(routing_policy, name, int(value))
+        clear_plans()
     props = torch.cuda.get_device_properties(0)
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    copy_gbps = 2 * src.numel() / copy_ms / 1e6
+    if args.compile_only:
+        copy_gbps = 4228.0
+    else:
+        src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+        copy_gbps = 2 * src.numel() / copy_ms / 1e6
+        del src, dst
     print(f"{props.name}: copy bandwidth {copy_gbps:.0f} GB/s (read+write), torch {torch.__version__}, triton {triton.__version__}")
     rows = []
     shapes = [(T, E, dt) for E, dt in ((256, torch.float32), (256, torch.bfloat16), (384, torch.float32))
@@ -170,7 +192,7 @@ def main():
         if args.rows:
             cands = [("tiled", two_level_config(T, E, K))]
             cands += [("tiled", LaunchConfig(block_t=32 * nw // lanes, chunk=lanes, num_warps=nw, algorithm="rows"))
-                      for nw, lanes in ((2, 1), (4, 1), (8, 1), (4, 2), (4, 4), (4, 8))]
+                      for lanes, nw in (tuple(int(p) for p in v.split(":")) for v in args.rows_launches.split(","))]
         elif args.two_level:
             cands = [("tiled", default_config(1, E, dtype)), ("tiled", default_config(4096, E, dtype, topk=K + 100))]
             launches = ([tuple(int(p) for p in v.split(":")) for v in args.launches.split(",")] if args.launches
@@ -181,12 +203,20 @@ def main():
         if dtype == torch.float32 and not args.two_level:
             cands.append(("seed", None))
         best = None
-        for name, cfg in cands:
+        # the switch sets are experiments on the rows algorithm: other candidates run once, under the first
+        runs = [(vs, name, cfg) for vs in variant_sets for name, cfg in cands
+                if vs == variant_sets[0] or (cfg is not None and cfg.algorithm == "rows")]
+        for vs, name, cfg in runs:
+            use_variant(vs)
             fn = fused_musespark1x_routing_seed if name == "seed" else fused_musespark1x_routing
             kw = ({} if cfg is None else {"config": cfg}) | (pad_kw if name == "tiled" else {})
+            if args.compile_only:
+                fn(xs[0], bias, K, 2.5, **kw)
+                print(f"compiled T={T} E={E} {dtype} {vs} {cfg}", flush=True)
+                continue
             ok = check(fn, xs[0], bias, K, **kw)  # the whole shape: the persistent loop and its tile claims
             p10, p50, p90 = time_fn(fn, xs, bias, T, K, **kw) if ok else (float("nan"),) * 3
-            row = dict(variant=name + (f"[{args.variant}]" if args.variant and name == "tiled" else ""), num_tokens=T, num_experts=E, topk=K, dtype=str(dtype).removeprefix("torch."),
+            row = dict(variant=name + (f"[{vs}]" if vs and name == "tiled" else ""), num_tokens=T, num_experts=E, topk=K, dtype=str(dtype).removeprefix("torch."),
                        block_t=cfg.block_t if cfg else "", chunk=cfg.chunk if cfg else "",
                        num_warps=cfg.num_warps if cfg else "", algorithm=cfg.algorithm if cfg else "",
                        programs_per_sm=cfg.programs_per_sm if cfg else "",
@@ -194,11 +224,16 @@ def main():
                        dynamic_tiles=cfg.dynamic_tiles if cfg else "", correct=ok, p10_us=p10, p50_us=p50, p90_us=p90,
                        floor_us=floor_us, padding=args.padding, is_default=cfg == default_config(T, E, dtype, topk=K) if cfg else "")
             rows.append(row)
+            print(f"  {row['variant']:<40} {cfg.algorithm if cfg else '':<9} bt={row['block_t']} chunk={row['chunk']} "
+                  f"w={row['num_warps']}: {p50:.2f} us (p10 {p10:.2f}, p90 {p90:.2f}){'' if ok else ' WRONG'}", flush=True)
             if ok and name == "tiled" and (best is None or p50 < best["p50_us"]):
                 best = row
-        default = next(r for r in rows[-len(cands):] if r["is_default"] is True) if any(
-            r["is_default"] is True for r in rows[-len(cands):]) else None
-        seed = next((r for r in rows[-len(cands):] if r["variant"] == "seed"), None)
+        if args.compile_only:
+            del xs
+            continue
+        default = next(r for r in rows[-len(runs):] if r["is_default"] is True) if any(
+            r["is_default"] is True for r in rows[-len(runs):]) else None
+        seed = next((r for r in rows[-len(runs):] if r["variant"] == "seed"), None)
         print(f"T={T:>6} E={E} {str(dtype)[6:]:>8}: best {best['p50_us']:.2f}us "
               f"(bt={best['block_t']} chunk={best['chunk']} w={best['num_warps']} {best['algorithm']} "
               f"per_sm={best['programs_per_sm']} regs={best['max_registers']} dynamic={best['dynamic_tiles']}), "
@@ -210,6 +245,8 @@ def main():
             w = csv.DictWriter(fh, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
+    if args.compile_only:
+        return
     with open(args.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()

@@ -984,9 +984,19 @@ def _load_chunk(
     num_experts, stride,
     VEC: tl.constexpr,
     MASK_EXPERTS: tl.constexpr,
+    WORDS: tl.constexpr = False,
 ):
     """The raw values of experts ``[8c, 8c + 8)`` for every row and lane: two ``(BLOCK_T, LANES, VEC)`` tiles of
-    16-byte loads (the second the first again when ``VEC`` is 8); experts past ``num_experts`` read 0."""
+    16-byte loads (the second the first again when ``VEC`` is 8); experts past ``num_experts`` read 0. ``WORDS``:
+    ``base`` points at int32 words of two bf16 logits each (``col`` 0 .. 3, unit stride, an even expert count), and
+    the tiles are those words."""
+    if WORDS:
+        w = c * 4 + col
+        if MASK_EXPERTS:
+            lo = tl.load(base + w, mask=2 * w < num_experts, other=0)
+        else:
+            lo = tl.load(base + w)
+        return lo, lo
     e = c * 8 + col
     if MASK_EXPERTS:
         lo = tl.load(base + e * stride, mask=e < num_experts, other=0.0)
@@ -1002,9 +1012,16 @@ def _load_chunk(
 
 
 @triton.jit
-def _chunk_columns(lo, hi, VEC: tl.constexpr):
-    """The 8 columns of :func:`_load_chunk`'s tiles, as a tuple of ``(BLOCK_T, LANES)`` tensors."""
-    if VEC == 8:
+def _chunk_columns(lo, hi, VEC: tl.constexpr, WORDS: tl.constexpr = False):
+    """The 8 columns of :func:`_load_chunk`'s tiles, as a tuple of ``(BLOCK_T, LANES)`` tensors (``WORDS``: float32,
+    each bf16 logit shifted into the high half of a word: one instruction each)."""
+    if WORDS:
+        ws = _columns(lo, 4)
+        cols = ()
+        for i in tl.static_range(4):
+            cols = cols + ((ws[i] << 16).to(tl.float32, bitcast=True),
+                           (ws[i] & -65536).to(tl.float32, bitcast=True))
+    elif VEC == 8:
         cols = _columns(lo, 8)
     else:
         cols = _columns(lo, 4) + _columns(hi, 4)
@@ -1048,8 +1065,10 @@ def _row_keys(
     xlo, xhi, blo, bhi,  # chunk c's logit and bias tiles (_load_chunk)
     num_experts, router_output_multiplier, base_bits, nan_sum,
     c,  # (1, LANES) int32: each lane's chunk
+    key_scale,  # (BLOCK_T, 1) uint32: 2**INDEX_BITS in a register of each thread (KEYS == 1)
     VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr,
-    EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
+    EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr, KEYS: tl.constexpr = 0,
+    WORDS: tl.constexpr = False,
 ):
     """Keys (``(BLOCK_T, LANES)``) of the 8 experts of each lane's chunk ``c`` for every row, and ``nan_sum``
     plus their biased scores.
@@ -1058,7 +1077,7 @@ def _row_keys(
     or with ``EXACT`` uint64 keys (``(order-preserving image of the biased score, as unsigned) << 32`` plus
     the expert bits) from the guarded ones. Experts past ``num_experts`` get key 0, below every real expert.
     """
-    xs = _chunk_columns(xlo, xhi, VEC)
+    xs = _chunk_columns(xlo, xhi, VEC, WORDS)
     bs = _chunk_columns(blo, bhi, BIAS_VEC)
     MAXIDX: tl.constexpr = (1 << INDEX_BITS) - 1
     e0 = c * 8
@@ -1077,7 +1096,10 @@ def _row_keys(
             biased = _unguarded_biased_scores(x, bs[j].to(tl.float32), FAST_MATH)
             nan_sum += biased
             bits = biased.to(tl.int32, bitcast=True)
-            key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * (1 << INDEX_BITS) + (off - j)
+            if KEYS == 1:  # a multiplier the compiler cannot see (2**INDEX_BITS): an IMAD on the FMA pipe
+                key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * key_scale + (off - j)
+            else:
+                key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * (1 << INDEX_BITS) + (off - j)
         if MASK_EXPERTS:
             key = tl.where(e0 + j < num_experts, key, 0)
         keys = keys + (key,)
@@ -1135,7 +1157,7 @@ def _row_select(
     gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, KEYS: tl.constexpr = 0, WORDS: tl.constexpr = False,
 ):
     """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors), and the row sums of the biased
     scores (window keys only; NaN where one is).
@@ -1147,25 +1169,31 @@ def _row_select(
     best 8 of two sorted lists).
     """
     KEY: tl.constexpr = tl.uint64 if EXACT else tl.uint32
-    gbase = gating_output_ptr + row_off[:, None, None]
+    if WORDS:  # int32 words of two bf16 logits (unit stride, an even row stride)
+        gbase = gating_output_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (row_off // 2)[:, None, None]
+        col = tl.arange(0, 4)[None, None, :]
+    else:
+        gbase = gating_output_ptr + row_off[:, None, None]
+        col = tl.arange(0, VEC)[None, None, :]
     bbase = bias_ptr + tl.zeros_like(row_off[:, None, None])
-    col = tl.arange(0, VEC)[None, None, :]
+    # 2**INDEX_BITS, from each thread's row so that the compiler keeps it in a register of its own (row_off >= 0)
+    key_scale = ((1 << INDEX_BITS) | (row_off >> 63).to(tl.int32)).to(tl.uint32, bitcast=True)[:, None]
     bcol = tl.arange(0, BIAS_VEC)[None, None, :]
     lane = tl.arange(0, LANES)[None, :]
     # logits of iterations 0 .. AHEAD - 1 (a, b, c, d: the next AHEAD iterations' tiles, in order)
-    alo, ahi = _load_chunk(gbase, col, lane[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS)
+    alo, ahi = _load_chunk(gbase, col, lane[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
     blo, bhi = alo, ahi
     clo, chi = alo, ahi
     dlo, dhi = alo, ahi
     if AHEAD >= 2:
         blo, bhi = _load_chunk(gbase, col, (min(1, ITERS - 1) * LANES + lane)[:, :, None], num_experts, stride_gn,
-                               VEC, MASK_EXPERTS)
+                               VEC, MASK_EXPERTS, WORDS)
     if AHEAD >= 3:
         clo, chi = _load_chunk(gbase, col, (min(2, ITERS - 1) * LANES + lane)[:, :, None], num_experts, stride_gn,
-                               VEC, MASK_EXPERTS)
+                               VEC, MASK_EXPERTS, WORDS)
     if AHEAD >= 4:
         dlo, dhi = _load_chunk(gbase, col, (min(3, ITERS - 1) * LANES + lane)[:, :, None], num_experts, stride_gn,
-                               VEC, MASK_EXPERTS)
+                               VEC, MASK_EXPERTS, WORDS)
     nan_sum = tl.zeros([row_off.shape[0], LANES], tl.float32)
     t0 = tl.zeros([row_off.shape[0], LANES], KEY)  # key 0: below every real expert (see _row_keys)
     t1 = t0
@@ -1185,18 +1213,19 @@ def _row_select(
                 c = (i * TILE + g) * LANES + lane
                 qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
                 keys, nan_sum = _row_keys(chunks[g], chunks[g], qlo, qhi, num_experts, router_output_multiplier,
-                                          base_bits, nan_sum, c, 8, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
-                                          HAS_MULTIPLIER, FAST_MATH)
+                                          base_bits, nan_sum, c, key_scale, 8, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
+                                          HAS_MULTIPLIER, FAST_MATH, KEYS)
                 t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
             x = nx
     else:
         for i in tl.range(0, ITERS, loop_unroll_factor=AHEAD):
             c = i * LANES + lane
             nxt = tl.minimum(i + AHEAD, ITERS - 1) * LANES + lane
-            nlo, nhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS)
+            nlo, nhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
             qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
             keys, nan_sum = _row_keys(alo, ahi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum,
-                                      c, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH)
+                                      c, key_scale, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH,
+                                      KEYS, WORDS)
             t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
             if AHEAD == 1:
                 alo, ahi = nlo, nhi
@@ -1217,16 +1246,12 @@ def _merge_lanes(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7)
 
 
 @triton.jit
-def _row_outputs(
-    gating_output_ptr, keys, row, row_off, row_ok,
-    topk_weights_ptr, topk_ids_ptr, is_padding_ptr,
-    stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
-    router_output_multiplier, route_scale, division_eps,
-    TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, HAS_EPS: tl.constexpr,
-    FAST_MATH: tl.constexpr, PICK_BITS: tl.constexpr,
+def _row_picks(
+    gating_output_ptr, keys, row_off, row_ok, stride_gn, router_output_multiplier,
+    TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
-    """Ids, weights and stores from the sorted keys: the arithmetic of
-    :func:`routetool_kernels.routing_jit._write_outputs`, one ``(BLOCK_T,)`` tensor per output slot."""
+    """The picks' ids and unbiased scores (``TOPK``-tuples of ``(BLOCK_T,)`` tensors) from the sorted keys: each
+    pick's logit re-read (in cache) and its score recomputed as :func:`_picked_scores` does."""
     MAXIDX: tl.constexpr = (1 << INDEX_BITS) - 1
     ids = ()
     scores = ()
@@ -1235,6 +1260,19 @@ def _row_outputs(
         ids = ids + (e,)
         scores = scores + (_picked_scores(gating_output_ptr + row_off + e * stride_gn, row_ok,
                                           router_output_multiplier, 0.0, False, 1.0, 0, HAS_MULTIPLIER, FAST_MATH),)
+    return ids, scores
+
+
+@triton.jit
+def _row_store(
+    ids, scores, row, row_ok,
+    topk_weights_ptr, topk_ids_ptr, is_padding_ptr,
+    stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
+    route_scale, division_eps,
+    TOPK: tl.constexpr, HAS_EPS: tl.constexpr, PICK_BITS: tl.constexpr,
+):
+    """Weights from the picks' scores, padding, and the stores: the arithmetic of
+    :func:`routetool_kernels.routing_jit._write_outputs`, one ``(BLOCK_T,)`` tensor per output slot."""
     top_bits = scores[0].to(tl.int32, bitcast=True)
     for k in tl.static_range(1, TOPK):
         top_bits = tl.maximum(top_bits, scores[k].to(tl.int32, bitcast=True))
@@ -1253,6 +1291,15 @@ def _row_outputs(
         tl.store(topk_ids_ptr + row * stride_im + k * stride_ik, tl.where(padded, -1, ids[k]), mask=row_ok)
         tl.store(topk_weights_ptr + row * stride_wm + k * stride_wk, tl.where(padded, 0.0, scores[k] * inv),
                  mask=row_ok)
+
+
+@triton.jit
+def _prefetch_l2(ptr, nbytes):
+    """Ask L2 for the ``nbytes`` bytes at ``ptr`` (scalars; 16-byte aligned, a multiple of 16 bytes) without waiting:
+    a bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                              [ptr + tl.zeros([1], tl.int32), nbytes + tl.zeros([1], tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit(do_not_specialize=["stride_wk", "stride_ik"])
@@ -1291,6 +1338,10 @@ def _rows_kernel(
     PICK_BITS: tl.constexpr,  # sum of the picked scores: routetool_kernels.routing_policy.sum_bits(topk)
     AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead (1 to 4)
     TILE: tl.constexpr = 0,  # chunks a lane takes from each coalesced tile (0: 16-byte loads of its own)
+    KEYS: tl.constexpr = 0,  # experiment: 1 forms the window keys with an IMAD
+    PREFETCH: tl.constexpr = False,  # prefetch the program's rows into L2 at the start (contiguous rows; sm_90)
+    ELEMENT_BYTES: tl.constexpr = 2,  # bytes per logit
+    WORDS: tl.constexpr = False,  # bf16 logits read as int32 words of two (unit stride, even row stride)
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
@@ -1301,22 +1352,24 @@ def _rows_kernel(
     row_ok = row < num_tokens
     row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
     base_bits, nan_bias = _window_base(bias_ptr, num_experts, stride_bias, INDEX_BITS, E_POW2, FAST_MATH)
+    if PREFETCH:  # ask L2 for the program's rows (contiguous) now: the loop's loads then hit L2
+        first = tl.program_id(0) * BLOCK_T
+        _prefetch_l2(gating_output_ptr + first.to(tl.int64) * stride_gm,
+                     tl.minimum(num_tokens - first, BLOCK_T) * (stride_gm * ELEMENT_BYTES))
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE)
+                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, KEYS, WORDS)
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
     unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
     if unproven > 0:
         exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                            router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
-                            True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE)
-        _row_outputs(gating_output_ptr, exact, row, row_off, row_ok, topk_weights_ptr, topk_ids_ptr,
-                     is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
-                     router_output_multiplier, route_scale, division_eps, TOPK, INDEX_BITS, HAS_MULTIPLIER, HAS_EPS,
-                     FAST_MATH, PICK_BITS)
+                               router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                               INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, KEYS, WORDS)
+        ids, scores = _row_picks(gating_output_ptr, exact, row_off, row_ok, stride_gn, router_output_multiplier,
+                                 TOPK, INDEX_BITS, HAS_MULTIPLIER, FAST_MATH)
     else:
-        _row_outputs(gating_output_ptr, keys, row, row_off, row_ok, topk_weights_ptr, topk_ids_ptr,
-                     is_padding_ptr, stride_gn, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
-                     router_output_multiplier, route_scale, division_eps, TOPK, INDEX_BITS, HAS_MULTIPLIER, HAS_EPS,
-                     FAST_MATH, PICK_BITS)
+        ids, scores = _row_picks(gating_output_ptr, keys, row_off, row_ok, stride_gn, router_output_multiplier,
+                                 TOPK, INDEX_BITS, HAS_MULTIPLIER, FAST_MATH)
+    _row_store(ids, scores, row, row_ok, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk,
+               stride_im, stride_ik, stride_pad, route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)

@@ -7,7 +7,9 @@ grid from the batch's shape, :func:`check_launch_config` says whether a config f
 
 The module-level switches (:data:`SMALL_BATCH`, :data:`PERSISTENT_FROM`,
 :data:`TWO_LEVEL_MAX_TOPK`, :data:`DYNAMIC_TILES_FROM`, :data:`PING_PONG_MAX_SLICES`,
-:data:`TILE_GROUPS`, :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_MAX_EXPERTS`, :data:`ROWS_AHEAD`, :data:`ROWS_TILE`) are read from this module on every checked call, so experiments and
+:data:`TILE_GROUPS`, :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_LAUNCHES`, :data:`ROWS_FP32_TILED_FROM`,
+:data:`ROWS_FP32_TILED_LAUNCHES`, :data:`ROWS_AHEAD`, :data:`ROWS_AHEAD_FROM`, :data:`ROWS_TILE`, :data:`ROWS_WORDS`)
+are read from this module on every checked call, so experiments and
 tests set them here (``routetool_kernels.routing`` shows them, read-only) and then call
 :func:`routetool_kernels._dispatch.clear_plans`, since a plan keeps the settings it was made with.
 """
@@ -70,30 +72,77 @@ ALGORITHMS = ("scan", "two_level", "rows")
 ROWS_MAX_TOPK = 8
 """Largest ``topk`` of the rows algorithm (it keeps each token's best 8 keys)."""
 
-ROWS_LAUNCHES = ((49152, 1, 2), (8192, 4, 4), (0, 8, 4))
-"""The rows algorithm's default launches, ``(above this many tokens, threads a token, warps a program)``, the
-first that applies. On an H200 (benchmarks/NOTES.md, bf16 at 256 experts): at 65536 tokens one thread a token
-in 2-warp programs (26.8 us; 4 threads a token 27.9), at 16384 four threads (9.9 us; one thread 15.7: too
-few warps to hide latency), at 4096 eight (4.5 us; four 5.1)."""
+ROWS_LAUNCHES = ((49152, 2, 4), (8192, 4, 4), (0, 8, 4))
+"""The rows algorithm's default launches for bf16/fp16 logits, ``(above this many tokens, threads a token, warps a
+program)``, the first that applies. On an H200 (benchmarks/NOTES.md, v12, 256 experts): at 65536 tokens two threads a
+token in 4-warp programs (25.5 us; one thread 26.2, four 25.8), at 16384 four (8.6 us; two 10.9), at 4096 eight
+(4.0 us; four 4.7)."""
 
-ROWS_FP32_MAX_EXPERTS = 128
-"""Most experts for which the rows algorithm takes float32 logits (twice the bytes of bf16 through the same
-per-thread loads): at 256 experts it lost to two-level on an H200 (65536 tokens 37.2 against 32.4 us, 16384
-11.5 against 10.8, 4096 5.8 against 5.3), at 128 it won (23.9 against 25.3, 7.7 against 8.3, 3.6 against
-5.3)."""
+ROWS_FP32_LAUNCHES = ((49152, 1, 2), (8192, 4, 4), (0, 8, 4))
+"""The rows algorithm's launches for float32 logits of fewer than :data:`ROWS_FP32_TILED_FROM` experts (each thread
+loads its own 16-byte pieces, two a chunk); on an H200 at 128 experts (v11) 23.9 / 7.7 / 3.6 us at 65536 / 16384 /
+4096 tokens, two-level 25.3 / 8.3 / 5.3."""
 
-ROWS_AHEAD = 1
-"""Chunks of 8 experts a thread of the rows algorithm loads ahead of the one it sorts (1 to 4; at most the
-chunks a thread takes)."""
+ROWS_FP32_TILED_FROM = 129
+"""Experts from which float32 logits reach the rows algorithm through coalesced tiles (``TILE`` 1: a program's rows
+loaded 128 bytes a row at a time and moved into the threads through shared memory) with
+:data:`ROWS_FP32_TILED_LAUNCHES`: on an H200 at 256 experts 29.5 / 9.6 / 4.9 us at 65536 / 16384 / 4096 tokens,
+two-level 32.4 / 10.8 / 5.3, the threads' own loads 35.5 / 12.1 / 5.4 (v12)."""
+
+ROWS_FP32_TILED_LAUNCHES = ((8192, 4, 4), (0, 8, 4))
+"""The rows algorithm's launches for float32 logits of :data:`ROWS_FP32_TILED_FROM` experts and more."""
+
+ROWS_AHEAD = 2
+"""Chunks of 8 experts a thread of the rows algorithm loads ahead of the one it sorts (1 to 4), for 16-bit logits
+where a thread takes at least :data:`ROWS_AHEAD_FROM` chunks (elsewhere 1): on an H200 two ahead took 65536 x 256
+bf16 from 27.3 to 25.5 us, but slowed float32 logits and threads of 4 chunks (16384 x 128 bf16, 4 threads a token:
+8.7 against 6.7 us)."""
+
+ROWS_AHEAD_FROM = 8
+"""Fewest chunks a thread takes for :data:`ROWS_AHEAD` to apply."""
 
 ROWS_TILE = 0
 """Chunks of 8 experts a thread of the rows algorithm takes from each tile of logits its program loads
-coalesced (the tile moves through shared memory into the threads' registers); 0: each thread loads its own
-chunks, 16 bytes at a time."""
+coalesced (the tile moves through shared memory into the threads' registers) where :data:`ROWS_FP32_TILED_FROM`
+does not set 1; 0: each thread loads its own chunks, 16 bytes at a time."""
+
+ROWS_KEYS = 1
+"""Experiment: 1 forms the rows algorithm's window keys with an IMAD (FMA pipe) instead of LEA and VIADD (ALU)."""
+
+ROWS_WORDS = 1
+"""Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""
+
+ROWS_PREFETCH = 0
+"""Whether the rows algorithm's threads prefetch their rows into L2 at the start (sm_90, aligned rows)."""
 
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits
 (:func:`rows_index_bits`) and the score in the other ``32 - INDEX_BITS``, at least two binades."""
+
+
+def rows_launches(num_experts: int, gating_dtype: torch.dtype) -> tuple[tuple[int, int, int], ...]:
+    """The rows algorithm's launch table for these logits: :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_LAUNCHES` or
+    :data:`ROWS_FP32_TILED_LAUNCHES`."""
+    if gating_dtype.itemsize < 4:
+        return ROWS_LAUNCHES
+    return ROWS_FP32_TILED_LAUNCHES if num_experts >= ROWS_FP32_TILED_FROM else ROWS_FP32_LAUNCHES
+
+
+def rows_switches() -> set[int]:
+    """Every batch size at which a rows launch table switches (the tokens above which an entry applies)."""
+    return {above for table in (ROWS_LAUNCHES, ROWS_FP32_LAUNCHES, ROWS_FP32_TILED_LAUNCHES)
+            for above, _, _ in table if above}
+
+
+def rows_loads(num_experts: int, itemsize: int, lanes: int) -> tuple[int, int, int]:
+    """``(TILE, AHEAD, ITERS)`` of a rows launch: the chunks a thread takes from each coalesced tile (0: none),
+    the chunks it loads ahead, and its loop's iterations (:data:`ROWS_TILE`, :data:`ROWS_FP32_TILED_FROM`,
+    :data:`ROWS_AHEAD`, :data:`ROWS_AHEAD_FROM`)."""
+    tile = 1 if itemsize == 4 and num_experts >= ROWS_FP32_TILED_FROM else ROWS_TILE
+    chunks = -(-num_experts // 8)
+    iters = -(-chunks // (lanes * max(tile, 1)))
+    ahead = ROWS_AHEAD if itemsize < 4 and not tile and -(-chunks // lanes) >= ROWS_AHEAD_FROM else 1
+    return tile, min(ahead, iters), iters
 
 
 def rows_index_bits(num_experts: int) -> int:
@@ -186,8 +235,8 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
       vectors), so every reduction of a selection round is a single warp-wide ``REDUX``
       on Hopper: the shortest dependency chain;
     * large batches (prefill) of sigmoid routers with ``topk`` <= :data:`ROWS_MAX_TOPK` and at most
-      :data:`ROWS_MAX_EXPERTS` experts (float32 logits: :data:`ROWS_FP32_MAX_EXPERTS`): the rows
-      algorithm, 1 to 8 threads a token by batch size (:data:`ROWS_LAUNCHES`;
+      :data:`ROWS_MAX_EXPERTS` experts: the rows algorithm, 1 to 8 threads a token by batch size and dtype
+      (:func:`rows_launches`;
       :func:`routetool_kernels.routing_jit._rows_kernel`);
     * other large batches: the two-level algorithm, one warp per token, 32 columns;
       above :data:`PERSISTENT_FROM` tokens on a persistent grid of 32 programs per SM (the
@@ -208,9 +257,9 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
     chunk = min(e_pad, 32 * vec)
     if num_tokens <= SMALL_BATCH:
         return LaunchConfig(block_t=1, chunk=chunk, num_warps=1)
-    if (normalization == "sigmoid" and topk <= ROWS_MAX_TOPK and num_experts <= ROWS_MAX_EXPERTS
-            and (gating_dtype.itemsize < 4 or num_experts <= ROWS_FP32_MAX_EXPERTS)):
-        lanes, warps = next((lanes, warps) for above, lanes, warps in ROWS_LAUNCHES if num_tokens > above)
+    if normalization == "sigmoid" and topk <= ROWS_MAX_TOPK and num_experts <= ROWS_MAX_EXPERTS:
+        lanes, warps = next((lanes, warps) for above, lanes, warps in rows_launches(num_experts, gating_dtype)
+                            if num_tokens > above)
         return LaunchConfig(block_t=32 * warps // lanes, chunk=lanes, num_warps=warps, algorithm="rows")
     if topk <= TWO_LEVEL_MAX_TOPK:
         return two_level_config(num_tokens, num_experts, topk)

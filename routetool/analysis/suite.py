@@ -350,8 +350,9 @@ def _gpu_batch_sizes() -> tuple[int, ...]:
     from routetool_kernels import routing_policy as policy
 
     per_sm = max(policy.two_level_config(policy.PERSISTENT_FROM + 1, e).programs_per_sm for e in (256, 384))
-    return (policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM + 1, per_sm * 256 + 1,
-            policy.DYNAMIC_TILES_FROM * per_sm * 148, policy.ROWS_LAUNCHES[0][0] + 1)
+    sizes = (policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM + 1, per_sm * 256 + 1,
+             policy.DYNAMIC_TILES_FROM * per_sm * 148)
+    return sizes + tuple(n + 1 for n in sorted(policy.rows_switches()) if n + 1 not in sizes)
 
 
 GPU_BATCH_SIZES = _gpu_batch_sizes()

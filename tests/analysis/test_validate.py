@@ -127,8 +127,9 @@ def test_batch_sizes_cross_the_tiled_kernels_switches():
                    for n in GPU_BATCH_SIZES]
         assert {routing_policy.SMALL_BATCH, routing_policy.SMALL_BATCH + 1} <= set(GPU_BATCH_SIZES)
         if configs[1].algorithm == "rows":  # (sigmoid, topk <= 8, <= 256 experts: rows above SMALL_BATCH)
-            assert [c.algorithm for c in configs] == ["scan"] + ["rows"] * 5
-            assert [c.chunk for c in configs[1:]] == [8, 8, 4, 4, 1]  # threads a token: each of its launches
+            assert [c.algorithm for c in configs] == ["scan"] + ["rows"] * (len(configs) - 1)
+            table = routing_policy.rows_launches(E, inp.gating_output.dtype)
+            assert {c.chunk for c in configs[1:]} == {lanes for _, lanes, _ in table}  # each of its launches
             continue
         assert [c.algorithm for c in configs] == ["scan"] + ["two_level"] * 5
         assert not configs[1].programs_per_sm and configs[2].programs_per_sm

@@ -372,7 +372,7 @@ def _switch_batches(E, K, dtype):
     per_sm = policy.default_config(policy.PERSISTENT_FROM + 1, E, dtype, "cuda", K).programs_per_sm or 32
     grid = per_sm * sms
     dynamic = policy.DYNAMIC_TILES_FROM * grid
-    rows = {n for above, _, _ in policy.ROWS_LAUNCHES if above for n in (above, above + 1)}
+    rows = {n for above in policy.rows_switches() for n in (above, above + 1)}
     return sorted({1, 7, policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM,
                    policy.PERSISTENT_FROM + 1, grid, grid + 1, dynamic - 1, dynamic, 65536} | rows)
 
@@ -488,3 +488,8 @@ def test_rows_matches_the_scan_bit_for_bit(E, K, dtype, num_warps, lanes):
     assert torch.equal(w.view(torch.int32), ws.view(torch.int32))
     classes, _ = _classes(w, ids, x, bias, K, 2.5, pad)
     assert classes[RowClass.MISMATCH] == 0 and classes[RowClass.INVALID] == 0, classes
+    # rows one element apart and off a 4-byte boundary: no L2 prefetch, bf16 logits read one by one
+    view = torch.empty((T, E + 1), device="cuda", dtype=dtype)[:, 1:]
+    view.copy_(x)
+    wv, ids_v = fused_musespark1x_routing(view, bias, K, 2.5, is_padding=pad, config=rows)
+    assert torch.equal(ids_v, ids_s) and torch.equal(wv.view(torch.int32), ws.view(torch.int32))

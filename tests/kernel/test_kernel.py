@@ -461,10 +461,12 @@ def test_rows_window_keys_and_their_redo(E, K, dtype, device):
             assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), (b, rows)
 
 
-@pytest.mark.parametrize("ahead,tile", [(2, 0), (3, 0), (4, 0), (1, 1), (1, 2), (1, 4), (1, 8)])
-def test_rows_loads_ahead_change_no_bit(ahead, tile, device, monkeypatch, request):
+@pytest.mark.parametrize("ahead,tile,keys,words", [(1, 0, 0, 0), (2, 0, 1, 1), (3, 0, 0, 1), (4, 0, 1, 0),
+                                                    (1, 1, 1, 1), (2, 2, 0, 1), (1, 4, 1, 1), (1, 8, 0, 0)])
+def test_rows_launch_switches_change_no_bit(ahead, tile, keys, words, device, monkeypatch, request):
     # a thread of the rows algorithm loads its logits 1 to 4 chunks ahead of the one it sorts (clamped to the
-    # chunks it takes); the ids and weights are the scan's bits for each, incl. a NaN logit (the redo loads
+    # chunks it takes) or from coalesced tiles, forms its keys with an IMAD or a LEA, reads bf16 logits as words
+    # of two or one by one; the ids and weights are the scan's bits for each, incl. a NaN logit (the redo loads
     # ahead too) and a partial last chunk
     from routetool_kernels import routing_policy
 
@@ -476,6 +478,8 @@ def test_rows_loads_ahead_change_no_bit(ahead, tile, device, monkeypatch, reques
                                                                                            num_warps=1))
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD", ahead)
     monkeypatch.setattr(routing_policy, "ROWS_TILE", tile)
+    monkeypatch.setattr(routing_policy, "ROWS_KEYS", keys)
+    monkeypatch.setattr(routing_policy, "ROWS_WORDS", words)
     clear_plans()
     for rows in (ROWS, ROWS_LANES4):
         w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=rows)
@@ -489,7 +493,7 @@ def _policy_configs(E, K, dtype, norm="sigmoid"):
     from routetool_kernels import routing_policy as policy
 
     sizes = {1, policy.SMALL_BATCH, policy.SMALL_BATCH + 1, policy.PERSISTENT_FROM, policy.PERSISTENT_FROM + 1,
-             65536} | {n for above, _, _ in policy.ROWS_LAUNCHES for n in (above, above + 1)}
+             65536} | {n for above in policy.rows_switches() | {0} for n in (above, above + 1)}
     configs = {default_config(n, E, dtype, "cuda", k, norm) for n in sizes for k in (K, policy.TWO_LEVEL_MAX_TOPK + 1)}
     configs.add(policy.two_level_config(65536, E, K))  # (also where the rows algorithm takes large batches)
     configs.add(default_config(7, E, dtype, "cpu", K))
@@ -550,10 +554,14 @@ def test_default_config_by_shape():
     assert pre.algorithm == "two_level" and pre.chunk == 32 and pre.programs_per_sm > 0 and pre.dynamic_tiles
     assert not default_config(3000, 256, torch.float32, normalization="softmax").dynamic_tiles  # nothing to claim
     rows = default_config(65536, 256, torch.bfloat16)  # sigmoid, topk <= 8, <= 256 experts
-    assert rows.algorithm == "rows" and rows.block_t * rows.chunk == 32 * rows.num_warps and rows.chunk == 1
+    assert rows.algorithm == "rows" and rows.block_t * rows.chunk == 32 * rows.num_warps and rows.chunk == 2
     assert default_config(3000, 256, torch.bfloat16).chunk == 8 and default_config(9000, 256, torch.float16).chunk == 4
     assert default_config(3000, 128, torch.float32).algorithm == "rows"
-    assert default_config(3000, 256, torch.float32).algorithm == "two_level"  # (float32 above 128 experts)
+    assert default_config(65536, 128, torch.float32).chunk == 1  # (float32, own loads: one thread a token)
+    fp32 = default_config(65536, 256, torch.float32)  # (float32 above 128 experts: coalesced tiles)
+    assert fp32.algorithm == "rows" and fp32.chunk == 4
+    from routetool_kernels.routing_policy import rows_loads
+    assert rows_loads(256, 4, 4) == (1, 1, 8) and rows_loads(256, 2, 2) == (0, 2, 16) and rows_loads(128, 2, 4)[1] == 1
     assert default_config(2048, 256, torch.bfloat16).algorithm == "scan"
     assert default_config(65536, 256, torch.bfloat16, topk=9).algorithm == "two_level"
     assert default_config(65536, 257, torch.bfloat16).algorithm == "two_level"
