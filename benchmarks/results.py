@@ -4,6 +4,9 @@ unit). History is git's and NOTES.md's; this file is only appended to.
 
     python benchmarks/results.py from-bench BENCH.csv [--out results.csv]   # a `routetool bench --csv` file
     python benchmarks/results.py from-host HOST.csv [--out results.csv]     # a bench_host_cost.py --csv file
+    python benchmarks/results.py from-tune TUNE.csv [--base "ROWS_AHEAD=2,..."] [--machine NAME]
+                                                         # a tune_tiled.py --out file; --base: the policy switches
+                                                         # the sweep ran with, so that every case names them all
 
 Rows are appended to ``--out`` (default benchmarks/results.csv), the header written when it is new.
 """
@@ -76,13 +79,42 @@ def from_host(path: str) -> list[list]:
     return rows
 
 
+def from_tune(path: str, base: str = "", machine: str = "") -> list[list]:
+    """Rows of a tune_tiled.py sweep: each candidate's p50/p10/p90, its case naming the algorithm, shape, launch
+    and (``base`` overridden by its variant's switches) every policy switch it ran with."""
+    defaults = dict(item.split("=") for item in base.split(",") if item)
+    rows = []
+    for r in csv.DictReader(open(path, newline="")):
+        variant, _, switches = r["variant"].partition("[")
+        values = defaults | dict(item.split("=") for item in switches.rstrip("]").split(",") if item)
+        launch = (f"{r['algorithm']} threads={r['chunk']} warps={r['num_warps']}" if r["algorithm"] == "rows" else
+                  f"{r['algorithm']} block_t={r['block_t']} chunk={r['chunk']} warps={r['num_warps']}"
+                  if r["algorithm"] else "")
+        if r["algorithm"] != "rows":
+            values = {}
+        case = " ".join(v for v in (variant, f"T={r['num_tokens']} E={r['num_experts']} k={r['topk']} {r['dtype']}",
+                                    launch, ",".join(f"{k}={v}" for k, v in sorted(values.items()))) if v)
+        for metric in ("p50_us", "p10_us", "p90_us"):
+            value = float(r[metric])
+            if value == value:  # (NaN: the candidate failed its check)
+                rows.append([machine, "tune", case, "latency_us_" + metric.removesuffix("_us"), f"{value:.4g}", "us"])
+        if r["correct"] != "True":
+            rows.append([machine, "tune", case, "status", "wrong", ""])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=["from-bench", "from-host"])
+    ap.add_argument("kind", choices=["from-bench", "from-host", "from-tune"])
     ap.add_argument("path")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--base", default="", help="from-tune: the policy switches the sweep ran with (NAME=V,...)")
+    ap.add_argument("--machine", default="", help="from-tune: the GPU's name (the sweep's CSV has none)")
     opts = ap.parse_args()
-    append(from_bench(opts.path) if opts.kind == "from-bench" else from_host(opts.path), opts.out)
+    if opts.kind == "from-tune":
+        append(from_tune(opts.path, opts.base, opts.machine), opts.out)
+    else:
+        append(from_bench(opts.path) if opts.kind == "from-bench" else from_host(opts.path), opts.out)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ Usage (GPU machine, repository root):
     python benchmarks/tune_tiled.py --two-level --out $OUT/tune-two-level.csv   # scan vs two-level, by size
     python benchmarks/tune_tiled.py --two-level --tokens 65536 --launches 1:32:0,2:18:56,4:10:48 \
         --experts 256:fp32,256:bf16 --out $OUT/tune.csv
+    python benchmarks/tune_tiled.py --rows --tokens 65536 --experts 256:bf16 --rows-launches 1:2,2:4 \
+        --variant ";ROWS_AHEAD=1;ROWS_TILE=8" --out $OUT/tune.csv   # each ';'-set of policy switches in turn
 
 Every config is checked against the reference (ids equal, weights close) before timing;
 inputs rotate over enough buffers to defeat the L2 cache at large sizes.

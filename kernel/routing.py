@@ -39,16 +39,6 @@ _INTERPRETED = is_interpreted(_routing_kernel)
 _PLANS = PlanCache()
 
 
-def _row_prefetch(gating_output: torch.Tensor) -> bool:
-    """Whether the rows kernel prefetches each program's rows into L2 at its start: contiguous 16-byte aligned rows
-    of whole 16-byte pieces, on a GPU with the bulk prefetch (sm_90)."""
-    row_bytes = gating_output.shape[1] * gating_output.element_size()
-    return bool(policy.ROWS_PREFETCH and not _INTERPRETED and gating_output.device.type == "cuda"
-                and not torch.version.hip and torch.cuda.get_device_capability(gating_output.device)[0] >= 9
-                and gating_output.stride(1) == 1 and gating_output.stride(0) == gating_output.shape[1]
-                and row_bytes % 16 == 0 and gating_output.data_ptr() % 16 == 0)
-
-
 def _row_words(gating_output: torch.Tensor, tile: int) -> bool:
     """Whether the rows kernel reads bf16 logits as int32 words of two: unit expert stride, an even row stride and
     expert count, a 4-byte aligned start, 16-byte loads of its own (no ``ROWS_TILE``)."""
@@ -179,8 +169,7 @@ def fused_musespark1x_routing(
                  MASK_EXPERTS=iters * lanes * max(tile, 1) * 8 != launch.num_experts, TILE=tile,
                  INDEX_BITS=policy.rows_index_bits(launch.num_experts),
                  E_POW2=triton.next_power_of_2(launch.num_experts), AHEAD=ahead,
-                 KEYS=policy.ROWS_KEYS, PREFETCH=_row_prefetch(gating_output),
-                 ELEMENT_BYTES=gating_output.element_size(), WORDS=_row_words(gating_output, tile), **common),
+                 WORDS=_row_words(gating_output, tile), **common),
             ROUTING_PER_CALL)
     else:
         common.update(NORMALIZATION_MODE=launch.normalization_mode, TOTAL_BITS=policy.sum_bits(e_pad))

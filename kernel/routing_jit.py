@@ -53,10 +53,14 @@ two-level's 320).
   256 experts, more for fewer) ends above it. Inside the window the keys' integer order is exactly
   (biased score descending, expert ascending), the reference's rule, with no rounding: the bit
   patterns of positive floats are ordered integers. Scores below the window (and negative ones)
-  are clamped to its bottom, where they tie; a pick there leaves the token *unproven*.
+  are clamped to its bottom, where they tie; a pick there leaves the token *unproven*. The clamp is
+  an integer ``max`` and the rest one IMAD (FMA pipe; the ALU pipe is the loop's busiest); bf16
+  logits are read as int32 words of two, each made float32 by one shift or mask.
 * *Selection.* A thread keeps its token's best 8 keys sorted (``LANES`` threads sharing a token
   take every ``LANES``-th chunk and merge their lists at the end, so that fewer tokens still fill
-  the GPU). Per chunk of 8 experts (a loop, each iteration loading the next chunk first): sort the
+  the GPU). Per chunk of 8 experts (a loop, each iteration loading a chunk ``AHEAD`` iterations
+  ahead, or, for float32 logits of more than 128 experts, a program's coalesced tile of 128 bytes a
+  row through shared memory): sort the
   8 new keys (Batcher's 19-comparator network, D. E. Knuth, TAOCP vol. 3, 5.3.4), take the
   elementwise max of the kept list against the reversed chunk (the upper half of a bitonic merge:
   the 8 largest of the 16) and sort that bitonic sequence (12 comparators). A comparator is an
@@ -1065,10 +1069,9 @@ def _row_keys(
     xlo, xhi, blo, bhi,  # chunk c's logit and bias tiles (_load_chunk)
     num_experts, router_output_multiplier, base_bits, nan_sum,
     c,  # (1, LANES) int32: each lane's chunk
-    key_scale,  # (BLOCK_T, 1) uint32: 2**INDEX_BITS in a register of each thread (KEYS == 1)
+    key_scale,  # (BLOCK_T, 1) uint32: 2**INDEX_BITS in a register of each thread
     VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr,
-    EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr, KEYS: tl.constexpr = 0,
-    WORDS: tl.constexpr = False,
+    EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     """Keys (``(BLOCK_T, LANES)``) of the 8 experts of each lane's chunk ``c`` for every row, and ``nan_sum``
     plus their biased scores.
@@ -1096,10 +1099,9 @@ def _row_keys(
             biased = _unguarded_biased_scores(x, bs[j].to(tl.float32), FAST_MATH)
             nan_sum += biased
             bits = biased.to(tl.int32, bitcast=True)
-            if KEYS == 1:  # a multiplier the compiler cannot see (2**INDEX_BITS): an IMAD on the FMA pipe
-                key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * key_scale + (off - j)
-            else:
-                key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * (1 << INDEX_BITS) + (off - j)
+            # (key_scale: 2**INDEX_BITS in a register, so that the product is an IMAD on the FMA pipe rather than
+            # a LEA and a VIADD on the ALU pipe, the rows algorithm's busiest)
+            key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * key_scale + (off - j)
         if MASK_EXPERTS:
             key = tl.where(e0 + j < num_experts, key, 0)
         keys = keys + (key,)
@@ -1157,7 +1159,7 @@ def _row_select(
     gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, KEYS: tl.constexpr = 0, WORDS: tl.constexpr = False,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors), and the row sums of the biased
     scores (window keys only; NaN where one is).
@@ -1213,8 +1215,8 @@ def _row_select(
                 c = (i * TILE + g) * LANES + lane
                 qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
                 keys, nan_sum = _row_keys(chunks[g], chunks[g], qlo, qhi, num_experts, router_output_multiplier,
-                                          base_bits, nan_sum, c, key_scale, 8, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
-                                          HAS_MULTIPLIER, FAST_MATH, KEYS)
+                                          base_bits, nan_sum, c, key_scale, 8, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
+                                          EXACT, HAS_MULTIPLIER, FAST_MATH)
                 t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
             x = nx
     else:
@@ -1224,8 +1226,8 @@ def _row_select(
             nlo, nhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
             qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
             keys, nan_sum = _row_keys(alo, ahi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum,
-                                      c, key_scale, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH,
-                                      KEYS, WORDS)
+                                      c, key_scale, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER,
+                                      FAST_MATH, WORDS)
             t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
             if AHEAD == 1:
                 alo, ahi = nlo, nhi
@@ -1293,15 +1295,6 @@ def _row_store(
                  mask=row_ok)
 
 
-@triton.jit
-def _prefetch_l2(ptr, nbytes):
-    """Ask L2 for the ``nbytes`` bytes at ``ptr`` (scalars; 16-byte aligned, a multiple of 16 bytes) without waiting:
-    a bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                              [ptr + tl.zeros([1], tl.int32), nbytes + tl.zeros([1], tl.int32)], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["stride_wk", "stride_ik"])
 def _rows_kernel(
     gating_output_ptr,  # (T, E) fp32|bf16|fp16, strides (stride_gm, stride_gn)
@@ -1338,9 +1331,6 @@ def _rows_kernel(
     PICK_BITS: tl.constexpr,  # sum of the picked scores: routetool_kernels.routing_policy.sum_bits(topk)
     AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead (1 to 4)
     TILE: tl.constexpr = 0,  # chunks a lane takes from each coalesced tile (0: 16-byte loads of its own)
-    KEYS: tl.constexpr = 0,  # experiment: 1 forms the window keys with an IMAD
-    PREFETCH: tl.constexpr = False,  # prefetch the program's rows into L2 at the start (contiguous rows; sm_90)
-    ELEMENT_BYTES: tl.constexpr = 2,  # bytes per logit
     WORDS: tl.constexpr = False,  # bf16 logits read as int32 words of two (unit stride, even row stride)
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
@@ -1352,20 +1342,16 @@ def _rows_kernel(
     row_ok = row < num_tokens
     row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
     base_bits, nan_bias = _window_base(bias_ptr, num_experts, stride_bias, INDEX_BITS, E_POW2, FAST_MATH)
-    if PREFETCH:  # ask L2 for the program's rows (contiguous) now: the loop's loads then hit L2
-        first = tl.program_id(0) * BLOCK_T
-        _prefetch_l2(gating_output_ptr + first.to(tl.int64) * stride_gm,
-                     tl.minimum(num_tokens - first, BLOCK_T) * (stride_gm * ELEMENT_BYTES))
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, KEYS, WORDS)
+                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
     unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
     if unproven > 0:
         exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                               INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, KEYS, WORDS)
+                               INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
         ids, scores = _row_picks(gating_output_ptr, exact, row_off, row_ok, stride_gn, router_output_multiplier,
                                  TOPK, INDEX_BITS, HAS_MULTIPLIER, FAST_MATH)
     else:

@@ -106,14 +106,8 @@ ROWS_TILE = 0
 coalesced (the tile moves through shared memory into the threads' registers) where :data:`ROWS_FP32_TILED_FROM`
 does not set 1; 0: each thread loads its own chunks, 16 bytes at a time."""
 
-ROWS_KEYS = 1
-"""Experiment: 1 forms the rows algorithm's window keys with an IMAD (FMA pipe) instead of LEA and VIADD (ALU)."""
-
 ROWS_WORDS = 1
 """Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""
-
-ROWS_PREFETCH = 0
-"""Whether the rows algorithm's threads prefetch their rows into L2 at the start (sm_90, aligned rows)."""
 
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits

@@ -461,13 +461,13 @@ def test_rows_window_keys_and_their_redo(E, K, dtype, device):
             assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), (b, rows)
 
 
-@pytest.mark.parametrize("ahead,tile,keys,words", [(1, 0, 0, 0), (2, 0, 1, 1), (3, 0, 0, 1), (4, 0, 1, 0),
-                                                    (1, 1, 1, 1), (2, 2, 0, 1), (1, 4, 1, 1), (1, 8, 0, 0)])
-def test_rows_launch_switches_change_no_bit(ahead, tile, keys, words, device, monkeypatch, request):
-    # a thread of the rows algorithm loads its logits 1 to 4 chunks ahead of the one it sorts (clamped to the
-    # chunks it takes) or from coalesced tiles, forms its keys with an IMAD or a LEA, reads bf16 logits as words
-    # of two or one by one; the ids and weights are the scan's bits for each, incl. a NaN logit (the redo loads
-    # ahead too) and a partial last chunk
+@pytest.mark.parametrize("ahead,tile,words", [(1, 0, 0), (2, 0, 1), (3, 0, 1), (4, 0, 0), (1, 1, 1), (2, 2, 1),
+                                              (1, 4, 1), (1, 8, 0)])
+def test_rows_launch_switches_change_no_bit(ahead, tile, words, device, monkeypatch, request):
+    # a thread of the rows algorithm loads its logits 1 to 4 chunks ahead of the one it sorts (where it takes at
+    # least ROWS_AHEAD_FROM chunks, clamped to the chunks it takes) or from coalesced tiles, and reads bf16 logits
+    # as words of two or one by one; the ids and weights are the scan's bits for each, incl. a NaN logit (the redo
+    # loads ahead too) and a partial last chunk
     from routetool_kernels import routing_policy
 
     request.addfinalizer(clear_plans)
@@ -478,7 +478,7 @@ def test_rows_launch_switches_change_no_bit(ahead, tile, keys, words, device, mo
                                                                                            num_warps=1))
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD", ahead)
     monkeypatch.setattr(routing_policy, "ROWS_TILE", tile)
-    monkeypatch.setattr(routing_policy, "ROWS_KEYS", keys)
+    monkeypatch.setattr(routing_policy, "ROWS_AHEAD_FROM", 1)  # (the 4 threads a token take 3 chunks each)
     monkeypatch.setattr(routing_policy, "ROWS_WORDS", words)
     clear_plans()
     for rows in (ROWS, ROWS_LANES4):
