@@ -41,10 +41,11 @@ _PLANS = PlanCache()
 
 def _row_words(gating_output: torch.Tensor, tile: int) -> bool:
     """Whether the rows kernel reads bf16 logits as int32 words of two: unit expert stride, an even row stride and
-    expert count, a 4-byte aligned start, 16-byte loads of its own (no ``ROWS_TILE``)."""
+    expert count, a 16-byte aligned start (what a plan's key records of the pointer: a plan made for one pointer
+    serves every pointer of its key), 16-byte loads of its own (no ``ROWS_TILE``)."""
     return bool(policy.ROWS_WORDS and gating_output.dtype == torch.bfloat16 and not tile
                 and gating_output.stride(1) == 1 and gating_output.stride(0) % 2 == 0
-                and gating_output.shape[1] % 2 == 0 and gating_output.data_ptr() % 4 == 0)
+                and gating_output.shape[1] % 2 == 0 and gating_output.data_ptr() % 16 == 0)
 
 
 def fused_musespark1x_routing(

@@ -486,6 +486,26 @@ def test_rows_launch_switches_change_no_bit(ahead, tile, words, device, monkeypa
         assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), rows
 
 
+def test_rows_word_reads_follow_only_what_a_plan_key_holds(device):
+    # a plan serves every call of its key, which holds each pointer's 16-byte alignment (not its 4-byte one):
+    # bf16 logits are read as int32 words only from 16-byte aligned starts, so views 4 and 2 bytes past an
+    # aligned start (one key) take the same path, each the scan's bits
+    from routetool_kernels import routing
+    from routetool_kernels._dispatch import call_signature
+
+    buf = torch.randn(5 * 16 + 16, device=device).to(torch.bfloat16)
+    aligned, four, two = (buf[k:k + 80].view(5, 16) for k in (0, 2, 1))
+    assert (aligned.data_ptr() % 16, four.data_ptr() % 16, two.data_ptr() % 16) == (0, 4, 2)
+    assert call_signature((four,), (), False)[0] == call_signature((two,), (), False)[0]
+    assert routing._row_words(aligned, 0) and not routing._row_words(four, 0) and not routing._row_words(two, 0)
+    bias = torch.zeros(16, device=device)
+    for x in (aligned, four, two):
+        w_scan, ids_scan = fused_musespark1x_routing(x, bias, 4, 1.0, config=LaunchConfig(block_t=8, chunk=16,
+                                                                                          num_warps=1))
+        w, ids = fused_musespark1x_routing(x, bias, 4, 1.0, config=ROWS)
+        assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32))
+
+
 def _policy_configs(E, K, dtype, norm="sigmoid"):
     """Every launch the policy picks on a GPU for batches on either side of each of its switches, plus the
     interpreter's own (a tile of rows): as the interpreter runs them, one program per tile (the persistent and
