@@ -18,10 +18,11 @@
 #   routing   replay --save-routing of every bundled trace on the GPU, then diff of each trace (the reference)
 #             against the kernel's saved routing, and of the saved routing against itself
 #   tune      benchmarks/tune_tiled.py $TUNE_ARGS --variant "$TUNE_VARIANTS" (';'-separated switch sets): each
-#             set compiled first in a process of its own, side by side, then every candidate timed alone
+#             set compiled first in a process of its own, side by side (one per set and per ';'-separated argument
+#             list of $TUNE_SPLIT, e.g. "--experts 256:bf16;--experts 128:fp32"), then every candidate timed alone
 #   profile   Nsight Compute (--set full, clocks as found) on benchmarks/profile_kernel.py, once per ';'-separated
 #             argument list of $PROFILE_ARGS (e.g. "--dtype bf16 --algorithm rows --chunk 1 --warps 2"); the
-#             reports' details in $OUT/r/profile-N.txt
+#             reports' details in $OUT/r/profile-N.txt, per SASS instruction in $OUT/r/profile-N-sass.csv
 #   ranks     run folders and torchrun on the GPU: tests/io/test_run_folder.py (2 processes: NCCL with a GPU
 #             each, gloo sharing one GPU otherwise), then benchmarks/bench_torchrun.py (one process against
 #             torchrun on a 4-rank synth run folder: wall time, speed-up, equal outputs)
@@ -126,10 +127,16 @@ fi
 if has tune; then
   IFS=';' read -ra SETS <<< "${TUNE_VARIANTS:-}"
   [ "${#SETS[@]}" -eq 0 ] && SETS=("")
+  IFS=';' read -ra SPLITS <<< "${TUNE_SPLIT:-}"
+  [ "${#SPLITS[@]}" -eq 0 ] && SPLITS=("")
   i=0
   for vs in "${SETS[@]}"; do
-    i=$((i + 1))
-    run "tune-compile-$i" 300 python3 benchmarks/tune_tiled.py --compile-only --out /dev/null ${TUNE_ARGS:-} --variant "$vs" &
+    for sp in "${SPLITS[@]}"; do
+      i=$((i + 1))
+      # shellcheck disable=SC2086
+      run "tune-compile-$i" 300 python3 benchmarks/tune_tiled.py --compile-only --out /dev/null ${TUNE_ARGS:-} $sp \
+        --variant "$vs" &
+    done
   done
   wait
   run tune 420 python3 benchmarks/tune_tiled.py --out "$R/tune.csv" ${TUNE_ARGS:-} --variant "${TUNE_VARIANTS:-}"
@@ -144,6 +151,9 @@ if has profile; then
       --launch-skip 2 --launch-count 1 --set full -f -o "$R/profile-$i" python3 benchmarks/profile_kernel.py $pa
     [ -f "$R/profile-$i.ncu-rep" ] && { echo "# profile_kernel.py $pa"; ncu --import "$R/profile-$i.ncu-rep" --page details \
       --print-details all; } > "$R/profile-$i.txt" 2>&1
+    # per SASS instruction: executions and stall samples by reason (where the warps wait)
+    [ -f "$R/profile-$i.ncu-rep" ] && ncu --import "$R/profile-$i.ncu-rep" --page source --csv --print-source sass \
+      > "$R/profile-$i-sass.csv" 2> "$R/profile-$i-sass.err"
   done
 fi
 if has ranks; then

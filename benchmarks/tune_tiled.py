@@ -134,7 +134,7 @@ def main():
                          "e.g. DYNAMIC_TILES_FROM=1); several such sets separated by ';' are each swept in turn "
                          "(every candidate under every set); recorded in the CSV's variant column")
     ap.add_argument("--rows-launches", default="1:2,1:4,1:8,2:4,4:4,8:4",
-                    help="comma-separated threads:warps of the rows candidates (--rows)")
+                    help="comma-separated threads:warps[:max_registers] of the rows candidates (--rows)")
     ap.add_argument("--compile-only", action="store_true",
                     help="call every candidate once, unchecked and untimed (fills Triton's cache; run several such "
                          "processes side by side before the timed run)")
@@ -193,8 +193,10 @@ def main():
         floor_us = (T * E * xs[0].element_size() + T * K * 8) / (copy_gbps * 1e3)
         if args.rows:
             cands = [("tiled", two_level_config(T, E, K))]
-            cands += [("tiled", LaunchConfig(block_t=32 * nw // lanes, chunk=lanes, num_warps=nw, algorithm="rows"))
-                      for lanes, nw in (tuple(int(p) for p in v.split(":")) for v in args.rows_launches.split(","))]
+            for v in args.rows_launches.split(","):
+                lanes, nw, regs = (tuple(int(p) for p in v.split(":")) + (0,))[:3]
+                cands.append(("tiled", LaunchConfig(block_t=32 * nw // lanes, chunk=lanes, num_warps=nw,
+                                                    algorithm="rows", max_registers=regs)))
         elif args.two_level:
             cands = [("tiled", default_config(1, E, dtype)), ("tiled", default_config(4096, E, dtype, topk=K + 100))]
             launches = ([tuple(int(p) for p in v.split(":")) for v in args.launches.split(",")] if args.launches
@@ -227,7 +229,7 @@ def main():
                        floor_us=floor_us, padding=args.padding, is_default=cfg == default_config(T, E, dtype, topk=K) if cfg else "")
             rows.append(row)
             print(f"  {row['variant']:<40} {cfg.algorithm if cfg else '':<9} bt={row['block_t']} chunk={row['chunk']} "
-                  f"w={row['num_warps']}: {p50:.2f} us (p10 {p10:.2f}, p90 {p90:.2f}){'' if ok else ' WRONG'}", flush=True)
+                  f"w={row['num_warps']} sm={row['programs_per_sm']} r={row['max_registers']}: {p50:.2f} us (p10 {p10:.2f}, p90 {p90:.2f}){'' if ok else ' WRONG'}", flush=True)
             if ok and name == "tiled" and (best is None or p50 < best["p50_us"]):
                 best = row
         if args.compile_only:

@@ -324,8 +324,18 @@ def _picked_scores(
     NORMALIZATION_MODE: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     """Unbiased scores of the picked experts whose logits ``ptrs`` point at (re-read, in cache); 0 where not ``ok``."""
-    x = _prepare_logits(tl.load(ptrs, mask=ok, other=-float("inf")), router_output_multiplier, HAS_MULTIPLIER,
-                        NORMALIZATION_MODE, FAST_MATH)
+    return _logit_scores(tl.load(ptrs, mask=ok, other=-float("inf")), ok, router_output_multiplier, finite_max,
+                         has_inf, total, NORMALIZATION_MODE, HAS_MULTIPLIER, FAST_MATH)
+
+
+@triton.jit
+def _logit_scores(
+    x,  # the picked experts' raw logits (fp32|bf16|fp16), ok's shape
+    ok, router_output_multiplier, finite_max, has_inf, total,
+    NORMALIZATION_MODE: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
+):
+    """:func:`_picked_scores` of logits already read."""
+    x = _prepare_logits(x, router_output_multiplier, HAS_MULTIPLIER, NORMALIZATION_MODE, FAST_MATH)
     return tl.where(ok, _scores(x, finite_max, has_inf, total, NORMALIZATION_MODE, FAST_MATH), 0.0)
 
 
@@ -1155,6 +1165,27 @@ def _tile_chunks(x, LANES: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
+def _row_step(
+    best, nan_sum, xlo, xhi, j, gbase, col, bbase, bcol, lane, num_experts, stride_gn, stride_bias,
+    router_output_multiplier, base_bits, key_scale,
+    ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
+    INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
+    AHEAD: tl.constexpr, WORDS: tl.constexpr,
+):
+    """One chunk of :func:`_row_select`'s loop: the keys of iteration ``j``'s chunk (its logits ``xlo, xhi``, loaded
+    ``AHEAD`` iterations before), that chunk's slot reloaded with iteration ``j + AHEAD``'s logits, and the
+    chunk's keys merged into ``best``. Returns ``(best, nan_sum, xlo, xhi)``."""
+    c = j * LANES + lane
+    qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
+    keys, nan_sum = _row_keys(xlo, xhi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum, c,
+                              key_scale, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH,
+                              WORDS)
+    nxt = tl.minimum(j + AHEAD, ITERS - 1) * LANES + lane
+    xlo, xhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
+    return _keep_best8(best, _sort8(*keys)), nan_sum, xlo, xhi
+
+
+@triton.jit
 def _row_select(
     gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
@@ -1182,7 +1213,9 @@ def _row_select(
     key_scale = ((1 << INDEX_BITS) | (row_off >> 63).to(tl.int32)).to(tl.uint32, bitcast=True)[:, None]
     bcol = tl.arange(0, BIAS_VEC)[None, None, :]
     lane = tl.arange(0, LANES)[None, :]
-    # logits of iterations 0 .. AHEAD - 1 (a, b, c, d: the next AHEAD iterations' tiles, in order)
+    # AHEAD slots (a, b, c, d), each loop-carried: slot s holds chunk i + s of iteration i (a step of AHEAD chunks)
+    # and is reloaded in place with chunk i + s + AHEAD once its keys are made, so that no register copy at the
+    # loop's end waits for a load (the last iterations re-read the last chunk, in cache)
     alo, ahi = _load_chunk(gbase, col, lane[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
     blo, bhi = alo, ahi
     clo, chi = alo, ahi
@@ -1190,10 +1223,9 @@ def _row_select(
     if AHEAD >= 2:
         blo, bhi = _load_chunk(gbase, col, (min(1, ITERS - 1) * LANES + lane)[:, :, None], num_experts, stride_gn,
                                VEC, MASK_EXPERTS, WORDS)
-    if AHEAD >= 3:
+    if AHEAD >= 4:
         clo, chi = _load_chunk(gbase, col, (min(2, ITERS - 1) * LANES + lane)[:, :, None], num_experts, stride_gn,
                                VEC, MASK_EXPERTS, WORDS)
-    if AHEAD >= 4:
         dlo, dhi = _load_chunk(gbase, col, (min(3, ITERS - 1) * LANES + lane)[:, :, None], num_experts, stride_gn,
                                VEC, MASK_EXPERTS, WORDS)
     nan_sum = tl.zeros([row_off.shape[0], LANES], tl.float32)
@@ -1205,6 +1237,7 @@ def _row_select(
     t5 = t0
     t6 = t0
     t7 = t0
+    best = (t0, t1, t2, t3, t4, t5, t6, t7)
     if TILE > 0:  # tiles of TILE chunks a lane, loaded coalesced a tile ahead
         tbase = gating_output_ptr + row_off[:, None]
         x = _load_tile(tbase, 0, num_experts, stride_gn, LANES, TILE, MASK_EXPERTS)
@@ -1217,28 +1250,29 @@ def _row_select(
                 keys, nan_sum = _row_keys(chunks[g], chunks[g], qlo, qhi, num_experts, router_output_multiplier,
                                           base_bits, nan_sum, c, key_scale, 8, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
                                           EXACT, HAS_MULTIPLIER, FAST_MATH)
-                t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
+                best = _keep_best8(best, _sort8(*keys))
             x = nx
     else:
-        for i in tl.range(0, ITERS, loop_unroll_factor=AHEAD):
-            c = i * LANES + lane
-            nxt = tl.minimum(i + AHEAD, ITERS - 1) * LANES + lane
-            nlo, nhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
-            qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
-            keys, nan_sum = _row_keys(alo, ahi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum,
-                                      c, key_scale, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER,
-                                      FAST_MATH, WORDS)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _keep_best8((t0, t1, t2, t3, t4, t5, t6, t7), _sort8(*keys))
-            if AHEAD == 1:
-                alo, ahi = nlo, nhi
-            elif AHEAD == 2:
-                alo, ahi, blo, bhi = blo, bhi, nlo, nhi
-            elif AHEAD == 3:
-                alo, ahi, blo, bhi, clo, chi = blo, bhi, clo, chi, nlo, nhi
-            else:
-                alo, ahi, blo, bhi, clo, chi, dlo, dhi = blo, bhi, clo, chi, dlo, dhi, nlo, nhi
-    best = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, _merge_lanes)
-    return best, tl.sum(nan_sum, axis=1)
+        for i in range(0, ITERS, AHEAD):
+            best, nan_sum, alo, ahi = _row_step(best, nan_sum, alo, ahi, i, gbase, col, bbase, bcol, lane, num_experts,
+                                                stride_gn, stride_bias, router_output_multiplier, base_bits, key_scale,
+                                                ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
+                                                HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
+            if AHEAD >= 2:
+                best, nan_sum, blo, bhi = _row_step(best, nan_sum, blo, bhi, i + 1, gbase, col, bbase, bcol, lane,
+                                                    num_experts, stride_gn, stride_bias, router_output_multiplier,
+                                                    base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
+            if AHEAD >= 4:
+                best, nan_sum, clo, chi = _row_step(best, nan_sum, clo, chi, i + 2, gbase, col, bbase, bcol, lane,
+                                                    num_experts, stride_gn, stride_bias, router_output_multiplier,
+                                                    base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
+                best, nan_sum, dlo, dhi = _row_step(best, nan_sum, dlo, dhi, i + 3, gbase, col, bbase, bcol, lane,
+                                                    num_experts, stride_gn, stride_bias, router_output_multiplier,
+                                                    base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
+    return tl.reduce(best, 1, _merge_lanes), tl.sum(nan_sum, axis=1)
 
 
 @triton.jit
@@ -1248,21 +1282,49 @@ def _merge_lanes(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7)
 
 
 @triton.jit
-def _row_picks(
-    gating_output_ptr, keys, row_off, row_ok, stride_gn, router_output_multiplier,
-    TOPK: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
+def _row_tile(
+    gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
+    router_output_multiplier, base_bits, nan_bias,
+    TOPK: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr,
+    MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr,
 ):
-    """The picks' ids and unbiased scores (``TOPK``-tuples of ``(BLOCK_T,)`` tensors) from the sorted keys: each
-    pick's logit re-read (in cache) and its score recomputed as :func:`_picked_scores` does."""
+    """The picks of a tile's rows ``row`` (``(BLOCK_T,)`` int32, past ``num_tokens`` read as the last row): their
+    ids and raw logits, re-read (in cache; ``TOPK``-tuples of ``(BLOCK_T,)`` tensors)."""
+    row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
+    keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
+                                router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
+    # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
+    # logit (its unguarded score is NaN) or a NaN bias anywhere.
+    unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
     MAXIDX: tl.constexpr = (1 << INDEX_BITS) - 1
     ids = ()
+    for k in tl.static_range(TOPK):
+        ids = ids + ((MAXIDX - (keys[k] & MAXIDX)).to(tl.int32),)
+    if unproven > 0:
+        exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
+                               router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                               INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
+        ids = ()
+        for k in tl.static_range(TOPK):
+            ids = ids + ((MAXIDX - (exact[k] & MAXIDX)).to(tl.int32),)
+    x = ()
+    for k in tl.static_range(TOPK):
+        x = x + (tl.load(gating_output_ptr + row_off + ids[k] * stride_gn),)
+    return ids, x
+
+
+@triton.jit
+def _row_scores(x, row_ok, router_output_multiplier, TOPK: tl.constexpr, HAS_MULTIPLIER: tl.constexpr,
+                FAST_MATH: tl.constexpr):
+    """The unbiased scores (a ``TOPK``-tuple) of :func:`_row_tile`'s picked logits ``x``; 0 past the last row:
+    :func:`_picked_scores`'s arithmetic."""
     scores = ()
     for k in tl.static_range(TOPK):
-        e = (MAXIDX - (keys[k] & MAXIDX)).to(tl.int32)
-        ids = ids + (e,)
-        scores = scores + (_picked_scores(gating_output_ptr + row_off + e * stride_gn, row_ok,
-                                          router_output_multiplier, 0.0, False, 1.0, 0, HAS_MULTIPLIER, FAST_MATH),)
-    return ids, scores
+        scores = scores + (_logit_scores(x[k], row_ok, router_output_multiplier, 0.0, False, 1.0, 0, HAS_MULTIPLIER,
+                                         FAST_MATH),)
+    return scores
 
 
 @triton.jit
@@ -1329,7 +1391,7 @@ def _rows_kernel(
     USE_PDL: tl.constexpr,
     FAST_MATH: tl.constexpr,
     PICK_BITS: tl.constexpr,  # sum of the picked scores: routetool_kernels.routing_policy.sum_bits(topk)
-    AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead (1 to 4)
+    AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead: 1, 2 or 4, dividing ITERS
     TILE: tl.constexpr = 0,  # chunks a lane takes from each coalesced tile (0: 16-byte loads of its own)
     WORDS: tl.constexpr = False,  # bf16 logits read as int32 words of two (unit stride, even row stride)
 ):
@@ -1338,24 +1400,12 @@ def _rows_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    base_bits, nan_bias = _window_base(bias_ptr, num_experts, stride_bias, INDEX_BITS, E_POW2, FAST_MATH)
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < num_tokens
-    row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
-    base_bits, nan_bias = _window_base(bias_ptr, num_experts, stride_bias, INDEX_BITS, E_POW2, FAST_MATH)
-    keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                                router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
-    # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
-    # logit (its unguarded score is NaN) or a NaN bias anywhere.
-    unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
-    if unproven > 0:
-        exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                               router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                               INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
-        ids, scores = _row_picks(gating_output_ptr, exact, row_off, row_ok, stride_gn, router_output_multiplier,
-                                 TOPK, INDEX_BITS, HAS_MULTIPLIER, FAST_MATH)
-    else:
-        ids, scores = _row_picks(gating_output_ptr, keys, row_off, row_ok, stride_gn, router_output_multiplier,
-                                 TOPK, INDEX_BITS, HAS_MULTIPLIER, FAST_MATH)
-    _row_store(ids, scores, row, row_ok, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk,
-               stride_im, stride_ik, stride_pad, route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)
+    ids, x = _row_tile(gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
+                       router_output_multiplier, base_bits, nan_bias, TOPK, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
+    _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH), row, row_ok,
+               topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
+               route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)

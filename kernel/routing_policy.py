@@ -72,16 +72,17 @@ ALGORITHMS = ("scan", "two_level", "rows")
 ROWS_MAX_TOPK = 8
 """Largest ``topk`` of the rows algorithm (it keeps each token's best 8 keys)."""
 
-ROWS_LAUNCHES = ((49152, 2, 4), (8192, 4, 4), (0, 8, 4))
+ROWS_LAUNCHES = ((8192, 2, 1), (0, 4, 1))
 """The rows algorithm's default launches for bf16/fp16 logits, ``(above this many tokens, threads a token, warps a
-program)``, the first that applies. On an H200 (benchmarks/NOTES.md, v12, 256 experts): at 65536 tokens two threads a
-token in 4-warp programs (25.5 us; one thread 26.2, four 25.8), at 16384 four (8.6 us; two 10.9), at 4096 eight
-(4.0 us; four 4.7)."""
+program)``, the first that applies. One-warp programs: the unproven vote is then a warp's, with no barrier, which
+took 65536 x 256 bf16 from 24.5 us (two threads a token, 4 warps) to 20.1 on an H200 (benchmarks/NOTES.md, v13, 256
+experts): two threads a token at 65536 and 16384 tokens (20.1, 7.2 us; four 26.0 at 65536), four at 4096 (3.3 us;
+two 4.9)."""
 
-ROWS_FP32_LAUNCHES = ((49152, 1, 2), (8192, 4, 4), (0, 8, 4))
+ROWS_FP32_LAUNCHES = ((49152, 2, 1), (0, 4, 1))
 """The rows algorithm's launches for float32 logits of fewer than :data:`ROWS_FP32_TILED_FROM` experts (each thread
-loads its own 16-byte pieces, two a chunk); on an H200 at 128 experts (v11) 23.9 / 7.7 / 3.6 us at 65536 / 16384 /
-4096 tokens, two-level 25.3 / 8.3 / 5.3."""
+loads its own 16-byte pieces, two a chunk); on an H200 at 128 experts (v13) 21.3 / 5.6 / 3.2 us at 65536 / 16384 /
+4096 tokens, two-level 25.1 / 8.3 / 5.3."""
 
 ROWS_FP32_TILED_FROM = 129
 """Experts from which float32 logits reach the rows algorithm through coalesced tiles (``TILE`` 1: a program's rows
@@ -92,11 +93,12 @@ two-level 32.4 / 10.8 / 5.3, the threads' own loads 35.5 / 12.1 / 5.4 (v12)."""
 ROWS_FP32_TILED_LAUNCHES = ((8192, 4, 4), (0, 8, 4))
 """The rows algorithm's launches for float32 logits of :data:`ROWS_FP32_TILED_FROM` experts and more."""
 
-ROWS_AHEAD = 2
-"""Chunks of 8 experts a thread of the rows algorithm loads ahead of the one it sorts (1 to 4), for 16-bit logits
-where a thread takes at least :data:`ROWS_AHEAD_FROM` chunks (elsewhere 1): on an H200 two ahead took 65536 x 256
-bf16 from 27.3 to 25.5 us, but slowed float32 logits and threads of 4 chunks (16384 x 128 bf16, 4 threads a token:
-8.7 against 6.7 us)."""
+ROWS_AHEAD = 4
+"""Chunks of 8 experts a thread of the rows algorithm loads ahead of the one it sorts, for 16-bit logits where a
+thread takes at least :data:`ROWS_AHEAD_FROM` chunks (elsewhere 1): 4, or 2 or 1 where that does not divide the
+chunks a thread takes (each of its loop's steps reloads that many registers in place). On an H200 (v13, one-warp
+programs) four ahead took 4096 x 256 bf16 (four threads a token) from 4.0 to 3.3 us, two ahead 65536 x 256 from 24.5
+to 20.2 us (both ahead 20.1); float32 logits gain nothing (v12: slower)."""
 
 ROWS_AHEAD_FROM = 8
 """Fewest chunks a thread takes for :data:`ROWS_AHEAD` to apply."""
@@ -136,7 +138,8 @@ def rows_loads(num_experts: int, itemsize: int, lanes: int) -> tuple[int, int, i
     chunks = -(-num_experts // 8)
     iters = -(-chunks // (lanes * max(tile, 1)))
     ahead = ROWS_AHEAD if itemsize < 4 and not tile and -(-chunks // lanes) >= ROWS_AHEAD_FROM else 1
-    return tile, min(ahead, iters), iters
+    ahead = max(a for a in (1, 2, 4) if a <= ahead and iters % a == 0)  # whole steps of AHEAD chunks
+    return tile, ahead, iters
 
 
 def rows_index_bits(num_experts: int) -> int:
@@ -229,7 +232,7 @@ def default_config(num_tokens: int, num_experts: int, gating_dtype: torch.dtype,
       vectors), so every reduction of a selection round is a single warp-wide ``REDUX``
       on Hopper: the shortest dependency chain;
     * large batches (prefill) of sigmoid routers with ``topk`` <= :data:`ROWS_MAX_TOPK` and at most
-      :data:`ROWS_MAX_EXPERTS` experts: the rows algorithm, 1 to 8 threads a token by batch size and dtype
+      :data:`ROWS_MAX_EXPERTS` experts: the rows algorithm, 2 to 8 threads a token by batch size and dtype
       (:func:`rows_launches`;
       :func:`routetool_kernels.routing_jit._rows_kernel`);
     * other large batches: the two-level algorithm, one warp per token, 32 columns;
