@@ -98,7 +98,7 @@ if has bench; then
   python3 benchmarks/results.py from-bench "$R/bench.csv" --out "$RESULTS"
 fi
 if has table; then
-  COLUMNS=150 run table 300 python3 -m routetool bench --tokens 1,64,4096,16384,65536 --experts 128,256,384,512 \
+  COLUMNS=150 run table 480 python3 -m routetool bench --tokens 1,64,4096,16384,65536 --experts 128,256,384,512 \
     --dtype fp32,bf16 --kernel tiled --rep-ms 8 --csv "$R/table.csv" --no-progress
   python3 benchmarks/results.py from-bench "$R/table.csv" --out "$RESULTS"
 fi

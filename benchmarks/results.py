@@ -87,7 +87,10 @@ def from_tune(path: str, base: str = "", machine: str = "") -> list[list]:
     for r in csv.DictReader(open(path, newline="")):
         variant, _, switches = r["variant"].partition("[")
         values = defaults | dict(item.split("=") for item in switches.rstrip("]").split(",") if item)
-        launch = (f"{r['algorithm']} threads={r['chunk']} warps={r['num_warps']}" if r["algorithm"] == "rows" else
+        extra = "".join(f" {name}={r[key]}" for name, key in (("programs_per_sm", "programs_per_sm"),
+                                                              ("max_registers", "max_registers"))
+                        if r.get(key) not in (None, "", "0"))
+        launch = (f"{r['algorithm']} threads={r['chunk']} warps={r['num_warps']}{extra}" if r["algorithm"] == "rows" else
                   f"{r['algorithm']} block_t={r['block_t']} chunk={r['chunk']} warps={r['num_warps']}"
                   if r["algorithm"] else "")
         if r["algorithm"] != "rows":

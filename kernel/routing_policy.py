@@ -76,8 +76,8 @@ ROWS_LAUNCHES = ((8192, 2, 1), (0, 4, 1))
 """The rows algorithm's default launches for bf16/fp16 logits, ``(above this many tokens, threads a token, warps a
 program)``, the first that applies. One-warp programs: the unproven vote is then a warp's, with no barrier, which
 took 65536 x 256 bf16 from 24.5 us (two threads a token, 4 warps) to 20.1 on an H200 (benchmarks/NOTES.md, v13, 256
-experts): two threads a token at 65536 and 16384 tokens (20.1, 7.2 us; four 26.0 at 65536), four at 4096 (3.3 us;
-two 4.9)."""
+experts, four chunks ahead): two threads a token at 65536 and 16384 tokens (20.1, 7.2 us; four at 16384 8.5), four
+at 4096 (3.3 us; two 4.9)."""
 
 ROWS_FP32_LAUNCHES = ((49152, 2, 1), (0, 4, 1))
 """The rows algorithm's launches for float32 logits of fewer than :data:`ROWS_FP32_TILED_FROM` experts (each thread
