@@ -1196,10 +1196,11 @@ def _row_select(
     scores (window keys only; NaN where one is).
 
     ``LANES`` threads share a row: in iteration ``i`` lane ``l`` takes chunk ``i * LANES + l`` (8 experts), so
-    a row's lanes read adjacent 16-byte pieces. A loop of ``ITERS`` iterations, each loading the logits of
-    iteration ``i + AHEAD`` (1 to 4; the last iterations re-read the last chunk, in cache) and its own bias
-    before it sorts and merges its own chunk; then the lanes' lists merge (a reduction whose step keeps the
-    best 8 of two sorted lists).
+    a row's lanes read adjacent 16-byte pieces. A loop of ``ITERS`` iterations in steps of ``AHEAD`` (1, 2 or 4,
+    dividing ``ITERS``): iteration ``i`` loads its own bias, makes its chunk's keys, reloads that chunk's
+    registers with iteration ``i + AHEAD``'s logits (:func:`_row_step`; the last iterations re-read the last
+    chunk, in cache) and merges its keys; then the lanes' lists merge (a reduction whose step keeps the best 8
+    of two sorted lists).
     """
     KEY: tl.constexpr = tl.uint64 if EXACT else tl.uint32
     if WORDS:  # int32 words of two bf16 logits (unit stride, an even row stride)

@@ -464,7 +464,7 @@ def test_replay_with_latency(trace, tmp_path):
 
 @pytest.mark.parametrize("E,K,dtype", [(256, 8, torch.bfloat16), (256, 8, torch.float32), (60, 4, torch.float16),
                                        (130, 6, torch.bfloat16)])
-@pytest.mark.parametrize("num_warps,lanes", [(1, 1), (4, 1), (8, 1), (4, 2), (4, 4), (4, 8)])
+@pytest.mark.parametrize("num_warps,lanes", [(1, 1), (4, 1), (8, 1), (1, 2), (4, 2), (1, 4), (4, 4), (4, 8)])
 def test_rows_matches_the_scan_bit_for_bit(E, K, dtype, num_warps, lanes):
     # The rows algorithm (one thread per token, window keys, an exact redo) against the scan algorithm on the
     # same large batch: the same ids and weight bits for every token, and the reference's picks. Rows of ties,
