@@ -1380,11 +1380,11 @@ def _rows_kernel(
     division_eps,
     TOPK: tl.constexpr,  # <= 8
     BLOCK_T: tl.constexpr,  # tokens per program: 32 * num_warps / LANES
-    ITERS: tl.constexpr,  # chunks of 8 experts per lane: cdiv(cdiv(num_experts, 8), LANES)
+    ITERS: tl.constexpr,  # loop iterations: cdiv(cdiv(num_experts, 8), LANES * max(TILE, 1))
     LANES: tl.constexpr,  # threads per token (power of two)
     VEC: tl.constexpr,  # logits per 16-byte load: 4 (fp32) or 8
     BIAS_VEC: tl.constexpr,  # bias values per 16-byte load
-    MASK_EXPERTS: tl.constexpr,  # num_experts < ITERS * LANES * 8
+    MASK_EXPERTS: tl.constexpr,  # num_experts < ITERS * LANES * max(TILE, 1) * 8
     INDEX_BITS: tl.constexpr,  # bits of the largest expert index (<= 8)
     E_POW2: tl.constexpr,  # next power of two >= num_experts
     HAS_MULTIPLIER: tl.constexpr,
@@ -1398,6 +1398,8 @@ def _rows_kernel(
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
+    # (each loop step takes AHEAD whole chunks: another AHEAD would skip or overrun chunks)
+    tl.static_assert((AHEAD == 1 or AHEAD == 2 or AHEAD == 4) and ITERS % AHEAD == 0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -67,6 +67,7 @@ def two_level(E, K, block_t=1, width=32, programs_per_sm=2, num_warps=1):
 
 
 ROWS = LaunchConfig(block_t=32, chunk=1, num_warps=1, algorithm="rows")
+ROWS_LANES2 = LaunchConfig(block_t=16, chunk=2, num_warps=1, algorithm="rows")  # 2 threads a token, one warp
 ROWS_LANES4 = LaunchConfig(block_t=16, chunk=4, num_warps=2, algorithm="rows")  # 4 threads a token
 
 
@@ -465,23 +466,27 @@ def test_rows_window_keys_and_their_redo(E, K, dtype, device):
                                               (2, 2, 1), (1, 4, 1), (1, 8, 0)])
 def test_rows_launch_switches_change_no_bit(ahead, tile, words, device, monkeypatch, request):
     # a thread of the rows algorithm loads its logits 1, 2 or 4 chunks ahead of the one it sorts (where it takes at
-    # least ROWS_AHEAD_FROM chunks: the most of ROWS_AHEAD that divides its iterations) or from coalesced tiles,
-    # and reads bf16 logits as words of two or one by one; the ids and weights are the scan's bits for each, incl.
-    # a NaN logit (the redo loads ahead too) and a partial last chunk
+    # least ROWS_AHEAD_FROM chunks: the most of ROWS_AHEAD that divides its iterations: 3 gives 2) or from
+    # coalesced tiles, and reads bf16 logits as words of two or one by one; the ids and
+    # weights are the scan's bits for each, incl. NaN logits (the redo loads ahead too; one in the last program,
+    # whose rows past the batch read the last row) and a partial last chunk
     from routetool_kernels import routing_policy
 
     request.addfinalizer(clear_plans)
-    E, K, T = 60, 8, 33  # 8 chunks, the last half empty: 8 iterations with one thread a token, 2 with four
+    # 8 chunks, the last half empty: 8 iterations with one thread a token, 4 with two (one step of 4 ahead), 2
+    # with four
+    E, K, T = 60, 8, 33
     logits, bias = _inputs(T, E, torch.bfloat16, device, seed=ahead)
     logits[5, 58] = float("nan")
+    logits[32, 3] = float("nan")
     w_scan, ids_scan = fused_musespark1x_routing(logits, bias, K, 2.5, config=LaunchConfig(block_t=8, chunk=8,
                                                                                            num_warps=1))
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD", ahead)
     monkeypatch.setattr(routing_policy, "ROWS_TILE", tile)
-    monkeypatch.setattr(routing_policy, "ROWS_AHEAD_FROM", 1)  # (the 4 threads a token take 3 chunks each)
+    monkeypatch.setattr(routing_policy, "ROWS_AHEAD_FROM", 1)  # (the 4 threads a token take 2 chunks each)
     monkeypatch.setattr(routing_policy, "ROWS_WORDS", words)
     clear_plans()
-    for rows in (ROWS, ROWS_LANES4):
+    for rows in (ROWS, ROWS_LANES2, ROWS_LANES4):
         w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=rows)
         assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), rows
 
