@@ -97,8 +97,8 @@ ROWS_AHEAD = 4
 """Chunks of 8 experts a thread of the rows algorithm loads ahead of the one it sorts, for 16-bit logits where a
 thread takes at least :data:`ROWS_AHEAD_FROM` chunks (elsewhere 1): 4, or 2 or 1 where that does not divide the
 chunks a thread takes (each of its loop's steps reloads that many registers in place). On an H200 (v13, one-warp
-programs) four ahead took 4096 x 256 bf16 (four threads a token) from 4.0 to 3.3 us, two ahead 65536 x 256 from 24.5
-to 20.2 us (both ahead 20.1); float32 logits gain nothing (v12: slower)."""
+programs) four ahead took 4096 x 256 bf16 (four threads a token) from 4.0 us with two ahead to 3.3, 16384 x 256 (two
+threads) from 8.8 to 7.2, 65536 x 256 20.1 against 20.2; float32 logits gain nothing (v12: slower)."""
 
 ROWS_AHEAD_FROM = 8
 """Fewest chunks a thread takes for :data:`ROWS_AHEAD` to apply."""
