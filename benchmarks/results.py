@@ -87,8 +87,7 @@ def from_tune(path: str, base: str = "", machine: str = "") -> list[list]:
     for r in csv.DictReader(open(path, newline="")):
         variant, _, switches = r["variant"].partition("[")
         values = defaults | dict(item.split("=") for item in switches.rstrip("]").split(",") if item)
-        extra = "".join(f" {name}={r[key]}" for name, key in (("programs_per_sm", "programs_per_sm"),
-                                                              ("max_registers", "max_registers"))
+        extra = "".join(f" {key}={r[key]}" for key in ("programs_per_sm", "max_registers")
                         if r.get(key) not in (None, "", "0"))
         launch = (f"{r['algorithm']} threads={r['chunk']} warps={r['num_warps']}{extra}" if r["algorithm"] == "rows" else
                   f"{r['algorithm']} block_t={r['block_t']} chunk={r['chunk']} warps={r['num_warps']}"
@@ -114,10 +113,9 @@ def main() -> None:
     ap.add_argument("--base", default="", help="from-tune: the policy switches the sweep ran with (NAME=V,...)")
     ap.add_argument("--machine", default="", help="from-tune: the GPU's name (the sweep's CSV has none)")
     opts = ap.parse_args()
-    if opts.kind == "from-tune":
-        append(from_tune(opts.path, opts.base, opts.machine), opts.out)
-    else:
-        append(from_bench(opts.path) if opts.kind == "from-bench" else from_host(opts.path), opts.out)
+    read = {"from-bench": lambda: from_bench(opts.path), "from-host": lambda: from_host(opts.path),
+            "from-tune": lambda: from_tune(opts.path, opts.base, opts.machine)}
+    append(read[opts.kind](), opts.out)
 
 
 if __name__ == "__main__":

@@ -1283,6 +1283,17 @@ def _merge_lanes(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7)
 
 
 @triton.jit
+def _key_ids(keys, TOPK: tl.constexpr, INDEX_BITS: tl.constexpr):
+    """The experts (a ``TOPK``-tuple of int32 tensors) of the best ``TOPK`` of :func:`_row_select`'s keys (window or
+    exact: the expert is ``2**INDEX_BITS - 1`` less the low bits)."""
+    MAXIDX: tl.constexpr = (1 << INDEX_BITS) - 1
+    ids = ()
+    for k in tl.static_range(TOPK):
+        ids = ids + ((MAXIDX - (keys[k] & MAXIDX)).to(tl.int32),)
+    return ids
+
+
+@triton.jit
 def _row_tile(
     gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
     router_output_multiplier, base_bits, nan_bias,
@@ -1299,17 +1310,12 @@ def _row_tile(
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
     unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
-    MAXIDX: tl.constexpr = (1 << INDEX_BITS) - 1
-    ids = ()
-    for k in tl.static_range(TOPK):
-        ids = ids + ((MAXIDX - (keys[k] & MAXIDX)).to(tl.int32),)
+    ids = _key_ids(keys, TOPK, INDEX_BITS)
     if unproven > 0:
         exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
                                INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
-        ids = ()
-        for k in tl.static_range(TOPK):
-            ids = ids + ((MAXIDX - (exact[k] & MAXIDX)).to(tl.int32),)
+        ids = _key_ids(exact, TOPK, INDEX_BITS)
     x = ()
     for k in tl.static_range(TOPK):
         x = x + (tl.load(gating_output_ptr + row_off + ids[k] * stride_gn),)
