@@ -5,7 +5,8 @@
 #
 #   tests     every test marked gpu, and all kernel and bench tests (compiled), in parallel shards
 #   gpu-tests only the tests marked gpu, in parallel shards (a shorter check of GPU paths)
-#   validate  routetool validate --suite full --kernel tiled (the shapes and the models family each in a process of its own)
+#   validate  routetool validate --suite full --kernel tiled (the shapes and the models family each in a process of its own;
+#             the models family in VALIDATE_NPROC processes under torchrun, default 1)
 #   quick     routetool validate --suite quick --kernel tiled (beside the tests, as validate)
 #   replays   routetool replay of every bundled trace, with latency
 #   bench     routetool bench: tiled vs seed, 64 and 65536 tokens, 256 experts, fp32 and bf16
@@ -78,7 +79,10 @@ if has validate; then
   run validate-rest 300 python3 -m routetool validate --suite full --kernel tiled --device cuda --family ties \
     --family nonfinite --family bias --family layouts --family dtypes --family padding --family parameters \
     --json "$R/validate-rest.json" --no-progress &
-  run validate-models 540 python3 -m routetool validate --suite full --kernel tiled --device cuda --family models \
+  # the models family compiles most (every batch switch of every model): VALIDATE_NPROC processes share its cases
+  # (torchrun on one GPU, gloo), each compiling its own
+  run validate-models 540 python3 -m torch.distributed.run --standalone --nproc-per-node "${VALIDATE_NPROC:-1}" \
+    -m routetool validate --suite full --kernel tiled --device cuda --family models \
     --json "$R/validate-models.json" --no-progress &
 fi
 if has quick; then
