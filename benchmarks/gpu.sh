@@ -5,9 +5,10 @@
 #
 #   tests     every test marked gpu, and all kernel and bench tests (compiled), in parallel shards
 #   gpu-tests only the tests marked gpu, in parallel shards (a shorter check of GPU paths)
-#   validate  routetool validate --suite full --kernel tiled (the shapes and the models family each in a process of its own;
-#             the models family in VALIDATE_NPROC processes under torchrun, default 1)
-#   quick     routetool validate --suite quick --kernel tiled (beside the tests, as validate)
+#   validate  routetool validate --suite full --kernel tiled, every family but models (the shapes in a process of its own)
+#   models    routetool validate --suite full --kernel tiled --family models, in VALIDATE_NPROC processes (default 8)
+#             under torchrun: alone in a call, it compiles for minutes on a fresh machine (quick holds it too)
+#   quick     routetool validate --suite quick --kernel tiled (after the others, under torchrun as models)
 #   replays   routetool replay of every bundled trace, with latency
 #   bench     routetool bench: tiled vs seed, 64 and 65536 tokens, 256 experts, fp32 and bf16
 #   table     routetool bench: the tiled kernel's table (1 to 65536 tokens, 128 to 512 experts, fp32 and bf16)
@@ -79,17 +80,19 @@ if has validate; then
   run validate-rest 300 python3 -m routetool validate --suite full --kernel tiled --device cuda --family ties \
     --family nonfinite --family bias --family layouts --family dtypes --family padding --family parameters \
     --json "$R/validate-rest.json" --no-progress &
-  # the models family compiles most (every batch switch of every model): VALIDATE_NPROC processes share its cases
-  # (torchrun on one GPU, gloo), each compiling its own
-  run validate-models 540 python3 -m torch.distributed.run --standalone --nproc-per-node "${VALIDATE_NPROC:-1}" \
+fi
+if has models; then
+  # the models family compiles the most (each model's launch at every batch switch; two-level at 512-896 experts and
+  # topk 16-22 over a minute a launch): VALIDATE_NPROC processes share its cases (torchrun on one GPU, gloo)
+  run validate-models 540 python3 -m torch.distributed.run --standalone --nproc-per-node "${VALIDATE_NPROC:-8}" \
     -m routetool validate --suite full --kernel tiled --device cuda --family models \
     --json "$R/validate-models.json" --no-progress &
 fi
-if has quick; then
-  run validate-quick 300 python3 -m routetool validate --suite quick --kernel tiled --device cuda \
-    --json "$R/validate-quick.json" --no-progress &
-fi
 wait
+if has quick; then  # (after the models family: the same models' launches, then in the compile cache)
+  run validate-quick 300 python3 -m torch.distributed.run --standalone --nproc-per-node "${VALIDATE_NPROC:-8}" \
+    -m routetool validate --suite quick --kernel tiled --device cuda --json "$R/validate-quick.json" --no-progress
+fi
 if has replays; then
   for t in traces/*.safetensors; do
     n=$(basename "$t" .safetensors)

@@ -111,6 +111,23 @@ does not set 1; 0: each thread loads its own chunks, 16 bytes at a time."""
 ROWS_WORDS = 1
 """Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""
 
+ROWS_PREFETCH = 0
+"""Where the rows algorithm prefetches each chunk's next logits before making its keys (1: L1, 2: L2, 0: not at
+all), on NVIDIA GPUs and with each thread loading its own chunks (no :data:`ROWS_TILE`). ptxas issues a step's
+reloads at its end, just before their use (the v13 profile of 65536 x 256 bf16 put 14% of the warps' stall samples
+on the first use of a reload); a prefetch stays where it is written. Not measured yet: 0 until a sweep
+(``--variant ROWS_PREFETCH=1``) shows a gain."""
+
+ROWS_PREFETCH_AHEAD = 0
+"""Iterations ahead of the chunk being sorted whose line a :data:`ROWS_PREFETCH` prefetch asks for (0: the chunk
+the step reloads, :data:`ROWS_AHEAD` ahead), so that one or two chunks ahead in registers (64 registers: a whole
+wave resident) can prefetch further ahead."""
+
+ROWS_GATHER_FIRST = 0
+"""Whether the rows algorithm reads its picks' logits (for their weights) before the vote on the exact redo
+rather than after it (again after a redo): the vote's shuffles then hide part of the re-read's latency, which held
+12% of v12's stall samples. Not measured yet: 0 until a sweep (``--variant ROWS_GATHER_FIRST=1``) shows a gain."""
+
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits
 (:func:`rows_index_bits`) and the score in the other ``32 - INDEX_BITS``, at least two binades."""

@@ -469,6 +469,33 @@ def test_rows_matches_the_scan_bit_for_bit(E, K, dtype, num_warps, lanes):
     # The rows algorithm (one thread per token, window keys, an exact redo) against the scan algorithm on the
     # same large batch: the same ids and weight bits for every token, and the reference's picks. Rows of ties,
     # NaN logits and scores below the window send their tiles to the redo.
+    _rows_against_scan(E, K, dtype, num_warps, lanes)
+
+
+@pytest.mark.parametrize("E,K,dtype", [(256, 8, torch.bfloat16), (130, 6, torch.bfloat16), (256, 8, torch.float32)])
+@pytest.mark.parametrize("prefetch,prefetch_ahead,ahead,gather", [(1, 0, 4, 0), (2, 0, 4, 0), (1, 0, 4, 1), (0, 0, 4, 1),
+                                                                  (1, 4, 2, 0), (2, 5, 1, 1)])
+def test_rows_prefetch_and_early_gather_change_no_bit(E, K, dtype, prefetch, prefetch_ahead, ahead, gather,
+                                                      monkeypatch, request):
+    # The rows kernel's untimed switches, as a sweep would turn them on: each reload's line prefetched into L1 or
+    # L2 (inline PTX, compiled launches only; the last chunks of a 130-expert row clamped to the row), the reload's
+    # chunk or one further ahead (clamped to the last iteration), and the picks' logits read before the redo vote;
+    # two and four threads a token
+    from routetool_kernels import routing_policy
+    from routetool_kernels._dispatch import clear_plans
+
+    request.addfinalizer(clear_plans)
+    monkeypatch.setattr(routing_policy, "ROWS_PREFETCH", prefetch)
+    monkeypatch.setattr(routing_policy, "ROWS_GATHER_FIRST", gather)
+    monkeypatch.setattr(routing_policy, "ROWS_PREFETCH_AHEAD", prefetch_ahead)
+    monkeypatch.setattr(routing_policy, "ROWS_AHEAD", ahead)
+    monkeypatch.setattr(routing_policy, "ROWS_AHEAD_FROM", 1)
+    clear_plans()
+    for lanes in (2, 4):
+        _rows_against_scan(E, K, dtype, 1, lanes)
+
+
+def _rows_against_scan(E, K, dtype, num_warps, lanes):
     from routetool_kernels import LaunchConfig, default_config, fused_musespark1x_routing
 
     T = 8197
