@@ -46,6 +46,7 @@ ln -s "$PWD/kernel" "$KPATH/routetool_kernels"
 export PYTHONPATH=$PWD:$KPATH${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 DEADLINE=$((SECONDS + ${BUDGET_S:-570}))
 MODES=${*:-tests validate replays bench host engine}
+TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${VALIDATE_NPROC:-8}")  # models, quick
 RESULTS="$OUT/results.csv"
 
 run() {  # run NAME SECONDS CMD...: log to $R/NAME.txt, exit code to $S, never past the deadline
@@ -84,14 +85,13 @@ fi
 if has models; then
   # the models family compiles the most (each model's launch at every batch switch; two-level at 512-896 experts and
   # topk 16-22 over a minute a launch): VALIDATE_NPROC processes share its cases (torchrun on one GPU, gloo)
-  run validate-models 540 python3 -m torch.distributed.run --standalone --nproc-per-node "${VALIDATE_NPROC:-8}" \
-    -m routetool validate --suite full --kernel tiled --device cuda --family models \
-    --json "$R/validate-models.json" --no-progress &
+  run validate-models 540 "${TORCHRUN[@]}" -m routetool validate --suite full --kernel tiled --device cuda \
+    --family models --json "$R/validate-models.json" --no-progress &
 fi
 wait
 if has quick; then  # (after the models family: the same models' launches, then in the compile cache)
-  run validate-quick 300 python3 -m torch.distributed.run --standalone --nproc-per-node "${VALIDATE_NPROC:-8}" \
-    -m routetool validate --suite quick --kernel tiled --device cuda --json "$R/validate-quick.json" --no-progress
+  run validate-quick 300 "${TORCHRUN[@]}" -m routetool validate --suite quick --kernel tiled --device cuda \
+    --json "$R/validate-quick.json" --no-progress
 fi
 if has replays; then
   for t in traces/*.safetensors; do

@@ -1195,11 +1195,9 @@ def _row_step(
     next step's start (SASS for sm_90, Triton 3.6: the PTX has them after each chunk's keys), which leaves a load's
     whole latency to wait for; a prefetch holds no register and stays where it is written, so the late reload finds
     its line in cache."""
-    nxt = tl.minimum(j + AHEAD, ITERS - 1) * LANES + lane
     if PREFETCH > 0:
-        pc = nxt[:, :, None]
-        if PREFETCH_AHEAD > 0:
-            pc = (tl.minimum(j + PREFETCH_AHEAD, ITERS - 1) * LANES + lane)[:, :, None]
+        PF_AHEAD: tl.constexpr = PREFETCH_AHEAD if PREFETCH_AHEAD > 0 else AHEAD
+        pc = (tl.minimum(j + PF_AHEAD, ITERS - 1) * LANES + lane)[:, :, None]
         if MASK_EXPERTS:  # (the last chunks of a row may lie past it: the row's last chunk instead)
             pc = tl.minimum(pc, (num_experts - 1) // 8)
         if WORDS:
@@ -1211,6 +1209,7 @@ def _row_step(
     keys, nan_sum = _row_keys(xlo, xhi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum, c,
                               key_scale, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH,
                               WORDS)
+    nxt = tl.minimum(j + AHEAD, ITERS - 1) * LANES + lane
     xlo, xhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
     return _keep_best8(best, _sort8(*keys)), nan_sum, xlo, xhi
 
