@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu.sh [MODE ...]      (default: tests validate replays bench host engine)
 #
 #   tests     every test marked gpu, and all kernel and bench tests (compiled), in parallel shards
-#   gpu-tests only the tests marked gpu, in parallel shards (a shorter check of GPU paths)
+#   gpu-tests only the tests marked gpu, in parallel shards (a shorter check of GPU paths); PYTEST_K="EXPR": only
+#             the tests pytest's -k EXPR selects (tests and gpu-tests)
 #   validate  routetool validate --suite full --kernel tiled, every family but models (the shapes in a process of its own)
 #   models    routetool validate --suite full --kernel tiled --family models, in VALIDATE_NPROC processes (default 8)
 #             under torchrun: alone in a call, it compiles for minutes on a fresh machine (quick holds it too)
@@ -66,8 +67,9 @@ has() { case " $MODES " in *" $1 "*) return 0 ;; esac; return 1; }
   echo "commit ${ROUTETOOL_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null)}"; } >> "$S"
 
 if has tests || has gpu-tests; then
-  { has tests && python3 -m pytest -q -p no:cacheprovider --co tests/kernel/test_kernel.py tests/analysis/test_bench.py 2>/dev/null
-    python3 -m pytest -q -p no:cacheprovider --co -m gpu tests 2>/dev/null; } | grep '::' | sort -u > "$R/pytest-ids.txt"
+  K=(${PYTEST_K:+-k "$PYTEST_K"})
+  { has tests && python3 -m pytest -q -p no:cacheprovider --co "${K[@]}" tests/kernel/test_kernel.py tests/analysis/test_bench.py 2>/dev/null
+    python3 -m pytest -q -p no:cacheprovider --co -m gpu "${K[@]}" tests 2>/dev/null; } | grep '::' | sort -u > "$R/pytest-ids.txt"
   for i in 1 2 3 4 5 6; do
     # spread by a hash of the test id, so that neighbouring (similarly heavy) parametrizations part
     python3 -c "import sys, zlib; [print(l, end='') for l in open(sys.argv[1]) if zlib.crc32(l.encode()) % 6 == $i - 1]" \

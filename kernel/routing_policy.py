@@ -128,6 +128,16 @@ ROWS_GATHER_FIRST = 0
 rather than after it (again after a redo): the vote's shuffles then hide part of the re-read's latency, which held
 12% of v12's stall samples. Not measured yet: 0 until a sweep (``--variant ROWS_GATHER_FIRST=1``) shows a gain."""
 
+ROWS_CHUNK_MAX = 0
+"""Whether the rows algorithm selects chunks by their largest keys and rescans the ``topk`` it keeps (``CHUNK_MAX``
+of :func:`routetool_kernels.routing_jit._row_select`: 15 integer operations a chunk of 8 experts in the loop
+instead of 70, the ALU pipe's busiest work, for ``topk`` chunks' keys made twice), where :func:`rows_chunk_max`
+says. Not measured yet: 0 until a sweep (``--variant ROWS_CHUNK_MAX=1``) shows a gain."""
+
+ROWS_CHUNK_MAX_FROM = 16
+"""Fewest chunks of 8 experts a token has for :data:`ROWS_CHUNK_MAX` to apply (at least ``topk``: the rescan's
+chunks must be distinct)."""
+
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits
 (:func:`rows_index_bits`) and the score in the other ``32 - INDEX_BITS``, at least two binades."""
@@ -157,6 +167,12 @@ def rows_loads(num_experts: int, itemsize: int, lanes: int) -> tuple[int, int, i
     ahead = ROWS_AHEAD if itemsize < 4 and not tile and -(-chunks // lanes) >= ROWS_AHEAD_FROM else 1
     ahead = max(a for a in (1, 2, 4) if a <= ahead and iters % a == 0)  # whole steps of AHEAD chunks
     return tile, ahead, iters
+
+
+def rows_chunk_max(num_experts: int, topk: int) -> bool:
+    """Whether a rows launch selects chunks by their largest keys (:data:`ROWS_CHUNK_MAX`,
+    :data:`ROWS_CHUNK_MAX_FROM`)."""
+    return bool(ROWS_CHUNK_MAX) and -(-num_experts // 8) >= max(topk, ROWS_CHUNK_MAX_FROM)
 
 
 def rows_index_bits(num_experts: int) -> int:
