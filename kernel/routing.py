@@ -173,8 +173,7 @@ def fused_musespark1x_routing(
                  WORDS=_row_words(gating_output, tile),
                  PREFETCH=policy.ROWS_PREFETCH if common["FAST_MATH"] and not tile else 0,
                  PREFETCH_AHEAD=policy.ROWS_PREFETCH_AHEAD,
-                 GATHER_FIRST=bool(policy.ROWS_GATHER_FIRST),
-                 CHUNK_MAX=policy.rows_chunk_max(launch.num_experts, launch.topk), **common),
+                 GATHER_FIRST=bool(policy.ROWS_GATHER_FIRST), **common),
             ROUTING_PER_CALL)
     else:
         common.update(NORMALIZATION_MODE=launch.normalization_mode, TOTAL_BITS=policy.sum_bits(e_pad))

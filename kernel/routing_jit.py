@@ -971,33 +971,6 @@ def _keep_best8(t, s):
 
 
 @triton.jit
-def _max8(keys):
-    """The largest of 8 keys (a tuple), by a tree of maxima (ptxas fuses pairs into 3-input ``VIMNMX3``)."""
-    a = tl.maximum(tl.maximum(keys[0], keys[1]), tl.maximum(keys[2], keys[3]))
-    b = tl.maximum(tl.maximum(keys[4], keys[5]), tl.maximum(keys[6], keys[7]))
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _insert_key(t, m):
-    """Key ``m`` inserted into the descending 8-key list ``t`` (a tuple), the smallest dropped: slot ``i`` becomes
-    ``max(t[i], min(t[i - 1], m))`` (15 independent operations in two levels)."""
-    out = (tl.maximum(t[0], m),)
-    for i in tl.static_range(1, 8):
-        out = out + (tl.maximum(t[i], tl.minimum(t[i - 1], m)),)
-    return out
-
-
-@triton.jit
-def _row_merge(best, keys, CHUNK_MAX: tl.constexpr):
-    """``best`` (a descending 8-key list) with a chunk's 8 keys merged in: all 8 (:func:`_sort8`, then
-    :func:`_keep_best8`), or with ``CHUNK_MAX`` only their largest (:func:`_insert_key`)."""
-    if CHUNK_MAX:
-        return _insert_key(best, _max8(keys))
-    return _keep_best8(best, _sort8(*keys))
-
-
-@triton.jit
 def _columns(x, VEC: tl.constexpr):
     """The ``VEC`` (4 or 8) columns of a ``(BLOCK_T, LANES, VEC)`` tile whose last axis a thread holds, as a
     tuple of ``(BLOCK_T, LANES)`` tensors in column order (splits within a thread: no data moves)."""
@@ -1212,11 +1185,10 @@ def _row_step(
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
     AHEAD: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr = 0, PREFETCH_AHEAD: tl.constexpr = 0,
-    CHUNK_MAX: tl.constexpr = False,
 ):
     """One chunk of :func:`_row_select`'s loop: the keys of iteration ``j``'s chunk (its logits ``xlo, xhi``, loaded
     ``AHEAD`` iterations before), that chunk's slot reloaded with iteration ``j + AHEAD``'s logits, and the
-    chunk's keys merged into ``best`` (:func:`_row_merge`). Returns ``(best, nan_sum, xlo, xhi)``.
+    chunk's keys merged into ``best``. Returns ``(best, nan_sum, xlo, xhi)``.
 
     ``PREFETCH`` (1: L1, 2: L2; 0: none): first a prefetch of the line of iteration ``j + PREFETCH_AHEAD``'s chunk
     (0: ``j + AHEAD``, the reload's). ptxas issues the reloads of a step at its end, next to their first use at the
@@ -1239,7 +1211,7 @@ def _row_step(
                               WORDS)
     nxt = tl.minimum(j + AHEAD, ITERS - 1) * LANES + lane
     xlo, xhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
-    return _row_merge(best, keys, CHUNK_MAX), nan_sum, xlo, xhi
+    return _keep_best8(best, _sort8(*keys)), nan_sum, xlo, xhi
 
 
 @triton.jit
@@ -1248,10 +1220,10 @@ def _row_select(
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
     AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    PREFETCH_AHEAD: tl.constexpr = 0, TOPK: tl.constexpr = 8, CHUNK_MAX: tl.constexpr = False,
+    PREFETCH_AHEAD: tl.constexpr = 0,
 ):
-    """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors; with ``CHUNK_MAX`` the first ``TOPK``
-    of them), and the row sums of the biased scores (window keys only; NaN where one is).
+    """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors), and the row sums of the biased
+    scores (window keys only; NaN where one is).
 
     ``LANES`` threads share a row: in iteration ``i`` lane ``l`` takes chunk ``i * LANES + l`` (8 experts), so
     a row's lanes read adjacent 16-byte pieces. A loop of ``ITERS`` iterations in steps of ``AHEAD`` (1, 2 or 4,
@@ -1259,15 +1231,8 @@ def _row_select(
     registers with iteration ``i + AHEAD``'s logits (:func:`_row_step`; the last iterations re-read the last
     chunk, in cache) and merges its keys; then the lanes' lists merge (a reduction whose step keeps the best 8
     of two sorted lists).
-
-    ``CHUNK_MAX`` (window keys; at least ``TOPK`` chunks hold an expert): the loop keeps the best 8 of the chunks'
-    largest keys instead (:func:`_row_merge`: 15 operations a chunk instead of 70), then the lanes rescan the
-    ``TOPK`` chunks those name (:func:`_row_rescan`). A token's best ``TOPK`` keys lie in them: a chunk's largest
-    key is at least each of its keys, and keys are distinct, so the chunk of the ``k``-th best key has a largest key
-    with fewer than ``k`` larger chunk maxima. The same keys as the full loop's, so the same bits.
     """
     KEY: tl.constexpr = tl.uint64 if EXACT else tl.uint32
-    CM: tl.constexpr = CHUNK_MAX and not EXACT
     if WORDS:  # int32 words of two bf16 logits (unit stride, an even row stride)
         gbase = gating_output_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (row_off // 2)[:, None, None]
         col = tl.arange(0, 4)[None, None, :]
@@ -1316,74 +1281,32 @@ def _row_select(
                 keys, nan_sum = _row_keys(chunks[g], chunks[g], qlo, qhi, num_experts, router_output_multiplier,
                                           base_bits, nan_sum, c, key_scale, 8, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
                                           EXACT, HAS_MULTIPLIER, FAST_MATH)
-                best = _row_merge(best, keys, CM)
+                best = _keep_best8(best, _sort8(*keys))
             x = nx
     else:
         for i in range(0, ITERS, AHEAD):
             best, nan_sum, alo, ahi = _row_step(best, nan_sum, alo, ahi, i, gbase, col, bbase, bcol, lane, num_experts,
                                                 stride_gn, stride_bias, router_output_multiplier, base_bits, key_scale,
                                                 ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
-                                                HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, PREFETCH, PREFETCH_AHEAD, CM)
+                                                HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, PREFETCH, PREFETCH_AHEAD)
             if AHEAD >= 2:
                 best, nan_sum, blo, bhi = _row_step(best, nan_sum, blo, bhi, i + 1, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
                                                     base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
                                                     INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS,
-                                                    PREFETCH, PREFETCH_AHEAD, CM)
+                                                    PREFETCH, PREFETCH_AHEAD)
             if AHEAD >= 4:
                 best, nan_sum, clo, chi = _row_step(best, nan_sum, clo, chi, i + 2, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
                                                     base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
                                                     INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS,
-                                                    PREFETCH, PREFETCH_AHEAD, CM)
+                                                    PREFETCH, PREFETCH_AHEAD)
                 best, nan_sum, dlo, dhi = _row_step(best, nan_sum, dlo, dhi, i + 3, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
                                                     base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
                                                     INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS,
-                                                    PREFETCH, PREFETCH_AHEAD, CM)
-    best = tl.reduce(best, 1, _merge_lanes)
-    if CM:
-        best = _row_rescan(best, gbase, col, bbase, bcol, lane, key_scale, num_experts, stride_gn, stride_bias,
-                           router_output_multiplier, base_bits, TOPK, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
-                           HAS_MULTIPLIER, FAST_MATH, WORDS)
-    return best, tl.sum(nan_sum, axis=1)
-
-
-@triton.jit
-def _row_rescan(
-    top, gbase, col, bbase, bcol, lane, key_scale, num_experts, stride_gn, stride_bias, router_output_multiplier,
-    base_bits,
-    TOPK: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
-    INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr, WORDS: tl.constexpr,
-):
-    """The best 8 window keys (descending ``(BLOCK_T,)`` tensors) of the chunks whose largest keys are ``top``'s
-    first ``TOPK`` (:func:`_row_select` with ``CHUNK_MAX``): in round ``r`` lane ``l`` reloads chunk ``r * LANES +
-    l`` of those (in cache: just read), remakes its keys and merges them; then the lanes merge their lists."""
-    MAXIDX: tl.constexpr = (1 << INDEX_BITS) - 1
-    chunks = ()
-    for k in tl.static_range(TOPK):
-        chunks = chunks + (((MAXIDX - (top[k] & MAXIDX)) >> 3).to(tl.int32)[:, None],)
-    zero = tl.zeros([top[0].shape[0], LANES], tl.uint32)
-    best = (zero, zero, zero, zero, zero, zero, zero, zero)
-    nan_sum = tl.zeros([top[0].shape[0], LANES], tl.float32)
-    for r in tl.static_range((TOPK + LANES - 1) // LANES):
-        c = chunks[r * LANES] + 0 * lane
-        for l in tl.static_range(1, LANES):
-            if r * LANES + l < TOPK:
-                c = tl.where(lane == l, chunks[r * LANES + l], c)
-        xlo, xhi = _load_chunk(gbase, col, c[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
-        qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
-        keys, nan_sum = _row_keys(xlo, xhi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum, c,
-                                  key_scale, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, False, HAS_MULTIPLIER,
-                                  FAST_MATH, WORDS)
-        if (r + 1) * LANES > TOPK:  # (the lanes past the TOPK-th chunk hold lane 0's again: no keys)
-            ok = r * LANES + lane < TOPK
-            kept = ()
-            for j in tl.static_range(8):
-                kept = kept + (tl.where(ok, keys[j], 0),)
-            keys = kept
-        best = _keep_best8(best, _sort8(*keys))
-    return tl.reduce(best, 1, _merge_lanes)
+                                                    PREFETCH, PREFETCH_AHEAD)
+    return tl.reduce(best, 1, _merge_lanes), tl.sum(nan_sum, axis=1)
 
 
 @triton.jit
@@ -1410,7 +1333,7 @@ def _row_tile(
     TOPK: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr,
     MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
     AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_AHEAD: tl.constexpr,
-    GATHER_FIRST: tl.constexpr, CHUNK_MAX: tl.constexpr,
+    GATHER_FIRST: tl.constexpr,
 ):
     """The picks of a tile's rows ``row`` (``(BLOCK_T,)`` int32, past ``num_tokens`` read as the last row): their
     ids and raw logits, re-read (in cache; ``TOPK``-tuples of ``(BLOCK_T,)`` tensors)."""
@@ -1418,7 +1341,7 @@ def _row_tile(
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
                                 INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, PREFETCH,
-                                PREFETCH_AHEAD, TOPK, CHUNK_MAX)
+                                PREFETCH_AHEAD)
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
     unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
@@ -1529,7 +1452,6 @@ def _rows_kernel(
     PREFETCH: tl.constexpr = 0,  # each reload's line prefetched first: 1 into L1, 2 into L2 (NVIDIA only)
     PREFETCH_AHEAD: tl.constexpr = 0,  # iterations ahead of the chunk sorted that a prefetch asks for (0: AHEAD)
     GATHER_FIRST: tl.constexpr = False,  # the picks' logits read before the redo vote (again after a redo)
-    CHUNK_MAX: tl.constexpr = False,  # select chunks by their largest keys, then rescan them (>= TOPK chunks hold an expert)
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
@@ -1543,8 +1465,7 @@ def _rows_kernel(
     row_ok = row < num_tokens
     ids, x = _row_tile(gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
                        router_output_multiplier, base_bits, nan_bias, TOPK, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, PREFETCH, PREFETCH_AHEAD, GATHER_FIRST,
-                       CHUNK_MAX)
+                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, PREFETCH, PREFETCH_AHEAD, GATHER_FIRST)
     _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH), row, row_ok,
                topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
                route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)

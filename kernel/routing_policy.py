@@ -72,17 +72,17 @@ ALGORITHMS = ("scan", "two_level", "rows")
 ROWS_MAX_TOPK = 8
 """Largest ``topk`` of the rows algorithm (it keeps each token's best 8 keys)."""
 
-ROWS_LAUNCHES = ((8192, 2, 1), (0, 4, 1))
+ROWS_LAUNCHES = ((8192, 2, 1), (0, 8, 1))
 """The rows algorithm's default launches for bf16/fp16 logits, ``(above this many tokens, threads a token, warps a
 program)``, the first that applies. One-warp programs: the unproven vote is then a warp's, with no barrier, which
 took 65536 x 256 bf16 from 24.5 us (two threads a token, 4 warps) to 20.1 on an H200 (benchmarks/NOTES.md, v13, 256
-experts, four chunks ahead): two threads a token at 65536 and 16384 tokens (20.1, 7.2 us; four at 16384 8.5), four
-at 4096 (3.3 us; two 4.9)."""
+experts, four chunks ahead). v15 (H200): two threads a token at 65536 and 16384 tokens (256 experts 19.7, 7.1 us;
+four 21.4, 8.5; eight 26.2, 7.7), eight at 4096 (3.0 us; four 3.3; 128 experts 2.4 against 2.5)."""
 
-ROWS_FP32_LAUNCHES = ((49152, 2, 1), (0, 4, 1))
+ROWS_FP32_LAUNCHES = ((8192, 4, 1), (0, 8, 1))
 """The rows algorithm's launches for float32 logits of fewer than :data:`ROWS_FP32_TILED_FROM` experts (each thread
-loads its own 16-byte pieces, two a chunk); on an H200 at 128 experts (v13) 21.3 / 5.6 / 3.2 us at 65536 / 16384 /
-4096 tokens, two-level 25.1 / 8.3 / 5.3."""
+loads its own 16-byte pieces, two a chunk); on an H200 at 128 experts (v15) four threads a token 17.3 / 5.6 us at
+65536 / 16384 tokens (two 21.2 / 6.8), eight 3.0 us at 4096 (four 3.3); two-level 25.2 / 8.3 / 5.3."""
 
 ROWS_FP32_TILED_FROM = 129
 """Experts from which float32 logits reach the rows algorithm through coalesced tiles (``TILE`` 1: a program's rows
@@ -90,8 +90,10 @@ loaded 128 bytes a row at a time and moved into the threads through shared memor
 :data:`ROWS_FP32_TILED_LAUNCHES`: on an H200 at 256 experts 29.5 / 9.6 / 4.9 us at 65536 / 16384 / 4096 tokens,
 two-level 32.4 / 10.8 / 5.3, the threads' own loads 35.5 / 12.1 / 5.4 (v12)."""
 
-ROWS_FP32_TILED_LAUNCHES = ((8192, 4, 4), (0, 8, 4))
-"""The rows algorithm's launches for float32 logits of :data:`ROWS_FP32_TILED_FROM` experts and more."""
+ROWS_FP32_TILED_LAUNCHES = ((32768, 4, 1), (0, 8, 1))
+"""The rows algorithm's launches for float32 logits of :data:`ROWS_FP32_TILED_FROM` experts and more: one-warp
+programs, on an H200 at 256 experts (v15) four threads a token 26.3 us at 65536 tokens (4 warps: 30.2; eight
+threads 29.2), eight 9.6 / 4.0 us at 16384 / 4096 (four threads 11.9 / 5.8; 4 warps 10.2 / 4.9)."""
 
 ROWS_AHEAD = 4
 """Chunks of 8 experts a thread of the rows algorithm loads ahead of the one it sorts, for 16-bit logits where a
@@ -115,28 +117,20 @@ ROWS_PREFETCH = 0
 """Where the rows algorithm prefetches each chunk's next logits before making its keys (1: L1, 2: L2, 0: not at
 all), on NVIDIA GPUs and with each thread loading its own chunks (no :data:`ROWS_TILE`). ptxas issues a step's
 reloads at its end, just before their use (the v13 profile of 65536 x 256 bf16 put 14% of the warps' stall samples
-on the first use of a reload); a prefetch stays where it is written. Not measured yet: 0 until a sweep
-(``--variant ROWS_PREFETCH=1``) shows a gain."""
+on the first use of a reload); a prefetch stays where it is written. Off: slower on an H200 (v15, 65536 x 256
+bf16 26.2 us against 20.1; at 128 experts within 2% either way)."""
 
 ROWS_PREFETCH_AHEAD = 0
 """Iterations ahead of the chunk being sorted whose line a :data:`ROWS_PREFETCH` prefetch asks for (0: the chunk
 the step reloads, :data:`ROWS_AHEAD` ahead), so that one or two chunks ahead in registers (64 registers: a whole
-wave resident) can prefetch further ahead."""
+wave resident) can prefetch further ahead (v15: two ahead in registers, four prefetched, 28.0 us at 65536 x 256
+bf16)."""
 
-ROWS_GATHER_FIRST = 0
+ROWS_GATHER_FIRST = 1
 """Whether the rows algorithm reads its picks' logits (for their weights) before the vote on the exact redo
 rather than after it (again after a redo): the vote's shuffles then hide part of the re-read's latency, which held
-12% of v12's stall samples. Not measured yet: 0 until a sweep (``--variant ROWS_GATHER_FIRST=1``) shows a gain."""
-
-ROWS_CHUNK_MAX = 0
-"""Whether the rows algorithm selects chunks by their largest keys and rescans the ``topk`` it keeps (``CHUNK_MAX``
-of :func:`routetool_kernels.routing_jit._row_select`: 15 integer operations a chunk of 8 experts in the loop
-instead of 70, the ALU pipe's busiest work, for ``topk`` chunks' keys made twice), where :func:`rows_chunk_max`
-says. Not measured yet: 0 until a sweep (``--variant ROWS_CHUNK_MAX=1``) shows a gain."""
-
-ROWS_CHUNK_MAX_FROM = 16
-"""Fewest chunks of 8 experts a token has for :data:`ROWS_CHUNK_MAX` to apply (at least ``topk``: the rescan's
-chunks must be distinct)."""
+12% of v12's stall samples. On an H200 (v15) 65536 x 256 bf16 19.7 us against 20.1, 16384 7.1 against 7.2; float32
+within 1%."""
 
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits
@@ -167,12 +161,6 @@ def rows_loads(num_experts: int, itemsize: int, lanes: int) -> tuple[int, int, i
     ahead = ROWS_AHEAD if itemsize < 4 and not tile and -(-chunks // lanes) >= ROWS_AHEAD_FROM else 1
     ahead = max(a for a in (1, 2, 4) if a <= ahead and iters % a == 0)  # whole steps of AHEAD chunks
     return tile, ahead, iters
-
-
-def rows_chunk_max(num_experts: int, topk: int) -> bool:
-    """Whether a rows launch selects chunks by their largest keys (:data:`ROWS_CHUNK_MAX`,
-    :data:`ROWS_CHUNK_MAX_FROM`)."""
-    return bool(ROWS_CHUNK_MAX) and -(-num_experts // 8) >= max(topk, ROWS_CHUNK_MAX_FROM)
 
 
 def rows_index_bits(num_experts: int) -> int:

@@ -473,16 +473,14 @@ def test_rows_matches_the_scan_bit_for_bit(E, K, dtype, num_warps, lanes):
 
 
 @pytest.mark.parametrize("E,K,dtype", [(256, 8, torch.bfloat16), (130, 6, torch.bfloat16), (256, 8, torch.float32)])
-@pytest.mark.parametrize("prefetch,prefetch_ahead,ahead,gather,cmax", [
-    (1, 0, 4, 0, 0), (2, 0, 4, 0, 0), (1, 0, 4, 1, 0), (0, 0, 4, 1, 0), (1, 4, 2, 0, 0), (2, 5, 1, 1, 0),
-    (0, 0, 4, 1, 1), (0, 0, 1, 0, 1)])
-def test_rows_launch_switches_change_no_bit_compiled(E, K, dtype, prefetch, prefetch_ahead, ahead, gather, cmax,
-                                                     monkeypatch, request):
-    # The rows kernel's switches, as a sweep would turn them on: each reload's line prefetched into L1 or
+@pytest.mark.parametrize("prefetch,prefetch_ahead,ahead,gather", [(1, 0, 4, 0), (2, 0, 4, 0), (1, 0, 4, 1), (0, 0, 4, 1),
+                                                                  (1, 4, 2, 0), (2, 5, 1, 1)])
+def test_rows_prefetch_and_early_gather_change_no_bit(E, K, dtype, prefetch, prefetch_ahead, ahead, gather,
+                                                      monkeypatch, request):
+    # The rows kernel's untimed switches, as a sweep would turn them on: each reload's line prefetched into L1 or
     # L2 (inline PTX, compiled launches only; the last chunks of a 130-expert row clamped to the row), the reload's
-    # chunk or one further ahead (clamped to the last iteration), the picks' logits read before the redo vote, and
-    # chunks selected by their largest keys, then rescanned (topk 6 on four threads a token: two lanes idle in the
-    # last round; float32 at 256 experts through coalesced tiles); two and four threads a token
+    # chunk or one further ahead (clamped to the last iteration), and the picks' logits read before the redo vote;
+    # two and four threads a token
     from routetool_kernels import routing_policy
     from routetool_kernels._dispatch import clear_plans
 
@@ -492,9 +490,7 @@ def test_rows_launch_switches_change_no_bit_compiled(E, K, dtype, prefetch, pref
     monkeypatch.setattr(routing_policy, "ROWS_PREFETCH_AHEAD", prefetch_ahead)
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD", ahead)
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD_FROM", 1)
-    monkeypatch.setattr(routing_policy, "ROWS_CHUNK_MAX", cmax)
     clear_plans()
-    assert routing_policy.rows_chunk_max(E, K) == bool(cmax)
     for lanes in (2, 4):
         _rows_against_scan(E, K, dtype, 1, lanes)
 

@@ -462,16 +462,14 @@ def test_rows_window_keys_and_their_redo(E, K, dtype, device):
             assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), (b, rows)
 
 
-@pytest.mark.parametrize("ahead,tile,words,gather,cmax,K", [
-    (1, 0, 0, 0, 0, 8), (2, 0, 1, 0, 0, 8), (3, 0, 1, 0, 0, 8), (4, 0, 1, 0, 0, 8), (4, 0, 0, 0, 0, 8),
-    (1, 1, 1, 0, 0, 8), (2, 2, 1, 0, 0, 8), (1, 4, 1, 0, 0, 8), (1, 8, 0, 0, 0, 8), (4, 0, 1, 1, 0, 8),
-    (1, 4, 1, 1, 0, 8), (4, 0, 1, 1, 1, 8), (1, 0, 0, 0, 1, 6), (2, 2, 1, 0, 1, 8), (2, 0, 1, 1, 1, 3)])
-def test_rows_launch_switches_change_no_bit(ahead, tile, words, gather, cmax, K, device, monkeypatch, request):
+@pytest.mark.parametrize("ahead,tile,words,gather", [(1, 0, 0, 0), (2, 0, 1, 0), (3, 0, 1, 0), (4, 0, 1, 0),
+                                                     (4, 0, 0, 0), (1, 1, 1, 0), (2, 2, 1, 0), (1, 4, 1, 0),
+                                                     (1, 8, 0, 0), (4, 0, 1, 1), (1, 4, 1, 1)])
+def test_rows_launch_switches_change_no_bit(ahead, tile, words, gather, device, monkeypatch, request):
     # a thread of the rows algorithm loads its logits 1, 2 or 4 chunks ahead of the one it sorts (where it takes at
     # least ROWS_AHEAD_FROM chunks: the most of ROWS_AHEAD that divides its iterations: 3 gives 2) or from
     # coalesced tiles, reads bf16 logits as words of two or one by one, and re-reads its picks' logits after the
-    # redo vote or before it (again after a redo), and selects chunks by their largest keys, then rescans the topk
-    # it keeps (the lanes past the topk-th chunk in the last round idle: topk 6 and 3); the ids and
+    # redo vote or before it (again after a redo); the ids and
     # weights are the scan's bits for each, incl. NaN logits (the redo loads ahead too; one in the last program,
     # whose rows past the batch read the last row) and a partial last chunk
     from routetool_kernels import routing_policy
@@ -479,7 +477,7 @@ def test_rows_launch_switches_change_no_bit(ahead, tile, words, gather, cmax, K,
     request.addfinalizer(clear_plans)
     # 8 chunks, the last half empty: 8 iterations with one thread a token, 4 with two (one step of 4 ahead), 2
     # with four
-    E, T = 60, 33
+    E, K, T = 60, 8, 33
     logits, bias = _inputs(T, E, torch.bfloat16, device, seed=ahead)
     logits[5, 58] = float("nan")
     logits[32, 3] = float("nan")
@@ -490,10 +488,7 @@ def test_rows_launch_switches_change_no_bit(ahead, tile, words, gather, cmax, K,
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD_FROM", 1)  # (the 4 threads a token take 2 chunks each)
     monkeypatch.setattr(routing_policy, "ROWS_WORDS", words)
     monkeypatch.setattr(routing_policy, "ROWS_GATHER_FIRST", gather)
-    monkeypatch.setattr(routing_policy, "ROWS_CHUNK_MAX", cmax)
-    monkeypatch.setattr(routing_policy, "ROWS_CHUNK_MAX_FROM", 8)  # (all 8 chunks: the rescan's most)
     clear_plans()
-    assert routing_policy.rows_chunk_max(E, K) == bool(cmax)
     for rows in (ROWS, ROWS_LANES2, ROWS_LANES4):
         w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=rows)
         assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), rows
