@@ -584,11 +584,13 @@ def test_default_config_by_shape():
     rows = default_config(65536, 256, torch.bfloat16)  # sigmoid, topk <= 8, <= 256 experts
     assert rows.algorithm == "rows" and rows.block_t * rows.chunk == 32 * rows.num_warps and rows.chunk == 2
     assert rows.num_warps == 1  # (one-warp programs: the unproven vote needs no barrier)
-    assert default_config(3000, 256, torch.bfloat16).chunk == 4 and default_config(9000, 256, torch.float16).chunk == 2
+    assert default_config(3000, 256, torch.bfloat16).chunk == 8 and default_config(9000, 256, torch.float16).chunk == 2
     assert default_config(3000, 128, torch.float32).algorithm == "rows"
-    assert default_config(65536, 128, torch.float32).chunk == 2  # (float32, own loads)
+    assert default_config(65536, 128, torch.float32).chunk == 4  # (float32, own loads)
+    assert default_config(3000, 128, torch.float32).chunk == 8
     fp32 = default_config(65536, 256, torch.float32)  # (float32 above 128 experts: coalesced tiles)
-    assert fp32.algorithm == "rows" and fp32.chunk == 4
+    assert fp32.algorithm == "rows" and fp32.chunk == 4 and fp32.num_warps == 1
+    assert default_config(16384, 256, torch.float32).chunk == 8
     from routetool_kernels.routing_policy import rows_loads
     # (chunks ahead: 16-bit logits only, where a thread takes >= 8 chunks, the most of 4 that divides them)
     assert rows_loads(256, 4, 4) == (1, 1, 8) and rows_loads(256, 2, 2) == (0, 4, 16) and rows_loads(128, 2, 4)[1] == 1
