@@ -171,8 +171,6 @@ def fused_musespark1x_routing(
                  INDEX_BITS=policy.rows_index_bits(launch.num_experts),
                  E_POW2=triton.next_power_of_2(launch.num_experts), AHEAD=ahead,
                  WORDS=_row_words(gating_output, tile),
-                 PREFETCH=policy.ROWS_PREFETCH if common["FAST_MATH"] and not tile else 0,
-                 PREFETCH_AHEAD=policy.ROWS_PREFETCH_AHEAD,
                  GATHER_FIRST=bool(policy.ROWS_GATHER_FIRST), **common),
             ROUTING_PER_CALL)
     else:

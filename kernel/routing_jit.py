@@ -991,20 +991,6 @@ def _columns(x, VEC: tl.constexpr):
 
 
 @triton.jit
-def _prefetch(ptrs, LEVEL: tl.constexpr):
-    """Ask for the cache lines at ``ptrs`` (any shape; one request per element) ahead of their loads: ``LEVEL`` 1
-    into L1 (``prefetch.global.L1``), 2 into L2 (``prefetch.global.L2``); NVIDIA GPUs only (PTX). No result: the
-    requests hold no register, so the compiler has no reason to move them next to their use, as ptxas does with
-    loads (see :func:`_row_step`)."""
-    if LEVEL == 1:
-        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _load_chunk(
     base,  # (BLOCK_T, 1, 1) pointer tile: each row's first expert (logits), or the bias's start in every row
     col,  # (1, 1, VEC) int32: 0 .. VEC - 1
@@ -1184,26 +1170,11 @@ def _row_step(
     router_output_multiplier, base_bits, key_scale,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr = 0, PREFETCH_AHEAD: tl.constexpr = 0,
+    AHEAD: tl.constexpr, WORDS: tl.constexpr,
 ):
     """One chunk of :func:`_row_select`'s loop: the keys of iteration ``j``'s chunk (its logits ``xlo, xhi``, loaded
     ``AHEAD`` iterations before), that chunk's slot reloaded with iteration ``j + AHEAD``'s logits, and the
-    chunk's keys merged into ``best``. Returns ``(best, nan_sum, xlo, xhi)``.
-
-    ``PREFETCH`` (1: L1, 2: L2; 0: none): first a prefetch of the line of iteration ``j + PREFETCH_AHEAD``'s chunk
-    (0: ``j + AHEAD``, the reload's). ptxas issues the reloads of a step at its end, next to their first use at the
-    next step's start (SASS for sm_90, Triton 3.6: the PTX has them after each chunk's keys), which leaves a load's
-    whole latency to wait for; a prefetch holds no register and stays where it is written, so the late reload finds
-    its line in cache."""
-    if PREFETCH > 0:
-        PF_AHEAD: tl.constexpr = PREFETCH_AHEAD if PREFETCH_AHEAD > 0 else AHEAD
-        pc = (tl.minimum(j + PF_AHEAD, ITERS - 1) * LANES + lane)[:, :, None]
-        if MASK_EXPERTS:  # (the last chunks of a row may lie past it: the row's last chunk instead)
-            pc = tl.minimum(pc, (num_experts - 1) // 8)
-        if WORDS:
-            _prefetch(gbase + pc * 4, PREFETCH)
-        else:
-            _prefetch(gbase + pc * 8 * stride_gn, PREFETCH)
+    chunk's keys merged into ``best``. Returns ``(best, nan_sum, xlo, xhi)``."""
     c = j * LANES + lane
     qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
     keys, nan_sum = _row_keys(xlo, xhi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum, c,
@@ -1219,8 +1190,7 @@ def _row_select(
     gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    PREFETCH_AHEAD: tl.constexpr = 0,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors), and the row sums of the biased
     scores (window keys only; NaN where one is).
@@ -1288,24 +1258,21 @@ def _row_select(
             best, nan_sum, alo, ahi = _row_step(best, nan_sum, alo, ahi, i, gbase, col, bbase, bcol, lane, num_experts,
                                                 stride_gn, stride_bias, router_output_multiplier, base_bits, key_scale,
                                                 ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
-                                                HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, PREFETCH, PREFETCH_AHEAD)
+                                                HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
             if AHEAD >= 2:
                 best, nan_sum, blo, bhi = _row_step(best, nan_sum, blo, bhi, i + 1, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
                                                     base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS,
-                                                    PREFETCH, PREFETCH_AHEAD)
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
             if AHEAD >= 4:
                 best, nan_sum, clo, chi = _row_step(best, nan_sum, clo, chi, i + 2, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
                                                     base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS,
-                                                    PREFETCH, PREFETCH_AHEAD)
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
                 best, nan_sum, dlo, dhi = _row_step(best, nan_sum, dlo, dhi, i + 3, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
                                                     base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS,
-                                                    PREFETCH, PREFETCH_AHEAD)
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
     return tl.reduce(best, 1, _merge_lanes), tl.sum(nan_sum, axis=1)
 
 
@@ -1332,16 +1299,14 @@ def _row_tile(
     router_output_multiplier, base_bits, nan_bias,
     TOPK: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr,
     MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_AHEAD: tl.constexpr,
-    GATHER_FIRST: tl.constexpr,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr, GATHER_FIRST: tl.constexpr,
 ):
     """The picks of a tile's rows ``row`` (``(BLOCK_T,)`` int32, past ``num_tokens`` read as the last row): their
     ids and raw logits, re-read (in cache; ``TOPK``-tuples of ``(BLOCK_T,)`` tensors)."""
     row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, PREFETCH,
-                                PREFETCH_AHEAD)
+                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS,)
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
     unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
@@ -1351,8 +1316,7 @@ def _row_tile(
     if unproven > 0:
         exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                               INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, PREFETCH,
-                               PREFETCH_AHEAD)
+                               INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS,)
         ids = _key_ids(exact, TOPK, INDEX_BITS)
         if GATHER_FIRST:
             x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
@@ -1449,8 +1413,6 @@ def _rows_kernel(
     AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead: 1, 2 or 4, dividing ITERS
     TILE: tl.constexpr = 0,  # chunks a lane takes from each coalesced tile (0: 16-byte loads of its own)
     WORDS: tl.constexpr = False,  # bf16 logits read as int32 words of two (unit stride, even row stride)
-    PREFETCH: tl.constexpr = 0,  # each reload's line prefetched first: 1 into L1, 2 into L2 (NVIDIA only)
-    PREFETCH_AHEAD: tl.constexpr = 0,  # iterations ahead of the chunk sorted that a prefetch asks for (0: AHEAD)
     GATHER_FIRST: tl.constexpr = False,  # the picks' logits read before the redo vote (again after a redo)
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
@@ -1465,7 +1427,7 @@ def _rows_kernel(
     row_ok = row < num_tokens
     ids, x = _row_tile(gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
                        router_output_multiplier, base_bits, nan_bias, TOPK, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, PREFETCH, PREFETCH_AHEAD, GATHER_FIRST)
+                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, GATHER_FIRST)
     _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH), row, row_ok,
                topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
                route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)

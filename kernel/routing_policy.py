@@ -113,19 +113,6 @@ does not set 1; 0: each thread loads its own chunks, 16 bytes at a time."""
 ROWS_WORDS = 1
 """Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""
 
-ROWS_PREFETCH = 0
-"""Where the rows algorithm prefetches each chunk's next logits before making its keys (1: L1, 2: L2, 0: not at
-all), on NVIDIA GPUs and with each thread loading its own chunks (no :data:`ROWS_TILE`). ptxas issues a step's
-reloads at its end, just before their use (the v13 profile of 65536 x 256 bf16 put 14% of the warps' stall samples
-on the first use of a reload); a prefetch stays where it is written. Off: slower on an H200 (v15, 65536 x 256
-bf16 26.2 us against 20.1; at 128 experts within 2% either way)."""
-
-ROWS_PREFETCH_AHEAD = 0
-"""Iterations ahead of the chunk being sorted whose line a :data:`ROWS_PREFETCH` prefetch asks for (0: the chunk
-the step reloads, :data:`ROWS_AHEAD` ahead), so that one or two chunks ahead in registers (64 registers: a whole
-wave resident) can prefetch further ahead (v15: two ahead in registers, four prefetched, 28.0 us at 65536 x 256
-bf16)."""
-
 ROWS_GATHER_FIRST = 1
 """Whether the rows algorithm reads its picks' logits (for their weights) before the vote on the exact redo
 rather than after it (again after a redo): the vote's shuffles then hide part of the re-read's latency, which held

@@ -473,21 +473,15 @@ def test_rows_matches_the_scan_bit_for_bit(E, K, dtype, num_warps, lanes):
 
 
 @pytest.mark.parametrize("E,K,dtype", [(256, 8, torch.bfloat16), (130, 6, torch.bfloat16), (256, 8, torch.float32)])
-@pytest.mark.parametrize("prefetch,prefetch_ahead,ahead,gather", [(1, 0, 4, 0), (2, 0, 4, 0), (1, 0, 4, 1), (0, 0, 4, 1),
-                                                                  (1, 4, 2, 0), (2, 5, 1, 1)])
-def test_rows_prefetch_and_early_gather_change_no_bit(E, K, dtype, prefetch, prefetch_ahead, ahead, gather,
-                                                      monkeypatch, request):
-    # The rows kernel's untimed switches, as a sweep would turn them on: each reload's line prefetched into L1 or
-    # L2 (inline PTX, compiled launches only; the last chunks of a 130-expert row clamped to the row), the reload's
-    # chunk or one further ahead (clamped to the last iteration), and the picks' logits read before the redo vote;
-    # two and four threads a token
+@pytest.mark.parametrize("ahead,gather", [(4, 0), (2, 1), (1, 0)])
+def test_rows_chunks_ahead_and_late_gather_change_no_bit(E, K, dtype, ahead, gather, monkeypatch, request):
+    # The rows kernel's switches off their defaults, as a sweep turns them: fewer chunks loaded ahead and the picks'
+    # logits read after the redo vote rather than before it (ROWS_GATHER_FIRST); two and four threads a token
     from routetool_kernels import routing_policy
     from routetool_kernels._dispatch import clear_plans
 
     request.addfinalizer(clear_plans)
-    monkeypatch.setattr(routing_policy, "ROWS_PREFETCH", prefetch)
     monkeypatch.setattr(routing_policy, "ROWS_GATHER_FIRST", gather)
-    monkeypatch.setattr(routing_policy, "ROWS_PREFETCH_AHEAD", prefetch_ahead)
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD", ahead)
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD_FROM", 1)
     clear_plans()
