@@ -1299,7 +1299,7 @@ def _row_tile(
     router_output_multiplier, base_bits, nan_bias,
     TOPK: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr,
     MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr, GATHER_FIRST: tl.constexpr,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr,
 ):
     """The picks of a tile's rows ``row`` (``(BLOCK_T,)`` int32, past ``num_tokens`` read as the last row): their
     ids and raw logits, re-read (in cache; ``TOPK``-tuples of ``(BLOCK_T,)`` tensors)."""
@@ -1311,16 +1311,14 @@ def _row_tile(
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
     unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
     ids = _key_ids(keys, TOPK, INDEX_BITS)
-    if GATHER_FIRST:  # the picks' logits asked for before the vote, whose shuffles then hide part of their latency
-        x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
+    # the picks' logits asked for before the vote, whose shuffles then hide part of their latency (read again after
+    # a redo)
+    x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
     if unproven > 0:
         exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
                                INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
         ids = _key_ids(exact, TOPK, INDEX_BITS)
-        if GATHER_FIRST:
-            x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
-    if not GATHER_FIRST:
         x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
     return ids, x
 
@@ -1413,7 +1411,6 @@ def _rows_kernel(
     AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead: 1, 2 or 4, dividing ITERS
     TILE: tl.constexpr = 0,  # chunks a lane takes from each coalesced tile (0: 16-byte loads of its own)
     WORDS: tl.constexpr = False,  # bf16 logits read as int32 words of two (unit stride, even row stride)
-    GATHER_FIRST: tl.constexpr = False,  # the picks' logits read before the redo vote (again after a redo)
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
@@ -1427,7 +1424,7 @@ def _rows_kernel(
     row_ok = row < num_tokens
     ids, x = _row_tile(gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
                        router_output_multiplier, base_bits, nan_bias, TOPK, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, GATHER_FIRST)
+                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
     _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH), row, row_ok,
                topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
                route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)

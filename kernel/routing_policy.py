@@ -113,12 +113,6 @@ does not set 1; 0: each thread loads its own chunks, 16 bytes at a time."""
 ROWS_WORDS = 1
 """Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""
 
-ROWS_GATHER_FIRST = 1
-"""Whether the rows algorithm reads its picks' logits (for their weights) before the vote on the exact redo
-rather than after it (again after a redo): the vote's shuffles then hide part of the re-read's latency, which held
-12% of v12's stall samples. On an H200 (v15) 65536 x 256 bf16 19.7 us against 20.1, 16384 7.1 against 7.2; float32
-within 1%."""
-
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits
 (:func:`rows_index_bits`) and the score in the other ``32 - INDEX_BITS``, at least two binades."""
