@@ -39,11 +39,11 @@ _INTERPRETED = is_interpreted(_routing_kernel)
 _PLANS = PlanCache()
 
 
-def _row_words(gating_output: torch.Tensor, tile: int) -> bool:
+def _row_words(gating_output: torch.Tensor) -> bool:
     """Whether the rows kernel reads bf16 logits as int32 words of two: unit expert stride, an even row stride and
     expert count, a 16-byte aligned start (what a plan's key records of the pointer: a plan made for one pointer
-    serves every pointer of its key), 16-byte loads of its own (no ``ROWS_TILE``)."""
-    return bool(policy.ROWS_WORDS and gating_output.dtype == torch.bfloat16 and not tile
+    serves every pointer of its key)."""
+    return bool(policy.ROWS_WORDS and gating_output.dtype == torch.bfloat16
                 and gating_output.stride(1) == 1 and gating_output.stride(0) % 2 == 0
                 and gating_output.shape[1] % 2 == 0 and gating_output.data_ptr() % 16 == 0)
 
@@ -170,7 +170,7 @@ def fused_musespark1x_routing(
                  MASK_EXPERTS=iters * lanes * max(tile, 1) * 8 != launch.num_experts, TILE=tile,
                  INDEX_BITS=policy.rows_index_bits(launch.num_experts),
                  E_POW2=triton.next_power_of_2(launch.num_experts), AHEAD=ahead,
-                 WORDS=_row_words(gating_output, tile), **common),
+                 WORDS=_row_words(gating_output), LATE_INDEX=bool(policy.ROWS_LATE_INDEX), **common),
             ROUTING_PER_CALL)
     else:
         common.update(NORMALIZATION_MODE=launch.normalization_mode, TOTAL_BITS=policy.sum_bits(e_pad))

@@ -944,17 +944,39 @@ def _sort8(k0, k1, k2, k3, k4, k5, k6, k7):
 
 
 @triton.jit
-def _keep_best8(t, s):
+def _add_max(s, d, t, FAST_MATH: tl.constexpr):
+    """``max(s + d, t)`` of uint32 keys ``s``, ``t`` and an int32 ``d`` with ``0 <= s + d < 2**32`` (no wrap):
+    with ``FAST_MATH`` (NVIDIA GPUs) one ``vadd...max`` instruction (``VIADDMNMX`` on sm_90), whose add the
+    compiler cannot split in two."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("{ .reg .u32 a; add.u32 a, $1, $2; max.u32 $0, a, $3; }", "=r,r,r,r",
+                                         [s, d, t], dtype=tl.uint32, is_pure=True, pack=1)
+    return tl.maximum(s + d.to(tl.uint32, bitcast=True), t)
+
+
+@triton.jit
+def _keep_best8(t, s, d=None, FAST_MATH: tl.constexpr = False):
     """The 8 largest of two descending 8-key lists ``t`` and ``s`` (tuples), descending: the upper half of a
-    bitonic merge (``max(t[i], s[7 - i])`` is bitonic) and a bitonic sort of it (12 comparators)."""
-    u0 = tl.maximum(t[0], s[7])
-    u1 = tl.maximum(t[1], s[6])
-    u2 = tl.maximum(t[2], s[5])
-    u3 = tl.maximum(t[3], s[4])
-    u4 = tl.maximum(t[4], s[3])
-    u5 = tl.maximum(t[5], s[2])
-    u6 = tl.maximum(t[6], s[1])
-    u7 = tl.maximum(t[7], s[0])
+    bitonic merge (``max(t[i], s[7 - i])`` is bitonic) and a bitonic sort of it (12 comparators). ``d`` (int32):
+    added to every key of ``s`` first (:func:`_add_max`, fused with the first maxima)."""
+    if d is not None:
+        u0 = _add_max(s[7], d, t[0], FAST_MATH)
+        u1 = _add_max(s[6], d, t[1], FAST_MATH)
+        u2 = _add_max(s[5], d, t[2], FAST_MATH)
+        u3 = _add_max(s[4], d, t[3], FAST_MATH)
+        u4 = _add_max(s[3], d, t[4], FAST_MATH)
+        u5 = _add_max(s[2], d, t[5], FAST_MATH)
+        u6 = _add_max(s[1], d, t[6], FAST_MATH)
+        u7 = _add_max(s[0], d, t[7], FAST_MATH)
+    else:
+        u0 = tl.maximum(t[0], s[7])
+        u1 = tl.maximum(t[1], s[6])
+        u2 = tl.maximum(t[2], s[5])
+        u3 = tl.maximum(t[3], s[4])
+        u4 = tl.maximum(t[4], s[3])
+        u5 = tl.maximum(t[5], s[2])
+        u6 = tl.maximum(t[6], s[1])
+        u7 = tl.maximum(t[7], s[0])
     u0, u4 = _cx(u0, u4)
     u1, u5 = _cx(u1, u5)
     u2, u6 = _cx(u2, u6)
@@ -1080,8 +1102,10 @@ def _row_keys(
     num_experts, router_output_multiplier, base_bits, nan_sum,
     c,  # (1, LANES) int32: each lane's chunk
     key_scale,  # (BLOCK_T, 1) uint32: 2**INDEX_BITS in a register of each thread
+    key_off,  # LATE_INDEX: 8 (BLOCK_T, 1) uint32, (2**INDEX_BITS - 1 - j) - base_bits * 2**INDEX_BITS, in registers
     VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr,
     EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr, WORDS: tl.constexpr = False,
+    LATE_INDEX: tl.constexpr = False,
 ):
     """Keys (``(BLOCK_T, LANES)``) of the 8 experts of each lane's chunk ``c`` for every row, and ``nan_sum``
     plus their biased scores.
@@ -1089,6 +1113,9 @@ def _row_keys(
     Window keys (uint32) from the unguarded scores, whose NaNs (a NaN logit or bias) make the row sum NaN;
     or with ``EXACT`` uint64 keys (``(order-preserving image of the biased score, as unsigned) << 32`` plus
     the expert bits) from the guarded ones. Experts past ``num_experts`` get key 0, below every real expert.
+    ``LATE_INDEX`` (window keys): the keys lack the chunk's part of the expert field, ``-8c``, which the caller
+    adds at the merge (each key then ``8c`` more: the field's low bits are ``2**INDEX_BITS - 1 - j >= 8c``, so
+    no borrow reaches the value bits), and experts past ``num_experts`` get ``8c``.
     """
     xs = _chunk_columns(xlo, xhi, VEC, WORDS)
     bs = _chunk_columns(blo, bhi, BIAS_VEC)
@@ -1111,9 +1138,15 @@ def _row_keys(
             bits = biased.to(tl.int32, bitcast=True)
             # (key_scale: 2**INDEX_BITS in a register, so that the product is an IMAD on the FMA pipe rather than
             # a LEA and a VIADD on the ALU pipe, the rows algorithm's busiest)
-            key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * key_scale + (off - j)
+            if LATE_INDEX:  # (one IMAD with a constant in a register: no add of the chunk's part per key)
+                key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * key_scale + key_off[j]
+            else:
+                key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * key_scale + (off - j)
         if MASK_EXPERTS:
-            key = tl.where(e0 + j < num_experts, key, 0)
+            if LATE_INDEX and not EXACT:
+                key = tl.where(e0 + j < num_experts, key, e0.to(tl.uint32))
+            else:
+                key = tl.where(e0 + j < num_experts, key, 0)
         keys = keys + (key,)
     return keys, nan_sum
 
@@ -1123,13 +1156,19 @@ def _load_tile(
     gbase,  # (BLOCK_T, 1) pointer tile: each row's first expert
     i,  # the tile: experts [i * W, (i + 1) * W), W = LANES * TILE * 8
     num_experts, stride,
-    LANES: tl.constexpr, TILE: tl.constexpr, MASK_EXPERTS: tl.constexpr,
+    LANES: tl.constexpr, TILE: tl.constexpr, MASK_EXPERTS: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     """One ``(BLOCK_T, W)`` tile of logits, loaded as the compiler coalesces it (a row's threads read adjacent
-    16-byte pieces); experts past ``num_experts`` read 0."""
-    W: tl.constexpr = LANES * TILE * 8
+    16-byte pieces); experts past ``num_experts`` read 0. ``WORDS``: ``gbase`` points at int32 words of two bf16
+    logits each (unit stride, an even expert count), and the tile is ``W / 2`` words a row."""
+    W: tl.constexpr = LANES * TILE * (4 if WORDS else 8)
     e = i * W + tl.arange(0, W)[None, :]
-    if MASK_EXPERTS:
+    if WORDS:
+        if MASK_EXPERTS:
+            x = tl.load(gbase + e, mask=2 * e < num_experts, other=0)
+        else:
+            x = tl.load(gbase + e)
+    elif MASK_EXPERTS:
         x = tl.load(gbase + e * stride, mask=e < num_experts, other=0.0)
     else:
         x = tl.load(gbase + e * stride)
@@ -1137,25 +1176,26 @@ def _load_tile(
 
 
 @triton.jit
-def _tile_chunks(x, LANES: tl.constexpr, TILE: tl.constexpr):
-    """:func:`_load_tile`'s tile as ``TILE`` ``(BLOCK_T, LANES, 8)`` tensors whose last axis a thread holds:
-    tensor ``g``, lane ``l`` holds the tile's chunk ``g * LANES + l`` (the splits move the tile through
-    shared memory once, into each lane's registers)."""
-    y = tl.permute(tl.reshape(x, [x.shape[0], TILE, LANES, 8]), (0, 2, 3, 1))  # (BLOCK_T, LANES, 8, TILE)
+def _tile_chunks(x, LANES: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False):
+    """:func:`_load_tile`'s tile as ``TILE`` ``(BLOCK_T, LANES, C)`` tensors whose last axis a thread holds (``C``
+    8 logits, or with ``WORDS`` 4 words): tensor ``g``, lane ``l`` holds the tile's chunk ``g * LANES + l`` (the
+    splits move the tile through shared memory once, into each lane's registers)."""
+    C: tl.constexpr = 4 if WORDS else 8
+    y = tl.permute(tl.reshape(x, [x.shape[0], TILE, LANES, C]), (0, 2, 3, 1))  # (BLOCK_T, LANES, C, TILE)
     if TILE == 1:
-        chunks = (tl.reshape(y, [x.shape[0], LANES, 8]),)
+        chunks = (tl.reshape(y, [x.shape[0], LANES, C]),)
     elif TILE == 2:
         c0, c1 = tl.split(y)
         chunks = (c0, c1)
     elif TILE == 4:
-        a, b = tl.split(tl.reshape(y, [x.shape[0], LANES, 8, 2, 2]))  # (0, 2), (1, 3)
+        a, b = tl.split(tl.reshape(y, [x.shape[0], LANES, C, 2, 2]))  # (0, 2), (1, 3)
         c0, c2 = tl.split(a)
         c1, c3 = tl.split(b)
         chunks = (c0, c1, c2, c3)
     else:
-        a, b = tl.split(tl.reshape(y, [x.shape[0], LANES, 8, 4, 2]))  # (0, 2, 4, 6), (1, 3, 5, 7)
-        a0, a1 = tl.split(tl.reshape(a, [x.shape[0], LANES, 8, 2, 2]))  # (0, 4), (2, 6)
-        b0, b1 = tl.split(tl.reshape(b, [x.shape[0], LANES, 8, 2, 2]))  # (1, 5), (3, 7)
+        a, b = tl.split(tl.reshape(y, [x.shape[0], LANES, C, 4, 2]))  # (0, 2, 4, 6), (1, 3, 5, 7)
+        a0, a1 = tl.split(tl.reshape(a, [x.shape[0], LANES, C, 2, 2]))  # (0, 4), (2, 6)
+        b0, b1 = tl.split(tl.reshape(b, [x.shape[0], LANES, C, 2, 2]))  # (1, 5), (3, 7)
         c0, c4 = tl.split(a0)
         c2, c6 = tl.split(a1)
         c1, c5 = tl.split(b0)
@@ -1167,10 +1207,10 @@ def _tile_chunks(x, LANES: tl.constexpr, TILE: tl.constexpr):
 @triton.jit
 def _row_step(
     best, nan_sum, xlo, xhi, j, gbase, col, bbase, bcol, lane, num_experts, stride_gn, stride_bias,
-    router_output_multiplier, base_bits, key_scale,
+    router_output_multiplier, base_bits, key_scale, key_off,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, WORDS: tl.constexpr,
+    AHEAD: tl.constexpr, WORDS: tl.constexpr, LATE_INDEX: tl.constexpr,
 ):
     """One chunk of :func:`_row_select`'s loop: the keys of iteration ``j``'s chunk (its logits ``xlo, xhi``, loaded
     ``AHEAD`` iterations before), that chunk's slot reloaded with iteration ``j + AHEAD``'s logits, and the
@@ -1178,11 +1218,20 @@ def _row_step(
     c = j * LANES + lane
     qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
     keys, nan_sum = _row_keys(xlo, xhi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum, c,
-                              key_scale, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH,
-                              WORDS)
+                              key_scale, key_off, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER,
+                              FAST_MATH, WORDS, LATE_INDEX)
     nxt = tl.minimum(j + AHEAD, ITERS - 1) * LANES + lane
     xlo, xhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
-    return _keep_best8(best, _sort8(*keys)), nan_sum, xlo, xhi
+    return _merge_chunk(best, _sort8(*keys), c, EXACT, LATE_INDEX, FAST_MATH), nan_sum, xlo, xhi
+
+
+@triton.jit
+def _merge_chunk(best, s, c, EXACT: tl.constexpr, LATE_INDEX: tl.constexpr, FAST_MATH: tl.constexpr):
+    """``best`` and chunk ``c``'s sorted keys ``s`` merged (:func:`_keep_best8`), the chunk's part of the expert
+    field added to ``s`` there with ``LATE_INDEX`` (window keys; see :func:`_row_keys`)."""
+    if LATE_INDEX and not EXACT:
+        return _keep_best8(best, s, -8 * c, FAST_MATH)
+    return _keep_best8(best, s)
 
 
 @triton.jit
@@ -1190,7 +1239,7 @@ def _row_select(
     gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False, LATE_INDEX: tl.constexpr = False,
 ):
     """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors), and the row sums of the biased
     scores (window keys only; NaN where one is).
@@ -1211,7 +1260,14 @@ def _row_select(
         col = tl.arange(0, VEC)[None, None, :]
     bbase = bias_ptr + tl.zeros_like(row_off[:, None, None])
     # 2**INDEX_BITS, from each thread's row so that the compiler keeps it in a register of its own (row_off >= 0)
-    key_scale = ((1 << INDEX_BITS) | (row_off >> 63).to(tl.int32)).to(tl.uint32, bitcast=True)[:, None]
+    zero = (row_off >> 63).to(tl.int32)[:, None]
+    key_scale = ((1 << INDEX_BITS) | zero).to(tl.uint32, bitcast=True)
+    key_off = key_scale  # (LATE_INDEX: each expert j's constant of the window key, in a register of its own)
+    if LATE_INDEX and not EXACT:
+        MAXIDX: tl.constexpr = (1 << INDEX_BITS) - 1
+        key_off = ()
+        for j in tl.static_range(8):
+            key_off = key_off + ((((MAXIDX - j) - base_bits * (1 << INDEX_BITS)) | zero).to(tl.uint32, bitcast=True),)
     bcol = tl.arange(0, BIAS_VEC)[None, None, :]
     lane = tl.arange(0, LANES)[None, :]
     # AHEAD slots (a, b, c, d), each loop-carried: slot s holds chunk i + s of iteration i (a step of AHEAD chunks)
@@ -1240,39 +1296,43 @@ def _row_select(
     t7 = t0
     best = (t0, t1, t2, t3, t4, t5, t6, t7)
     if TILE > 0:  # tiles of TILE chunks a lane, loaded coalesced a tile ahead
-        tbase = gating_output_ptr + row_off[:, None]
-        x = _load_tile(tbase, 0, num_experts, stride_gn, LANES, TILE, MASK_EXPERTS)
+        if WORDS:
+            tbase = gating_output_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (row_off // 2)[:, None]
+        else:
+            tbase = gating_output_ptr + row_off[:, None]
+        x = _load_tile(tbase, 0, num_experts, stride_gn, LANES, TILE, MASK_EXPERTS, WORDS)
         for i in range(ITERS):
-            nx = _load_tile(tbase, tl.minimum(i + 1, ITERS - 1), num_experts, stride_gn, LANES, TILE, MASK_EXPERTS)
-            chunks = _tile_chunks(x, LANES, TILE)
+            nx = _load_tile(tbase, tl.minimum(i + 1, ITERS - 1), num_experts, stride_gn, LANES, TILE, MASK_EXPERTS,
+                            WORDS)
+            chunks = _tile_chunks(x, LANES, TILE, WORDS)
             for g in tl.static_range(TILE):
                 c = (i * TILE + g) * LANES + lane
                 qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
                 keys, nan_sum = _row_keys(chunks[g], chunks[g], qlo, qhi, num_experts, router_output_multiplier,
-                                          base_bits, nan_sum, c, key_scale, 8, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
-                                          EXACT, HAS_MULTIPLIER, FAST_MATH)
-                best = _keep_best8(best, _sort8(*keys))
+                                          base_bits, nan_sum, c, key_scale, key_off, 8, BIAS_VEC, MASK_EXPERTS,
+                                          INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, WORDS, LATE_INDEX)
+                best = _merge_chunk(best, _sort8(*keys), c, EXACT, LATE_INDEX, FAST_MATH)
             x = nx
     else:
         for i in range(0, ITERS, AHEAD):
             best, nan_sum, alo, ahi = _row_step(best, nan_sum, alo, ahi, i, gbase, col, bbase, bcol, lane, num_experts,
                                                 stride_gn, stride_bias, router_output_multiplier, base_bits, key_scale,
-                                                ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
-                                                HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
+                                                key_off, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
+                                                HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, LATE_INDEX)
             if AHEAD >= 2:
                 best, nan_sum, blo, bhi = _row_step(best, nan_sum, blo, bhi, i + 1, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
-                                                    base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
+                                                    base_bits, key_scale, key_off, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, LATE_INDEX)
             if AHEAD >= 4:
                 best, nan_sum, clo, chi = _row_step(best, nan_sum, clo, chi, i + 2, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
-                                                    base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
+                                                    base_bits, key_scale, key_off, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, LATE_INDEX)
                 best, nan_sum, dlo, dhi = _row_step(best, nan_sum, dlo, dhi, i + 3, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
-                                                    base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
+                                                    base_bits, key_scale, key_off, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, LATE_INDEX)
     return tl.reduce(best, 1, _merge_lanes), tl.sum(nan_sum, axis=1)
 
 
@@ -1299,17 +1359,20 @@ def _row_tile(
     router_output_multiplier, base_bits, nan_bias,
     TOPK: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr,
     MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr, LATE_INDEX: tl.constexpr,
 ):
     """The picks of a tile's rows ``row`` (``(BLOCK_T,)`` int32, past ``num_tokens`` read as the last row): their
     ids and raw logits, re-read (in cache; ``TOPK``-tuples of ``(BLOCK_T,)`` tensors)."""
     row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
+                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, LATE_INDEX)
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
-    unproven = tl.sum((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)) + nan_bias
+    flag = (((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)
+    # (a maximum over every thread of the program: one warp's REDUX where a program is one warp, not a tree of
+    # shuffles)
+    unproven = tl.max(tl.broadcast_to(flag[:, None], (flag.shape[0], LANES)), axis=None) + nan_bias
     ids = _key_ids(keys, TOPK, INDEX_BITS)
     # the picks' logits asked for before the vote, whose shuffles then hide part of their latency (read again after
     # a redo)
@@ -1411,6 +1474,7 @@ def _rows_kernel(
     AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead: 1, 2 or 4, dividing ITERS
     TILE: tl.constexpr = 0,  # chunks a lane takes from each coalesced tile (0: 16-byte loads of its own)
     WORDS: tl.constexpr = False,  # bf16 logits read as int32 words of two (unit stride, even row stride)
+    LATE_INDEX: tl.constexpr = False,  # window keys take their chunk's part of the expert field at the merge
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
@@ -1424,7 +1488,7 @@ def _rows_kernel(
     row_ok = row < num_tokens
     ids, x = _row_tile(gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
                        router_output_multiplier, base_bits, nan_bias, TOPK, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
+                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, LATE_INDEX)
     _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH), row, row_ok,
                topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
                route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)

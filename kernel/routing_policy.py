@@ -113,6 +113,10 @@ does not set 1; 0: each thread loads its own chunks, 16 bytes at a time."""
 ROWS_WORDS = 1
 """Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""
 
+ROWS_LATE_INDEX = 0
+"""Whether the rows algorithm's window keys take their chunk's part of the expert field at the merge (fused into
+its first maxima) rather than one add per key."""
+
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits
 (:func:`rows_index_bits`) and the score in the other ``32 - INDEX_BITS``, at least two binades."""

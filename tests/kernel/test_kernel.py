@@ -462,13 +462,13 @@ def test_rows_window_keys_and_their_redo(E, K, dtype, device):
             assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), (b, rows)
 
 
-@pytest.mark.parametrize("ahead,tile,words", [(1, 0, 0), (2, 0, 1), (3, 0, 1), (4, 0, 1), (4, 0, 0), (1, 1, 1),
-                                              (2, 2, 1), (1, 4, 1), (1, 8, 0)])
-def test_rows_launch_switches_change_no_bit(ahead, tile, words, device, monkeypatch, request):
+@pytest.mark.parametrize("ahead,tile,words,late", [(1, 0, 0, 0), (2, 0, 1, 0), (3, 0, 1, 1), (4, 0, 1, 0), (4, 0, 0, 1),
+                                                   (1, 1, 1, 0), (2, 2, 1, 1), (1, 4, 1, 0), (1, 8, 0, 1)])
+def test_rows_launch_switches_change_no_bit(ahead, tile, words, late, device, monkeypatch, request):
     # a thread of the rows algorithm loads its logits 1, 2 or 4 chunks ahead of the one it sorts (where it takes at
     # least ROWS_AHEAD_FROM chunks: the most of ROWS_AHEAD that divides its iterations: 3 gives 2) or from
-    # coalesced tiles, and reads bf16 logits as words of two or one by one (its picks' logits are read before the
-    # redo vote, again after a redo); the ids and
+    # coalesced tiles, reads bf16 logits as words of two or one by one, and adds the chunk's part of the expert
+    # field per key or at the merge (its picks' logits are read before the redo vote, again after a redo); the ids and
     # weights are the scan's bits for each, incl. NaN logits (the redo loads ahead too; one in the last program,
     # whose rows past the batch read the last row) and a partial last chunk
     from routetool_kernels import routing_policy
@@ -486,6 +486,7 @@ def test_rows_launch_switches_change_no_bit(ahead, tile, words, device, monkeypa
     monkeypatch.setattr(routing_policy, "ROWS_TILE", tile)
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD_FROM", 1)  # (the 4 threads a token take 2 chunks each)
     monkeypatch.setattr(routing_policy, "ROWS_WORDS", words)
+    monkeypatch.setattr(routing_policy, "ROWS_LATE_INDEX", late)
     clear_plans()
     for rows in (ROWS, ROWS_LANES2, ROWS_LANES4):
         w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=rows)
@@ -503,7 +504,7 @@ def test_rows_word_reads_follow_only_what_a_plan_key_holds(device):
     aligned, four, two = (buf[k:k + 80].view(5, 16) for k in (0, 2, 1))
     assert (aligned.data_ptr() % 16, four.data_ptr() % 16, two.data_ptr() % 16) == (0, 4, 2)
     assert call_signature((four,), (), False)[0] == call_signature((two,), (), False)[0]
-    assert routing._row_words(aligned, 0) and not routing._row_words(four, 0) and not routing._row_words(two, 0)
+    assert routing._row_words(aligned) and not routing._row_words(four) and not routing._row_words(two)
     bias = torch.zeros(16, device=device)
     for x in (aligned, four, two):
         w_scan, ids_scan = fused_musespark1x_routing(x, bias, 4, 1.0, config=LaunchConfig(block_t=8, chunk=16,
