@@ -170,7 +170,7 @@ def fused_musespark1x_routing(
                  MASK_EXPERTS=iters * lanes * max(tile, 1) * 8 != launch.num_experts, TILE=tile,
                  INDEX_BITS=policy.rows_index_bits(launch.num_experts),
                  E_POW2=triton.next_power_of_2(launch.num_experts), AHEAD=ahead,
-                 WORDS=_row_words(gating_output), LATE_INDEX=bool(policy.ROWS_LATE_INDEX), **common),
+                 WORDS=_row_words(gating_output), **common),
             ROUTING_PER_CALL)
     else:
         common.update(NORMALIZATION_MODE=launch.normalization_mode, TOTAL_BITS=policy.sum_bits(e_pad))

@@ -944,39 +944,17 @@ def _sort8(k0, k1, k2, k3, k4, k5, k6, k7):
 
 
 @triton.jit
-def _add_max(s, d, t, FAST_MATH: tl.constexpr):
-    """``max(s + d, t)`` of uint32 keys ``s``, ``t`` and an int32 ``d`` with ``0 <= s + d < 2**32`` (no wrap):
-    with ``FAST_MATH`` (NVIDIA GPUs) one ``vadd...max`` instruction (``VIADDMNMX`` on sm_90), whose add the
-    compiler cannot split in two."""
-    if FAST_MATH:
-        return tl.inline_asm_elementwise("{ .reg .u32 a; add.u32 a, $1, $2; max.u32 $0, a, $3; }", "=r,r,r,r",
-                                         [s, d, t], dtype=tl.uint32, is_pure=True, pack=1)
-    return tl.maximum(s + d.to(tl.uint32, bitcast=True), t)
-
-
-@triton.jit
-def _keep_best8(t, s, d=None, FAST_MATH: tl.constexpr = False):
+def _keep_best8(t, s):
     """The 8 largest of two descending 8-key lists ``t`` and ``s`` (tuples), descending: the upper half of a
-    bitonic merge (``max(t[i], s[7 - i])`` is bitonic) and a bitonic sort of it (12 comparators). ``d`` (int32):
-    added to every key of ``s`` first (:func:`_add_max`, fused with the first maxima)."""
-    if d is not None:
-        u0 = _add_max(s[7], d, t[0], FAST_MATH)
-        u1 = _add_max(s[6], d, t[1], FAST_MATH)
-        u2 = _add_max(s[5], d, t[2], FAST_MATH)
-        u3 = _add_max(s[4], d, t[3], FAST_MATH)
-        u4 = _add_max(s[3], d, t[4], FAST_MATH)
-        u5 = _add_max(s[2], d, t[5], FAST_MATH)
-        u6 = _add_max(s[1], d, t[6], FAST_MATH)
-        u7 = _add_max(s[0], d, t[7], FAST_MATH)
-    else:
-        u0 = tl.maximum(t[0], s[7])
-        u1 = tl.maximum(t[1], s[6])
-        u2 = tl.maximum(t[2], s[5])
-        u3 = tl.maximum(t[3], s[4])
-        u4 = tl.maximum(t[4], s[3])
-        u5 = tl.maximum(t[5], s[2])
-        u6 = tl.maximum(t[6], s[1])
-        u7 = tl.maximum(t[7], s[0])
+    bitonic merge (``max(t[i], s[7 - i])`` is bitonic) and a bitonic sort of it (12 comparators)."""
+    u0 = tl.maximum(t[0], s[7])
+    u1 = tl.maximum(t[1], s[6])
+    u2 = tl.maximum(t[2], s[5])
+    u3 = tl.maximum(t[3], s[4])
+    u4 = tl.maximum(t[4], s[3])
+    u5 = tl.maximum(t[5], s[2])
+    u6 = tl.maximum(t[6], s[1])
+    u7 = tl.maximum(t[7], s[0])
     u0, u4 = _cx(u0, u4)
     u1, u5 = _cx(u1, u5)
     u2, u6 = _cx(u2, u6)
@@ -1102,10 +1080,8 @@ def _row_keys(
     num_experts, router_output_multiplier, base_bits, nan_sum,
     c,  # (1, LANES) int32: each lane's chunk
     key_scale,  # (BLOCK_T, 1) uint32: 2**INDEX_BITS in a register of each thread
-    key_off,  # LATE_INDEX: 8 (BLOCK_T, 1) uint32, (2**INDEX_BITS - 1 - j) - base_bits * 2**INDEX_BITS, in registers
     VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr,
     EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr, WORDS: tl.constexpr = False,
-    LATE_INDEX: tl.constexpr = False,
 ):
     """Keys (``(BLOCK_T, LANES)``) of the 8 experts of each lane's chunk ``c`` for every row, and ``nan_sum``
     plus their biased scores.
@@ -1113,9 +1089,6 @@ def _row_keys(
     Window keys (uint32) from the unguarded scores, whose NaNs (a NaN logit or bias) make the row sum NaN;
     or with ``EXACT`` uint64 keys (``(order-preserving image of the biased score, as unsigned) << 32`` plus
     the expert bits) from the guarded ones. Experts past ``num_experts`` get key 0, below every real expert.
-    ``LATE_INDEX`` (window keys): the keys lack the chunk's part of the expert field, ``-8c``, which the caller
-    adds at the merge (each key then ``8c`` more: the field's low bits are ``2**INDEX_BITS - 1 - j >= 8c``, so
-    no borrow reaches the value bits), and experts past ``num_experts`` get ``8c``.
     """
     xs = _chunk_columns(xlo, xhi, VEC, WORDS)
     bs = _chunk_columns(blo, bhi, BIAS_VEC)
@@ -1138,15 +1111,9 @@ def _row_keys(
             bits = biased.to(tl.int32, bitcast=True)
             # (key_scale: 2**INDEX_BITS in a register, so that the product is an IMAD on the FMA pipe rather than
             # a LEA and a VIADD on the ALU pipe, the rows algorithm's busiest)
-            if LATE_INDEX:  # (one IMAD with a constant in a register: no add of the chunk's part per key)
-                key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * key_scale + key_off[j]
-            else:
-                key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * key_scale + (off - j)
+            key = tl.maximum(bits, base_bits).to(tl.uint32, bitcast=True) * key_scale + (off - j)
         if MASK_EXPERTS:
-            if LATE_INDEX and not EXACT:
-                key = tl.where(e0 + j < num_experts, key, e0.to(tl.uint32))
-            else:
-                key = tl.where(e0 + j < num_experts, key, 0)
+            key = tl.where(e0 + j < num_experts, key, 0)
         keys = keys + (key,)
     return keys, nan_sum
 
@@ -1207,10 +1174,10 @@ def _tile_chunks(x, LANES: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr
 @triton.jit
 def _row_step(
     best, nan_sum, xlo, xhi, j, gbase, col, bbase, bcol, lane, num_experts, stride_gn, stride_bias,
-    router_output_multiplier, base_bits, key_scale, key_off,
+    router_output_multiplier, base_bits, key_scale,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, WORDS: tl.constexpr, LATE_INDEX: tl.constexpr,
+    AHEAD: tl.constexpr, WORDS: tl.constexpr,
 ):
     """One chunk of :func:`_row_select`'s loop: the keys of iteration ``j``'s chunk (its logits ``xlo, xhi``, loaded
     ``AHEAD`` iterations before), that chunk's slot reloaded with iteration ``j + AHEAD``'s logits, and the
@@ -1218,20 +1185,11 @@ def _row_step(
     c = j * LANES + lane
     qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
     keys, nan_sum = _row_keys(xlo, xhi, qlo, qhi, num_experts, router_output_multiplier, base_bits, nan_sum, c,
-                              key_scale, key_off, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER,
-                              FAST_MATH, WORDS, LATE_INDEX)
+                              key_scale, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH,
+                              WORDS)
     nxt = tl.minimum(j + AHEAD, ITERS - 1) * LANES + lane
     xlo, xhi = _load_chunk(gbase, col, nxt[:, :, None], num_experts, stride_gn, VEC, MASK_EXPERTS, WORDS)
-    return _merge_chunk(best, _sort8(*keys), c, EXACT, LATE_INDEX, FAST_MATH), nan_sum, xlo, xhi
-
-
-@triton.jit
-def _merge_chunk(best, s, c, EXACT: tl.constexpr, LATE_INDEX: tl.constexpr, FAST_MATH: tl.constexpr):
-    """``best`` and chunk ``c``'s sorted keys ``s`` merged (:func:`_keep_best8`), the chunk's part of the expert
-    field added to ``s`` there with ``LATE_INDEX`` (window keys; see :func:`_row_keys`)."""
-    if LATE_INDEX and not EXACT:
-        return _keep_best8(best, s, -8 * c, FAST_MATH)
-    return _keep_best8(best, s)
+    return _keep_best8(best, _sort8(*keys)), nan_sum, xlo, xhi
 
 
 @triton.jit
@@ -1239,7 +1197,7 @@ def _row_select(
     gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False, LATE_INDEX: tl.constexpr = False,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors), and the row sums of the biased
     scores (window keys only; NaN where one is).
@@ -1260,14 +1218,7 @@ def _row_select(
         col = tl.arange(0, VEC)[None, None, :]
     bbase = bias_ptr + tl.zeros_like(row_off[:, None, None])
     # 2**INDEX_BITS, from each thread's row so that the compiler keeps it in a register of its own (row_off >= 0)
-    zero = (row_off >> 63).to(tl.int32)[:, None]
-    key_scale = ((1 << INDEX_BITS) | zero).to(tl.uint32, bitcast=True)
-    key_off = key_scale  # (LATE_INDEX: each expert j's constant of the window key, in a register of its own)
-    if LATE_INDEX and not EXACT:
-        MAXIDX: tl.constexpr = (1 << INDEX_BITS) - 1
-        key_off = ()
-        for j in tl.static_range(8):
-            key_off = key_off + ((((MAXIDX - j) - base_bits * (1 << INDEX_BITS)) | zero).to(tl.uint32, bitcast=True),)
+    key_scale = ((1 << INDEX_BITS) | (row_off >> 63).to(tl.int32)).to(tl.uint32, bitcast=True)[:, None]
     bcol = tl.arange(0, BIAS_VEC)[None, None, :]
     lane = tl.arange(0, LANES)[None, :]
     # AHEAD slots (a, b, c, d), each loop-carried: slot s holds chunk i + s of iteration i (a step of AHEAD chunks)
@@ -1309,30 +1260,30 @@ def _row_select(
                 c = (i * TILE + g) * LANES + lane
                 qlo, qhi = _load_chunk(bbase, bcol, c[:, :, None], num_experts, stride_bias, BIAS_VEC, MASK_EXPERTS)
                 keys, nan_sum = _row_keys(chunks[g], chunks[g], qlo, qhi, num_experts, router_output_multiplier,
-                                          base_bits, nan_sum, c, key_scale, key_off, 8, BIAS_VEC, MASK_EXPERTS,
-                                          INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, WORDS, LATE_INDEX)
-                best = _merge_chunk(best, _sort8(*keys), c, EXACT, LATE_INDEX, FAST_MATH)
+                                          base_bits, nan_sum, c, key_scale, 8, BIAS_VEC, MASK_EXPERTS, INDEX_BITS,
+                                          EXACT, HAS_MULTIPLIER, FAST_MATH, WORDS)
+                best = _keep_best8(best, _sort8(*keys))
             x = nx
     else:
         for i in range(0, ITERS, AHEAD):
             best, nan_sum, alo, ahi = _row_step(best, nan_sum, alo, ahi, i, gbase, col, bbase, bcol, lane, num_experts,
                                                 stride_gn, stride_bias, router_output_multiplier, base_bits, key_scale,
-                                                key_off, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
-                                                HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, LATE_INDEX)
+                                                ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS, INDEX_BITS, EXACT,
+                                                HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
             if AHEAD >= 2:
                 best, nan_sum, blo, bhi = _row_step(best, nan_sum, blo, bhi, i + 1, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
-                                                    base_bits, key_scale, key_off, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, LATE_INDEX)
+                                                    base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
             if AHEAD >= 4:
                 best, nan_sum, clo, chi = _row_step(best, nan_sum, clo, chi, i + 2, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
-                                                    base_bits, key_scale, key_off, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, LATE_INDEX)
+                                                    base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
                 best, nan_sum, dlo, dhi = _row_step(best, nan_sum, dlo, dhi, i + 3, gbase, col, bbase, bcol, lane,
                                                     num_experts, stride_gn, stride_bias, router_output_multiplier,
-                                                    base_bits, key_scale, key_off, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS, LATE_INDEX)
+                                                    base_bits, key_scale, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                                    INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, AHEAD, WORDS)
     return tl.reduce(best, 1, _merge_lanes), tl.sum(nan_sum, axis=1)
 
 
@@ -1359,14 +1310,14 @@ def _row_tile(
     router_output_multiplier, base_bits, nan_bias,
     TOPK: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr,
     MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr, LATE_INDEX: tl.constexpr,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr,
 ):
     """The picks of a tile's rows ``row`` (``(BLOCK_T,)`` int32, past ``num_tokens`` read as the last row): their
     ids and raw logits, re-read (in cache; ``TOPK``-tuples of ``(BLOCK_T,)`` tensors)."""
     row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, LATE_INDEX)
+                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere.
     flag = (((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)
@@ -1474,7 +1425,6 @@ def _rows_kernel(
     AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead: 1, 2 or 4, dividing ITERS
     TILE: tl.constexpr = 0,  # chunks a lane takes from each coalesced tile (0: 16-byte loads of its own)
     WORDS: tl.constexpr = False,  # bf16 logits read as int32 words of two (unit stride, even row stride)
-    LATE_INDEX: tl.constexpr = False,  # window keys take their chunk's part of the expert field at the merge
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
@@ -1488,7 +1438,7 @@ def _rows_kernel(
     row_ok = row < num_tokens
     ids, x = _row_tile(gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
                        router_output_multiplier, base_bits, nan_bias, TOPK, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, LATE_INDEX)
+                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
     _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH), row, row_ok,
                topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
                route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)

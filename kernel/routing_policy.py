@@ -8,8 +8,8 @@ grid from the batch's shape, :func:`check_launch_config` says whether a config f
 The module-level switches (:data:`SMALL_BATCH`, :data:`PERSISTENT_FROM`,
 :data:`TWO_LEVEL_MAX_TOPK`, :data:`DYNAMIC_TILES_FROM`, :data:`PING_PONG_MAX_SLICES`,
 :data:`TILE_GROUPS`, :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_LAUNCHES`, :data:`ROWS_FP32_TILED_FROM`,
-:data:`ROWS_FP32_TILED_LAUNCHES`, :data:`ROWS_AHEAD`, :data:`ROWS_AHEAD_FROM`, :data:`ROWS_TILE`, :data:`ROWS_WORDS`)
-are read from this module on every checked call, so experiments and
+:data:`ROWS_FP32_TILED_LAUNCHES`, :data:`ROWS_FP32_PAIR_TILE`, :data:`ROWS_AHEAD`, :data:`ROWS_AHEAD_FROM`,
+:data:`ROWS_TILE`, :data:`ROWS_WORDS`) are read from this module on every checked call, so experiments and
 tests set them here (``routetool_kernels.routing`` shows them, read-only) and then call
 :func:`routetool_kernels._dispatch.clear_plans`, since a plan keeps the settings it was made with.
 """
@@ -79,10 +79,17 @@ took 65536 x 256 bf16 from 24.5 us (two threads a token, 4 warps) to 20.1 on an 
 experts, four chunks ahead). v15 (H200): two threads a token at 65536 and 16384 tokens (256 experts 19.7, 7.1 us;
 four 21.4, 8.5; eight 26.2, 7.7), eight at 4096 (3.0 us; four 3.3; 128 experts 2.4 against 2.5)."""
 
-ROWS_FP32_LAUNCHES = ((8192, 4, 1), (0, 8, 1))
-"""The rows algorithm's launches for float32 logits of fewer than :data:`ROWS_FP32_TILED_FROM` experts (each thread
-loads its own 16-byte pieces, two a chunk); on an H200 at 128 experts (v15) four threads a token 17.3 / 5.6 us at
-65536 / 16384 tokens (two 21.2 / 6.8), eight 3.0 us at 4096 (four 3.3); two-level 25.2 / 8.3 / 5.3."""
+ROWS_FP32_LAUNCHES = ((32768, 2, 1), (8192, 4, 1), (0, 8, 1))
+"""The rows algorithm's launches for float32 logits of fewer than :data:`ROWS_FP32_TILED_FROM` experts: two threads
+a token through coalesced tiles (:data:`ROWS_FP32_PAIR_TILE`) above 32768 tokens, below that each thread loading its
+own 16-byte pieces, two a chunk. On an H200 at 128 experts (v15) four threads a token 17.3 / 5.6 us at 65536 / 16384
+tokens (two 21.2 / 6.8), eight 3.0 us at 4096 (four 3.3); two-level 25.2 / 8.3 / 5.3; v16: two threads through
+tiles of two chunks 14.7 / 5.8 us at 65536 / 16384 (four threads 17.1 / 5.5)."""
+
+ROWS_FP32_PAIR_TILE = 2
+"""Chunks of 8 experts a thread takes from each coalesced tile for float32 logits of fewer than
+:data:`ROWS_FP32_TILED_FROM` experts at two threads a token or fewer (:data:`ROWS_FP32_LAUNCHES` above 32768 tokens):
+a row's threads read 64 bytes at a time (with their own loads, 32)."""
 
 ROWS_FP32_TILED_FROM = 129
 """Experts from which float32 logits reach the rows algorithm through coalesced tiles (``TILE`` 1: a program's rows
@@ -113,10 +120,6 @@ does not set 1; 0: each thread loads its own chunks, 16 bytes at a time."""
 ROWS_WORDS = 1
 """Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""
 
-ROWS_LATE_INDEX = 0
-"""Whether the rows algorithm's window keys take their chunk's part of the expert field at the merge (fused into
-its first maxima) rather than one add per key."""
-
 ROWS_MAX_EXPERTS = 256
 """Most experts of the rows algorithm: its window keys hold the expert in their low ``INDEX_BITS`` bits
 (:func:`rows_index_bits`) and the score in the other ``32 - INDEX_BITS``, at least two binades."""
@@ -139,8 +142,10 @@ def rows_switches() -> set[int]:
 def rows_loads(num_experts: int, itemsize: int, lanes: int) -> tuple[int, int, int]:
     """``(TILE, AHEAD, ITERS)`` of a rows launch: the chunks a thread takes from each coalesced tile (0: none),
     the chunks it loads ahead, and its loop's iterations (:data:`ROWS_TILE`, :data:`ROWS_FP32_TILED_FROM`,
-    :data:`ROWS_AHEAD`, :data:`ROWS_AHEAD_FROM`)."""
-    tile = 1 if itemsize == 4 and num_experts >= ROWS_FP32_TILED_FROM else ROWS_TILE
+    :data:`ROWS_FP32_PAIR_TILE`, :data:`ROWS_AHEAD`, :data:`ROWS_AHEAD_FROM`)."""
+    tile = ROWS_TILE
+    if itemsize == 4:
+        tile = 1 if num_experts >= ROWS_FP32_TILED_FROM else ROWS_FP32_PAIR_TILE if lanes <= 2 else ROWS_TILE
     chunks = -(-num_experts // 8)
     iters = -(-chunks // (lanes * max(tile, 1)))
     ahead = ROWS_AHEAD if itemsize < 4 and not tile and -(-chunks // lanes) >= ROWS_AHEAD_FROM else 1

@@ -363,8 +363,8 @@ of ``topk`` <= 8 and <= 256 experts, else the two-level one; above ``PERSISTENT_
 two-level launch asks for ``programs_per_sm`` (32) programs per SM, a
 persistent grid once the tokens exceed that times the SM count (8193: up to 256 SMs); tiles
 claimed from atomic counters from ``DYNAMIC_TILES_FROM`` (8) times that grid (37888: up to
-148 SMs, an H200 has 132); and the rows algorithm's other switch (32769: float32 logits of more than 128
-experts four threads a token above 32768, eight below; the others switch at 8192)."""
+148 SMs, an H200 has 132); and the rows algorithm's other switch (32769: float32 logits two threads a token
+above 32768 for up to 128 experts, four for more; the others switch at 8192)."""
 
 
 def _rounding_bias(name: str, E: int) -> torch.Tensor:

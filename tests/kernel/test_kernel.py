@@ -462,13 +462,13 @@ def test_rows_window_keys_and_their_redo(E, K, dtype, device):
             assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), (b, rows)
 
 
-@pytest.mark.parametrize("ahead,tile,words,late", [(1, 0, 0, 0), (2, 0, 1, 0), (3, 0, 1, 1), (4, 0, 1, 0), (4, 0, 0, 1),
-                                                   (1, 1, 1, 0), (2, 2, 1, 1), (1, 4, 1, 0), (1, 8, 0, 1)])
-def test_rows_launch_switches_change_no_bit(ahead, tile, words, late, device, monkeypatch, request):
+@pytest.mark.parametrize("ahead,tile,words", [(1, 0, 0), (2, 0, 1), (3, 0, 1), (4, 0, 1), (4, 0, 0), (1, 1, 1),
+                                              (2, 2, 1), (1, 4, 1), (1, 8, 0), (1, 2, 0)])
+def test_rows_launch_switches_change_no_bit(ahead, tile, words, device, monkeypatch, request):
     # a thread of the rows algorithm loads its logits 1, 2 or 4 chunks ahead of the one it sorts (where it takes at
     # least ROWS_AHEAD_FROM chunks: the most of ROWS_AHEAD that divides its iterations: 3 gives 2) or from
-    # coalesced tiles, reads bf16 logits as words of two or one by one, and adds the chunk's part of the expert
-    # field per key or at the merge (its picks' logits are read before the redo vote, again after a redo); the ids and
+    # coalesced tiles, and reads bf16 logits as words of two or one by one (its picks' logits are read before the
+    # redo vote, again after a redo); the ids and
     # weights are the scan's bits for each, incl. NaN logits (the redo loads ahead too; one in the last program,
     # whose rows past the batch read the last row) and a partial last chunk
     from routetool_kernels import routing_policy
@@ -486,7 +486,6 @@ def test_rows_launch_switches_change_no_bit(ahead, tile, words, late, device, mo
     monkeypatch.setattr(routing_policy, "ROWS_TILE", tile)
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD_FROM", 1)  # (the 4 threads a token take 2 chunks each)
     monkeypatch.setattr(routing_policy, "ROWS_WORDS", words)
-    monkeypatch.setattr(routing_policy, "ROWS_LATE_INDEX", late)
     clear_plans()
     for rows in (ROWS, ROWS_LANES2, ROWS_LANES4):
         w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=rows)
@@ -585,7 +584,10 @@ def test_default_config_by_shape():
     assert rows.num_warps == 1  # (one-warp programs: the unproven vote needs no barrier)
     assert default_config(3000, 256, torch.bfloat16).chunk == 8 and default_config(9000, 256, torch.float16).chunk == 2
     assert default_config(3000, 128, torch.float32).algorithm == "rows"
-    assert default_config(65536, 128, torch.float32).chunk == 4  # (float32, own loads)
+    assert default_config(65536, 128, torch.float32).chunk == 2  # (float32 of up to 128 experts: tiles of two chunks)
+    from routetool_kernels.routing_policy import rows_loads
+    assert rows_loads(128, 4, 2)[0] == 2 and rows_loads(128, 4, 4)[0] == 0 and rows_loads(256, 4, 2)[0] == 1
+    assert default_config(16384, 128, torch.float32).chunk == 4  # (own loads)
     assert default_config(3000, 128, torch.float32).chunk == 8
     fp32 = default_config(65536, 256, torch.float32)  # (float32 above 128 experts: coalesced tiles)
     assert fp32.algorithm == "rows" and fp32.chunk == 4 and fp32.num_warps == 1
