@@ -6,7 +6,8 @@
 #   tests     every test marked gpu, and all kernel and bench tests (compiled), in parallel shards
 #   gpu-tests only the tests marked gpu, in parallel shards (a shorter check of GPU paths); PYTEST_K="EXPR": only
 #             the tests pytest's -k EXPR selects (tests and gpu-tests)
-#   validate  routetool validate --suite full --kernel tiled, every family but models (the shapes in a process of its own)
+#   validate  routetool validate --suite full --kernel tiled, every family but models (the shapes in VALIDATE_NPROC
+#             processes under torchrun, as models; the others in one)
 #   models    routetool validate --suite full --kernel tiled --family models, in VALIDATE_NPROC processes (default 8)
 #             under torchrun: alone in a call, it compiles for minutes on a fresh machine (quick holds it too)
 #   quick     routetool validate --suite quick --kernel tiled (after the others, under torchrun as models)
@@ -78,8 +79,8 @@ if has tests || has gpu-tests; then
   done
 fi
 if has validate; then
-  run validate-shapes 450 python3 -m routetool validate --suite full --kernel tiled --device cuda --family shapes \
-    --json "$R/validate-shapes.json" --no-progress &
+  run validate-shapes 450 "${TORCHRUN[@]}" -m routetool validate --suite full --kernel tiled --device cuda \
+    --family shapes --json "$R/validate-shapes.json" --no-progress &
   run validate-rest 300 python3 -m routetool validate --suite full --kernel tiled --device cuda --family ties \
     --family nonfinite --family bias --family layouts --family dtypes --family padding --family parameters \
     --json "$R/validate-rest.json" --no-progress &

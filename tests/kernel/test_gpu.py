@@ -386,6 +386,7 @@ BATCH_INVARIANCE = [
     (160, 6, "softmax", torch.float16, True), (128, 8, "sigmoid", torch.bfloat16, True),
     (64, 6, "softmax", torch.float32, False), (60, 4, "softmax", torch.bfloat16, True),
     (8, 2, "softmax", torch.float16, True), (256, 16, "sigmoid", torch.float32, False),
+    (128, 8, "sigmoid", torch.float32, True),  # (float32 of up to 128 experts: tiles of two chunks above 32768)
 ]
 
 
