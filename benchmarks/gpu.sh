@@ -21,6 +21,8 @@
 #             RECORDER_RUNS=N runs it N times)
 #   routing   replay --save-routing of every bundled trace on the GPU, then diff of each trace (the reference)
 #             against the kernel's saved routing, and of the saved routing against itself
+#   floor     benchmarks/bench_rows_floor.py: the rows launch's grid alone, its load pattern alone, whole-row loads
+#             and the router (65536 x 256 bf16, $FLOOR_ARGS)
 #   tune      benchmarks/tune_tiled.py $TUNE_ARGS --variant "$TUNE_VARIANTS" (';'-separated switch sets): each
 #             set compiled first in a process of its own, side by side (one per set and per ';'-separated argument
 #             list of $TUNE_SPLIT, e.g. "--experts 256:bf16;--experts 128:fp32"), then every candidate timed alone
@@ -135,6 +137,10 @@ if has routing; then
     COLUMNS=100 run "diff-self-$n" 60 python3 -m routetool diff "$R/routing-$n.safetensors" "$R/routing-$n.safetensors"
   done
 fi
+if has floor; then
+  # shellcheck disable=SC2086
+  run floor 120 python3 benchmarks/bench_rows_floor.py ${FLOOR_ARGS:-} --csv "$R/floor.csv"
+fi
 if has tune; then
   IFS=';' read -ra SETS <<< "${TUNE_VARIANTS:-}"
   [ "${#SETS[@]}" -eq 0 ] && SETS=("")
@@ -179,4 +185,4 @@ grep -h -A8 "^FAILED\|^E  " "$R"/pytest-?.txt 2>/dev/null | head -40
 for f in "$R"/validate-*.txt "$R"/replay-*.txt "$R"/routing-*.txt "$R"/diff-*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^(PASS|FAIL|NOTHING|IDENTICAL|DIFFERENT)" "$f"; }; done
 [ -f "$R/tune.txt" ] && { echo "== tune"; grep -E "^T=|^  " "$R/tune.txt" | tail -n 80; }
 for f in "$R"/profile-?.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "^# |Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Throughput|No Eligible|One or More Eligible|Warp Cycles Per Issued" "$f" | head -n 20; }; done
-for f in bench table host engine recorder-tests recorder-bench recorder-bench2 recorder-bench3 ranks torchrun; do [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 20 "$R/$f.txt"; }; done
+for f in floor bench table host engine recorder-tests recorder-bench recorder-bench2 recorder-bench3 ranks torchrun; do [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 20 "$R/$f.txt"; }; done
