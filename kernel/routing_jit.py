@@ -59,8 +59,8 @@ two-level's 320).
 * *Selection.* A thread keeps its token's best 8 keys sorted (``LANES`` threads sharing a token
   take every ``LANES``-th chunk and merge their lists at the end, so that fewer tokens still fill
   the GPU). Per chunk of 8 experts (a loop, each iteration loading a chunk ``AHEAD`` iterations
-  ahead, or, for float32 logits of more than 128 experts, a program's coalesced tile of 128 bytes a
-  row through shared memory): sort the
+  ahead, or, for float32 logits, a program's coalesced tile of 128 bytes a row for more than 128
+  experts, 64 at two threads a token for fewer, through shared memory): sort the
   8 new keys (Batcher's 19-comparator network, D. E. Knuth, TAOCP vol. 3, 5.3.4), take the
   elementwise max of the kept list against the reversed chunk (the upper half of a bitonic merge:
   the 8 largest of the 16) and sort that bitonic sequence (12 comparators). A comparator is an
@@ -1325,8 +1325,7 @@ def _row_tile(
     # shuffles)
     unproven = tl.max(tl.broadcast_to(flag[:, None], (flag.shape[0], LANES)), axis=None) + nan_bias
     ids = _key_ids(keys, TOPK, INDEX_BITS)
-    # the picks' logits asked for before the vote, whose shuffles then hide part of their latency (read again after
-    # a redo)
+    # the picks' logits asked for before the vote, which then hides part of their latency (read again after a redo)
     x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
     if unproven > 0:
         exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,

@@ -83,8 +83,9 @@ ROWS_FP32_LAUNCHES = ((32768, 2, 1), (8192, 4, 1), (0, 8, 1))
 """The rows algorithm's launches for float32 logits of fewer than :data:`ROWS_FP32_TILED_FROM` experts: two threads
 a token through coalesced tiles (:data:`ROWS_FP32_PAIR_TILE`) above 32768 tokens, below that each thread loading its
 own 16-byte pieces, two a chunk. On an H200 at 128 experts (v15) four threads a token 17.3 / 5.6 us at 65536 / 16384
-tokens (two 21.2 / 6.8), eight 3.0 us at 4096 (four 3.3); two-level 25.2 / 8.3 / 5.3; v16: two threads through
-tiles of two chunks 14.7 / 5.8 us at 65536 / 16384 (four threads 17.1 / 5.5)."""
+tokens (two 21.2 / 6.8), eight 3.0 us at 4096 (four 3.3); two-level 25.2 / 8.3 / 5.3; v16 sweep: two threads
+through tiles of two chunks 14.7 / 5.8 us at 65536 / 16384 (four threads 17.1 / 5.5), 15.5 us at 65536 in the
+table at 63b229e."""
 
 ROWS_FP32_PAIR_TILE = 2
 """Chunks of 8 experts a thread takes from each coalesced tile for float32 logits of fewer than
