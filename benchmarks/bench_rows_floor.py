@@ -7,7 +7,8 @@ Times, with CUDA-graph medians, on one shape (default 65536 x 256 bf16, two thre
   ``i * LANES + lane`` in iteration ``i``, a row's threads adjacent), XORs them and stores a word a token: the
   kernel's memory traffic and pattern without its arithmetic (every load in flight at once: unrolled);
 * ``coalesced``: the same bytes read as whole rows (each warp's loads contiguous), the pattern's alternative;
-* ``rows``: the router itself (``fused_musespark1x_routing`` with that launch).
+* ``rows``: the router itself (``fused_musespark1x_routing`` with that launch; it also starts each launch early
+  with PDL, which the three others do not).
 
 Usage (GPU machine, repository root; ``bash benchmarks/gpu.sh floor`` runs it with its defaults):
     python benchmarks/bench_rows_floor.py [--tokens 65536] [--experts 256] [--lanes 2] [--csv floor.csv]
@@ -59,13 +60,13 @@ def _coalesced(x_ptr, out_ptr, num_tokens, stride_m, BLOCK_T: tl.constexpr, WORD
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--experts", type=int, default=256, help="a multiple of 8 lanes' chunks (default 256)")
+    ap.add_argument("--experts", type=int, default=256, help="a power of two, 8 x --lanes or more (default 256)")
     ap.add_argument("--lanes", type=int, default=2, help="threads a token of the rows launch (default 2)")
     ap.add_argument("--csv", default=None, help="also write the rows here (kernel, tokens, experts, lanes, us, GB/s)")
     a = ap.parse_args()
     T, E, lanes = a.tokens, a.experts, a.lanes
-    if E % (8 * lanes):
-        ap.error(f"--experts {E} is not a multiple of 8 x --lanes ({8 * lanes})")
+    if E & (E - 1) or lanes & (lanes - 1) or E < 8 * lanes:  # (the whole-row kernel's tile: a power of two)
+        ap.error(f"--experts {E} and --lanes {lanes} must be powers of two with --experts at least 8 x --lanes")
     block_t = 32 // lanes
     grid = (triton.cdiv(T, block_t),)
     x = (torch.randn((T, E), device="cuda") * 2).to(torch.bfloat16)
@@ -82,15 +83,15 @@ def main() -> None:
         "coalesced": lambda: _coalesced[grid](words, out, T, E // 2, BLOCK_T=block_t, WORDS=E // 2, num_warps=1),
         "rows": lambda: fused_musespark1x_routing(x, bias, 8, 2.5, topk_weights=w, topk_ids=ids, config=config),
     }
-    ref = words.clone()  # each row's XOR: what the two load kernels must store
-    while ref.shape[1] > 1:
-        ref = ref[:, 0::2] ^ ref[:, 1::2]
+    ref = words[:, 0].clone()  # each row's XOR: what the two load kernels must store
+    for j in range(1, words.shape[1]):
+        ref ^= words[:, j]
     rows = []
     for name, fn in runs.items():
         out.zero_()
         fn()
         torch.cuda.synchronize()
-        if name in ("own-loads", "coalesced") and not torch.equal(out, ref[:, 0]):
+        if name in ("own-loads", "coalesced") and not torch.equal(out, ref):
             raise SystemExit(f"{name}: the rows' XOR differs from torch's (a load kernel read the wrong words)")
         us = triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=[0.5])
         us = (us[0] if isinstance(us, (list, tuple)) else us) * 1e3

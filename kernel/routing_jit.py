@@ -59,8 +59,9 @@ two-level's 320).
 * *Selection.* A thread keeps its token's best 8 keys sorted (``LANES`` threads sharing a token
   take every ``LANES``-th chunk and merge their lists at the end, so that fewer tokens still fill
   the GPU). Per chunk of 8 experts (a loop, each iteration loading a chunk ``AHEAD`` iterations
-  ahead, or, for float32 logits, a program's coalesced tile of 128 bytes a row for more than 128
-  experts, 64 at two threads a token for fewer, through shared memory): sort the
+  ahead, or, for float32 logits, a program's coalesced tile of ``LANES * TILE * 32`` bytes a row
+  through shared memory: one chunk a thread for more than 128 experts, two at two threads a token
+  for up to 128): sort the
   8 new keys (Batcher's 19-comparator network, D. E. Knuth, TAOCP vol. 3, 5.3.4), take the
   elementwise max of the kept list against the reversed chunk (the upper half of a bitonic merge:
   the 8 largest of the 16) and sort that bitonic sequence (12 comparators). A comparator is an

@@ -83,25 +83,26 @@ ROWS_FP32_LAUNCHES = ((32768, 2, 1), (8192, 4, 1), (0, 8, 1))
 """The rows algorithm's launches for float32 logits of fewer than :data:`ROWS_FP32_TILED_FROM` experts: two threads
 a token through coalesced tiles (:data:`ROWS_FP32_PAIR_TILE`) above 32768 tokens, below that each thread loading its
 own 16-byte pieces, two a chunk. On an H200 at 128 experts (v15) four threads a token 17.3 / 5.6 us at 65536 / 16384
-tokens (two 21.2 / 6.8), eight 3.0 us at 4096 (four 3.3); two-level 25.2 / 8.3 / 5.3; v16 sweep: two threads
-through tiles of two chunks 14.7 / 5.8 us at 65536 / 16384 (four threads 17.1 / 5.5), 15.5 us at 65536 in the
-table at 63b229e."""
+tokens (two 21.2 / 6.8), eight 3.0 us at 4096 (four 3.3); two-level 25.2 / 8.3 / 5.3; v16 sweep (with a switch
+since removed): two threads through tiles of two chunks 14.7 / 5.8 us at 65536 / 16384 (four threads 17.1 / 5.5);
+15.5 us at 65536 in the table at 63b229e (17.5 at de15553)."""
 
 ROWS_FP32_PAIR_TILE = 2
 """Chunks of 8 experts a thread takes from each coalesced tile for float32 logits of fewer than
 :data:`ROWS_FP32_TILED_FROM` experts at two threads a token or fewer (:data:`ROWS_FP32_LAUNCHES` above 32768 tokens):
-a row's threads read 64 bytes at a time (with their own loads, 32)."""
+each thread reads 64 bytes of a 128-byte tile of its row (with its own loads, 32 a chunk)."""
 
 ROWS_FP32_TILED_FROM = 129
 """Experts from which float32 logits reach the rows algorithm through coalesced tiles (``TILE`` 1: a program's rows
-loaded 128 bytes a row at a time and moved into the threads through shared memory) with
+loaded ``LANES * 32`` bytes a row at a time (128 at four threads a token, 256 at eight) and moved into the threads through shared memory) with
 :data:`ROWS_FP32_TILED_LAUNCHES`: on an H200 at 256 experts 29.5 / 9.6 / 4.9 us at 65536 / 16384 / 4096 tokens,
 two-level 32.4 / 10.8 / 5.3, the threads' own loads 35.5 / 12.1 / 5.4 (v12)."""
 
 ROWS_FP32_TILED_LAUNCHES = ((32768, 4, 1), (0, 8, 1))
 """The rows algorithm's launches for float32 logits of :data:`ROWS_FP32_TILED_FROM` experts and more: one-warp
 programs, on an H200 at 256 experts (v15) four threads a token 26.3 us at 65536 tokens (4 warps: 30.2; eight
-threads 29.2), eight 9.6 / 4.0 us at 16384 / 4096 (four threads 11.9 / 5.8; 4 warps 10.2 / 4.9)."""
+threads 29.2), eight 9.6 / 4.0 us at 16384 / 4096 (four threads 11.9 / 5.8; 4 warps 10.2 / 4.9). v16, with the vote
+one ``REDUX``: four threads 8.38 us at 16384 (sweep), eight 8.92 (table); the switch at 32768 is due a re-time."""
 
 ROWS_AHEAD = 4
 """Chunks of 8 experts a thread of the rows algorithm loads ahead of the one it sorts, for 16-bit logits where a
@@ -115,8 +116,9 @@ ROWS_AHEAD_FROM = 8
 
 ROWS_TILE = 0
 """Chunks of 8 experts a thread of the rows algorithm takes from each tile of logits its program loads
-coalesced (the tile moves through shared memory into the threads' registers) where :data:`ROWS_FP32_TILED_FROM`
-does not set 1; 0: each thread loads its own chunks, 16 bytes at a time."""
+coalesced (the tile moves through shared memory into the threads' registers) where float32 logits do not take
+:data:`ROWS_FP32_TILED_FROM`'s tiles of one chunk or :data:`ROWS_FP32_PAIR_TILE`'s; 0: each thread loads its own
+chunks, 16 bytes at a time."""
 
 ROWS_WORDS = 1
 """Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""

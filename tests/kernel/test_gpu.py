@@ -473,12 +473,14 @@ def test_rows_matches_the_scan_bit_for_bit(E, K, dtype, num_warps, lanes):
     _rows_against_scan(E, K, dtype, num_warps, lanes)
 
 
-@pytest.mark.parametrize("E,K,dtype", [(256, 8, torch.bfloat16), (130, 6, torch.bfloat16), (256, 8, torch.float32)])
+@pytest.mark.parametrize("E,K,dtype", [(256, 8, torch.bfloat16), (130, 6, torch.bfloat16), (256, 8, torch.float32),
+                                       (100, 8, torch.float32)])
 @pytest.mark.parametrize("ahead,tile", [(4, 0), (2, 0), (1, 0), (1, 2), (1, 4)])
 def test_rows_launch_switches_change_no_bit_compiled(E, K, dtype, ahead, tile, monkeypatch, request):
     # The rows kernel's switches as a sweep turns them, compiled: chunks loaded ahead (130 experts: 9 or 5
     # iterations a thread, so one ahead whatever is asked) and coalesced tiles (bf16 read as words of two; float32
-    # at 256 experts always takes tiles of one chunk a thread); two and four threads a token
+    # at 256 experts always takes tiles of one chunk a thread, at 100 experts tiles of two chunks at two threads a
+    # token, the last tile partly past the row); two and four threads a token
     from routetool_kernels import routing_policy
     from routetool_kernels._dispatch import clear_plans
 
