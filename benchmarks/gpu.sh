@@ -22,7 +22,7 @@
 #   routing   replay --save-routing of every bundled trace on the GPU, then diff of each trace (the reference)
 #             against the kernel's saved routing, and of the saved routing against itself
 #   floor     benchmarks/bench_rows_floor.py: the rows launch's grid alone, its load pattern alone, whole-row loads
-#             and the router (65536 x 256 bf16, $FLOOR_ARGS); its rows in $R/floor.csv, not in results.csv
+#             and the router (65536 x 256 bf16, $FLOOR_ARGS); its rows in results.csv (benchmark floor)
 #   tune      benchmarks/tune_tiled.py $TUNE_ARGS --variant "$TUNE_VARIANTS" (';'-separated switch sets): each
 #             set compiled first in a process of its own, side by side (one per set and per ';'-separated argument
 #             list of $TUNE_SPLIT, e.g. "--experts 256:bf16;--experts 128:fp32"), then every candidate timed alone
@@ -139,7 +139,7 @@ if has routing; then
 fi
 if has floor; then
   # shellcheck disable=SC2086
-  run floor 120 python3 benchmarks/bench_rows_floor.py ${FLOOR_ARGS:-} --csv "$R/floor.csv"
+  run floor 120 python3 benchmarks/bench_rows_floor.py ${FLOOR_ARGS:-} --csv "$RESULTS"
 fi
 if has tune; then
   IFS=';' read -ra SETS <<< "${TUNE_VARIANTS:-}"
