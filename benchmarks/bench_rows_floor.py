@@ -12,9 +12,10 @@ Times, with CUDA-graph medians, on one shape (default 65536 x 256 bf16, two thre
   arithmetic without the selection;
 * ``select``: the router's whole selection (``_row_select``: loads, keys, the network and the lanes' merge), the
   picks' experts stored: the router without its redo vote, the picks' logits, weights and padding;
-* ``select-tma-tN-sS``: that selection with the logits and the bias copied into shared memory by the tensor-memory
-  accelerator (Hopper's TMA, through Triton tensor descriptors), a block of N chunks a thread each loop step, S
-  stages in flight; each thread reads its chunks from shared memory (no per-thread global loads);
+* ``select-tma-tN-sS[-wW][-pdl]``: that selection with the logits and the bias copied into shared memory by the
+  tensor-memory accelerator (Hopper's TMA, through Triton tensor descriptors), a block of N chunks a thread each
+  loop step, S stages in flight, programs of W warps (default 1), ``-pdl`` started early as the router is; each
+  thread reads its chunks from shared memory (no per-thread global loads);
 * ``rows``: the router itself (``fused_musespark1x_routing`` with that launch; it also starts each launch early
   with PDL, which the others do not).
 
@@ -132,13 +133,16 @@ def _select(x_ptr, bias_ptr, ids_ptr, num_tokens, num_experts, stride_m, BLOCK_T
 @triton.jit
 def _select_tma(desc, bias_desc, bias_ptr, ids_ptr, num_tokens, num_experts, BLOCK_T: tl.constexpr, LANES: tl.constexpr,
                 TILE: tl.constexpr, INDEX_BITS: tl.constexpr, E_POW2: tl.constexpr, STAGES: tl.constexpr,
-                FAST_MATH: tl.constexpr):
+                FAST_MATH: tl.constexpr, USE_PDL: tl.constexpr):
     """:func:`_select` with the logits copied into shared memory by the tensor-memory accelerator (``desc``: a
     descriptor of the bf16 logits as int32 words, blocks of ``BLOCK_T`` rows x ``LANES * TILE * 4`` words), a
     block a loop step in a pipeline of ``STAGES``, each lane taking ``TILE`` chunks of every block; the float32
     bias the same way (``bias_desc``: ``(1, E)``, blocks of the step's ``LANES * TILE * 8`` experts), so that the
     pipeline holds no per-thread copies of it."""
     W: tl.constexpr = LANES * TILE * 4
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     base_bits, _ = _window_base(bias_ptr, num_experts, 1, INDEX_BITS, E_POW2, FAST_MATH)
     row0 = tl.program_id(0) * BLOCK_T
     row = row0 + tl.arange(0, BLOCK_T)
@@ -162,6 +166,11 @@ def _select_tma(desc, bias_desc, bias_ptr, ids_ptr, num_tokens, num_experts, BLO
     ok = (row < num_tokens) & (tl.sum(nan_sum, axis=1) == tl.sum(nan_sum, axis=1))
     for k in tl.static_range(8):
         tl.store(ids_ptr + row * 8 + k, ids[k], mask=ok)
+
+
+# the TMA selection's launches: (chunks a thread a step, pipeline stages, warps a program, PDL)
+TMA_VARIANTS = [(2, 3, 1, False), (4, 2, 1, False), (4, 3, 1, False), (8, 2, 1, False), (4, 2, 2, False),
+                (4, 3, 2, False), (4, 3, 4, False), (4, 3, 1, True), (4, 3, 2, True)]
 
 
 def main() -> None:
@@ -205,11 +214,13 @@ def main() -> None:
                                         num_warps=1, **kbits),
             "select": lambda: _select[grid](x, bias, sel, T, E, E, BLOCK_T=block_t, LANES=lanes, ITERS=iters,
                                             AHEAD=ahead, num_warps=1, **kbits),
-            **{f"select-tma-t{tile}-s{st}": (lambda tile=tile, st=st: _select_tma[grid](
-                TensorDescriptor.from_tensor(words, [block_t, lanes * tile * 4]),
-                TensorDescriptor.from_tensor(bias.view(1, E), [1, lanes * tile * 8]), bias, sel, T, E,
-                BLOCK_T=block_t, LANES=lanes, TILE=tile, STAGES=st, num_warps=1, **kbits))
-               for tile in (2, 4, 8) for st in (2, 3, 4) if E >= 16 * lanes * tile},
+            **{f"select-tma-t{tile}-s{st}" + (f"-w{nw}" if nw > 1 else "") + ("-pdl" if pdl else ""):
+               (lambda tile=tile, st=st, nw=nw, pdl=pdl: _select_tma[(triton.cdiv(T, block_t * nw),)](
+                   TensorDescriptor.from_tensor(words, [block_t * nw, lanes * tile * 4]),
+                   TensorDescriptor.from_tensor(bias.view(1, E), [1, lanes * tile * 8]), bias, sel, T, E,
+                   BLOCK_T=block_t * nw, LANES=lanes, TILE=tile, STAGES=st, USE_PDL=pdl, num_warps=nw,
+                   **({"launch_pdl": True} if pdl else {}), **kbits))
+               for tile, st, nw, pdl in TMA_VARIANTS if E >= 16 * lanes * tile},
             "rows": lambda: fused_musespark1x_routing(x, bias, 8, 2.5, topk_weights=w, topk_ids=ids, config=config),
         }
         return runs, words, out, ids, sel
