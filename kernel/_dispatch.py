@@ -237,6 +237,9 @@ class RoutingPlan:
         per_stream: for a launch that takes one more tensor per CUDA stream (after the five
             of the call), the dict holding it by ``(device index, raw stream)``; a stream
             without one sends the call down the checked path, which makes it.
+        descriptors: for a launch that takes Triton tensor descriptors of the call's logits and bias (after
+            the five tensors), ``(make, blocks)``: ``make(gating_output, bias, blocks)`` builds them for each
+            call (a descriptor holds its tensor's address).
     """
 
     shape: tuple[int, int]
@@ -246,6 +249,7 @@ class RoutingPlan:
     launch: KernelLaunch | None
     bias_to_float32: bool = False
     per_stream: dict | None = None
+    descriptors: tuple | None = None
 
 
 ROUTING_PER_CALL = ("gating_output_ptr", "bias_ptr", "topk_weights_ptr", "topk_ids_ptr", "is_padding_ptr")
@@ -300,6 +304,9 @@ def cached_call(cache: PlanCache, tensors: tuple, others: tuple, compiled: bool)
         bias = bias.float().contiguous()
         bias_ptr = bias.data_ptr()
     extra = ()
+    if plan.descriptors is not None:
+        make, blocks = plan.descriptors
+        extra = make(gating_output, bias, blocks)
     stream = None
     if device is not None:
         stream = _Driver.current_stream(device)
@@ -311,7 +318,7 @@ def cached_call(cache: PlanCache, tensors: tuple, others: tuple, compiled: bool)
     if launch.can_direct:
         launch.direct(stream, pointers[0], bias_ptr, pointers[2] if topk_weights is not None else w.data_ptr(),
                       pointers[3] if topk_ids is not None else ids.data_ptr(), pointers[4],
-                      *[t.data_ptr() for t in extra])
+                      *[t.data_ptr() if isinstance(t, torch.Tensor) else t for t in extra])
     else:
         launch.jit(gating_output, bias, w, ids, is_padding, *extra)
     return (w, ids), key

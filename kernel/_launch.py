@@ -161,6 +161,16 @@ def pdl_supported(device: torch.device) -> bool:
     PDL (``griddepcontrol``) needs an NVIDIA GPU of compute capability 9.0 (Hopper) or
     newer; it is never used under the Triton interpreter or on ROCm.
     """
+    return _hopper_or_newer(device)
+
+
+def tma_supported(device: torch.device) -> bool:
+    """True when kernels on ``device`` may copy tiles with the tensor-memory accelerator (TMA, Triton tensor
+    descriptors): an NVIDIA GPU of compute capability 9.0 (Hopper) or newer (the Triton interpreter runs them too)."""
+    return _hopper_or_newer(device)
+
+
+def _hopper_or_newer(device: torch.device) -> bool:
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     major, _ = torch.cuda.get_device_capability(device)

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from routetool_kernels import routing_policy as policy
 from routetool_kernels._dispatch import ROUTING_PER_CALL, KernelLaunch, PlanCache, cached_call, is_interpreted, plan_for
-from routetool_kernels._launch import check_routing_args, pdl_supported
+from routetool_kernels._launch import check_routing_args, pdl_supported, tma_supported
 from routetool_kernels.routing_jit import _routing_kernel, _rows_kernel, _two_level_kernel
 
 _INTERPRETED = is_interpreted(_routing_kernel)
@@ -46,6 +47,25 @@ def _row_words(gating_output: torch.Tensor) -> bool:
     return bool(policy.ROWS_WORDS and gating_output.dtype == torch.bfloat16
                 and gating_output.stride(1) == 1 and gating_output.stride(0) % 2 == 0
                 and gating_output.shape[1] % 2 == 0 and gating_output.data_ptr() % 16 == 0)
+
+
+def _row_tma(gating_output: torch.Tensor, bias: torch.Tensor, num_tokens: int, lanes: int) -> bool:
+    """Whether the rows kernel copies its tiles with the tensor-memory accelerator (:data:`routetool_kernels.
+    routing_policy.ROWS_TMA_FROM`): more than that many tokens, bf16 logits read as words (:func:`_row_words`) in rows of
+    whole 16-byte pieces, an expert count of whole tiles (``lanes * ROWS_TMA_TILE * 8``), a contiguous 16-byte aligned
+    bias, and a device with TMA (or the interpreter). All of it is in a plan's key."""
+    num_experts = gating_output.shape[1]
+    return bool(policy.ROWS_TMA_FROM and num_tokens > policy.ROWS_TMA_FROM and _row_words(gating_output)
+                and gating_output.stride(0) % 8 == 0 and num_experts % (lanes * policy.ROWS_TMA_TILE * 8) == 0
+                and bias.stride(0) == 1 and bias.data_ptr() % 16 == 0 and num_experts * bias.element_size() % 16 == 0
+                and (_INTERPRETED or tma_supported(gating_output.device)))
+
+
+def row_descriptors(gating_output: torch.Tensor, bias: torch.Tensor, blocks: tuple) -> tuple:
+    """The rows kernel's TMA tensor descriptors of a call: the logits as int32 words and the bias as ``(1, E)``,
+    in blocks ``blocks`` (``(logits block, bias block)``, as :func:`fused_musespark1x_routing` chose them)."""
+    return (TensorDescriptor.from_tensor(gating_output.view(torch.int32), list(blocks[0])),
+            TensorDescriptor.from_tensor(bias.view(1, -1), list(blocks[1])))
 
 
 def fused_musespark1x_routing(
@@ -161,17 +181,22 @@ def fused_musespark1x_routing(
     per_stream = None
     extra = ()
     cacheable = True
+    tma_blocks = None
     if config.algorithm == "rows":
         lanes = config.chunk
-        tile, ahead, iters = policy.rows_loads(launch.num_experts, gating_output.element_size(), lanes)
+        tma = _row_tma(gating_output, bias, launch.num_tokens, lanes)
+        tile, ahead, iters = policy.rows_loads(launch.num_experts, gating_output.element_size(), lanes, tma)
+        if tma:
+            tma_blocks = ((config.block_t, lanes * tile * 4), (1, lanes * tile * 8))
+            extra = row_descriptors(gating_output, bias, tma_blocks)
         kernel_launch = KernelLaunch(
             _rows_kernel, (num_tiles,), args,
             dict(ITERS=iters, LANES=lanes, VEC=16 // gating_output.element_size(), BIAS_VEC=16 // bias.element_size(),
                  MASK_EXPERTS=iters * lanes * max(tile, 1) * 8 != launch.num_experts, TILE=tile,
                  INDEX_BITS=policy.rows_index_bits(launch.num_experts),
                  E_POW2=triton.next_power_of_2(launch.num_experts), AHEAD=ahead,
-                 WORDS=_row_words(gating_output), **common),
-            ROUTING_PER_CALL)
+                 WORDS=_row_words(gating_output), logits_desc=None, bias_desc=None, TMA=tma, STAGES=policy.ROWS_TMA_STAGES if tma else 1, **common),
+            ROUTING_PER_CALL + (("logits_desc", "bias_desc") if tma else ()))
     else:
         common.update(NORMALIZATION_MODE=launch.normalization_mode, TOTAL_BITS=policy.sum_bits(e_pad))
     if config.algorithm == "scan":
@@ -204,5 +229,5 @@ def fused_musespark1x_routing(
     kernel_launch.first(gating_output, bias, weights, ids, is_padding, *extra)
     if key is not None and cacheable:
         _PLANS.put(key, plan_for(shape, gating_output.device, topk_weights, topk_ids, kernel_launch,
-                                 per_stream=per_stream))
+                                 per_stream=per_stream, descriptors=tma_blocks and (row_descriptors, tma_blocks)))
     return weights, ids

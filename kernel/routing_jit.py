@@ -1198,7 +1198,8 @@ def _row_select(
     gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
     ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr, MASK_EXPERTS: tl.constexpr,
     INDEX_BITS: tl.constexpr, EXACT: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr = False, logits_desc=None, bias_desc=None,
+    TMA: tl.constexpr = False, STAGES: tl.constexpr = 1,
 ):
     """The best 8 keys of every row, descending (8 ``(BLOCK_T,)`` tensors), and the row sums of the biased
     scores (window keys only; NaN where one is).
@@ -1209,6 +1210,13 @@ def _row_select(
     registers with iteration ``i + AHEAD``'s logits (:func:`_row_step`; the last iterations re-read the last
     chunk, in cache) and merges its keys; then the lanes' lists merge (a reduction whose step keeps the best 8
     of two sorted lists).
+
+    ``TMA`` (``TILE`` > 0, ``WORDS``, no masked experts; the program's rows are ``program_id * BLOCK_T`` on): each
+    tile of logits and of bias is copied into shared memory by the tensor-memory accelerator (``logits_desc``: a
+    Triton tensor descriptor of the logits as int32 words, blocks of ``BLOCK_T x LANES * TILE * 4``; ``bias_desc``:
+    of the bias as ``(1, num_experts)``, blocks of ``LANES * TILE * 8``), ``STAGES`` tiles in flight, and each
+    thread reads its chunks from there: no per-thread global loads. Rows past the tensor's last read 0. The same
+    keys in the same order, so the same picks.
     """
     KEY: tl.constexpr = tl.uint64 if EXACT else tl.uint32
     if WORDS:  # int32 words of two bf16 logits (unit stride, an even row stride)
@@ -1247,7 +1255,19 @@ def _row_select(
     t6 = t0
     t7 = t0
     best = (t0, t1, t2, t3, t4, t5, t6, t7)
-    if TILE > 0:  # tiles of TILE chunks a lane, loaded coalesced a tile ahead
+    if TMA:
+        TW: tl.constexpr = LANES * TILE * 4  # words of a tile's row (8 logits a chunk, two a word)
+        row0 = tl.program_id(0) * row_off.shape[0]
+        for i in tl.range(0, ITERS, num_stages=STAGES):
+            chunks = _tile_chunks(logits_desc.load([row0, i * TW]), LANES, TILE, True)
+            bias_chunks = _tile_chunks(bias_desc.load([0, i * (2 * TW)]), LANES, TILE)
+            for g in tl.static_range(TILE):
+                c = (i * TILE + g) * LANES + lane
+                keys, nan_sum = _row_keys(chunks[g], chunks[g], bias_chunks[g], bias_chunks[g], num_experts,
+                                          router_output_multiplier, base_bits, nan_sum, c, key_scale, 8, 8, False,
+                                          INDEX_BITS, EXACT, HAS_MULTIPLIER, FAST_MATH, True)
+                best = _keep_best8(best, _sort8(*keys))
+    elif TILE > 0:  # tiles of TILE chunks a lane, loaded coalesced a tile ahead
         if WORDS:
             tbase = gating_output_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (row_off // 2)[:, None]
         else:
@@ -1311,17 +1331,20 @@ def _row_tile(
     router_output_multiplier, base_bits, nan_bias,
     TOPK: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr,
     MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr,
+    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr, logits_desc, bias_desc, TMA: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """The picks of a tile's rows ``row`` (``(BLOCK_T,)`` int32, past ``num_tokens`` read as the last row): their
-    ids and raw logits, re-read (in cache; ``TOPK``-tuples of ``(BLOCK_T,)`` tensors)."""
+    """The picks of a tile's rows ``row`` (``(BLOCK_T,)`` int32, past ``num_tokens`` read as the last row, or with
+    ``TMA`` as zeros): their ids and raw logits, re-read (in cache; ``TOPK``-tuples of ``(BLOCK_T,)`` tensors).
+    The redo reads through pointers (``TMA`` or not: the same keys)."""
     row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
+                                INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, logits_desc,
+                                bias_desc, TMA, STAGES)
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
-    # logit (its unguarded score is NaN) or a NaN bias anywhere.
-    flag = (((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)).to(tl.int32)
+    # logit (its unguarded score is NaN) or a NaN bias anywhere; rows past the last do not vote (whatever they read).
+    flag = ((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)) & (row < num_tokens)).to(tl.int32)
     # (a maximum over every thread of the program: one warp's REDUX where a program is one warp, not a tree of
     # shuffles)
     unproven = tl.max(tl.broadcast_to(flag[:, None], (flag.shape[0], LANES)), axis=None) + nan_bias
@@ -1408,6 +1431,8 @@ def _rows_kernel(
     router_output_multiplier,
     route_scale,
     division_eps,
+    logits_desc,  # TMA: a tensor descriptor of the logits as int32 words (see _row_select); else None
+    bias_desc,  # TMA: a tensor descriptor of the bias as (1, num_experts); else None
     TOPK: tl.constexpr,  # <= 8
     BLOCK_T: tl.constexpr,  # tokens per program: 32 * num_warps / LANES
     ITERS: tl.constexpr,  # loop iterations: cdiv(cdiv(num_experts, 8), LANES * max(TILE, 1))
@@ -1425,6 +1450,8 @@ def _rows_kernel(
     AHEAD: tl.constexpr = 1,  # chunks a lane loads ahead: 1, 2 or 4, dividing ITERS
     TILE: tl.constexpr = 0,  # chunks a lane takes from each coalesced tile (0: 16-byte loads of its own)
     WORDS: tl.constexpr = False,  # bf16 logits read as int32 words of two (unit stride, even row stride)
+    TMA: tl.constexpr = False,  # tiles copied into shared memory by the tensor-memory accelerator (_row_select)
+    STAGES: tl.constexpr = 1,  # TMA: tiles in flight
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
@@ -1438,7 +1465,7 @@ def _rows_kernel(
     row_ok = row < num_tokens
     ids, x = _row_tile(gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
                        router_output_multiplier, base_bits, nan_bias, TOPK, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
+                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, logits_desc, bias_desc, TMA, STAGES)
     _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH), row, row_ok,
                topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
                route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)

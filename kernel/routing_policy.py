@@ -9,7 +9,8 @@ The module-level switches (:data:`SMALL_BATCH`, :data:`PERSISTENT_FROM`,
 :data:`TWO_LEVEL_MAX_TOPK`, :data:`DYNAMIC_TILES_FROM`, :data:`PING_PONG_MAX_SLICES`,
 :data:`TILE_GROUPS`, :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_LAUNCHES`, :data:`ROWS_FP32_TILED_FROM`,
 :data:`ROWS_FP32_TILED_LAUNCHES`, :data:`ROWS_FP32_PAIR_TILE`, :data:`ROWS_AHEAD`, :data:`ROWS_AHEAD_FROM`,
-:data:`ROWS_TILE`, :data:`ROWS_WORDS`) are read from this module on every checked call, so experiments and
+:data:`ROWS_TILE`, :data:`ROWS_TMA_FROM`, :data:`ROWS_TMA_TILE`, :data:`ROWS_TMA_STAGES`,
+:data:`ROWS_WORDS`) are read from this module on every checked call, so experiments and
 tests set them here (``routetool_kernels.routing`` shows them, read-only) and then call
 :func:`routetool_kernels._dispatch.clear_plans`, since a plan keeps the settings it was made with.
 """
@@ -120,6 +121,22 @@ coalesced (the tile moves through shared memory into the threads' registers) whe
 :data:`ROWS_FP32_TILED_FROM`'s tiles of one chunk or :data:`ROWS_FP32_PAIR_TILE`'s; 0: each thread loads its own
 chunks, 16 bytes at a time."""
 
+ROWS_TMA_FROM = 32768
+"""Tokens above which bf16 logits read as words (:data:`ROWS_WORDS`) reach the rows algorithm through the
+tensor-memory accelerator (Hopper's TMA) where the rows, the bias and the expert count allow it
+(:func:`routetool_kernels.routing._row_tma`): tiles of :data:`ROWS_TMA_TILE` chunks a thread, :data:`ROWS_TMA_STAGES`
+in flight, copied into shared memory without a per-thread load (0: never). The selection alone on an H200 at 65536 x
+256 bf16 (benchmarks/bench_rows_floor.py, HBM inputs): 18.71 us against 20.05 with the threads' own loads, 18.15
+started early (PDL); 65536 x 128: 11.30 against 12.55."""
+
+ROWS_TMA_TILE = 4
+"""Chunks of 8 experts a thread takes from each tile of a :data:`ROWS_TMA_FROM` launch (a tile row of
+``LANES * 4 * 16`` bytes; on an H200 at 256 experts tiles of 2 / 4 / 8: 19.74 / 18.71 / 19.21 us)."""
+
+ROWS_TMA_STAGES = 3
+"""Tiles in flight in a :data:`ROWS_TMA_FROM` launch (on an H200 at 256 experts 2 / 3 / 4 stages: 18.97 / 18.71 /
+21.09 us)."""
+
 ROWS_WORDS = 1
 """Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""
 
@@ -139,14 +156,15 @@ def rows_launches(num_experts: int, gating_dtype: torch.dtype) -> tuple[tuple[in
 def rows_switches() -> set[int]:
     """Every batch size at which a rows launch table switches (the tokens above which an entry applies)."""
     return {above for table in (ROWS_LAUNCHES, ROWS_FP32_LAUNCHES, ROWS_FP32_TILED_LAUNCHES)
-            for above, _, _ in table if above}
+            for above, _, _ in table if above} | ({ROWS_TMA_FROM} if ROWS_TMA_FROM else set())
 
 
-def rows_loads(num_experts: int, itemsize: int, lanes: int) -> tuple[int, int, int]:
+def rows_loads(num_experts: int, itemsize: int, lanes: int, tma: bool = False) -> tuple[int, int, int]:
     """``(TILE, AHEAD, ITERS)`` of a rows launch: the chunks a thread takes from each coalesced tile (0: none),
     the chunks it loads ahead, and its loop's iterations (:data:`ROWS_TILE`, :data:`ROWS_FP32_TILED_FROM`,
-    :data:`ROWS_FP32_PAIR_TILE`, :data:`ROWS_AHEAD`, :data:`ROWS_AHEAD_FROM`)."""
-    tile = ROWS_TILE
+    :data:`ROWS_FP32_PAIR_TILE`, :data:`ROWS_AHEAD`, :data:`ROWS_AHEAD_FROM`; ``tma``: a launch whose tiles the
+    tensor-memory accelerator copies, :data:`ROWS_TMA_TILE`)."""
+    tile = ROWS_TMA_TILE if tma else ROWS_TILE
     if itemsize == 4:
         tile = 1 if num_experts >= ROWS_FP32_TILED_FROM else ROWS_FP32_PAIR_TILE if lanes <= 2 else ROWS_TILE
     chunks = -(-num_experts // 8)

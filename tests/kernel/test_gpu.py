@@ -493,6 +493,24 @@ def test_rows_launch_switches_change_no_bit_compiled(E, K, dtype, ahead, tile, m
         _rows_against_scan(E, K, dtype, 1, lanes)
 
 
+@pytest.mark.parametrize("E", [256, 128])
+@pytest.mark.parametrize("num_warps,lanes", [(1, 2), (1, 4), (2, 2), (1, 1)])
+def test_rows_tma_tiles_match_the_scan_bit_for_bit(E, num_warps, lanes, monkeypatch, request):
+    # The rows kernel with its tiles copied by the tensor-memory accelerator (ROWS_TMA_FROM lowered to take the
+    # 8197-token batch), compiled: the scan's ids and weight bits and the reference's picks, as with the threads'
+    # own loads
+    from routetool_kernels import routing, routing_policy
+    from routetool_kernels._dispatch import clear_plans
+
+    request.addfinalizer(clear_plans)
+    monkeypatch.setattr(routing_policy, "ROWS_TMA_FROM", 1024)
+    clear_plans()
+    probe = torch.empty((8197, E), dtype=torch.bfloat16, device="cuda")
+    assert routing._row_tma(probe, torch.empty(E, device="cuda"), 8197, lanes)
+    for _ in range(2):  # (the second from the first's plans: direct launches, each call's own descriptors)
+        _rows_against_scan(E, 8, torch.bfloat16, num_warps, lanes)
+
+
 def _rows_against_scan(E, K, dtype, num_warps, lanes):
     from routetool_kernels import LaunchConfig, default_config, fused_musespark1x_routing
 

@@ -492,6 +492,52 @@ def test_rows_launch_switches_change_no_bit(ahead, tile, words, device, monkeypa
         assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), rows
 
 
+@pytest.mark.parametrize("E", [128, 256])
+def test_rows_tma_tiles_change_no_bit(E, device, monkeypatch, request):
+    # above ROWS_TMA_FROM tokens the rows kernel's tiles of bf16 logits and of the bias are copied by the
+    # tensor-memory accelerator (here Triton's interpreted tensor descriptors): the scan's bits for every token, incl.
+    # NaN logits (the redo reads through pointers), a padded row and the last program's rows past the batch (read as
+    # zeros, kept out of the redo vote); the second call takes the plan, which builds the call's descriptors
+    from routetool_kernels import routing, routing_policy
+
+    request.addfinalizer(clear_plans)
+    T, K = 33, 8
+    logits, bias = _inputs(T, E, torch.bfloat16, device, seed=E)
+    logits[5, 100] = float("nan")
+    logits[32, 3] = float("nan")
+    pad = torch.zeros(T, dtype=torch.bool, device=device)
+    pad[7] = True
+    w_scan, ids_scan = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad,
+                                                 config=LaunchConfig(block_t=8, chunk=16, num_warps=1))
+    monkeypatch.setattr(routing_policy, "ROWS_TMA_FROM", 16)
+    clear_plans()
+    for rows in (ROWS_LANES2, ROWS_LANES4):
+        assert routing._row_tma(logits, bias, T, rows.chunk)
+        for _ in range(2):
+            w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad, config=rows)
+            assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), rows
+
+
+def test_rows_tma_takes_only_what_its_copies_can_read(device, monkeypatch):
+    # the accelerator's copies need 16-byte aligned rows of whole tiles and a contiguous, aligned bias; anything
+    # else takes the threads' own loads (what a plan's key holds: strides, shapes, each pointer's 16-byte alignment)
+    from routetool_kernels import routing, routing_policy
+
+    monkeypatch.setattr(routing_policy, "ROWS_TMA_FROM", 16)
+    buf = torch.zeros(40 * 264 + 8, device=device).to(torch.bfloat16)
+    logits = buf[:40 * 256].view(40, 256)
+    bias = torch.zeros(260, device=device)
+    assert routing._row_tma(logits, bias[:256], 40, 2)
+    assert not routing._row_tma(logits, bias[:256], 16, 2)  # not above ROWS_TMA_FROM tokens
+    assert not routing._row_tma(logits, bias[1:257], 40, 2)  # bias 4 bytes past an aligned start
+    assert not routing._row_tma(logits, torch.zeros(512, device=device)[::2], 40, 2)  # a strided bias
+    assert not routing._row_tma(buf[:40 * 260].view(40, 260)[:, :256], bias[:256], 40, 2)  # rows of 520 bytes
+    assert not routing._row_tma(logits[:, :192], bias[:192], 40, 4)  # 192 experts: not whole tiles of 128
+    assert not routing._row_tma(logits.float(), bias[:256], 40, 2)  # float32 logits: the threads' own loads
+    monkeypatch.setattr(routing_policy, "ROWS_TMA_FROM", 0)
+    assert not routing._row_tma(logits, bias[:256], 40, 2)  # 0: never
+
+
 def test_rows_word_reads_follow_only_what_a_plan_key_holds(device):
     # a plan serves every call of its key, which holds each pointer's 16-byte alignment (not its 4-byte one):
     # bf16 logits are read as int32 words only from 16-byte aligned starts, so views 4 and 2 bytes past an
