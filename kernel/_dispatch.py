@@ -238,8 +238,9 @@ class RoutingPlan:
             of the call), the dict holding it by ``(device index, raw stream)``; a stream
             without one sends the call down the checked path, which makes it.
         descriptors: for a launch that takes Triton tensor descriptors of the call's logits and bias (after
-            the five tensors), ``(make, blocks)``: ``make(gating_output, bias, blocks)`` builds them for each
-            call (a descriptor holds its tensor's address).
+            the five tensors), what makes them for a call (a descriptor holds its tensor's address):
+            ``descriptors.direct(gating_output, bias)`` for a direct launch, ``.jit(...)`` for a JIT one
+            (:class:`routetool_kernels.routing.RowDescriptors`).
     """
 
     shape: tuple[int, int]
@@ -249,7 +250,7 @@ class RoutingPlan:
     launch: KernelLaunch | None
     bias_to_float32: bool = False
     per_stream: dict | None = None
-    descriptors: tuple | None = None
+    descriptors: Any = None
 
 
 ROUTING_PER_CALL = ("gating_output_ptr", "bias_ptr", "topk_weights_ptr", "topk_ids_ptr", "is_padding_ptr")
@@ -305,8 +306,7 @@ def cached_call(cache: PlanCache, tensors: tuple, others: tuple, compiled: bool)
         bias_ptr = bias.data_ptr()
     extra = ()
     if plan.descriptors is not None:
-        make, blocks = plan.descriptors
-        extra = make(gating_output, bias, blocks)
+        extra = (plan.descriptors.direct if launch.can_direct else plan.descriptors.jit)(gating_output, bias)
     stream = None
     if device is not None:
         stream = _Driver.current_stream(device)

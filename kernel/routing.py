@@ -26,6 +26,8 @@ rule for non-finite input). Differences from the seed kernel, and why:
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -66,6 +68,58 @@ def row_descriptors(gating_output: torch.Tensor, bias: torch.Tensor, blocks: tup
     in blocks ``blocks`` (``(logits block, bias block)``, as :func:`fused_musespark1x_routing` chose them)."""
     return (TensorDescriptor.from_tensor(gating_output.view(torch.int32), list(blocks[0])),
             TensorDescriptor.from_tensor(bias.view(1, -1), list(blocks[1])))
+
+
+class _Address:
+    """A tensor's address and dtype: what a launch of a compiled kernel reads of a tensor descriptor's base (so
+    that a kept descriptor holds no tensor)."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self._ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+class RowDescriptors:
+    """A plan's TMA tensor descriptors (:func:`row_descriptors`), kept by the logits' and the bias's addresses.
+
+    The plan's key fixes every shape and stride, so a descriptor differs between its calls only by address: a
+    direct launch takes the kept pair for its addresses (the bias, a model's parameter, keeps one; the logits as many
+    as the caller's buffers, up to :attr:`KEEP`), so that a call builds none. The kept ones hold addresses, not
+    tensors. JIT launches (the interpreter, pre-run hooks) take new descriptors of the call's tensors.
+    """
+
+    KEEP = 16
+
+    def __init__(self, blocks: tuple, gating_output: torch.Tensor, bias: torch.Tensor):
+        self.blocks = blocks
+        self._templates = row_descriptors(gating_output, bias, blocks)
+        self._dtypes = tuple(d.base.dtype for d in self._templates)
+        for d in self._templates:
+            d.base = None  # (the first call's tensors are not kept)
+        self._kept: dict[tuple[int, int], tuple] = {}
+
+    def jit(self, gating_output: torch.Tensor, bias: torch.Tensor) -> tuple:
+        return row_descriptors(gating_output, bias, self.blocks)
+
+    def direct(self, gating_output: torch.Tensor, bias: torch.Tensor) -> tuple:
+        key = (gating_output.data_ptr(), bias.data_ptr())
+        pair = self._kept.get(key)
+        if pair is None:
+            if len(self._kept) >= self.KEEP:
+                self._kept.clear()
+            pair = tuple(self._rebased(d, p, t) for d, p, t in zip(self._templates, key, self._dtypes))
+            self._kept[key] = pair
+        return pair
+
+    @staticmethod
+    def _rebased(template: TensorDescriptor, ptr: int, dtype: torch.dtype) -> TensorDescriptor:
+        d = copy.copy(template)  # (no __post_init__: the template's checks hold for every address of the key)
+        d.base = _Address(ptr, dtype)
+        return d
 
 
 def fused_musespark1x_routing(
@@ -229,5 +283,5 @@ def fused_musespark1x_routing(
     kernel_launch.first(gating_output, bias, weights, ids, is_padding, *extra)
     if key is not None and cacheable:
         _PLANS.put(key, plan_for(shape, gating_output.device, topk_weights, topk_ids, kernel_launch,
-                                 per_stream=per_stream, descriptors=tma_blocks and (row_descriptors, tma_blocks)))
+                                 per_stream=per_stream, descriptors=tma_blocks and RowDescriptors(tma_blocks, gating_output, bias)))
     return weights, ids
