@@ -259,7 +259,9 @@ def main() -> None:
         us = (us[0] if isinstance(us, (list, tuple)) else us) * 1e3
         gbps = 0.0 if name == "empty" else T * E * 2 / (us * 1e3)
         rows.append([name, us])
-        print(f"{name:<16} {T} x {E} bf16, {lanes} threads a token, {grid[0]} one-warp programs, {n_sets} sets: "
+        warps = name.split("-w")[1][0] if "-w" in name else "1"
+        programs = f"{grid[0]} one-warp programs" if warps == "1" else f"programs of {warps} warps"
+        print(f"{name:<16} {T} x {E} bf16, {lanes} threads a token, {programs}, {n_sets} sets: "
               f"{us:7.2f} us  {gbps:6.0f} GB/s of logits")
     # the host's cost of a launch that builds its two tensor descriptors (Python objects, encoded at each launch)
     # against one that passes pointers: eager back-to-back calls, the GPU's work not in it

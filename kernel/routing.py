@@ -52,9 +52,9 @@ def _row_words(gating_output: torch.Tensor) -> bool:
 
 
 def _row_tma(gating_output: torch.Tensor, bias: torch.Tensor, num_tokens: int, lanes: int) -> bool:
-    """Whether the rows kernel copies its tiles with the tensor-memory accelerator (:data:`routetool_kernels.
-    routing_policy.ROWS_TMA_FROM`): more than that many tokens, bf16 logits read as words (:func:`_row_words`) in rows of
-    whole 16-byte pieces, an expert count of whole tiles (``lanes * ROWS_TMA_TILE * 8``), a contiguous 16-byte aligned
+    """Whether the rows kernel copies its tiles with the tensor-memory accelerator
+    (:data:`routetool_kernels.routing_policy.ROWS_TMA_FROM`): more than that many tokens, bf16 logits read as words
+    (:func:`_row_words`) in rows of whole 16-byte pieces, an expert count of whole tiles (``lanes * ROWS_TMA_TILE * 8``), a contiguous 16-byte aligned
     bias, and a device with TMA (or the interpreter). All of it is in a plan's key."""
     num_experts = gating_output.shape[1]
     return bool(policy.ROWS_TMA_FROM and num_tokens > policy.ROWS_TMA_FROM and _row_words(gating_output)
@@ -89,7 +89,9 @@ class RowDescriptors:
     The plan's key fixes every shape and stride, so a descriptor differs between its calls only by address: a
     direct launch takes the kept pair for its addresses (the bias, a model's parameter, keeps one; the logits as many
     as the caller's buffers, up to :attr:`KEEP`), so that a call builds none. The kept ones hold addresses, not
-    tensors. JIT launches (the interpreter, pre-run hooks) take new descriptors of the call's tensors.
+    tensors: of a descriptor, the launch of a compiled kernel reads its base's ``data_ptr()``, its shape, strides
+    and padding (Triton 3.6-3.9, ``make_tensordesc_arg`` of its NVIDIA driver), and encodes the TMA descriptor
+    from them. JIT launches (the interpreter, pre-run hooks) take new descriptors of the call's tensors.
     """
 
     KEEP = 16
@@ -249,7 +251,8 @@ def fused_musespark1x_routing(
                  MASK_EXPERTS=iters * lanes * max(tile, 1) * 8 != launch.num_experts, TILE=tile,
                  INDEX_BITS=policy.rows_index_bits(launch.num_experts),
                  E_POW2=triton.next_power_of_2(launch.num_experts), AHEAD=ahead,
-                 WORDS=_row_words(gating_output), logits_desc=None, bias_desc=None, TMA=tma, STAGES=policy.ROWS_TMA_STAGES if tma else 1, **common),
+                 WORDS=_row_words(gating_output), logits_desc=None, bias_desc=None, TMA=tma,
+                 STAGES=policy.ROWS_TMA_STAGES if tma else 1, **common),
             ROUTING_PER_CALL + (("logits_desc", "bias_desc") if tma else ()))
     else:
         common.update(NORMALIZATION_MODE=launch.normalization_mode, TOTAL_BITS=policy.sum_bits(e_pad))
@@ -283,5 +286,6 @@ def fused_musespark1x_routing(
     kernel_launch.first(gating_output, bias, weights, ids, is_padding, *extra)
     if key is not None and cacheable:
         _PLANS.put(key, plan_for(shape, gating_output.device, topk_weights, topk_ids, kernel_launch,
-                                 per_stream=per_stream, descriptors=tma_blocks and RowDescriptors(tma_blocks, gating_output, bias)))
+                                 per_stream=per_stream,
+                                 descriptors=tma_blocks and RowDescriptors(tma_blocks, gating_output, bias)))
     return weights, ids

@@ -538,6 +538,36 @@ def test_rows_tma_takes_only_what_its_copies_can_read(device, monkeypatch):
     assert not routing._row_tma(logits, bias[:256], 40, 2)  # 0: never
 
 
+def test_rows_tma_plans_keep_descriptors_by_address_and_hold_no_tensor(device):
+    # a direct launch of a TMA plan takes kept descriptors: the call's addresses with the first call's shape,
+    # strides and blocks (what Triton's launcher reads of a descriptor: its base's data_ptr(), shape, strides,
+    # padding), one pair per address pair, built once; the kept ones reference no tensor
+    import gc
+    import weakref
+
+    from routetool_kernels import routing
+
+    blocks = ((16, 32), (1, 64))
+    first, bias = torch.zeros((40, 256), device=device).to(torch.bfloat16), torch.zeros(256, device=device)
+    kept = routing.RowDescriptors(blocks, first, bias)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None
+    for _ in range(2):
+        x = torch.ones((40, 256), device=device).to(torch.bfloat16)
+        a, b = kept.direct(x, bias)
+        ja, jb = kept.jit(x, bias)
+        assert (a.base.data_ptr(), b.base.data_ptr()) == (x.data_ptr(), bias.data_ptr())
+        for d, j in ((a, ja), (b, jb)):
+            assert (list(d.shape), list(d.strides), list(d.block_shape), d.padding) == \
+                (list(j.shape), list(j.strides), list(j.block_shape), j.padding)
+        assert kept.direct(x, bias)[0] is a and not isinstance(a.base, torch.Tensor)
+        assert ja.base.data_ptr() == x.data_ptr() and ja.base.dtype == torch.int32
+        del x, ja, jb
+    assert len(kept._kept) <= 2
+
+
 def test_rows_word_reads_follow_only_what_a_plan_key_holds(device):
     # a plan serves every call of its key, which holds each pointer's 16-byte alignment (not its 4-byte one):
     # bf16 logits are read as int32 words only from 16-byte aligned starts, so views 4 and 2 bytes past an
