@@ -42,6 +42,9 @@ const = {"stride_gn": 1, "stride_bias": 1, "stride_pad": 1, "TOPK": 8, "BLOCK_T"
          "PERSISTENT": persistent, "FLAT": os.environ.get("FLAT", "1") == "1"}
 if not tma:
     const["logits_desc"] = None; const["bias_desc"] = None
+for name in ("PERSISTENT", "FLAT"):  # (an older kernel, to compare with)
+    if name not in _rows_kernel.arg_names:
+        del const[name]
 for k in const:
     sig.setdefault(k, "constexpr")
 k = triton.compile(ASTSource(_rows_kernel, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg else {})})
