@@ -245,19 +245,14 @@ def fused_musespark1x_routing(
         if tma:
             tma_blocks = ((config.block_t, lanes * tile * 4), (1, lanes * tile * 8))
             extra = row_descriptors(gating_output, bias, tma_blocks)
-        grid = num_tiles
-        if tma and policy.ROWS_TMA_PER_SM:  # a persistent grid (routing_jit._rows_persistent)
-            sms = policy._sm_count(gating_output.device) if gating_output.device.type == "cuda" else 1
-            grid = min(num_tiles, max(policy.ROWS_TMA_PER_SM * sms, triton.cdiv(num_tiles, policy.ROWS_TMA_MAX_TILES)))
         kernel_launch = KernelLaunch(
-            _rows_kernel, (grid,), args,
+            _rows_kernel, (num_tiles,), args,
             dict(ITERS=iters, LANES=lanes, VEC=16 // gating_output.element_size(), BIAS_VEC=16 // bias.element_size(),
                  MASK_EXPERTS=iters * lanes * max(tile, 1) * 8 != launch.num_experts, TILE=tile,
                  INDEX_BITS=policy.rows_index_bits(launch.num_experts),
                  E_POW2=triton.next_power_of_2(launch.num_experts), AHEAD=ahead,
                  WORDS=_row_words(gating_output), logits_desc=None, bias_desc=None, TMA=tma,
-                 STAGES=policy.ROWS_TMA_STAGES if tma else 1, PERSISTENT=bool(tma and policy.ROWS_TMA_PER_SM),
-                 FLAT=bool(policy.ROWS_TMA_FLAT), **common),
+                 STAGES=policy.ROWS_TMA_STAGES if tma else 1, **common),
             ROUTING_PER_CALL + (("logits_desc", "bias_desc") if tma else ()))
     else:
         common.update(NORMALIZATION_MODE=launch.normalization_mode, TOTAL_BITS=policy.sum_bits(e_pad))

@@ -1342,21 +1342,6 @@ def _row_tile(
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
                                 INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, logits_desc,
                                 bias_desc, TMA, STAGES)
-    ids, x, unproven = _row_picks(keys, nan_sum, row, row_off, num_tokens, nan_bias, gating_output_ptr, stride_gn,
-                                  TOPK, LANES, INDEX_BITS)
-    if unproven > 0:
-        ids, x = _row_redo(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                           router_output_multiplier, base_bits, TOPK, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                           INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
-    return ids, x
-
-
-@triton.jit
-def _row_picks(keys, nan_sum, row, row_off, num_tokens, nan_bias, gating_output_ptr, stride_gn, TOPK: tl.constexpr,
-               LANES: tl.constexpr, INDEX_BITS: tl.constexpr):
-    """The picks of :func:`_row_select`'s window keys ``keys`` for rows ``row``: their ids and raw logits
-    (``TOPK``-tuples of ``(BLOCK_T,)`` tensors), and whether the program's tile is unproven (an int32 scalar, > 0:
-    :func:`_row_redo` must route it again)."""
     # Unproven: a pick clamped to the window's bottom (value bits 0: it may tie with unseen experts there), a NaN
     # logit (its unguarded score is NaN) or a NaN bias anywhere; rows past the last do not vote (whatever they read).
     flag = ((((keys[TOPK - 1] >> INDEX_BITS) == 0) | (nan_sum != nan_sum)) & (row < num_tokens)).to(tl.int32)
@@ -1366,48 +1351,13 @@ def _row_picks(keys, nan_sum, row, row_off, num_tokens, nan_bias, gating_output_
     ids = _key_ids(keys, TOPK, INDEX_BITS)
     # the picks' logits asked for before the vote, which then hides part of their latency (read again after a redo)
     x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
-    return ids, x, unproven
-
-
-@triton.jit
-def _row_redo(
-    gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias, router_output_multiplier, base_bits,
-    TOPK: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr,
-    MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-    AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr,
-):
-    """The exact picks of rows ``row_off`` (uint64 keys, through pointers) and their raw logits."""
-    exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                           router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                           INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
-    ids = _key_ids(exact, TOPK, INDEX_BITS)
-    return ids, _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
-
-
-@triton.jit
-def _row_tma_select(
-    logits_desc, bias_desc, row0, num_experts, router_output_multiplier, base_bits, key_scale,
-    BLOCK_T: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, TILE: tl.constexpr, INDEX_BITS: tl.constexpr,
-    HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
-):
-    """:func:`_row_select`'s window keys of rows ``[row0, row0 + BLOCK_T)`` from tiles the tensor-memory accelerator
-    copies (its ``TMA`` path, the ``ITERS`` tiles unrolled: a loop body of a persistent program, which a pipelined
-    loop copies a tile of rows ahead): the best 8 keys of every row and the row sums of the biased scores."""
-    lane = tl.arange(0, LANES)[None, :]
-    nan_sum = tl.zeros([BLOCK_T, LANES], tl.float32)
-    t0 = tl.zeros([BLOCK_T, LANES], tl.uint32)  # key 0: below every real expert (see _row_keys)
-    best = (t0, t0, t0, t0, t0, t0, t0, t0)
-    TW: tl.constexpr = LANES * TILE * 4  # words of a tile's row (8 logits a chunk, two a word)
-    for i in tl.static_range(ITERS):
-        chunks = _tile_chunks(logits_desc.load([row0, i * TW]), LANES, TILE, True)
-        bias_chunks = _tile_chunks(bias_desc.load([0, i * (2 * TW)]), LANES, TILE)
-        for g in tl.static_range(TILE):
-            c = (i * TILE + g) * LANES + lane
-            keys, nan_sum = _row_keys(chunks[g], chunks[g], bias_chunks[g], bias_chunks[g], num_experts,
-                                      router_output_multiplier, base_bits, nan_sum, c, key_scale, 8, 8, False,
-                                      INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, True)
-            best = _keep_best8(best, _sort8(*keys))
-    return tl.reduce(best, 1, _merge_lanes), tl.sum(nan_sum, axis=1)
+    if unproven > 0:
+        exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
+                               router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                               INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
+        ids = _key_ids(exact, TOPK, INDEX_BITS)
+        x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
+    return ids, x
 
 
 @triton.jit
@@ -1502,8 +1452,6 @@ def _rows_kernel(
     WORDS: tl.constexpr = False,  # bf16 logits read as int32 words of two (unit stride, even row stride)
     TMA: tl.constexpr = False,  # tiles copied into shared memory by the tensor-memory accelerator (_row_select)
     STAGES: tl.constexpr = 1,  # TMA: tiles in flight
-    PERSISTENT: tl.constexpr = False,  # TMA: a persistent grid, each program every grid-th tile (_rows_persistent)
-    FLAT: tl.constexpr = True,  # PERSISTENT: one loop over the tiles' pieces (else over tiles, pieces unrolled)
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
@@ -1513,13 +1461,6 @@ def _rows_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     base_bits, nan_bias = _window_base(bias_ptr, num_experts, stride_bias, INDEX_BITS, E_POW2, FAST_MATH)
-    if PERSISTENT:
-        _rows_persistent(gating_output_ptr, bias_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens,
-                         num_experts, stride_gm, stride_gn, stride_bias, stride_wm, stride_wk, stride_im, stride_ik,
-                         stride_pad, router_output_multiplier, route_scale, division_eps, logits_desc, bias_desc,
-                         base_bits, nan_bias, TOPK, BLOCK_T, ITERS, LANES, VEC, BIAS_VEC, INDEX_BITS, HAS_MULTIPLIER,
-                         HAS_EPS, FAST_MATH, PICK_BITS, TILE, STAGES, FLAT)
-        return
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < num_tokens
     ids, x = _row_tile(gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
@@ -1528,89 +1469,3 @@ def _rows_kernel(
     _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH), row, row_ok,
                topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
                route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)
-
-
-@triton.jit
-def _rows_persistent(
-    gating_output_ptr, bias_ptr, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, num_tokens, num_experts, stride_gm,
-    stride_gn, stride_bias, stride_wm, stride_wk, stride_im, stride_ik, stride_pad, router_output_multiplier,
-    route_scale, division_eps, logits_desc, bias_desc, base_bits, nan_bias,
-    TOPK: tl.constexpr, BLOCK_T: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-    BIAS_VEC: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, HAS_EPS: tl.constexpr,
-    FAST_MATH: tl.constexpr, PICK_BITS: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr,
-):
-    """The rows kernel's persistent grid (``TMA`` launches): program ``p`` routes tiles ``p, p + G, p + 2G, ...``
-    (``G`` programs, at most 32 tiles each), in one loop that the compiler pipelines across tiles: the
-    tensor-memory accelerator copies the next ``STAGES - 1`` tiles' rows (all ``ITERS`` pieces of each) while this
-    one is routed, so the copies of a program's later tiles overlap its work, instead of every program of a
-    one-wave grid first waiting for its rows and then computing (and the block launcher places ``G`` programs
-    instead of one per tile). The loop holds no inner loop (the pipeliner takes only innermost loops): an unproven
-    tile is stored as its window keys picked it, marked in a bit mask, and routed again after the loop
-    (:func:`_row_redo`), which overwrites its outputs: the same bits as a program of one tile."""
-    pid = tl.program_id(0)
-    grid = tl.num_programs(0)
-    num_tiles = tl.cdiv(num_tokens, BLOCK_T)
-    mine = tl.cdiv(num_tiles - pid, grid)
-    # 2**INDEX_BITS in a register of each thread (as _row_select: pid >= 0, so the OR adds nothing)
-    key_scale = ((1 << INDEX_BITS) | (tl.zeros([BLOCK_T], tl.int32) + (pid >> 31))).to(tl.uint32, bitcast=True)[:, None]
-    redo = pid * 0
-    if FLAT:
-        # one loop over every piece of every tile: the pipeliner copies pieces STAGES - 1 ahead, across tiles
-        lane = tl.arange(0, LANES)[None, :]
-        zero_keys = tl.zeros([BLOCK_T, LANES], tl.uint32)  # key 0: below every real expert (see _row_keys)
-        zero_sum = tl.zeros([BLOCK_T, LANES], tl.float32)
-        best = (zero_keys, zero_keys, zero_keys, zero_keys, zero_keys, zero_keys, zero_keys, zero_keys)
-        nan_sum = zero_sum
-        TW: tl.constexpr = LANES * TILE * 4  # words of a tile's row (8 logits a chunk, two a word)
-        for f in tl.range(0, mine * ITERS, num_stages=STAGES):
-            t = f // ITERS
-            i = f % ITERS
-            row0 = (pid + t * grid) * BLOCK_T
-            chunks = _tile_chunks(logits_desc.load([row0, i * TW]), LANES, TILE, True)
-            bias_chunks = _tile_chunks(bias_desc.load([0, i * (2 * TW)]), LANES, TILE)
-            for g in tl.static_range(TILE):
-                c = (i * TILE + g) * LANES + lane
-                keys, nan_sum = _row_keys(chunks[g], chunks[g], bias_chunks[g], bias_chunks[g], num_experts,
-                                          router_output_multiplier, base_bits, nan_sum, c, key_scale, 8, 8, False,
-                                          INDEX_BITS, False, HAS_MULTIPLIER, FAST_MATH, True)
-                best = _keep_best8(best, _sort8(*keys))
-            if i == ITERS - 1:
-                row = row0 + tl.arange(0, BLOCK_T)
-                row_ok = row < num_tokens
-                row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
-                ids, x, unproven = _row_picks(tl.reduce(best, 1, _merge_lanes), tl.sum(nan_sum, axis=1), row,
-                                              row_off, num_tokens, nan_bias, gating_output_ptr, stride_gn, TOPK,
-                                              LANES, INDEX_BITS)
-                redo = redo | ((unproven > 0).to(tl.int32) << t)
-                _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH),
-                           row, row_ok, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk,
-                           stride_im, stride_ik, stride_pad, route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)
-                best = (zero_keys, zero_keys, zero_keys, zero_keys, zero_keys, zero_keys, zero_keys, zero_keys)
-                nan_sum = zero_sum
-    else:
-        for t in tl.range(0, mine, num_stages=STAGES):
-            row0 = (pid + t * grid) * BLOCK_T
-            keys, nan_sum = _row_tma_select(logits_desc, bias_desc, row0, num_experts, router_output_multiplier,
-                                            base_bits, key_scale, BLOCK_T, ITERS, LANES, TILE, INDEX_BITS,
-                                            HAS_MULTIPLIER, FAST_MATH)
-            row = row0 + tl.arange(0, BLOCK_T)
-            row_ok = row < num_tokens
-            row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
-            ids, x, unproven = _row_picks(keys, nan_sum, row, row_off, num_tokens, nan_bias, gating_output_ptr,
-                                          stride_gn, TOPK, LANES, INDEX_BITS)
-            redo = redo | ((unproven > 0).to(tl.int32) << t)
-            _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH), row,
-                       row_ok, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk, stride_im,
-                       stride_ik, stride_pad, route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)
-    if redo != 0:
-        for t in range(0, mine):
-            if (redo >> t) & 1:
-                row = (pid + t * grid) * BLOCK_T + tl.arange(0, BLOCK_T)
-                row_ok = row < num_tokens
-                row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
-                ids, x = _row_redo(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                                   router_output_multiplier, base_bits, TOPK, ITERS, LANES, VEC, BIAS_VEC, False,
-                                   INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, 1, TILE, True)
-                _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH),
-                           row, row_ok, topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk,
-                           stride_im, stride_ik, stride_pad, route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)

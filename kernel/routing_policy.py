@@ -137,19 +137,6 @@ ROWS_TMA_STAGES = 3
 """Tiles in flight in a :data:`ROWS_TMA_FROM` launch (on an H200 at 256 experts 2 / 3 / 4 stages: 18.97 / 18.71 /
 21.09 us)."""
 
-ROWS_TMA_PER_SM = 0
-"""Programs per streaming multiprocessor of a persistent grid for :data:`ROWS_TMA_FROM` launches (0: one program a
-tile): each program routes every grid-th tile of rows, and the accelerator copies its next tiles' pieces while it
-routes one (:func:`routetool_kernels.routing_jit._rows_persistent`)."""
-
-ROWS_TMA_MAX_TILES = 32
-"""Most tiles a program of a :data:`ROWS_TMA_PER_SM` grid routes (its unproven tiles are bits of an int32): the grid
-grows beyond ``ROWS_TMA_PER_SM`` programs an SM where the batch needs it."""
-
-ROWS_TMA_FLAT = 1
-"""A :data:`ROWS_TMA_PER_SM` program's loop: 1, one iteration a piece of a tile (copies ``ROWS_TMA_STAGES - 1``
-pieces ahead); 0, one iteration a tile (its pieces unrolled, copies whole tiles ahead)."""
-
 ROWS_WORDS = 1
 """Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""
 

@@ -511,22 +511,6 @@ def test_rows_tma_tiles_match_the_scan_bit_for_bit(E, num_warps, lanes, monkeypa
         _rows_against_scan(E, 8, torch.bfloat16, num_warps, lanes)
 
 
-@pytest.mark.parametrize("E,lanes,flat", [(256, 2, 1), (128, 2, 1), (256, 4, 1), (256, 2, 0)])
-def test_rows_tma_persistent_grid_matches_the_scan_bit_for_bit(E, lanes, flat, monkeypatch, request):
-    # The TMA launch on a persistent grid (two programs an SM: about two tiles each at 8197 tokens), its loop over
-    # each tile's pieces or over tiles, compiled: the scan's ids and weight bits and the reference's picks
-    from routetool_kernels import routing_policy
-    from routetool_kernels._dispatch import clear_plans
-
-    request.addfinalizer(clear_plans)
-    monkeypatch.setattr(routing_policy, "ROWS_TMA_FROM", 1024)
-    monkeypatch.setattr(routing_policy, "ROWS_TMA_PER_SM", 2)
-    monkeypatch.setattr(routing_policy, "ROWS_TMA_FLAT", flat)
-    clear_plans()
-    for _ in range(2):
-        _rows_against_scan(E, 8, torch.bfloat16, 1, lanes)
-
-
 def _rows_against_scan(E, K, dtype, num_warps, lanes):
     from routetool_kernels import LaunchConfig, default_config, fused_musespark1x_routing
 

@@ -518,32 +518,6 @@ def test_rows_tma_tiles_change_no_bit(E, device, monkeypatch, request):
             assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), rows
 
 
-@pytest.mark.parametrize("E,flat", [(256, 1), (128, 1), (256, 0)])
-def test_rows_tma_persistent_grid_changes_no_bit(E, flat, device, monkeypatch, request):
-    # a persistent TMA grid (ROWS_TMA_PER_SM): one program routes every grid-th tile in one pipelined loop (over each
-    # tile's pieces, or over tiles), stores an unproven tile as its window keys picked it and routes it again after
-    # the loop; the scan's bits for every token, incl. NaN logits in the first and the last tile (redone: their bits
-    # overwrite the first store), a padded row and the last tile's rows past the batch
-    from routetool_kernels import routing_policy
-
-    request.addfinalizer(clear_plans)
-    T, K = 49, 8  # 4 tiles of 16 rows at two threads a token, the last one row
-    logits, bias = _inputs(T, E, torch.bfloat16, device, seed=E + flat)
-    logits[2, 100] = float("nan")
-    logits[48, 3] = float("nan")
-    pad = torch.zeros(T, dtype=torch.bool, device=device)
-    pad[20] = True
-    w_scan, ids_scan = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad,
-                                                 config=LaunchConfig(block_t=8, chunk=16, num_warps=1))
-    monkeypatch.setattr(routing_policy, "ROWS_TMA_FROM", 16)
-    monkeypatch.setattr(routing_policy, "ROWS_TMA_PER_SM", 1)  # (the interpreter counts one SM: one program)
-    monkeypatch.setattr(routing_policy, "ROWS_TMA_FLAT", flat)
-    monkeypatch.setattr(routing_policy, "ROWS_TMA_MAX_TILES", 3)  # two programs: tiles 0 and 2, 1 and 3
-    clear_plans()
-    w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad, config=ROWS_LANES2)
-    assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32))
-
-
 def test_rows_tma_takes_only_what_its_copies_can_read(device, monkeypatch):
     # the accelerator's copies need 16-byte aligned rows of whole tiles and a contiguous, aligned bias; anything
     # else takes the threads' own loads (what a plan's key holds: strides, shapes, each pointer's 16-byte alignment)
