@@ -37,7 +37,8 @@ sig = {"gating_output_ptr": "*bf16", "bias_ptr": "*fp32", "topk_weights_ptr": "*
 const = {"stride_gn": 1, "stride_bias": 1, "stride_pad": 1, "TOPK": 8, "BLOCK_T": 16, "ITERS": experts // (8 * 2 * max(tile, 1)) if tma else experts // 16, "LANES": 2,
          "VEC": 8, "BIAS_VEC": 4, "MASK_EXPERTS": False, "INDEX_BITS": (experts - 1).bit_length(), "E_POW2": experts, "HAS_MULTIPLIER": False,
          "HAS_EPS": False, "USE_PDL": True, "FAST_MATH": True, "PICK_BITS": 14, "AHEAD": 1 if tma else 4, "TILE": tile,
-         "WORDS": True, "TMA": tma, "STAGES": stages if tma else 1}
+         "WORDS": True, "TMA": tma, "STAGES": stages if tma else 1,
+         "REDO_OWN": os.environ.get("REDO_OWN", "0") == "1"}
 if not tma:
     const["logits_desc"] = None; const["bias_desc"] = None
 for k in const:

@@ -252,7 +252,7 @@ def fused_musespark1x_routing(
                  INDEX_BITS=policy.rows_index_bits(launch.num_experts),
                  E_POW2=triton.next_power_of_2(launch.num_experts), AHEAD=ahead,
                  WORDS=_row_words(gating_output), logits_desc=None, bias_desc=None, TMA=tma,
-                 STAGES=policy.ROWS_TMA_STAGES if tma else 1, **common),
+                 STAGES=policy.ROWS_TMA_STAGES if tma else 1, REDO_OWN=bool(policy.ROWS_REDO_OWN_LOADS), **common),
             ROUTING_PER_CALL + (("logits_desc", "bias_desc") if tma else ()))
     else:
         common.update(NORMALIZATION_MODE=launch.normalization_mode, TOTAL_BITS=policy.sum_bits(e_pad))

@@ -1332,11 +1332,12 @@ def _row_tile(
     TOPK: tl.constexpr, ITERS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, BIAS_VEC: tl.constexpr,
     MASK_EXPERTS: tl.constexpr, INDEX_BITS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, FAST_MATH: tl.constexpr,
     AHEAD: tl.constexpr, TILE: tl.constexpr, WORDS: tl.constexpr, logits_desc, bias_desc, TMA: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, REDO_OWN: tl.constexpr = False,
 ):
     """The picks of a tile's rows ``row`` (``(BLOCK_T,)`` int32, past ``num_tokens`` read as the last row, or with
     ``TMA`` as zeros): their ids and raw logits, re-read (in cache; ``TOPK``-tuples of ``(BLOCK_T,)`` tensors).
-    The redo reads through pointers (``TMA`` or not: the same keys)."""
+    The redo reads through pointers (``TMA`` or not: the same keys); ``REDO_OWN``: each thread's own 16-byte loads,
+    one chunk at a time (the fewest registers; exact keys pick the same experts whatever the loads)."""
     row_off = tl.minimum(row, num_tokens - 1).to(tl.int64) * stride_gm
     keys, nan_sum = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
                                 router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
@@ -1352,9 +1353,14 @@ def _row_tile(
     # the picks' logits asked for before the vote, which then hides part of their latency (read again after a redo)
     x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
     if unproven > 0:
-        exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                               router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                               INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
+        if REDO_OWN:  # (ITERS * TILE chunks a thread, as the tiles cover: the same experts masked)
+            exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
+                                   router_output_multiplier, base_bits, ITERS * max(TILE, 1), LANES, VEC, BIAS_VEC,
+                                   MASK_EXPERTS, INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, 1, 0, WORDS)
+        else:
+            exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
+                                   router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                                   INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
         ids = _key_ids(exact, TOPK, INDEX_BITS)
         x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
     return ids, x
@@ -1452,6 +1458,7 @@ def _rows_kernel(
     WORDS: tl.constexpr = False,  # bf16 logits read as int32 words of two (unit stride, even row stride)
     TMA: tl.constexpr = False,  # tiles copied into shared memory by the tensor-memory accelerator (_row_select)
     STAGES: tl.constexpr = 1,  # TMA: tiles in flight
+    REDO_OWN: tl.constexpr = False,  # the redo through each thread's own loads, one chunk at a time (_row_tile)
 ):
     """Rows algorithm (sigmoid scores only). Grid ``(cdiv(num_tokens, BLOCK_T),)``: program ``p`` routes
     tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``, ``LANES`` threads a token (see the module docstring)."""
@@ -1465,7 +1472,8 @@ def _rows_kernel(
     row_ok = row < num_tokens
     ids, x = _row_tile(gating_output_ptr, bias_ptr, row, num_tokens, num_experts, stride_gm, stride_gn, stride_bias,
                        router_output_multiplier, base_bits, nan_bias, TOPK, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, logits_desc, bias_desc, TMA, STAGES)
+                       INDEX_BITS, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS, logits_desc, bias_desc, TMA, STAGES,
+                       REDO_OWN)
     _row_store(ids, _row_scores(x, row_ok, router_output_multiplier, TOPK, HAS_MULTIPLIER, FAST_MATH), row, row_ok,
                topk_weights_ptr, topk_ids_ptr, is_padding_ptr, stride_wm, stride_wk, stride_im, stride_ik, stride_pad,
                route_scale, division_eps, TOPK, HAS_EPS, PICK_BITS)

@@ -9,7 +9,7 @@ The module-level switches (:data:`SMALL_BATCH`, :data:`PERSISTENT_FROM`,
 :data:`TWO_LEVEL_MAX_TOPK`, :data:`DYNAMIC_TILES_FROM`, :data:`PING_PONG_MAX_SLICES`,
 :data:`TILE_GROUPS`, :data:`ROWS_LAUNCHES`, :data:`ROWS_FP32_LAUNCHES`, :data:`ROWS_FP32_TILED_FROM`,
 :data:`ROWS_FP32_TILED_LAUNCHES`, :data:`ROWS_FP32_PAIR_TILE`, :data:`ROWS_AHEAD`, :data:`ROWS_AHEAD_FROM`,
-:data:`ROWS_TILE`, :data:`ROWS_TMA_FROM`, :data:`ROWS_TMA_TILE`, :data:`ROWS_TMA_STAGES`,
+:data:`ROWS_TILE`, :data:`ROWS_TMA_FROM`, :data:`ROWS_TMA_TILE`, :data:`ROWS_TMA_STAGES`, :data:`ROWS_REDO_OWN_LOADS`,
 :data:`ROWS_WORDS`) are read from this module on every checked call, so experiments and
 tests set them here (``routetool_kernels.routing`` shows them, read-only) and then call
 :func:`routetool_kernels._dispatch.clear_plans`, since a plan keeps the settings it was made with.
@@ -136,6 +136,14 @@ ROWS_TMA_TILE = 4
 ROWS_TMA_STAGES = 3
 """Tiles in flight in a :data:`ROWS_TMA_FROM` launch (on an H200 at 256 experts 2 / 3 / 4 stages: 18.97 / 18.71 /
 21.09 us)."""
+
+ROWS_REDO_OWN_LOADS = 0
+"""Whether the rows algorithm's exact redo reads each thread's own 16-byte pieces, one chunk at a time, instead of
+the launch's own path (tiles, chunks ahead). The redo's 64-bit keys set the kernel's register count (SASS for sm_90,
+Triton 3.9, ``benchmarks/inspect_rows.py``): the TMA launch takes 92 registers at 256 experts and 128 at 128 (21 and
+16 one-warp programs an SM), 64 at both with this switch (32, the whole 65536-token grid in one wave), with its loop
+the same instructions; the threads' own loads 80 / 112 and 72. The picks are exact either way (the same bits).
+Off until timed."""
 
 ROWS_WORDS = 1
 """Whether the rows algorithm reads bf16 logits as int32 words of two (one instruction per logit to float32)."""

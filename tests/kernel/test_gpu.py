@@ -511,6 +511,21 @@ def test_rows_tma_tiles_match_the_scan_bit_for_bit(E, num_warps, lanes, monkeypa
         _rows_against_scan(E, 8, torch.bfloat16, num_warps, lanes)
 
 
+@pytest.mark.parametrize("E,tma_from", [(256, 1024), (128, 1024), (256, 0)])
+def test_rows_redo_through_own_loads_matches_the_scan_bit_for_bit(E, tma_from, monkeypatch, request):
+    # ROWS_REDO_OWN_LOADS: the exact redo through each thread's own pieces, one chunk at a time (the TMA launch and
+    # the threads' own loads, two threads a token), compiled: the scan's ids and weight bits on 8197 tokens whose
+    # NaN row and row below the window send their tiles to the redo
+    from routetool_kernels import routing_policy
+    from routetool_kernels._dispatch import clear_plans
+
+    request.addfinalizer(clear_plans)
+    monkeypatch.setattr(routing_policy, "ROWS_TMA_FROM", tma_from)
+    monkeypatch.setattr(routing_policy, "ROWS_REDO_OWN_LOADS", 1)
+    clear_plans()
+    _rows_against_scan(E, 8, torch.bfloat16, 1, 2)
+
+
 def _rows_against_scan(E, K, dtype, num_warps, lanes):
     from routetool_kernels import LaunchConfig, default_config, fused_musespark1x_routing
 

@@ -433,11 +433,19 @@ def test_two_level_ragged_columns_and_many_picks(T, E, K, device):
         _check_against_reference(w, ids, logits, bias, K, 2.5, 1e-5)
 
 
-@pytest.mark.parametrize("E,K,dtype", [(256, 8, torch.bfloat16), (60, 6, torch.float32), (130, 8, torch.float16)])
-def test_rows_window_keys_and_their_redo(E, K, dtype, device):
+@pytest.mark.parametrize("E,K,dtype,redo_own", [(256, 8, torch.bfloat16, 0), (60, 6, torch.float32, 0),
+                                                 (130, 8, torch.float16, 0), (256, 8, torch.bfloat16, 1),
+                                                 (60, 6, torch.float32, 1)])
+def test_rows_window_keys_and_their_redo(E, K, dtype, redo_own, device, monkeypatch, request):
     # The rows algorithm orders experts by window keys (score bits above a power of two chosen from the bias,
     # the expert in the low bits) and routes a tile again with exact keys where a pick falls below the window,
-    # a logit or a bias is NaN. Each case below must give the reference's ids and the scan's weight bits.
+    # a logit or a bias is NaN (through the launch's own loads, or with ROWS_REDO_OWN_LOADS each thread's own
+    # pieces one chunk at a time). Each case below must give the reference's ids and the scan's weight bits.
+    from routetool_kernels import routing_policy
+
+    request.addfinalizer(clear_plans)
+    monkeypatch.setattr(routing_policy, "ROWS_REDO_OWN_LOADS", redo_own)
+    clear_plans()
     T = 40  # two programs of 32 rows, the second partly past the end
     logits, bias = _inputs(T, E, dtype, device, seed=E + K)
     logits[0] = 0.0                                          # every score 0.5, the window's bottom with bias 0
@@ -462,9 +470,11 @@ def test_rows_window_keys_and_their_redo(E, K, dtype, device):
             assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), (b, rows)
 
 
-@pytest.mark.parametrize("ahead,tile,words", [(1, 0, 0), (2, 0, 1), (3, 0, 1), (4, 0, 1), (4, 0, 0), (1, 1, 1),
-                                              (2, 2, 1), (1, 4, 1), (1, 8, 0), (1, 2, 0)])
-def test_rows_launch_switches_change_no_bit(ahead, tile, words, device, monkeypatch, request):
+@pytest.mark.parametrize("ahead,tile,words,redo_own", [(1, 0, 0, 0), (2, 0, 1, 0), (3, 0, 1, 0), (4, 0, 1, 0),
+                                                       (4, 0, 0, 0), (1, 1, 1, 0), (2, 2, 1, 0), (1, 4, 1, 0),
+                                                       (1, 8, 0, 0), (1, 2, 0, 0), (4, 0, 1, 1), (1, 4, 1, 1),
+                                                       (1, 2, 0, 1)])
+def test_rows_launch_switches_change_no_bit(ahead, tile, words, redo_own, device, monkeypatch, request):
     # a thread of the rows algorithm loads its logits 1, 2 or 4 chunks ahead of the one it sorts (where it takes at
     # least ROWS_AHEAD_FROM chunks: the most of ROWS_AHEAD that divides its iterations: 3 gives 2) or from
     # coalesced tiles, and reads bf16 logits as words of two or one by one (its picks' logits are read before the
@@ -486,14 +496,15 @@ def test_rows_launch_switches_change_no_bit(ahead, tile, words, device, monkeypa
     monkeypatch.setattr(routing_policy, "ROWS_TILE", tile)
     monkeypatch.setattr(routing_policy, "ROWS_AHEAD_FROM", 1)  # (the 4 threads a token take 2 chunks each)
     monkeypatch.setattr(routing_policy, "ROWS_WORDS", words)
+    monkeypatch.setattr(routing_policy, "ROWS_REDO_OWN_LOADS", redo_own)  # (the redo's loads: the same picks)
     clear_plans()
     for rows in (ROWS, ROWS_LANES2, ROWS_LANES4):
         w, ids = fused_musespark1x_routing(logits, bias, K, 2.5, config=rows)
         assert torch.equal(ids, ids_scan) and torch.equal(w.view(torch.int32), w_scan.view(torch.int32)), rows
 
 
-@pytest.mark.parametrize("E", [128, 256])
-def test_rows_tma_tiles_change_no_bit(E, device, monkeypatch, request):
+@pytest.mark.parametrize("E,redo_own", [(128, 0), (256, 0), (256, 1)])
+def test_rows_tma_tiles_change_no_bit(E, redo_own, device, monkeypatch, request):
     # above ROWS_TMA_FROM tokens the rows kernel's tiles of bf16 logits and of the bias are copied by the
     # tensor-memory accelerator (here Triton's interpreted tensor descriptors): the scan's bits for every token, incl.
     # NaN logits (the redo reads through pointers), a padded row and the last program's rows past the batch (read as
@@ -510,6 +521,7 @@ def test_rows_tma_tiles_change_no_bit(E, device, monkeypatch, request):
     w_scan, ids_scan = fused_musespark1x_routing(logits, bias, K, 2.5, is_padding=pad,
                                                  config=LaunchConfig(block_t=8, chunk=16, num_warps=1))
     monkeypatch.setattr(routing_policy, "ROWS_TMA_FROM", 16)
+    monkeypatch.setattr(routing_policy, "ROWS_REDO_OWN_LOADS", redo_own)
     clear_plans()
     for rows in (ROWS_LANES2, ROWS_LANES4):
         assert routing._row_tma(logits, bias, T, rows.chunk)
