@@ -6,7 +6,8 @@ Usage (repository root, the kernel package importable as routetool_kernels):
     python benchmarks/inspect_rows.py 1 [STAGES [EXPERTS [MAXNREG]]] [--dump DIR]
 
 ``STAGES``: the TMA launch's tiles in flight (default 3); ``EXPERTS``: 128 or 256 (default 256); ``MAXNREG``: a
-register limit (0: the compiler's choice); ``--dump DIR`` writes the SASS and the TTGIR there.
+register limit (0: the compiler's choice); ``--dump DIR`` writes the SASS and the TTGIR there; ``REDO_OWN=1`` in the
+environment compiles the redo as ``ROWS_REDO_OWN_LOADS`` does.
 """
 
 import collections
