@@ -35,7 +35,7 @@ sig = {"gating_output_ptr": "*bf16", "bias_ptr": "*fp32", "topk_weights_ptr": "*
        "stride_bias": "constexpr", "stride_wm": "i32", "stride_wk": "i32", "stride_im": "i32", "stride_ik": "i32",
        "stride_pad": "constexpr", "router_output_multiplier": "fp32", "route_scale": "fp32", "division_eps": "fp32",
        "logits_desc": "tensordesc<i32[16, 32]>" if tma else "constexpr", "bias_desc": "tensordesc<fp32[1, 64]>" if tma else "constexpr"}
-const = {"stride_gn": 1, "stride_bias": 1, "stride_pad": 1, "TOPK": 8, "BLOCK_T": 16, "ITERS": experts // (8 * 2 * max(tile, 1)) if tma else experts // 16, "LANES": 2,
+const = {"stride_gn": 1, "stride_bias": 1, "stride_pad": 1, "TOPK": 8, "BLOCK_T": 16, "ITERS": experts // (16 * max(tile, 1)), "LANES": 2,
          "VEC": 8, "BIAS_VEC": 4, "MASK_EXPERTS": False, "INDEX_BITS": (experts - 1).bit_length(), "E_POW2": experts, "HAS_MULTIPLIER": False,
          "HAS_EPS": False, "USE_PDL": True, "FAST_MATH": True, "PICK_BITS": 14, "AHEAD": 1 if tma else 4, "TILE": tile,
          "WORDS": True, "TMA": tma, "STAGES": stages if tma else 1,

@@ -1353,14 +1353,13 @@ def _row_tile(
     # the picks' logits asked for before the vote, which then hides part of their latency (read again after a redo)
     x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
     if unproven > 0:
-        if REDO_OWN:  # (ITERS * TILE chunks a thread, as the tiles cover: the same experts masked)
-            exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                                   router_output_multiplier, base_bits, ITERS * max(TILE, 1), LANES, VEC, BIAS_VEC,
-                                   MASK_EXPERTS, INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, 1, 0, WORDS)
-        else:
-            exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
-                                   router_output_multiplier, base_bits, ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
-                                   INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, AHEAD, TILE, WORDS)
+        # REDO_OWN: ITERS * TILE chunks a thread, one at a time, as the tiles cover them (the same experts masked)
+        R_ITERS: tl.constexpr = ITERS * max(TILE, 1) if REDO_OWN else ITERS
+        R_AHEAD: tl.constexpr = 1 if REDO_OWN else AHEAD
+        R_TILE: tl.constexpr = 0 if REDO_OWN else TILE
+        exact, _ = _row_select(gating_output_ptr, bias_ptr, row_off, num_experts, stride_gn, stride_bias,
+                               router_output_multiplier, base_bits, R_ITERS, LANES, VEC, BIAS_VEC, MASK_EXPERTS,
+                               INDEX_BITS, True, HAS_MULTIPLIER, FAST_MATH, R_AHEAD, R_TILE, WORDS)
         ids = _key_ids(exact, TOPK, INDEX_BITS)
         x = _row_gather(gating_output_ptr, row_off, ids, stride_gn, TOPK)
     return ids, x
